@@ -1,0 +1,123 @@
+"""The DP loss: per-example losses in, an ordinary scalar tensor out, both passes in its backward."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class ClippedLoss(torch.autograd.Function):
+    """value = sum_i L_i / divisor; backward returns c_i * grad_output for L_i (pass 2 follows)."""
+
+    @staticmethod
+    def forward(ctx, per_example_losses, controller, divisor):
+        ctx.losses = per_example_losses  # kept with its graph: pass 1 differentiates it again
+        ctx.controller = controller
+        ctx.consumed = False
+        return per_example_losses.sum() / divisor
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.consumed:
+            raise RuntimeError(
+                "this ghostdp loss was already backpropagated once; a second backward would add every "
+                "example's clipped gradient twice and double its privacy cost. Compute a new loss instead.")
+        ctx.consumed = True
+        coeffs = ctx.controller.clip_coefficients(ctx.losses)
+        ctx.controller.loss_scales.append(grad_output.detach())
+        return (coeffs * grad_output).to(ctx.losses.dtype), None, None
+
+
+def clipped_loss(controller, per_example_losses, reduction="mean", expected_batch_size=None):
+    if not isinstance(per_example_losses, torch.Tensor) or per_example_losses.dim() != 1:
+        shape = tuple(per_example_losses.shape) if isinstance(per_example_losses, torch.Tensor) else None
+        raise ValueError(
+            f"ghostdp needs one loss per example, shape (batch,), got {shape}. A scalar means the loss was "
+            "already reduced over the batch: use reduction='none'.")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if expected_batch_size is not None and not expected_batch_size > 0:
+        raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+    divisor = 1.0
+    if reduction == "mean":
+        divisor = float(expected_batch_size if expected_batch_size is not None
+                        else max(1, per_example_losses.shape[0]))
+    return ClippedLoss.apply(per_example_losses, controller, divisor)
+
+
+def _token_weights(criterion, target):
+    """Per-element weights of an index-target loss: 0 where ignore_index, class weight elsewhere."""
+    valid = torch.ones_like(target, dtype=torch.bool)
+    ignore = getattr(criterion, "ignore_index", None)
+    if ignore is not None:
+        valid = target != ignore
+    weight = getattr(criterion, "weight", None)
+    if weight is None:
+        return valid.to(torch.get_default_dtype())
+    return weight[target.clamp(0, weight.shape[0] - 1)] * valid
+
+
+def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(B,) losses: each example's loss is the mean over its own elements/tokens.
+
+    For class-index losses (CrossEntropy, NLL) with several tokens per example, the
+    mean runs over the example's tokens whose label is not ``ignore_index``
+    (weighted by class weights as torch's "mean" does); an example with no such
+    token has loss 0. With one label per example the loss is torch's own
+    (class weight included). Outputs of shape
+    (B, T, V) with labels (B, T) (Hugging Face's layout) and torch's (B, C, d1, ...)
+    layout are both accepted.
+    """
+    if not hasattr(criterion, "reduction"):
+        raise TypeError(
+            f"criterion {type(criterion).__name__} has no 'reduction' attribute; ghostdp needs a torch loss "
+            "that supports reduction='none', or compute per-example losses yourself and pass them to "
+            "GhostClipping.loss().")
+    if output.shape[0] != target.shape[0]:
+        raise ValueError(f"the labels have batch size {target.shape[0]} but the model output has "
+                         f"{output.shape[0]}; they must match (one label row per example).")
+    B = output.shape[0]
+    elementwise = copy.copy(criterion)
+    elementwise.reduction = "none"
+    index_target = not target.is_floating_point() and isinstance(
+        criterion, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+    if index_target and output.dim() >= 3 and output.shape[:-1] == target.shape:
+        raw = elementwise(output.reshape(-1, output.shape[-1]), target.reshape(-1)).reshape(target.shape)
+    else:
+        raw = elementwise(output, target)
+    if raw.dim() == 1 and raw.shape[0] == B:  # one element per example: its loss as torch computes it
+        return raw
+    if raw.shape[0] != B:
+        raise ValueError(f"criterion {type(criterion).__name__} with reduction='none' returned shape "
+                         f"{tuple(raw.shape)}, which has no batch dimension of size {B}")
+    raw = raw.reshape(B, -1)
+    if index_target:
+        w = _token_weights(criterion, target).reshape(B, -1).to(raw.dtype)
+        total = w.sum(1)
+        return raw.sum(1) / total.clamp(min=torch.finfo(raw.dtype).tiny) * (total > 0)
+    if criterion.reduction == "batchmean":  # KLDivLoss: the batch mean of per-example sums
+        return raw.sum(1)
+    return raw.mean(1)
+
+
+class DPCriterion(torch.nn.Module):
+    """``criterion(output, target)`` -> the DP loss of ``GhostClipping.loss``.
+
+    The wrapped criterion's reduction decides the value: "mean" (or "batchmean")
+    divides the sum of per-example losses by the expected batch size, "sum" does not.
+    """
+
+    def __init__(self, criterion: torch.nn.Module, controller, expected_batch_size=None):
+        super().__init__()
+        if not hasattr(criterion, "reduction"):
+            per_example_loss(criterion, torch.zeros(1), torch.zeros(1))  # raises the explanatory TypeError
+        if criterion.reduction not in ("mean", "sum", "batchmean"):
+            raise ValueError(f"the criterion's reduction must be 'mean' or 'sum', got {criterion.reduction!r}")
+        self.criterion = criterion
+        self.controller = controller
+        self.expected_batch_size = expected_batch_size
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        losses = per_example_loss(self.criterion, output, target)
+        reduction = "sum" if self.criterion.reduction == "sum" else "mean"
+        return self.controller.loss(losses, reduction, self.expected_batch_size)

@@ -1,0 +1,255 @@
+"""Per-example gradients in factored form.
+
+A norm rule never returns a per-example gradient tensor if it can avoid it. It
+returns a *factor*: an object that knows the per-example gradient of one use of
+one parameter implicitly, and can give
+
+- ``sq_norm()``: the (B,) squared Frobenius norms, accumulated in float32 or
+  better;
+- ``materialize(lo, hi)``: the explicit gradients of examples lo..hi-1, shaped
+  (hi - lo, *param.shape), as a last resort for cross terms;
+- ``merge`` / ``dot``: the pieces needed when one parameter is used several
+  times in a step (tied weights, a module called twice).
+
+Memory is bounded by ``ELEMENT_BUDGET``: no temporary built here holds more
+than that many elements (beyond one example's worth when a single example is
+larger than the budget).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Largest temporary (in elements) that a norm computation may allocate.
+ELEMENT_BUDGET = 1 << 25
+
+
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32: norms never accumulate in 16 bits."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _example_chunks(batch: int, per_example: int):
+    step = max(1, ELEMENT_BUDGET // max(1, per_example))
+    for lo in range(0, batch, step):
+        yield lo, min(batch, lo + step)
+
+
+class PerExampleGrad:
+    """Base class; see the module docstring."""
+
+    batch_size: int
+    param_shape: torch.Size
+
+    def sq_norm(self) -> torch.Tensor:
+        total = None
+        for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
+            part = self.materialize(lo, hi).reshape(hi - lo, -1).pow(2).sum(1)
+            total = part if total is None else torch.cat([total, part])
+        return total
+
+    def materialize(self, lo: int, hi: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge(self, other: "PerExampleGrad") -> "PerExampleGrad | None":
+        """A single factor for the sum of both gradients, when exact and cheap; else None."""
+        return None
+
+    def dot(self, other: "PerExampleGrad") -> torch.Tensor:
+        """Per-example inner products <g_i, h_i>; by default through materialised chunks."""
+        parts = []
+        for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
+            a = self.materialize(lo, hi).reshape(hi - lo, -1)
+            b = other.materialize(lo, hi).reshape(hi - lo, -1).to(a.dtype)
+            parts.append((a * b).sum(1))
+        return torch.cat(parts)
+
+
+class Instantiated(PerExampleGrad):
+    """Explicit per-example gradients (B, *param_shape): small parameters (biases, norms)."""
+
+    def __init__(self, grads: torch.Tensor):
+        self.grads = grads
+        self.batch_size = grads.shape[0]
+        self.param_shape = grads.shape[1:]
+
+    def sq_norm(self) -> torch.Tensor:
+        g = self.grads.reshape(self.batch_size, -1)
+        return g.to(acc_dtype(g)).pow(2).sum(1)
+
+    def materialize(self, lo, hi):
+        return self.grads[lo:hi].to(acc_dtype(self.grads))
+
+    def merge(self, other):
+        if isinstance(other, Instantiated):
+            return Instantiated(self.grads.to(acc_dtype(self.grads)) + other.grads.to(acc_dtype(other.grads)))
+        return None
+
+
+class OuterProduct(PerExampleGrad):
+    """g_i = left_i^T right_i with left (B, T, m) and right (B, T, n), reshaped to param_shape.
+
+    Linear: left = output grads G, right = inputs A. transformers Conv1D: the
+    reverse. Conv: left = G, right = unfolded input.
+    """
+
+    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape):
+        assert left.shape[:2] == right.shape[:2], (left.shape, right.shape)
+        self.left, self.right = left, right
+        self.batch_size = left.shape[0]
+        self.param_shape = torch.Size(param_shape)
+
+    def sq_norm(self) -> torch.Tensor:
+        B, T, m = self.left.shape
+        n = self.right.shape[-1]
+        dt = acc_dtype(self.left, self.right)
+        if T == 1:  # ||g_i||^2 = ||l_i||^2 ||r_i||^2 for a rank-one gradient
+            return self.left.to(dt).pow(2).sum((1, 2)) * self.right.to(dt).pow(2).sum((1, 2))
+        # Gram rule costs T^2 (m + n) per example, instantiation T m n (DESIGN.md, norm rules).
+        if T * (m + n) <= m * n:
+            return _gram_inner(self.left, self.left, self.right, self.right, dt, symmetric=True)
+        return super().sq_norm()
+
+    def materialize(self, lo, hi):
+        dt = acc_dtype(self.left, self.right)
+        g = torch.bmm(self.left[lo:hi].to(dt).transpose(1, 2), self.right[lo:hi].to(dt))
+        return g.reshape(hi - lo, *self.param_shape)
+
+    def merge(self, other):
+        # sum_u L_u^T R_u == [L_1; L_2]^T [R_1; R_2]: concatenate along T.
+        if (isinstance(other, OuterProduct) and other.left.shape[-1] == self.left.shape[-1]
+                and other.right.shape[-1] == self.right.shape[-1]):
+            dt = torch.promote_types(self.left.dtype, other.left.dtype)
+            return OuterProduct(torch.cat([self.left.to(dt), other.left.to(dt)], 1),
+                                torch.cat([self.right.to(dt), other.right.to(dt)], 1), self.param_shape)
+        return None
+
+    def dot(self, other):
+        if isinstance(other, EmbeddingGather):
+            return other.dot(self)
+        return super().dot(other)
+
+
+class EmbeddingGather(PerExampleGrad):
+    """g_i = sum_t e_{x_t} G_t^T for an embedding: rows x_t of the weight get G_t.
+
+    ||g_i||^2 = sum_{t,s} [x_t = x_s] <G_t, G_s>, computed by summing the rows of
+    G that share an (example, index) key, so the cost is O(T H) per example.
+    Positions whose index is ``padding_idx`` get no gradient and are dropped.
+    """
+
+    def __init__(self, ids: torch.Tensor, grads: torch.Tensor, num_embeddings: int, padding_idx=None):
+        B = ids.shape[0]
+        self.ids = ids.reshape(B, -1)
+        self.grads = grads.reshape(B, self.ids.shape[1], -1)
+        self.num_embeddings = num_embeddings
+        self.padding_idx = padding_idx
+        self.batch_size = B
+        self.param_shape = torch.Size((num_embeddings, self.grads.shape[-1]))
+
+    def _valid(self):
+        if self.padding_idx is None:
+            return torch.ones_like(self.ids, dtype=torch.bool)
+        return self.ids != self.padding_idx
+
+    def sq_norm(self):
+        B, T, H = self.grads.shape
+        dt = acc_dtype(self.grads)
+        valid = self._valid().reshape(-1)
+        example = torch.arange(B, device=self.ids.device).repeat_interleave(T)[valid]
+        keys = example * self.num_embeddings + self.ids.reshape(-1)[valid]
+        unique_keys, slot = torch.unique(keys, return_inverse=True)
+        rows = torch.zeros(unique_keys.numel(), H, dtype=dt, device=self.grads.device)
+        rows.index_add_(0, slot, self.grads.reshape(-1, H)[valid].to(dt))
+        out = torch.zeros(B, dtype=dt, device=self.grads.device)
+        return out.index_add_(0, unique_keys // self.num_embeddings, rows.pow(2).sum(1))
+
+    def materialize(self, lo, hi):
+        dt = acc_dtype(self.grads)
+        ids, grads = self.ids[lo:hi], self.grads[lo:hi].to(dt)
+        grads = grads * self._valid()[lo:hi].unsqueeze(-1)
+        out = torch.zeros(hi - lo, *self.param_shape, dtype=dt, device=grads.device)
+        return out.scatter_add_(1, ids.unsqueeze(-1).expand_as(grads), grads)
+
+    def merge(self, other):
+        if (isinstance(other, EmbeddingGather) and other.num_embeddings == self.num_embeddings
+                and other.padding_idx == self.padding_idx):
+            dt = torch.promote_types(self.grads.dtype, other.grads.dtype)
+            return EmbeddingGather(torch.cat([self.ids, other.ids], 1),
+                                   torch.cat([self.grads.to(dt), other.grads.to(dt)], 1),
+                                   self.num_embeddings, self.padding_idx)
+        return None
+
+    def dot(self, other):
+        # Tied embedding / output layer: <sum_t e_{x_t} E_t^T, L^T R> = sum_{t,s} L[s, x_t] <E_t, R_s>,
+        # when the output layer's rows index the vocabulary (left has width V).
+        if isinstance(other, OuterProduct) and other.left.shape[-1] == self.num_embeddings \
+                and other.param_shape == self.param_shape:
+            dt = acc_dtype(self.grads, other.left, other.right)
+            parts = []
+            per_example = self.ids.shape[1] * other.left.shape[1]
+            for lo, hi in _example_chunks(self.batch_size, per_example):
+                ids = self.ids[lo:hi]
+                left = other.left[lo:hi]
+                picked = torch.gather(left, 2, ids.unsqueeze(1).expand(-1, left.shape[1], -1)).to(dt)  # (b, S, T)
+                inner = torch.bmm(other.right[lo:hi].to(dt), self.grads[lo:hi].to(dt).transpose(1, 2))  # (b, S, T)
+                parts.append((picked * inner * self._valid()[lo:hi].unsqueeze(1)).sum((1, 2)))
+            return torch.cat(parts)
+        return super().dot(other)
+
+
+class Blocks(PerExampleGrad):
+    """A gradient made of disjoint blocks (grouped convolution): norms add up."""
+
+    def __init__(self, blocks, param_shape, dim=1):
+        self.blocks = list(blocks)
+        self.batch_size = self.blocks[0].batch_size
+        self.param_shape = torch.Size(param_shape)
+        self.dim = dim
+
+    def sq_norm(self):
+        return sum(b.sq_norm() for b in self.blocks)
+
+    def materialize(self, lo, hi):
+        return torch.cat([b.materialize(lo, hi) for b in self.blocks], self.dim).reshape(hi - lo, *self.param_shape)
+
+    def merge(self, other):
+        if isinstance(other, Blocks) and len(other.blocks) == len(self.blocks):
+            merged = [a.merge(b) for a, b in zip(self.blocks, other.blocks)]
+            if all(m is not None for m in merged):
+                return Blocks(merged, self.param_shape, self.dim)
+        return None
+
+
+def _gram_inner(l1, l2, r1, r2, dt, symmetric):
+    """sum_{t,s} (L1 L2^T)_{ts} (R1 R2^T)_{ts} per example, tiled over (t, s) blocks."""
+    B, T1, _ = l1.shape
+    T2 = l2.shape[1]
+    tile = max(1, int(math.sqrt(ELEMENT_BUDGET / (2 * B))))
+    total = torch.zeros(B, dtype=dt, device=l1.device)
+    for a in range(0, T1, tile):
+        la, ra = l1[:, a:a + tile].to(dt), r1[:, a:a + tile].to(dt)
+        for b in range(a if symmetric else 0, T2, tile):
+            lb, rb = l2[:, b:b + tile].to(dt), r2[:, b:b + tile].to(dt)
+            block = (torch.bmm(la, lb.transpose(1, 2)) * torch.bmm(ra, rb.transpose(1, 2))).sum((1, 2))
+            total += block if (not symmetric or a == b) else 2 * block
+    return total
+
+
+def combined_sq_norm(factors) -> torch.Tensor:
+    """||sum_u g_u||^2 per example for several uses of one parameter, cross terms included."""
+    groups = []
+    for f in factors:
+        for i, g in enumerate(groups):
+            merged = g.merge(f)
+            if merged is not None:
+                groups[i] = merged
+                break
+        else:
+            groups.append(f)
+    total = sum(g.sq_norm().double() for g in groups)
+    for i in range(len(groups)):
+        for j in range(i + 1, len(groups)):
+            total = total + 2 * groups[i].dot(groups[j]).double()
+    return total

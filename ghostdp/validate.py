@@ -1,0 +1,64 @@
+"""Model checks: reject what makes per-example gradients undefined, with the fix in the message."""
+from __future__ import annotations
+
+import torch
+
+
+class ModelNotPrivatizable(ValueError):
+    """The model cannot be trained with per-example clipping as it is."""
+
+
+def find_problems(model: torch.nn.Module) -> list[str]:
+    """One message per offending module; empty when the model is fine."""
+    problems = []
+    for name, m in model.named_modules():
+        label = f"'{name or '<root>'}' ({type(m).__name__})"
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            problems.append(
+                f"module {label} normalises with batch statistics, which mixes examples across the batch, "
+                "so per-example gradients are undefined. Fix: ghostdp.validate.fix(model) replaces every "
+                "BatchNorm by a GroupNorm (or use LayerNorm/GroupNorm yourself).")
+        elif isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+            problems.append(
+                f"module {label} has uninitialised lazy parameters. Fix: run one forward pass on a sample "
+                "batch before making the model private.")
+        elif isinstance(m, torch.nn.Embedding) and m.scale_grad_by_freq and any(
+                p.requires_grad for p in m.parameters()):
+            problems.append(
+                f"module {label} has scale_grad_by_freq=True, which scales gradients by token counts over "
+                "the whole batch and couples examples. Fix: set scale_grad_by_freq=False.")
+        elif isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and any(
+                p.requires_grad for p in m.parameters()):
+            problems.append(
+                f"module {label} produces sparse gradients, which ghostdp's noise cannot cover. "
+                "Fix: set sparse=False.")
+    return problems
+
+
+def check(model: torch.nn.Module) -> None:
+    """Raise ModelNotPrivatizable listing every problem, or return."""
+    problems = find_problems(model)
+    if problems:
+        raise ModelNotPrivatizable("the model cannot be trained privately as it is:\n- " + "\n- ".join(problems))
+
+
+def _group_count(channels: int, max_groups: int = 32) -> int:
+    return max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
+
+
+def fix(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every BatchNorm by GroupNorm (largest group count <= 32 dividing the channels),
+    in place, on the same device and dtype; returns the model."""
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+                ref = next(iter(child.buffers()), None) if child.weight is None else child.weight
+                gn = torch.nn.GroupNorm(_group_count(child.num_features), child.num_features,
+                                        eps=child.eps, affine=child.affine)
+                if ref is not None:
+                    gn = gn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+                gn.train(child.training)
+                setattr(m, child_name, gn)
+    if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
+        raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
+    return model

@@ -1,0 +1,92 @@
+"""Shared reference: the clipped sum from a per-example autograd loop, in float64."""
+import pytest
+import torch
+
+import ghostdp
+
+RTOL = 1e-9
+
+
+@pytest.fixture(autouse=True)
+def float64_and_seed():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def reference_per_example_grads(model, example_loss, batch_size):
+    """[{name: grad}] from one autograd call per example (example_loss(i) -> scalar)."""
+    params = trainable(model)
+    out = []
+    for i in range(batch_size):
+        grads = torch.autograd.grad(example_loss(i), [p for _, p in params], allow_unused=True)
+        out.append({n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)})
+    return out
+
+
+def clipped_sum(per_example, C):
+    norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in grads.values())) for grads in per_example])
+    total = {n: torch.zeros_like(g) for n, g in per_example[0].items()}
+    for grads, norm in zip(per_example, norms):
+        c = min(1.0, C / (float(norm) + 1e-6))
+        for n, g in grads.items():
+            total[n] += c * g
+    return total, norms
+
+
+def ghost_clipped_sum(model, batch_losses, C):
+    """The clipped sum ghostdp leaves in p.grad for batch_losses() -> (B,) losses."""
+    controller = ghostdp.GhostClipping(model, C)
+    try:
+        model.zero_grad(set_to_none=True)
+        controller.loss(batch_losses(), reduction="sum").backward()
+        grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in trainable(model)}
+        return grads, controller.last_norms
+    finally:
+        controller.detach()
+        model.zero_grad(set_to_none=True)
+
+
+def relative_error(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys()
+    diff = torch.cat([(got[n] - ref[n]).flatten() for n in ref])
+    scale = torch.cat([ref[n].flatten() for n in ref]).abs().max()
+    return float(diff.abs().max() / scale)
+
+
+def assert_exact(model, batch_losses, example_loss, batch_size, rtol=RTOL):
+    """ghostdp == per-example loop, with every example clipped and with none clipped."""
+    model.train()
+    per_example = reference_per_example_grads(model, example_loss, batch_size)
+    _, norms = clipped_sum(per_example, 1.0)
+    assert float(norms.min()) > 0, "degenerate test: an example has zero gradient"
+    for C in (0.5 * float(norms.min()), 2.0 * float(norms.max())):
+        ref, ref_norms = clipped_sum(per_example, C)
+        got, got_norms = ghost_clipped_sum(model, batch_losses, C)
+        assert float(((got_norms - ref_norms).abs() / ref_norms).max()) < rtol, (got_norms, ref_norms)
+        err = relative_error(got, ref)
+        assert err < rtol, f"clipped sum off by {err:.3e} at C={C}"
+    return norms
+
+
+def assert_exact_model(model, inputs, loss_of_output, batch_size, rtol=RTOL):
+    """Convenience for models called as model(**inputs) or model(inputs) with batch-first tensors."""
+
+    def call(sl):
+        if isinstance(inputs, dict):
+            return model(**{k: v[sl] for k, v in inputs.items()})
+        return model(inputs[sl])
+
+    def batch_losses():
+        return loss_of_output(call(slice(None)), slice(None))
+
+    def example_loss(i):
+        return loss_of_output(call(slice(i, i + 1)), slice(i, i + 1)).sum()
+
+    return assert_exact(model, batch_losses, example_loss, batch_size, rtol)

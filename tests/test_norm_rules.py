@@ -1,0 +1,198 @@
+"""Every norm rule against the per-example loop, float64, every example clipped and none clipped."""
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from ghostdp.norms import factors
+from conftest import assert_exact
+
+
+def head_loss(out, target_weights):
+    """A per-example loss that is nonlinear in the layer output."""
+    return (out.tanh() * target_weights).flatten(1).sum(1) + 0.1 * out.flatten(1).pow(2).sum(1)
+
+
+def check_module(model, x, B=None, forward=None):
+    B = B or x.shape[0]
+    forward = forward or (lambda inp: model(inp))
+    with torch.no_grad():
+        w = torch.randn_like(forward(x[:1]).float().double()[0])
+
+    def batch_losses():
+        return head_loss(forward(x), w)
+
+    def example_loss(i):
+        return head_loss(forward(x[i:i + 1]), w).sum()
+
+    return assert_exact(model, batch_losses, example_loss, B)
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (5, 2, 8), (5, 20, 8), (4, 3, 2, 8)], ids=["2d", "3d-gram", "3d-instantiate", "4d"])
+def test_linear(shape):
+    check_module(nn.Linear(8, 6), torch.randn(*shape))
+
+
+def test_linear_without_bias_and_frozen_bias():
+    check_module(nn.Linear(8, 6, bias=False), torch.randn(4, 3, 8))
+    lin = nn.Linear(8, 6)
+    lin.bias.requires_grad_(False)
+    check_module(lin, torch.randn(4, 3, 8))
+
+
+def test_linear_tiled_gram_and_chunked_instantiation(monkeypatch):
+    monkeypatch.setattr(factors, "ELEMENT_BUDGET", 64)  # forces tiles of a few tokens and 1-example chunks
+    check_module(nn.Linear(16, 16), torch.randn(3, 9, 16))  # Gram, tiled
+    check_module(nn.Linear(4, 3), torch.randn(3, 30, 4))  # instantiation, chunked
+
+
+def test_embedding_with_padding_and_repeats():
+    emb = nn.Embedding(7, 5, padding_idx=0)
+    ids = torch.tensor([[1, 1, 0, 3], [0, 0, 2, 2], [6, 5, 4, 6]])
+    check_module(emb, ids)
+
+
+def test_embedding_padding_rows_get_no_gradient():
+    emb = nn.Embedding(7, 5, padding_idx=0)
+    ids = torch.tensor([[0, 0, 1], [2, 0, 0]])
+    controller = ghostdp.GhostClipping(emb, 1e-3)
+    controller.loss(emb(ids).pow(2).sum((1, 2)), "sum").backward()
+    assert torch.all(emb.weight.grad[0] == 0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(stride=2, padding=1),
+    dict(dilation=2, padding="same"),
+    dict(groups=2, padding=1, padding_mode="reflect"),
+    dict(padding=2, padding_mode="circular", bias=False),
+])
+def test_conv2d(kwargs):
+    check_module(nn.Conv2d(4, 6, 3, **kwargs), torch.randn(3, 4, 7, 6))
+
+
+def test_conv1d_and_conv3d():
+    check_module(nn.Conv1d(3, 4, 3, stride=2, dilation=2, padding=1), torch.randn(4, 3, 11))
+    check_module(nn.Conv1d(4, 4, 3, groups=4), torch.randn(3, 4, 9))  # depthwise
+    check_module(nn.Conv3d(2, 3, (2, 3, 2), padding=(1, 0, 1), stride=(1, 2, 1)), torch.randn(3, 2, 4, 5, 3))
+
+
+def test_transformers_conv1d():
+    from transformers.pytorch_utils import Conv1D
+    check_module(Conv1D(6, 8), torch.randn(4, 3, 8))
+
+
+@pytest.mark.parametrize("layer,shape", [
+    (lambda: nn.LayerNorm(6), (4, 3, 6)),
+    (lambda: nn.LayerNorm((3, 6), bias=False), (4, 2, 3, 6)),
+    (lambda: nn.RMSNorm(6), (4, 3, 6)),
+    (lambda: nn.RMSNorm(6, eps=1e-3), (4, 6)),
+    (lambda: nn.GroupNorm(2, 4), (3, 4, 5, 2)),
+    (lambda: nn.GroupNorm(2, 4), (3, 4)),
+])
+def test_normalization_layers(layer, shape):
+    torch.manual_seed(1)
+    m = layer()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p))
+    check_module(m, torch.randn(*shape))
+
+
+def test_transformers_rms_norms_use_the_fallback_exactly():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+    for m in (LlamaRMSNorm(6), T5LayerNorm(6)):
+        with torch.no_grad():
+            m.weight.add_(torch.randn(6))
+        check_module(m, torch.randn(4, 3, 6))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_gru_and_lstm_fallback_with_hidden_state(batch_first):
+    for cls in (nn.GRU, nn.LSTM):
+        rnn = cls(4, 5, num_layers=2, batch_first=batch_first)
+
+        def forward(inp, rnn=rnn):
+            seq = inp if batch_first else inp.transpose(0, 1)
+            out, hidden = rnn(seq)
+            h = hidden[0] if isinstance(hidden, tuple) else hidden
+            out = out if batch_first else out.transpose(0, 1)
+            return torch.cat([out.mean(1), h[-1]], -1)
+
+        check_module(rnn, torch.randn(4, 3, 4), forward=forward)
+
+
+def test_multihead_attention_fallback():
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    check_module(mha, torch.randn(3, 4, 8), forward=lambda x: mha(x, x, x)[0])
+
+
+class ScaledMLP(nn.Module):
+    """A raw parameter next to child modules: the parent's fallback covers `scale` only."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 5)
+        self.scale = nn.Parameter(torch.randn(5))
+        self.extra = nn.ParameterList([nn.Parameter(torch.randn(5))])
+
+    def forward(self, x):
+        return self.inner(x * self.scale).sigmoid() + self.extra[0]
+
+
+def test_raw_parameters_next_to_children():
+    m = ScaledMLP()
+    check_module(m, torch.randn(4, 3, 5))
+
+
+class LinearWithGain(nn.Linear):
+    """A Linear subclass that owns an extra parameter: its forward differs, so it gets the fallback."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.gain = nn.Parameter(torch.tensor(1.7))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+def test_subclass_with_extra_parameter():
+    check_module(LinearWithGain(4, 3), torch.randn(5, 2, 4))
+
+
+class TwiceAndTied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 6, padding_idx=8)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 9, bias=False)
+        self.head.weight = self.emb.weight  # tied embedding / output layer
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = self.mid(torch.tanh(self.mid(h)))  # one module called twice
+        return self.head(h) + self.head(h[:, :1])  # and the tied head twice
+
+
+def test_module_called_twice_and_tied_weights():
+    check_module(TwiceAndTied(), torch.tensor([[1, 2, 8, 1], [3, 3, 3, 8], [0, 7, 6, 5]]))
+
+
+class SharedPositions(nn.Module):
+    """Position embeddings looked up with ids of batch size 1 and broadcast, as BERT does."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(10, 4)
+        self.pos = nn.Embedding(6, 4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        bias = self.proj(torch.ones(1, ids.shape[1], 4))  # a Linear whose input is shared too
+        return self.tok(ids) + self.pos(positions) + bias
+
+
+def test_batch_shared_inputs():
+    check_module(SharedPositions(), torch.randint(0, 10, (4, 5)))
