@@ -47,13 +47,18 @@ def _group_count(channels: int, max_groups: int = 32) -> int:
 
 
 def fix(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace every BatchNorm by GroupNorm (largest group count <= 32 dividing the channels),
-    in place, on the same device and dtype; returns the model."""
+    """Replace every BatchNorm by a GroupNorm, in place, on the same device and dtype; returns the model.
+
+    BatchNorm2d/3d get the largest group count <= 32 that divides the channels.
+    BatchNorm1d gets one group: its input is often (B, C), where a group per
+    channel would normalise single values to zero.
+    """
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                 ref = next(iter(child.buffers()), None) if child.weight is None else child.weight
-                gn = torch.nn.GroupNorm(_group_count(child.num_features), child.num_features,
+                groups = 1 if isinstance(child, torch.nn.BatchNorm1d) else _group_count(child.num_features)
+                gn = torch.nn.GroupNorm(groups, child.num_features,
                                         eps=child.eps, affine=child.affine)
                 if ref is not None:
                     gn = gn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)

@@ -23,6 +23,7 @@ from ..norms.factors import combined_sq_norm
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import find_norm_rule, rule_parameters
 from .. import validate
+from .audit import unattributed_leaves
 from .probe import add_probe
 
 CLIP_EPS = 1e-6
@@ -42,12 +43,13 @@ class NonFiniteLossError(FloatingPointError):
 class Use:
     """One call of one hooked module in a forward pass, alive as long as its graph."""
 
-    __slots__ = ("controller", "name", "module", "rule", "params", "inputs", "edges", "batch_dims",
-                 "expanded", "grads", "fired", "eager", "done")
+    __slots__ = ("controller", "name", "module", "rule", "params", "inputs", "input_nodes", "edges",
+                 "batch_dims", "expanded", "grads", "fired", "eager", "done")
 
     def __init__(self, controller, name, module, rule, params):
         self.controller, self.name, self.module, self.rule, self.params = controller, name, module, rule, params
         self.inputs, self.edges, self.batch_dims, self.expanded, self.grads = (), [], [], [], []
+        self.input_nodes = frozenset()
         self.fired = self.done = False
         self.eager = {}
 
@@ -102,6 +104,7 @@ class GhostClipping:
         self._pass = None
         self._in_fallback = False
         self._batch_hint = None
+        self._audited_pattern = None
         self.last_norms = None
         self.last_coefficients = None
         self.loss_scales = []  # grad of each DP loss w.r.t. its value, for the optimizer to check
@@ -177,8 +180,9 @@ class GhostClipping:
             use.expanded.append(expanded)
             new_flat[i] = add_probe(t, self._probe(t.device), use, slot)
         use.grads = [None] * len(slots)
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        use.input_nodes = frozenset(get_gradient_edge(a).node for a in inputs if a.requires_grad)
         if rule is not None:
-            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
             if use.expanded[0]:
                 inputs = [a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in inputs]
             use.inputs = tuple(inputs)
@@ -250,6 +254,28 @@ class GhostClipping:
         for factors in self._pass.pending.values():
             self._pass.add(combined_sq_norm(factors))
 
+    def _audit(self, per_example_losses):
+        pattern = frozenset((id(p), n) for p, n in self._live.items())
+        if pattern == self._audited_pattern:
+            return
+        stray = unattributed_leaves(per_example_losses.grad_fn, ignore=self._probes.values())
+        if stray and not self._live:
+            raise RuntimeError(
+                "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
+                "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
+                "Fix: call model.train() before the forward of a training step.")
+        if stray:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            described = ", ".join(
+                f"'{names[id(leaf)]}'" if id(leaf) in names else f"a tensor of shape {tuple(leaf.shape)} "
+                "that is not a parameter of the model" for leaf, _ in stray)
+            raise RuntimeError(
+                f"gradient reaches {described} outside the forward of the module that owns it (e.g. a "
+                "parent reads child.weight directly, or a trainable tensor enters the loss), so ghostdp "
+                "cannot bound its per-example norm. Fix: call the owning module instead of reading its "
+                "parameter, freeze the tensor, or register a norm rule for the parent module.")
+        self._audited_pattern = pattern
+
     def per_example_norms(self, per_example_losses: torch.Tensor) -> torch.Tensor:
         """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64."""
         if per_example_losses.dim() != 1:
@@ -260,6 +286,7 @@ class GhostClipping:
         if self._pass is not None:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
+        self._audit(per_example_losses)
         self._pass = _Pass(B)
         try:
             probes = list(self._probes.values())

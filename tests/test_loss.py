@@ -1,0 +1,101 @@
+"""The loss contract: per-example losses, reductions, error paths, and accelerate's backward."""
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from ghostdp import per_example_loss
+
+
+def test_token_losses_are_means_over_each_examples_valid_tokens():
+    logits = torch.randn(3, 4, 5)
+    labels = torch.tensor([[1, 2, -100, -100], [-100, -100, -100, -100], [0, 1, 2, 3]])
+    got = per_example_loss(nn.CrossEntropyLoss(), logits, labels)
+    for i in range(3):
+        valid = labels[i] != -100
+        want = nn.functional.cross_entropy(logits[i][valid], labels[i][valid]) if valid.any() else torch.tensor(0.)
+        assert torch.allclose(got[i], want, rtol=1e-12)
+
+
+def test_class_weights_and_torch_layout():
+    weight = torch.rand(5) + 0.5
+    crit = nn.CrossEntropyLoss(weight=weight, ignore_index=4)
+    logits, labels = torch.randn(2, 5, 3), torch.tensor([[0, 4, 2], [1, 1, 3]])  # torch's (B, C, d) layout
+    got = per_example_loss(crit, logits, labels)
+    for i in range(2):
+        assert torch.allclose(got[i], nn.functional.cross_entropy(logits[i:i + 1], labels[i:i + 1], weight=weight,
+                                                                  ignore_index=4), rtol=1e-12)
+    single = per_example_loss(crit, torch.randn(3, 5), torch.tensor([0, 2, 4]))
+    assert single[2] == 0 and single.shape == (3,)
+
+
+def test_elementwise_losses_average_per_example():
+    out, target = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    assert torch.allclose(per_example_loss(nn.MSELoss(), out, target), (out - target).pow(2).mean((1, 2)))
+    kl = nn.KLDivLoss(reduction="batchmean")
+    logp, q = torch.randn(3, 4).log_softmax(1), torch.rand(3, 4).softmax(1)
+    assert torch.allclose(per_example_loss(kl, logp, q).mean(), kl(logp, q))
+
+
+def test_reductions_set_the_value_but_grad_is_always_the_clipped_sum():
+    lin = nn.Linear(3, 2)
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    controller = ghostdp.GhostClipping(lin, 1e6)
+    values, grads = [], []
+    for crit in (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum")):
+        lin.zero_grad()
+        loss = controller.criterion(crit, expected_batch_size=4)(lin(x), y)
+        loss.backward()
+        values.append(float(loss.detach()))
+        grads.append(lin.weight.grad.clone())
+    assert values[0] == pytest.approx(values[1] / 4)
+    assert torch.allclose(grads[0], grads[1])
+
+
+def test_clipped_sum_without_clipping_equals_the_plain_sum_gradient():
+    lin = nn.Linear(3, 2)
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    controller = ghostdp.GhostClipping(lin, 1e6)
+    controller.criterion(nn.CrossEntropyLoss())(lin(x), y).backward()
+    got = lin.weight.grad.clone()
+    controller.detach()
+    lin.zero_grad()
+    nn.functional.cross_entropy(lin(x), y, reduction="sum").backward()
+    assert torch.allclose(got, lin.weight.grad, rtol=1e-12)
+
+
+def test_loss_error_paths():
+    lin = nn.Linear(3, 2)
+    controller = ghostdp.GhostClipping(lin, 1.0)
+    out = lin(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="one loss per example"):
+        controller.loss(out.sum())
+    with pytest.raises(ValueError, match="reduction must be"):
+        controller.loss(out.sum(1), reduction="none")
+    with pytest.raises(ValueError, match="batch size 3 but the model output has 4"):
+        controller.criterion(nn.CrossEntropyLoss())(out, torch.tensor([0, 1, 1]))
+    with pytest.raises(TypeError, match="no 'reduction' attribute"):
+        controller.criterion(lambda a, b: (a - b).sum())
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        controller.loss(out.sum(1), expected_batch_size=0)
+
+
+def test_accelerate_backward_runs_both_passes():
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    lin = nn.Linear(3, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin, opt = accelerator.prepare(lin, opt)
+    controller = ghostdp.GhostClipping(lin, 1e-3)
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    accelerator.backward(controller.criterion(nn.CrossEntropyLoss())(lin(x), y))
+    assert controller.last_norms is not None and torch.all(controller.last_coefficients < 1)
+    got = lin.weight.grad.clone()
+    controller.detach()
+    ref = torch.zeros_like(got)
+    for i in range(5):
+        g, = torch.autograd.grad(nn.functional.cross_entropy(lin(x[i:i + 1]), y[i:i + 1]), lin.weight)
+        b, = torch.autograd.grad(nn.functional.cross_entropy(lin(x[i:i + 1]), y[i:i + 1]), lin.bias)
+        norm = torch.sqrt(g.pow(2).sum() + b.pow(2).sum())
+        ref += min(1.0, 1e-3 / (float(norm) + 1e-6)) * g
+    assert torch.allclose(got, ref, rtol=1e-10)

@@ -1,0 +1,144 @@
+"""Whole models from tiny transformers configs (and plain PyTorch nets) against the per-example loop."""
+import pytest
+import torch
+from torch import nn
+
+from ghostdp import per_example_loss
+from conftest import assert_exact_model
+
+B = 4
+CE = nn.CrossEntropyLoss()
+
+
+def classification_loss(labels):
+    return lambda out, sl: per_example_loss(CE, out.logits if hasattr(out, "logits") else out, labels[sl])
+
+
+def padded_text(vocab, T=7):
+    ids = torch.randint(1, vocab, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    for i, n in enumerate([7, 5, 3, 6]):
+        mask[i, n:] = 0
+        ids[i, n:] = 0
+    return ids, mask
+
+
+def tiny_bert(**extra):
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=24, max_position_embeddings=16, type_vocab_size=2,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, **extra)
+    return BertForSequenceClassification(cfg).double()
+
+
+def test_bert_with_trainable_embeddings_and_padding():
+    model = tiny_bert()
+    ids, mask = padded_text(30)
+    types = torch.zeros_like(ids)
+    types[:, 3:] = 1
+    labels = torch.randint(0, 3, (B,))
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask, token_type_ids=types),
+                       classification_loss(labels), B)
+
+
+def test_gpt2_tied_embeddings_with_ignored_labels():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=25, n_embd=16, n_layer=2, n_head=2, n_positions=16,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids, mask = padded_text(25)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :2] = -100
+
+    def loss(out, sl):  # causal LM: token t predicts token t+1
+        return per_example_loss(CE, out.logits[:, :-1], labels[sl][:, 1:])
+
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), loss, B)
+
+
+def test_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                    num_attention_heads=2, intermediate_size=20, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, num_labels=3)
+    model = ViTForImageClassification(cfg).double()
+    pixels = torch.randn(B, 3, 8, 8)
+    assert_exact_model(model, dict(pixel_values=pixels), classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+@pytest.mark.parametrize("base", ["bert", "gpt2"])
+def test_peft_lora(base):
+    from peft import LoraConfig, get_peft_model
+    if base == "bert":
+        model = tiny_bert()
+        cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], modules_to_save=["classifier"])
+    else:
+        from transformers import GPT2Config, GPT2ForSequenceClassification
+        model = GPT2ForSequenceClassification(GPT2Config(
+            vocab_size=25, n_embd=16, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, num_labels=3, pad_token_id=0)).double()
+        cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], modules_to_save=["score"],
+                         fan_in_fan_out=True)
+    model = get_peft_model(model, cfg)
+    for n, p in model.named_parameters():  # LoRA B starts at zero; make the test non-degenerate
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.5)
+    ids, mask = padded_text(25)
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask),
+                       classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_conv_net_with_groupnorm_and_inplace_relu():
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    x = torch.randn(B, 3, 9, 9)
+    assert_exact_model(model, x, classification_loss(torch.randint(0, 5, (B,))), B)
+
+
+class GRUClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+        self.gru = nn.GRU(6, 7, batch_first=True)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, ids):
+        _, h = self.gru(self.emb(ids))
+        return self.head(h[-1])
+
+
+def test_model_with_gru():
+    assert_exact_model(GRUClassifier(), torch.randint(0, 20, (B, 6)),
+                       classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_model_with_4d_linear_input():
+    model = nn.Sequential(nn.Linear(5, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 2))
+    x = torch.randn(B, 3, 4, 5)
+    target = torch.randn(B, 3, 4, 2)
+    mse = nn.MSELoss()
+    assert_exact_model(model, x, lambda out, sl: per_example_loss(mse, out, target[sl]), B)
+
+
+def test_bfloat16_model_norms_accumulate_in_float32_or_better():
+    import ghostdp
+    model = tiny_bert().to(torch.bfloat16)
+    ids, mask = padded_text(30)
+    labels = torch.randint(0, 3, (B,))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    out = model(input_ids=ids, attention_mask=mask).logits
+    losses = per_example_loss(CE, out.double(), labels)
+    norms = controller.per_example_norms(losses)
+    controller.detach()
+    assert norms.dtype == torch.float64
+    ref = []
+    for i in range(B):
+        model.zero_grad()
+        per_example_loss(CE, model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1]).logits.double(),
+                         labels[i:i + 1]).sum().backward()
+        ref.append(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())))
+    # bf16 gradients carry ~3 significant digits; the norms must agree to that, not drift further
+    assert torch.allclose(norms, torch.stack(ref), rtol=3e-2)

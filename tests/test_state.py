@@ -1,0 +1,177 @@
+"""State hygiene: per-step reset, trainable set read every step, double backward, eval and no_grad."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ghostdp
+from conftest import assert_exact, clipped_sum, reference_per_example_grads, trainable
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+        self.use_b = True
+
+    def forward(self, x):
+        return self.a(x) + (self.b(x) if self.use_b else 0)
+
+
+def loss_fns(model, x):
+    return (lambda: model(x).pow(2).sum(1)), (lambda i: model(x[i:i + 1]).pow(2).sum())
+
+
+def test_unused_parameter_contributes_zero_not_last_steps_norm():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1e-3)
+    batch, one = loss_fns(model, x)
+    controller.loss(batch(), "sum").backward()
+    model.use_b = False
+    model.zero_grad()
+    controller.loss(batch(), "sum").backward()
+    controller.detach()
+    ref, norms = clipped_sum(reference_per_example_grads(model, one, 5), 1e-3)
+    assert torch.allclose(controller.last_norms, norms, rtol=1e-12)
+    assert torch.allclose(model.a.weight.grad, ref["a.weight"], rtol=1e-10)
+    assert model.b.weight.grad is None  # unused this step: no gradient, and no stale norm above
+
+
+def test_freezing_and_unfreezing_after_attaching():
+    model, x = Branchy(), torch.randn(5, 4)
+    batch, one = loss_fns(model, x)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    model.a.weight.requires_grad_(False)
+    model.zero_grad()
+    controller.loss(batch(), "sum").backward()
+    controller.detach()
+    per_example = reference_per_example_grads(model, one, 5)
+    assert "a.weight" not in per_example[0]
+    _, norms = clipped_sum(per_example, 1.0)
+    assert torch.allclose(controller.last_norms, norms, rtol=1e-12)
+    model.a.weight.requires_grad_(True)
+    assert_exact(model, batch, one, 5)  # and back to everything trainable
+
+
+def test_backward_twice_on_one_loss():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    loss = controller.loss(model(x).pow(2).sum(1))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        loss.backward()
+    loss = controller.loss(model(x).pow(2).sum(1))
+    loss.backward()
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        loss.backward()
+
+
+def test_eval_and_no_grad_forwards_record_nothing():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    model.eval()
+    out = model(x)
+    assert not controller._live and out.grad_fn is not None
+    with pytest.raises(RuntimeError, match=r"eval\(\) mode"):
+        controller.loss(out.pow(2).sum(1)).backward()
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert not controller._live
+    with pytest.raises(ValueError, match="do not require grad"):
+        with torch.no_grad():
+            controller.loss(model(x).pow(2).sum(1))
+        controller.per_example_norms(model(x).detach().sum(1))
+
+
+def test_forward_without_backward_leaves_no_state():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    out = model(x)
+    assert controller._live
+    del out
+    assert not controller._live
+
+
+def test_backward_of_a_loss_that_is_not_a_dp_loss_is_refused():
+    model, x = Branchy(), torch.randn(5, 4)
+    ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="did not start from a ghostdp loss"):
+        model(x).sum().backward()
+
+
+def test_gradient_checkpointing_that_recomputes_in_the_norm_pass_is_refused():
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    out = checkpoint(model, x, use_reentrant=False)  # pass 1 needs tanh's saved output: a recompute
+    with pytest.raises(NotImplementedError, match="checkpointing"):
+        controller.loss(out.pow(2).sum(1)).backward()
+
+
+def test_parameter_read_outside_its_module_is_refused():
+    class ReadsWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(6, 4)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) @ self.emb.weight.T
+
+    model = ReadsWeight()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="'emb.weight' outside the forward"):
+        controller.loss(model(torch.randn(3, 4)).sum(1)).backward()
+
+
+def test_trainable_tensor_outside_the_model_is_refused():
+    lin = nn.Linear(3, 3)
+    temperature = nn.Parameter(torch.tensor(2.0))
+    controller = ghostdp.GhostClipping(lin, 1.0)
+    with pytest.raises(RuntimeError, match="not a parameter of the model"):
+        controller.loss((lin(torch.randn(4, 3)) * temperature).sum(1)).backward()
+
+
+def test_output_without_batch_dimension_is_refused():
+    class PositionsFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(5, 3)
+
+        def forward(self, positions, x):  # the first tensor is not batch-major: no batch size known
+            return x + self.pos(positions)
+
+    model = PositionsFirst()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    out = model(torch.arange(5).unsqueeze(0), torch.randn(4, 5, 3))
+    with pytest.raises(RuntimeError, match="batch dimension"):
+        controller.loss(out.pow(2).sum((1, 2))).backward()
+
+
+def test_nonfinite_losses_are_named_or_skipped():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    poison = torch.tensor([1.0, float("nan"), 1.0, float("inf"), 1.0])
+    with pytest.raises(ghostdp.NonFiniteLossError, match=r"examples \[1, 3\]"):
+        controller.loss(model(x).pow(2).sum(1) * poison).backward()
+    skipping = ghostdp.GhostClipping(Branchy(), 1.0, nonfinite="skip")
+    losses = skipping.module(x).pow(2).sum(1) * poison
+    coeffs = skipping.clip_coefficients(losses)
+    assert coeffs[1] == 0 and coeffs[3] == 0 and torch.all(coeffs[[0, 2, 4]] > 0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1"])
+def test_invalid_clipping_norm(bad):
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        ghostdp.GhostClipping(nn.Linear(2, 2), bad)
+
+
+def test_model_is_not_wrapped_and_detach_restores_it():
+    model = Branchy()
+    keys = list(model.state_dict())
+    controller = ghostdp.GhostClipping(model, 1.0)
+    assert controller.module is model and list(model.state_dict()) == keys
+    controller.detach()
+    model(torch.randn(2, 4)).sum().backward()  # no hook left: an ordinary backward works
+    assert all(p.grad is not None for _, p in trainable(model))
