@@ -57,3 +57,56 @@ def group_norm_rule(module, inputs, output_grad, trainable):
     xhat = ((grouped - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
     spatial = tuple(range(2, x.dim()))
     return _affine_grads(xhat, G, trainable, spatial)
+
+
+def _hf_xhat(module, x):
+    """xhat exactly as the class computes it: statistics in float32, cast where the class casts."""
+    x32 = x.to(torch.float32)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    style = _HF_RMS_STYLE[type(module)]
+    if style == "gemma":  # (x.float() normalised) * (1 + w), cast at the end
+        return x32 * inv_rms
+    if style == "t5":  # x (own dtype) * float32 statistic, cast to a half-precision weight's dtype
+        xhat = x * inv_rms
+        return xhat.to(module.weight.dtype) if module.weight.dtype in (torch.float16, torch.bfloat16) else xhat
+    return (x32 * inv_rms).to(x.dtype)  # llama style: normalise in float32, cast back, then scale
+
+
+def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
+    """transformers' RMSNorm classes: y = w * xhat (Gemma: (1 + w) * xhat), xhat over the last dim.
+
+    Either way dL/dw_i = sum over positions of G * xhat.
+    """
+    xhat = _hf_xhat(module, inputs[0])
+    dt = acc_dtype(inputs[0], output_grad)
+    if _HF_RMS_STYLE[type(module)] == "gemma":  # the model itself forms this weight gradient in float32
+        grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
+        return {n: Instantiated(f.grads.to(dt)) for n, f in grads.items()}
+    return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
+
+
+# Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight;
+# the style says where it casts.
+TRANSFORMERS_RMS_NORMS = [
+    ("llama", "LlamaRMSNorm", "llama"), ("mistral", "MistralRMSNorm", "llama"), ("qwen2", "Qwen2RMSNorm", "llama"),
+    ("qwen3", "Qwen3RMSNorm", "llama"), ("phi3", "Phi3RMSNorm", "llama"), ("gemma", "GemmaRMSNorm", "gemma"),
+    ("gemma2", "Gemma2RMSNorm", "gemma"), ("t5", "T5LayerNorm", "t5"),
+]
+_HF_RMS_STYLE = {}
+
+
+def _register_transformers_rms_norms():
+    import importlib
+    for family, name, style in TRANSFORMERS_RMS_NORMS:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:  # an older or slimmer transformers: those classes fall back
+            continue
+        cls = getattr(module, name, None)
+        if cls is not None:
+            _HF_RMS_STYLE[cls] = style
+            register_norm_rule(cls, transformers_rms_norm_rule, params=("weight",))
+
+
+_register_transformers_rms_norms()
