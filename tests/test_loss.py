@@ -50,6 +50,18 @@ def test_reductions_set_the_value_but_grad_is_always_the_clipped_sum():
         grads.append(lin.weight.grad.clone())
     assert values[0] == pytest.approx(values[1] / 4)
     assert torch.allclose(grads[0], grads[1])
+    assert float(controller.last_loss_scale) == 1.0
+
+
+def test_a_scaled_loss_scales_the_clipped_sum_and_is_reported():
+    lin = nn.Linear(3, 2)
+    x = torch.randn(5, 3)
+    controller = ghostdp.GhostClipping(lin, 1e-3)
+    controller.loss(lin(x).pow(2).sum(1)).backward()
+    once = lin.weight.grad.clone()
+    lin.zero_grad()
+    (controller.loss(lin(x).pow(2).sum(1)) * 0.25).backward()
+    assert torch.allclose(lin.weight.grad, 0.25 * once) and float(controller.last_loss_scale) == 0.25
 
 
 def test_clipped_sum_without_clipping_equals_the_plain_sum_gradient():

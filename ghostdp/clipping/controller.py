@@ -107,7 +107,9 @@ class GhostClipping:
         self._audited_pattern = None
         self.last_norms = None
         self.last_coefficients = None
-        self.loss_scales = []  # grad of each DP loss w.r.t. its value, for the optimizer to check
+        # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
+        # times the clipped sum, so a scaled loss shows here for the optimizer to check.
+        self.last_loss_scale = None
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
         for name, m in hooked_modules(module):
             rule = None if isinstance(m, OPAQUE_MODULES) else find_norm_rule(m)

@@ -24,7 +24,7 @@ class ClippedLoss(torch.autograd.Function):
                 "example's clipped gradient twice and double its privacy cost. Compute a new loss instead.")
         ctx.consumed = True
         coeffs = ctx.controller.clip_coefficients(ctx.losses)
-        ctx.controller.loss_scales.append(grad_output.detach())
+        ctx.controller.last_loss_scale = grad_output.detach()
         return (coeffs * grad_output).to(ctx.losses.dtype), None, None
 
 
