@@ -113,6 +113,18 @@ def test_transformers_rms_norms_have_a_rule_and_are_exact():
         check_module(m, torch.randn(4, 3, 6), rtol=rtol)
 
 
+def test_subclass_of_a_transformers_rms_norm_keeps_its_rule():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class MyNorm(LlamaRMSNorm):
+        pass
+
+    m = MyNorm(6)
+    with torch.no_grad():
+        m.weight.add_(torch.randn(6))
+    check_module(m, torch.randn(4, 3, 6))
+
+
 class UnknownNorm(nn.Module):
     """A norm layer no rule knows: the fallback handles it exactly."""
 

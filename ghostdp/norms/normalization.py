@@ -59,12 +59,16 @@ def group_norm_rule(module, inputs, output_grad, trainable):
     return _affine_grads(xhat, G, trainable, spatial)
 
 
-def _hf_xhat(module, x):
+def _hf_style(module):
+    """The cast style of the registered class nearest in the MRO (subclasses keep their rule)."""
+    return next(_HF_RMS_STYLE[c] for c in type(module).__mro__ if c in _HF_RMS_STYLE)
+
+
+def _hf_xhat(module, x, style):
     """xhat exactly as the class computes it: statistics in float32, cast where the class casts."""
     x32 = x.to(torch.float32)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    style = _HF_RMS_STYLE[type(module)]
     if style == "gemma":  # (x.float() normalised) * (1 + w), cast at the end
         return x32 * inv_rms
     if style == "t5":  # x (own dtype) * float32 statistic, cast to a half-precision weight's dtype
@@ -78,9 +82,10 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
 
     Either way dL/dw_i = sum over positions of G * xhat.
     """
-    xhat = _hf_xhat(module, inputs[0])
+    style = _hf_style(module)
+    xhat = _hf_xhat(module, inputs[0], style)
     dt = acc_dtype(inputs[0], output_grad)
-    if _HF_RMS_STYLE[type(module)] == "gemma":  # the model itself forms this weight gradient in float32
+    if style == "gemma":  # the model itself forms this weight gradient in float32
         grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
         return {n: Instantiated(f.grads.to(dt)) for n, f in grads.items()}
     return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
