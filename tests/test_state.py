@@ -79,9 +79,10 @@ def test_eval_and_no_grad_forwards_record_nothing():
     with torch.no_grad():
         model(x)
     assert not controller._live
+    with torch.no_grad():
+        loss = controller.loss(model(x).pow(2).sum(1))
+    assert loss.grad_fn is None  # nothing to backpropagate, so no clipping can be skipped
     with pytest.raises(ValueError, match="do not require grad"):
-        with torch.no_grad():
-            controller.loss(model(x).pow(2).sum(1))
         controller.per_example_norms(model(x).detach().sum(1))
 
 

@@ -53,8 +53,5 @@ def unattributed_leaves(loss_node, ignore=()):
             leaf = _leaf(nxt)
             if leaf is not None and id(leaf) in own:
                 attributed.add((node, idx))
-    missing = {}
-    for key, leaf in all_edges.items():
-        if key not in attributed:
-            missing[id(leaf)] = (leaf, missing.get(id(leaf), (leaf, 0))[1] + 1)
+    missing = {id(leaf): leaf for key, leaf in all_edges.items() if key not in attributed}
     return list(missing.values())

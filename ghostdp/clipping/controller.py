@@ -270,7 +270,7 @@ class GhostClipping:
             names = {id(p): n for n, p in self.module.named_parameters()}
             described = ", ".join(
                 f"'{names[id(leaf)]}'" if id(leaf) in names else f"a tensor of shape {tuple(leaf.shape)} "
-                "that is not a parameter of the model" for leaf, _ in stray)
+                "that is not a parameter of the model" for leaf in stray)
             raise RuntimeError(
                 f"gradient reaches {described} outside the forward of the module that owns it (e.g. a "
                 "parent reads child.weight directly, or a trainable tensor enters the loss), so ghostdp "
