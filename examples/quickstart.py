@@ -3,7 +3,7 @@
 Runs on CPU in about a minute. It shows:
 1. the clipped gradient sum from ghostdp equals a per-example autograd loop (float64);
 2. a few clipped training steps, and their time next to ordinary (non-private) steps.
-Noise, the DP optimizer and privacy accounting arrive with ghostdp.PrivacyEngine.
+Full DP-SGD (noise, Poisson sampling, accounting) through ghostdp.PrivacyEngine: examples/mnist_style_cnn.py.
 """
 import argparse
 import time

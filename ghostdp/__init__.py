@@ -1,9 +1,11 @@
 """ghostdp: differentially private training with ghost clipping."""
-from . import norms, validate
+from . import accounting, norms, validate
 from .clipping import DPCriterion, GhostClipping, NonFiniteLossError, per_example_loss
+from .engine import PrivacyEngine
 from .norms import register_norm_rule
+from .optim import DPOptimizer, PrivacyStepError
 
 __version__ = "0.1.0"
 
-__all__ = ["GhostClipping", "DPCriterion", "NonFiniteLossError", "per_example_loss", "register_norm_rule",
-           "norms", "validate"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "PrivacyStepError", "GhostClipping", "DPCriterion",
+           "NonFiniteLossError", "per_example_loss", "register_norm_rule", "accounting", "norms", "validate"]

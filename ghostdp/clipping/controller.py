@@ -110,6 +110,10 @@ class GhostClipping:
         # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
         # times the clipped sum, so a scaled loss shows here for the optimizer to check.
         self.last_loss_scale = None
+        # One (number of examples, incoming gradient) per DP-loss backward since the DP optimizer
+        # last took them (None: nobody listens); and callables run before each norm pass.
+        self.passes: list[tuple[int, float]] | None = None
+        self.pass_observers: list = []
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
         for name, m in hooked_modules(module):
             rule = None if isinstance(m, OPAQUE_MODULES) else find_norm_rule(m)
@@ -288,6 +292,8 @@ class GhostClipping:
         if self._pass is not None:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
+        if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
+            return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         self._audit(per_example_losses)
         self._pass = _Pass(B)
         try:
@@ -305,6 +311,8 @@ class GhostClipping:
 
     def clip_coefficients(self, per_example_losses: torch.Tensor) -> torch.Tensor:
         """Pass 1 and c_i = min(1, C / (n_i + 1e-6)); non-finite examples raise or get c_i = 0."""
+        for observe in self.pass_observers:
+            observe(per_example_losses)
         norms = self.per_example_norms(per_example_losses)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
         coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)

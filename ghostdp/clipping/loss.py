@@ -25,6 +25,8 @@ class ClippedLoss(torch.autograd.Function):
         ctx.consumed = True
         coeffs = ctx.controller.clip_coefficients(ctx.losses)
         ctx.controller.last_loss_scale = grad_output.detach()
+        if ctx.controller.passes is not None:
+            ctx.controller.passes.append((ctx.losses.shape[0], float(grad_output)))
         return (coeffs * grad_output).to(ctx.losses.dtype), None, None
 
 

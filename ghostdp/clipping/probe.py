@@ -37,7 +37,8 @@ class ProbeIdentity(torch.autograd.Function):
             use.controller._receive(use, ctx.slot, grad)
             device, dtype = ctx.probe_meta
             return grad, torch.zeros(0, device=device, dtype=dtype), None, None, None
-        use.controller._check_pass_two(use)
+        if grad.numel():  # a gradient with no rows (an empty batch) carries no example
+            use.controller._check_pass_two(use)
         return grad, None, None, None, None
 
 

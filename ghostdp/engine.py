@@ -1,0 +1,186 @@
+"""PrivacyEngine: turns a model, optimizer, loader and criterion into their DP-SGD counterparts."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from .accounting import get_noise_multiplier, make_accountant
+from .clipping import DPCriterion, GhostClipping
+from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
+from .optim import DPOptimizer
+from .randomness import RandomSource
+
+CLIPPING_MODES = ("ghost",)
+_LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device")
+
+
+def _check_positive(name, value, allow_zero=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+        value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _sample_rate(data_loader) -> tuple[float, int]:
+    """(q, dataset size): q = batch_size / N, or 1 / len(loader) for a loader without batch_size."""
+    n = len(data_loader.dataset)
+    if n == 0:
+        raise ValueError("the data loader's dataset is empty")
+    batch_size = data_loader.batch_size
+    return min(1.0, batch_size / n if batch_size else 1 / len(data_loader)), n
+
+
+class PrivacyEngine:
+    """DP-SGD with ghost clipping, Opacus-style.
+
+    Args:
+        accountant: "prv" (tight numerical composition, default) or "rdp".
+        secure_mode: draw noise and Poisson samples from OS entropy (slower; not reproducible).
+        seed: seed of the noise and sampling streams (default mode only; random if None).
+    """
+
+    def __init__(self, accountant: str = "prv", secure_mode: bool = False, seed: int | None = None):
+        self.accountant = make_accountant(accountant)
+        self.secure_mode = bool(secure_mode)
+        self._seed = seed
+        self.random_source = RandomSource(secure=self.secure_mode, seed=seed)
+        self.controller = None
+        self.optimizer = None
+        self.data_loader = None
+        self._pending_state = None
+
+    # ------------------------------------------------------------------ make_private
+    def make_private(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader,
+                     criterion: torch.nn.Module | None = None, noise_multiplier: float, max_grad_norm: float,
+                     poisson_sampling: bool = True, clipping: str = "ghost",
+                     max_physical_batch_size: int | None = None, loss_reduction: str = "mean",
+                     nonfinite: str = "error", noise_generator: torch.Generator | None = None):
+        """Returns (module, optimizer, criterion, data_loader), ready for an ordinary training loop.
+
+        The module is the same object with hooks attached. The criterion (built from the one
+        given, which must support reduction="none") returns the DP loss; without a criterion,
+        build losses with ``engine.controller.loss(per_example_losses)``. With
+        poisson_sampling=True the loader is rebuilt to draw Poisson batches of expected size
+        batch_size; with False the loader's own batches are kept and the accountant still
+        assumes Poisson sampling at rate batch_size / len(dataset), as Opacus and others do.
+        """
+        _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+        _check_positive("max_grad_norm", max_grad_norm)
+        if clipping not in CLIPPING_MODES:
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if self.controller is not None:
+            raise RuntimeError("this PrivacyEngine already made a model private; use one engine per model "
+                               "(its accountant belongs to that training run)")
+        if distributed_rank_and_size()[1] > 1:
+            raise NotImplementedError("PrivacyEngine.make_private does not support several processes yet: noise "
+                                      "would be added on every rank and the gradient average would be mis-scaled.")
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if criterion is not None:
+            reduction = getattr(criterion, "reduction", None)
+            if reduction is not None and {"sum": "sum"}.get(reduction, "mean") != loss_reduction:
+                raise ValueError(f"the criterion's reduction is {reduction!r} but loss_reduction is "
+                                 f"{loss_reduction!r}; they must agree")
+        if noise_generator is not None:
+            if self.secure_mode:
+                raise ValueError("secure_mode draws noise from OS entropy; do not pass a noise_generator")
+            self.random_source = RandomSource(seed=self.random_source.seed, noise_generator=noise_generator)
+
+        loader, sample_rate, expected_batch_size, tracker, fixed = self._private_loader(
+            data_loader, poisson_sampling, max_physical_batch_size)
+        controller = GhostClipping(module, max_grad_norm, nonfinite=nonfinite)
+        try:
+            dp_optimizer = DPOptimizer(
+                optimizer, controller=controller, noise_multiplier=float(noise_multiplier),
+                expected_batch_size=expected_batch_size, sample_rate=sample_rate, accountant=self.accountant,
+                random_source=self.random_source, tracker=tracker, fixed_batch_size=fixed,
+                loss_reduction=loss_reduction)
+        except Exception:
+            controller.detach()
+            raise
+        dp_criterion = None
+        if criterion is not None:
+            dp_criterion = DPCriterion(criterion, controller, expected_batch_size)
+        self.controller, self.optimizer, self.data_loader = controller, dp_optimizer, loader
+        self._apply_pending_state()
+        return module, dp_optimizer, dp_criterion, loader
+
+    def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size):
+        if not isinstance(data_loader, DataLoader):
+            if poisson_sampling or max_physical_batch_size is not None:
+                raise TypeError(f"data_loader is a {type(data_loader).__name__}; Poisson sampling and physical "
+                                "batches need a torch.utils.data.DataLoader over a dataset with len()")
+            raise TypeError("with poisson_sampling=False, data_loader must still be a torch DataLoader so that "
+                            "the sample rate (batch_size / len(dataset)) is known")
+        dataset = data_loader.dataset
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError("DP-SGD needs a map-style dataset with len() (each example must be addressable to "
+                            "sample it); an IterableDataset cannot be Poisson-sampled")
+        sample_rate, n = _sample_rate(data_loader)
+        steps_per_epoch = len(data_loader)
+        expected_batch_size = sample_rate * n
+        settings = {k: getattr(data_loader, k) for k in _LOADER_SETTINGS if hasattr(data_loader, k)}
+        if settings.get("num_workers", 0) == 0:
+            settings.pop("prefetch_factor", None)
+            settings["persistent_workers"] = False
+        tracker = BatchTracker()
+        if poisson_sampling:
+            if data_loader.drop_last:
+                warnings.warn("drop_last is ignored with Poisson sampling: batches have random sizes")
+            logical = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source)
+            fixed = None
+        else:
+            logical = data_loader.batch_sampler
+            fixed = data_loader.batch_size
+        loader = DPDataLoader(dataset, logical, max_physical_batch_size=max_physical_batch_size,
+                              tracker=tracker, collate_fn=data_loader.collate_fn, **settings)
+        return loader, sample_rate, expected_batch_size, tracker, fixed
+
+    def make_private_with_epsilon(self, *, module, optimizer, data_loader, criterion=None,
+                                  target_epsilon: float, target_delta: float, epochs: int,
+                                  max_grad_norm: float, **kwargs):
+        """make_private with the smallest noise multiplier whose epsilon after ``epochs`` stays <= target_epsilon."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
+        if "noise_multiplier" in kwargs:
+            raise ValueError("make_private_with_epsilon chooses noise_multiplier; do not pass one")
+        if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
+            raise TypeError("make_private_with_epsilon needs a torch DataLoader over a dataset with len()")
+        sample_rate, _ = _sample_rate(data_loader)
+        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                     sample_rate=sample_rate, steps=epochs * len(data_loader),
+                                     accountant=self.accountant.mechanism)
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader, criterion=criterion,
+                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+
+    # ------------------------------------------------------------------ privacy spent, state
+    def get_epsilon(self, delta: float) -> float:
+        return self.accountant.get_epsilon(delta)
+
+    def state_dict(self) -> dict:
+        """Accountant history, sampler position and random state: save with the model and optimizer."""
+        return {"accountant": self.accountant.state_dict(),
+                "random": self.random_source.state_dict(),
+                "data_loader": self.data_loader.state_dict() if self.data_loader is not None else {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a saved run; before make_private the sampler and noise parts wait until it is called."""
+        self.accountant.load_state_dict(state["accountant"])
+        self._pending_state = state
+        if self.controller is not None:
+            self._apply_pending_state()
+
+    def _apply_pending_state(self):
+        state = self._pending_state
+        if state is None:
+            return
+        self.random_source.load_state_dict(state["random"])
+        if self.data_loader is not None:
+            self.data_loader.load_state_dict(state["data_loader"])
+        self._pending_state = None

@@ -1,0 +1,234 @@
+"""DPOptimizer: noise once per logical batch, scaling, checks, accounting; then the wrapped optimizer steps.
+
+After backward, p.grad holds the clipped sum sum_i c_i g_i (ghostdp's controller puts it there).
+At the end of a logical batch, step() does, for every parameter of the wrapped optimizer:
+    p.grad = (p.grad + N(0, sigma^2 C^2)) / expected_batch_size     (loss_reduction="mean")
+then the wrapped optimizer's step, and records (sigma, q) in the accountant.
+"""
+from __future__ import annotations
+
+import torch
+
+from .data import BatchTracker
+
+
+class PrivacyStepError(RuntimeError):
+    """The training loop did something that would make this step's privacy guarantee wrong."""
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps any torch optimizer; param_groups, state and LR schedulers are the wrapped one's.
+
+    Args:
+        optimizer: the optimizer to wrap (its parameters must belong to ``controller.module``).
+        controller: the GhostClipping controller attached to the model.
+        noise_multiplier: sigma; the noise std is sigma * max_grad_norm.
+        expected_batch_size: q * N, the divisor of the noisy sum (loss_reduction="mean").
+        sample_rate: q, recorded in the accountant at each step.
+        accountant: a ghostdp.accounting accountant, or None for no accounting.
+        random_source: a ghostdp.randomness.RandomSource for the noise.
+        tracker: the BatchTracker of a DPDataLoader, or None when the loop uses its own loader;
+            ``fixed_batch_size`` then bounds the examples of one step.
+        loss_reduction: "mean" divides by expected_batch_size; "sum" does not.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, controller, noise_multiplier: float,
+                 expected_batch_size: float, sample_rate: float, accountant, random_source,
+                 tracker: BatchTracker | None = None, fixed_batch_size: int | None = None,
+                 loss_reduction: str = "mean"):
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("this optimizer is already a DPOptimizer; pass the original optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+        self.original_optimizer = optimizer
+        self.controller = controller
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = float(expected_batch_size)
+        self.sample_rate = sample_rate
+        self.accountant = accountant
+        self.random_source = random_source
+        self.tracker = tracker
+        self.fixed_batch_size = fixed_batch_size
+        self.loss_reduction = loss_reduction
+        self._param_names = {p: n for n, p in controller.module.named_parameters()}
+        self._check_params_belong_to_model()
+        self._mid_logical_batch = False   # the last step() was skipped: more chunks follow
+        self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
+        controller.passes = []
+        controller.pass_observers.append(self._on_norm_pass)
+
+    # ------------------------------------------------------- the wrapped optimizer's surface
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        self.original_optimizer.add_param_group(param_group)
+        self._check_params_belong_to_model()
+
+    def __repr__(self):
+        return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm="
+                f"{self.controller.max_grad_norm}, expected_batch_size={self.expected_batch_size}, "
+                f"wrapping {self.original_optimizer!r})")
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.controller.max_grad_norm
+
+    # ------------------------------------------------------- checks
+    def _check_params_belong_to_model(self):
+        model_params = set(self.controller.module.parameters())
+        foreign = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p not in model_params]
+        if foreign:
+            raise ValueError(
+                f"{len(foreign)} of the optimizer's parameters (shapes {foreign[:5]}) are not parameters of the "
+                "private model, so their updates would be neither clipped nor private. Build the optimizer "
+                "from model.parameters() of the model given to make_private; if the model's parameters were "
+                "replaced after make_private (e.g. .to() with torch.__future__."
+                "set_overwrite_module_params_on_conversion(True), to_empty(), or load_state_dict(assign=True)), "
+                "call make_private again with the new model and a new optimizer.")
+
+    def _on_norm_pass(self, per_example_losses):
+        if not self._expect_fresh_grads:
+            return
+        self._expect_fresh_grads = False
+        flags = [p.grad.ne(0).any() for p in self.params if p.grad is not None]
+        if flags and bool(torch.stack(flags).any()):
+            raise PrivacyStepError(
+                "a new logical batch started while p.grad still holds the previous step's gradient, which "
+                "would be added into this step unclipped and counted twice. Call optimizer.zero_grad() "
+                "(or model.zero_grad()) after each optimizer.step().")
+
+    def _examples_of_this_step(self):
+        passes, self.controller.passes = self.controller.passes, []
+        bad_scales = sorted({s for _, s in passes if s != 1.0})
+        if bad_scales:
+            raise PrivacyStepError(
+                f"the DP loss was backpropagated with an incoming gradient of {bad_scales[0]} instead of 1 (the "
+                "loss was scaled before backward(): a GradScaler, or a division by gradient_accumulation_steps). "
+                "The noise is calibrated to the unscaled clipped sum, so call backward() on the loss itself; "
+                "split large batches with max_physical_batch_size instead of scaling.")
+        return sum(n for n, _ in passes), len(passes)
+
+    def _check_batch(self, chunks, examples, backward_calls):
+        if not chunks:  # the loop's own loader: no chunk information
+            if backward_calls == 0:
+                raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss since "
+                                       "the last step. Call loss.backward() first.")
+            if self.fixed_batch_size is not None and examples > self.fixed_batch_size:
+                raise PrivacyStepError(
+                    f"this step clipped {examples} examples but the data loader's batches hold at most "
+                    f"{self.fixed_batch_size}, so the accountant's sample rate would be too low (gradient "
+                    "accumulation over several batches). Give the loader the logical batch size and use "
+                    "max_physical_batch_size to split it.")
+            return
+        logical_ids = sorted({c.logical_id for c in chunks})
+        if len(logical_ids) > 1:
+            raise PrivacyStepError(
+                f"this step spans {len(logical_ids)} logical batches of the data loader; each is one draw of the "
+                "sampled Gaussian mechanism and needs its own noise and step. Call optimizer.step() after "
+                "every batch of the loader (it skips until a logical batch is complete), and make the "
+                "logical batch larger (batch size of the loader) instead of accumulating.")
+        expected = chunks[-1].logical_size
+        if examples != expected:
+            if backward_calls == 0:
+                raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss for this "
+                                       "batch. Call loss.backward() first.")
+            raise PrivacyStepError(
+                f"this logical batch has {expected} examples but backward() clipped {examples}: a physical "
+                "batch was skipped, or examples were backpropagated twice or came from elsewhere. Run "
+                "exactly one forward and backward for every batch the loader yields.")
+
+    # ------------------------------------------------------- the step
+    def zero_grad(self, set_to_none: bool = True):
+        if self._mid_logical_batch:
+            return  # the clipped sums of earlier chunks of this logical batch stay
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def add_noise(self):
+        """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero."""
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if std > 0:
+                p.grad.add_(self.random_source.gaussian_like(p.grad, std))
+            if self.loss_reduction == "mean":
+                p.grad.div_(self.expected_batch_size)
+
+    def _check_finite(self):
+        params = [p for p in self.params if p.grad is not None]
+        if not params:
+            return
+        finite = torch.stack([torch.isfinite(p.grad).all() for p in params])
+        if not bool(finite.all()):
+            names = [self._param_names.get(p, f"shape {tuple(p.shape)}")
+                     for p, ok in zip(params, finite.tolist()) if not ok]
+            raise FloatingPointError(
+                f"the clipped gradient of {names[:5]} is NaN or infinite. With nonfinite='skip' an example's "
+                "clip coefficient is 0, but NaN or inf activations still reach p.grad (0 * nan = nan); find "
+                "the example (controller.last_norms) and fix the data or the model.")
+
+    def pre_step(self) -> bool:
+        """Noise and checks if a logical batch is complete; returns False while chunks remain."""
+        chunks = self.tracker.yielded if self.tracker is not None else []
+        if chunks and not chunks[-1].is_last:
+            self._mid_logical_batch = True
+            return False
+        self._check_params_belong_to_model()
+        examples, backward_calls = self._examples_of_this_step()
+        self._check_batch(chunks, examples, backward_calls)
+        if self.tracker is not None:
+            self.tracker.take_yielded()
+        if backward_calls:
+            self._check_finite()
+        self.add_noise()
+        if self.accountant is not None:
+            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        self._mid_logical_batch = False
+        self._expect_fresh_grads = True
+        return True
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.pre_step():
+            self.original_optimizer.step()
+        return loss

@@ -1,0 +1,383 @@
+"""PrivacyEngine end to end: the update equals a per-example reference with the same noise; chunks,
+accumulation and resume change nothing; every misuse is refused."""
+import copy
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import ghostdp
+from ghostdp import NonFiniteLossError, PrivacyEngine, PrivacyStepError
+
+N, D, K = 40, 6, 3
+
+
+def make_model():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.Tanh(), torch.nn.Linear(8, K))
+
+
+def make_data(n=N):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, D, generator=g)
+    return TensorDataset(x, torch.randint(0, K, (n,), generator=g))
+
+
+def private(model=None, optimizer=None, batch_size=8, seed=3, engine=None, **kwargs):
+    model = model or make_model()
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.2)
+    engine = engine or PrivacyEngine(seed=seed)
+    kwargs.setdefault("noise_multiplier", 0.7)
+    kwargs.setdefault("max_grad_norm", 0.5)
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=DataLoader(make_data(), batch_size=batch_size),
+        criterion=torch.nn.CrossEntropyLoss(), **kwargs)
+    return engine, model, optimizer, criterion, loader
+
+
+def train(model, optimizer, criterion, loader, steps, micro_batches=1, record=None):
+    """Ordinary loop; returns after `steps` optimizer steps that were not skipped."""
+    done = 0
+    while True:
+        for x, y in loader:
+            optimizer.zero_grad()
+            for xs, ys in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+                criterion(model(xs), ys).backward()
+            last = optimizer.tracker.yielded[-1].is_last
+            if record is not None:
+                record.append((x, y, last))
+            optimizer.step()
+            done += last
+            if done == steps:
+                return
+
+
+def reference_run(batches, sigma, C, lr, expected_batch, noise_seed):
+    """Per-example loop: clip each gradient, sum, add the same noise, divide, plain SGD."""
+    model = make_model()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(noise_seed)
+    xs, ys = [], []
+    for x, y, last in batches:
+        xs.append(x), ys.append(y)
+        if not last:
+            continue
+        x, y, xs, ys = torch.cat(xs), torch.cat(ys), [], []
+        total = [torch.zeros_like(p) for p in params]
+        for i in range(x.shape[0]):
+            loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+            grads = torch.autograd.grad(loss, params)
+            norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+            c = min(1.0, C / (float(norm) + 1e-6))
+            for t, g in zip(total, grads):
+                t += c * g
+        with torch.no_grad():
+            for p, t in zip(params, total):
+                noise = torch.normal(0.0, sigma * C, size=p.shape, generator=gen, dtype=p.dtype)
+                p -= lr * (t + noise) / expected_batch
+    return model
+
+
+@pytest.mark.parametrize("max_physical", [None, 3])
+def test_update_equals_per_example_reference_with_the_same_noise(max_physical):
+    record = []
+    engine, model, opt, crit, loader = private(noise_generator=torch.Generator().manual_seed(11),
+                                               max_physical_batch_size=max_physical)
+    train(model, opt, crit, loader, steps=4, record=record)
+    ref = reference_run(record, sigma=0.7, C=0.5, lr=0.2, expected_batch=8, noise_seed=11)
+    assert engine.accountant.history == [[0.7, 8 / N, 4]]
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12)
+    if max_physical:
+        assert max(x.shape[0] for x, _, _ in record) <= max_physical
+
+
+def test_chunked_logical_batches_equal_unchunked_ones():
+    runs = []
+    for max_physical in (None, 2, 5):
+        record = []
+        _, model, opt, crit, loader = private(max_physical_batch_size=max_physical)
+        train(model, opt, crit, loader, steps=5, record=record)
+        runs.append(([p.detach().clone() for p in model.parameters()], record))
+    (base, base_record), *others = runs
+    base_examples = torch.cat([x for x, _, _ in base_record])
+    for params, record in others:
+        assert torch.equal(torch.cat([x for x, _, _ in record]), base_examples)  # the same Poisson draws
+        for p, q in zip(params, base):
+            # Same examples, noise and order of steps; only the grouping of the float64 sum differs.
+            torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-15)
+
+
+def test_gradient_accumulation_over_micro_batches_equals_one_batch():
+    results = []
+    for micro in (1, 3):
+        _, model, opt, crit, loader = private()
+        train(model, opt, crit, loader, steps=4, micro_batches=micro)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-15)
+
+
+def test_empty_logical_batches_still_add_noise_and_count():
+    record = []
+    # q = 1/40: about a third of the logical batches are empty.
+    engine, model, opt, crit, loader = private(batch_size=1, noise_generator=torch.Generator().manual_seed(5))
+    train(model, opt, crit, loader, steps=12, record=record)
+    empties = [x for x, _, _ in record if x.shape[0] == 0]
+    assert empties and all(x.shape == (0, D) for x in empties)
+    assert engine.accountant.steps == 12
+    ref = reference_run(record, sigma=0.7, C=0.5, lr=0.2, expected_batch=1, noise_seed=5)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12)
+
+
+def test_save_and_resume_gives_the_same_trajectory_and_epsilon():
+    def build(seed):
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        return private(model=model, optimizer=opt, seed=seed, max_physical_batch_size=3)
+
+    engine, model, opt, crit, loader = build(seed=21)
+    train(model, opt, crit, loader, steps=8)  # crosses an epoch boundary (5 steps per epoch)
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    engine, model, opt, crit, loader = build(seed=21)
+    train(model, opt, crit, loader, steps=3)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "engine": engine.state_dict()})
+
+    new_engine = PrivacyEngine(seed=999)
+    new_engine.load_state_dict(saved["engine"])  # before make_private: applied when it runs
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    _, model, opt, crit, loader = private(model=model, optimizer=opt, engine=new_engine, max_physical_batch_size=3)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    train(model, opt, crit, loader, steps=5)
+    for p, q in zip(model.parameters(), straight):
+        assert torch.equal(p, q)
+    assert new_engine.accountant.steps == 8
+    reference = PrivacyEngine()
+    reference.accountant.step(noise_multiplier=0.7, sample_rate=8 / N, num_steps=8)
+    assert new_engine.get_epsilon(1e-5) == reference.get_epsilon(1e-5)
+
+
+def test_make_private_with_epsilon_spends_at_most_the_target():
+    model = make_model()
+    engine = PrivacyEngine(accountant="rdp", seed=0)
+    model, opt, crit, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(make_data(), batch_size=8),
+        criterion=torch.nn.CrossEntropyLoss(), target_epsilon=4.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0)
+    train(model, opt, crit, loader, steps=2 * len(loader))
+    assert 0.99 * 4.0 <= engine.get_epsilon(1e-5) <= 4.0
+
+
+def test_lr_scheduler_and_param_groups_work_through_the_dp_optimizer():
+    model = make_model()
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.01},
+                             {"params": model[2].parameters(), "lr": 0.02}])
+    _, model, opt, crit, loader = private(model=model, optimizer=opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, crit, loader, steps=1)
+    sched.step()
+    assert [g["lr"] for g in opt.original_optimizer.param_groups] == [0.005, 0.01]
+
+
+def test_fixed_batches_without_poisson_sampling():
+    engine, model, opt, crit, loader = private(poisson_sampling=False)
+    sizes = []
+    for x, y in loader:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        sizes.append(x.shape[0])
+    assert sizes == [8] * 5 and engine.accountant.history == [[0.7, 0.2, 5]]
+
+
+def test_secure_mode_draws_from_os_entropy():
+    engine, model, opt, crit, loader = private(engine=PrivacyEngine(secure_mode=True))
+    train(model, opt, crit, loader, steps=2)
+    noise = engine.random_source.gaussian_like(torch.zeros(200_000), std=2.0)
+    assert abs(float(noise.std()) - 2.0) < 0.02 and abs(float(noise.mean())) < 0.02
+    assert engine.state_dict()["random"] == {"secure": True}
+
+
+# ------------------------------------------------------------------ misuse is refused
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(noise_multiplier=-1.0), ValueError, "noise_multiplier"),
+    (dict(noise_multiplier=math.nan), ValueError, "noise_multiplier"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+    (dict(clipping="per_layer"), ValueError, "clipping"),
+    (dict(loss_reduction="max"), ValueError, "loss_reduction"),
+    (dict(max_physical_batch_size=0), ValueError, "max_physical_batch_size"),
+])
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        private(**kwargs)
+
+
+def test_criterion_without_reduction_none_is_refused():
+    class Loss(torch.nn.Module):
+        def forward(self, out, y):
+            return out.sum()
+    model = make_model()
+    engine = PrivacyEngine(seed=0)
+    with pytest.raises(TypeError, match="reduction"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=DataLoader(make_data(), batch_size=8), criterion=Loss(),
+                            noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_criterion_reduction_must_match_loss_reduction():
+    model = make_model()
+    with pytest.raises(ValueError, match="must agree"):
+        PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           data_loader=DataLoader(make_data(), batch_size=8),
+                                           criterion=torch.nn.CrossEntropyLoss(reduction="sum"),
+                                           noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_labels_with_another_batch_size_are_refused():
+    _, model, opt, crit, loader = private()
+    x, y = next(iter(loader))
+    with pytest.raises(ValueError, match="batch size"):
+        crit(model(x), torch.cat([y, y]))
+
+
+def test_non_finite_norm_names_the_example_or_is_skipped():
+    x = torch.randn(4, D)
+    x[2] = 1e200  # finite activations and loss, but the squared norm overflows
+    y = torch.tensor([0, 1, 2, 0])
+    _, model, opt, crit, _ = private()
+    with pytest.raises(NonFiniteLossError, match=r"examples \[2\]"):
+        crit(model(x), y).backward()
+
+    _, model, opt, crit, _ = private(model=torch.nn.Linear(D, K), nonfinite="skip", noise_multiplier=0.0)
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    skipped = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    crit(model(x[[0, 1, 3]]), y[[0, 1, 3]]).backward()
+    for g, h in zip(skipped, model.parameters()):
+        torch.testing.assert_close(g, h.grad)
+
+
+def test_nan_activations_are_refused_at_step_even_when_skipping():
+    _, model, opt, crit, loader = private(nonfinite="skip", poisson_sampling=False)
+    x, y = next(iter(loader))
+    x[1] = math.nan
+    crit(model(x), y).backward()
+    with pytest.raises(FloatingPointError, match="NaN or infinite"):
+        opt.step()
+
+
+def test_optimizer_over_other_parameters_is_refused():
+    model, other = make_model(), make_model()
+    with pytest.raises(ValueError, match="not parameters of the private model"):
+        private(model=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("poisson", [True, False])
+def test_step_without_backward_is_refused(poisson):
+    _, model, opt, crit, loader = private(poisson_sampling=poisson, batch_size=20)
+    for x, y in loader:
+        if x.shape[0]:
+            break
+    with pytest.raises(PrivacyStepError, match="without a backward"):
+        opt.step()
+
+
+def test_parameters_replaced_after_make_private_are_refused():
+    _, model, opt, crit, loader = private(poisson_sampling=False)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float32)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    x, y = next(iter(loader))
+    crit(model(x.float()), y).backward()
+    with pytest.raises(ValueError, match="replaced after make_private"):
+        opt.step()
+
+
+def test_scaled_loss_is_refused():
+    _, model, opt, crit, loader = private(poisson_sampling=False)
+    x, y = next(iter(loader))
+    (crit(model(x), y) / 4).backward()
+    with pytest.raises(PrivacyStepError, match="incoming gradient of 0.25"):
+        opt.step()
+
+
+def test_accumulating_several_poisson_batches_is_refused():
+    _, model, opt, crit, loader = private(batch_size=20)
+    batches = iter(loader)
+    for _ in range(2):
+        x, y = next(batches)
+        crit(model(x), y).backward()
+    with pytest.raises(PrivacyStepError, match="spans 2 logical batches"):
+        opt.step()
+
+
+@pytest.mark.parametrize("own_loader", [False, True])
+def test_accumulating_several_fixed_batches_is_refused(own_loader):
+    _, model, opt, crit, loader = private(poisson_sampling=False)
+    # Batches from the returned loader are tracked; the loop's own batches are bounded by the batch size.
+    batches = iter(DataLoader(make_data(), batch_size=8) if own_loader else loader)
+    for _ in range(2):
+        x, y = next(batches)
+        crit(model(x), y).backward()
+    with pytest.raises(PrivacyStepError, match="at most 8" if own_loader else "spans 2 logical batches"):
+        opt.step()
+
+
+def test_skipped_physical_batch_is_refused():
+    _, model, opt, crit, loader = private(batch_size=20, max_physical_batch_size=4)
+    for x, y in loader:
+        last = opt.tracker.yielded[-1]
+        if last.index == 0 and last.count > 2:
+            crit(model(x), y).backward()  # the first chunk only
+        if last.is_last and last.count > 2:
+            with pytest.raises(PrivacyStepError, match="backward\\(\\) clipped"):
+                opt.step()
+            return
+        opt.step() if last.count <= 2 else None
+    pytest.fail("no logical batch with more than two chunks")
+
+
+def test_forgotten_zero_grad_is_refused():
+    _, model, opt, crit, loader = private(poisson_sampling=False)
+    batches = iter(loader)
+    x, y = next(batches)
+    crit(model(x), y).backward()
+    opt.step()
+    x, y = next(batches)
+    with pytest.raises(PrivacyStepError, match="zero_grad"):
+        crit(model(x), y).backward()
+
+
+def test_one_engine_per_model_and_map_style_data():
+    engine, *_ = private()
+    with pytest.raises(RuntimeError, match="one engine per model"):
+        private(engine=engine)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from make_data()
+    model = make_model()
+    with pytest.raises(TypeError, match="map-style"):
+        PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           data_loader=DataLoader(Stream(), batch_size=8),
+                                           criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                           max_grad_norm=1.0)
+    with pytest.raises(TypeError, match="DataLoader"):
+        PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           data_loader=[(torch.zeros(2, D), torch.zeros(2))],
+                                           criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                           max_grad_norm=1.0)
+
+
+def test_secure_mode_cannot_be_seeded():
+    with pytest.raises(ValueError, match="cannot be seeded"):
+        PrivacyEngine(secure_mode=True, seed=3)
+    with pytest.raises(ValueError, match="noise_generator"):
+        private(engine=PrivacyEngine(secure_mode=True), noise_generator=torch.Generator())
