@@ -144,7 +144,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 "split large batches with max_physical_batch_size instead of scaling.")
         return sum(n for n, _ in passes), len(passes)
 
-    def _check_batch(self, chunks, examples, backward_calls):
+    def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
+        if logical_batch_size is not None:  # the caller ran the logical batch itself (DPTrainer)
+            if examples != logical_batch_size:
+                raise PrivacyStepError(f"this logical batch has {logical_batch_size} examples but backward() "
+                                       f"clipped {examples}")
+            return
         if not chunks:  # the loop's own loader: no chunk information
             if backward_calls == 0:
                 raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss since "
@@ -204,15 +209,19 @@ class DPOptimizer(torch.optim.Optimizer):
                 "clip coefficient is 0, but NaN or inf activations still reach p.grad (0 * nan = nan); find "
                 "the example (controller.last_norms) and fix the data or the model.")
 
-    def pre_step(self) -> bool:
-        """Noise and checks if a logical batch is complete; returns False while chunks remain."""
+    def pre_step(self, logical_batch_size: int | None = None) -> bool:
+        """Noise and checks if a logical batch is complete; returns False while chunks remain.
+
+        ``logical_batch_size``: the number of examples of the logical batch just backpropagated,
+        for callers that run the whole logical batch themselves (it replaces the loader's chunks).
+        """
         chunks = self.tracker.yielded if self.tracker is not None else []
-        if chunks and not chunks[-1].is_last:
+        if logical_batch_size is None and chunks and not chunks[-1].is_last:
             self._mid_logical_batch = True
             return False
         self._check_params_belong_to_model()
         examples, backward_calls = self._examples_of_this_step()
-        self._check_batch(chunks, examples, backward_calls)
+        self._check_batch(chunks, examples, backward_calls, logical_batch_size)
         if self.tracker is not None:
             self.tracker.take_yielded()
         if backward_calls:

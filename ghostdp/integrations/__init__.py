@@ -1,0 +1,1 @@
+"""Integrations with other libraries (imported on demand: ghostdp.integrations.transformers)."""

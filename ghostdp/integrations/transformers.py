@@ -1,0 +1,296 @@
+"""DPTrainer: Hugging Face's Trainer with DP-SGD by ghost clipping.
+
+Each Trainer batch is one Poisson-sampled logical batch. ``training_step`` splits it into physical
+chunks, computes per-example losses from the logits (never the model's batch-token-mean loss),
+runs ghostdp's two passes per chunk, then adds the noise once and divides by the expected batch
+size, all before the Trainer reads ``grad_norm`` and steps the (unwrapped) optimizer.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.data.data_collator import DataCollatorWithFlattening
+
+from ..accounting import get_noise_multiplier, make_accountant
+from ..clipping import GhostClipping, per_example_loss
+from ..data import DPDataLoader, PoissonBatchSampler
+from ..optim import DPOptimizer
+from ..randomness import RandomSource
+
+STATE_FILE = "ghostdp_state.pt"
+LOSS_KINDS = ("sequence_classification", "token_classification", "causal_lm")
+
+
+@dataclass
+class DPArguments:
+    """Privacy settings of a DPTrainer.
+
+    Give ``target_epsilon`` (sigma is calibrated for the planned number of steps) or
+    ``noise_multiplier``. ``max_grad_norm`` is the per-example clipping norm C (the Trainer's own
+    ``TrainingArguments.max_grad_norm`` is turned off). ``loss`` is the per-example loss:
+    "sequence_classification" (cross-entropy, or MSE when the model has one label),
+    "token_classification" (token mean over labels != -100 per example), "causal_lm" (the
+    same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
+    ``max_epsilon`` stops training before the step that would exceed it.
+    """
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    target_delta: float = 1e-5
+    max_grad_norm: float = 1.0
+    max_physical_batch_size: int | None = None
+    max_epsilon: float | None = None
+    loss: str | Callable = "sequence_classification"
+    accountant: str = "prv"
+    secure_mode: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of target_epsilon and noise_multiplier")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size!r}")
+        if not callable(self.loss) and self.loss not in LOSS_KINDS:
+            raise ValueError(f"loss must be one of {LOSS_KINDS} or a callable, got {self.loss!r}")
+
+
+def per_example_losses(kind, outputs, labels, num_labels=None) -> torch.Tensor:
+    """(B,) losses from model outputs and labels for one of LOSS_KINDS, or a callable."""
+    if callable(kind):
+        return kind(outputs, labels)
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+    if kind == "sequence_classification" and num_labels == 1:
+        return per_example_loss(torch.nn.MSELoss(), logits.squeeze(-1), labels.to(logits.dtype))
+    if kind == "causal_lm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return per_example_loss(torch.nn.CrossEntropyLoss(ignore_index=-100), logits, labels)
+
+
+def _split_rows(batch: dict, size: int, count: int):
+    """Row slices [start, start + size) of every tensor of a collated batch."""
+    for start in range(0, count, size):
+        yield {k: (v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+               for k, v in batch.items()}
+
+
+class _EpsilonBudget(TrainerCallback):
+    """Stops training before the step that would take epsilon above max_epsilon."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.allowed_steps is not None and self.trainer.accountant.steps >= self.trainer.allowed_steps:
+            control.should_training_stop = True
+        return control
+
+
+class DPTrainerMixin:
+    """Mix into a transformers.Trainer (subclass): ``class MyDPTrainer(DPTrainerMixin, MyTrainer)``."""
+
+    def __init__(self, *args, dp_args: DPArguments, **kwargs):
+        if not isinstance(dp_args, DPArguments):
+            raise TypeError("dp_args must be a ghostdp.integrations.transformers.DPArguments")
+        super().__init__(*args, **kwargs)
+        self.dp_args = dp_args
+        self._refuse_unsupported()
+        self.accountant = make_accountant(dp_args.accountant)
+        self.random_source = RandomSource(secure=dp_args.secure_mode, seed=dp_args.seed)
+        self.controller = GhostClipping(self.model, dp_args.max_grad_norm)
+        self.noise_multiplier = dp_args.noise_multiplier
+        self.dp_optimizer = None
+        self.allowed_steps = None
+        self._train_loader = None
+        self._pending_state = None
+        self._epsilon_cache = (None, None)
+        self.add_callback(_EpsilonBudget(self))
+
+    # ------------------------------------------------------------------ what is refused
+    def _refuse_unsupported(self):
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: accumulating several sampled "
+                "batches into one step breaks the privacy accounting. Set it to 1, make "
+                "per_device_train_batch_size the logical batch size, and set DPArguments.max_physical_batch_size "
+                "to what fits in memory.")
+        if args.fp16:
+            raise ValueError("fp16 training uses a GradScaler whose scaled gradients would change the noise "
+                             "calibration; use bf16=True or float32.")
+        if args.n_gpu > 1:
+            raise ValueError("DataParallel (several GPUs in one process) is not supported: launch one process "
+                             "per GPU (torchrun / accelerate launch) instead.")
+        if args.world_size > 1:
+            raise NotImplementedError("DPTrainer does not support several processes yet.")
+        if isinstance(self.data_collator, DataCollatorWithFlattening) or getattr(self.data_collator,
+                                                                                 "padding_free", False):
+            raise ValueError("packing / padding-free collators merge examples into one row, so a row is no "
+                             "longer one example; use a padding collator.")
+        if args.max_grad_norm:
+            warnings.warn(f"TrainingArguments.max_grad_norm={args.max_grad_norm} is turned off: DP-SGD clips each "
+                          "example's gradient (DPArguments.max_grad_norm); clipping the noisy batch gradient "
+                          "again would only distort it.")
+            args.max_grad_norm = 0.0
+        args.ignore_data_skip = True  # the private loader resumes from its own saved position
+
+    # ------------------------------------------------------------------ data and optimizer
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("DPTrainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError("DP-SGD needs a map-style train_dataset with len() to Poisson-sample it")
+        n = len(dataset)
+        logical = self.args.per_device_train_batch_size
+        sample_rate = min(1.0, logical / n)
+        steps_per_epoch = max(1, math.ceil(n / logical))
+        self.sample_rate, self.expected_batch_size = sample_rate, sample_rate * n
+        sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source)
+        loader = DPDataLoader(dataset, sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
+                              pin_memory=self.args.dataloader_pin_memory)
+        self._train_loader = loader
+        self._calibrate(steps_per_epoch)
+        self._apply_pending_state()
+        return loader
+
+    def _planned_steps(self, steps_per_epoch):
+        if self.args.max_steps and self.args.max_steps > 0:
+            return self.args.max_steps
+        return max(1, math.ceil(self.args.num_train_epochs * steps_per_epoch))
+
+    def _calibrate(self, steps_per_epoch):
+        dp = self.dp_args
+        steps = self._planned_steps(steps_per_epoch)
+        if dp.target_epsilon is not None:
+            self.noise_multiplier = get_noise_multiplier(
+                target_epsilon=dp.target_epsilon, target_delta=dp.target_delta, sample_rate=self.sample_rate,
+                steps=steps, accountant=dp.accountant)
+        if dp.max_epsilon is not None:
+            self.allowed_steps = self._steps_within(dp.max_epsilon, steps)
+
+    def _steps_within(self, max_epsilon, planned):
+        """The largest step count whose epsilon stays <= max_epsilon (searched up to the plan)."""
+        def eps(steps):
+            acc = make_accountant(self.dp_args.accountant)
+            acc.history = [list(h) for h in self.accountant.history]
+            acc.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate, num_steps=steps)
+            return acc.get_epsilon(self.dp_args.target_delta)
+        if eps(planned) <= max_epsilon:
+            return None
+        low, high = 0, planned  # eps(low) <= max_epsilon < eps(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if eps(mid) <= max_epsilon else (low, mid)
+        return self.accountant.steps + low
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if self.dp_optimizer is None or self.dp_optimizer.original_optimizer is not optimizer:
+            if self.noise_multiplier is None:
+                raise RuntimeError("the noise multiplier is calibrated when the train dataloader is built")
+            self.dp_optimizer = DPOptimizer(
+                optimizer, controller=self.controller, noise_multiplier=self.noise_multiplier,
+                expected_batch_size=self.expected_batch_size, sample_rate=self.sample_rate,
+                accountant=self.accountant, random_source=self.random_source)
+        return optimizer
+
+    # ------------------------------------------------------------------ the private step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        labels = None
+        for key in ("labels", "label", "label_ids"):
+            if key in inputs:
+                labels = inputs.pop(key)
+                break
+        if labels is None:
+            raise ValueError("the batch has no 'labels': DPTrainer computes each example's loss from the logits "
+                             "and the labels, so the collator must provide them")
+        count = labels.shape[0]
+        size = self.dp_args.max_physical_batch_size or max(1, count)
+        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
+        total = torch.zeros((), device=self.args.device)
+        for chunk, chunk_labels in zip(_split_rows(inputs, size, count), labels.split(size)):
+            with self.compute_loss_context_manager():
+                outputs = model(**chunk)
+                losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels)
+                if losses.dim() != 1 or losses.shape[0] != chunk_labels.shape[0]:
+                    raise ValueError(f"the per-example loss returned shape {tuple(losses.shape)}; it must be "
+                                     f"({chunk_labels.shape[0]},), one loss per example")
+                loss = self.controller.loss(losses, "mean", self.expected_batch_size)
+            self.accelerator.backward(loss)
+            total += loss.detach().to(total.device)
+        self.dp_optimizer.pre_step(logical_batch_size=count)  # noise once, before the Trainer's grad_norm
+        return total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training and torch.is_grad_enabled():
+            raise RuntimeError("DPTrainer computes training losses in training_step; a training-mode forward "
+                               "through compute_loss would not be clipped")
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+    # ------------------------------------------------------------------ epsilon in the logs, checkpoints
+    def epsilon(self) -> float:
+        steps = self.accountant.steps
+        if self._epsilon_cache[0] != steps:
+            self._epsilon_cache = (steps, self.accountant.get_epsilon(self.dp_args.target_delta))
+        return self._epsilon_cache[1]
+
+    def log(self, logs, *args, **kwargs):
+        if self.accountant.steps:
+            logs = dict(logs, epsilon=self.epsilon())
+        return super().log(logs, *args, **kwargs)
+
+    def _state(self):
+        return {"accountant": self.accountant.state_dict(), "random": self.random_source.state_dict(),
+                "data_loader": self._train_loader.state_dict() if self._train_loader is not None else {},
+                "noise_multiplier": self.noise_multiplier}
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.args.should_save:
+            torch.save(self._state(), os.path.join(folder, STATE_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, STATE_FILE)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: without the saved accountant, resuming would restart "
+                                    "epsilon from zero. Resume from a checkpoint written by DPTrainer.")
+        state = torch.load(path, weights_only=False)
+        self.accountant.load_state_dict(state["accountant"])
+        self._pending_state = state
+
+    def _apply_pending_state(self):
+        state = self._pending_state
+        if state is None:
+            return
+        self.random_source.load_state_dict(state["random"])
+        self._train_loader.load_state_dict(state["data_loader"])
+        self.noise_multiplier = state["noise_multiplier"]
+        self._pending_state = None
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """``DPTrainer(model=..., args=TrainingArguments(...), train_dataset=..., dp_args=DPArguments(...), ...)``."""

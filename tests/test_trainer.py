@@ -1,0 +1,181 @@
+"""DPTrainer inside transformers' own training loop: exact steps, epsilon in the logs, budget, resume."""
+import copy
+import math
+
+import pytest
+import torch
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainerCallback,
+                          TrainingArguments)
+from transformers.data.data_collator import DataCollatorWithFlattening
+
+from ghostdp.data import PoissonBatchSampler
+from ghostdp.integrations.transformers import DPArguments, DPTrainer
+from ghostdp.randomness import RandomSource
+
+N, T = 24, 10
+
+
+class Examples(torch.utils.data.Dataset):
+    def __init__(self, causal=False, n=N):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, 60, (n, T), generator=g)
+        self.mask = torch.ones(n, T, dtype=torch.long)
+        self.mask[::3, 7:] = 0
+        self.causal = causal
+        self.labels = self.ids.masked_fill(self.mask == 0, -100) if causal else (self.ids[:, 0] > 30).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def bert():
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def gpt2_lora():
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
+
+
+def args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=0.5, optim="sgd",
+                lr_scheduler_type="constant", weight_decay=0.0, max_steps=1, report_to=[], use_cpu=True,
+                logging_steps=1, save_strategy="no", max_grad_norm=0.0, dataloader_pin_memory=False)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def reference_step(model, data, indices, C, lr, expected, loss_fn):
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for i in indices:
+        item = data[i]
+        out = model(input_ids=item["input_ids"][None], attention_mask=item["attention_mask"][None])
+        grads = torch.autograd.grad(loss_fn(out.logits, item["labels"][None]), params)
+        c = min(1.0, C / (float(torch.sqrt(sum(g.pow(2).sum() for g in grads))) + 1e-6))
+        for t, g in zip(total, grads):
+            t += c * g
+    with torch.no_grad():
+        for p, t in zip(params, total):
+            p -= lr * t / expected
+    return model
+
+
+def first_batch(seed, data, rate):
+    return PoissonBatchSampler(len(data), rate, 3, source=RandomSource(seed=seed)).draw(0, 0)
+
+
+def cross_entropy(logits, labels):
+    return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def causal_token_mean(logits, labels):
+    return torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+
+
+@pytest.mark.parametrize("physical", [None, 3])
+def test_a_trainer_step_equals_the_per_example_reference(tmp_path, physical):
+    data, model = Examples(), bert()
+    reference = reference_step(copy.deepcopy(model), data, first_batch(7, data, 8 / N), 0.3, 0.5, 8, cross_entropy)
+    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.3, max_physical_batch_size=physical, seed=7)
+    DPTrainer(model=model, args=args(tmp_path), train_dataset=data, dp_args=dp).train()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-12)
+
+
+def test_lora_causal_lm_step_equals_the_reference(tmp_path):
+    data, model = Examples(causal=True), gpt2_lora()
+    reference = reference_step(copy.deepcopy(model), data, first_batch(3, data, 8 / N), 0.2, 0.5, 8,
+                               causal_token_mean)
+    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.2, loss="causal_lm", seed=3, max_physical_batch_size=4)
+    DPTrainer(model=model, args=args(tmp_path), train_dataset=data, dp_args=dp).train()
+    trained = dict(model.named_parameters())
+    for name, r in reference.named_parameters():
+        torch.testing.assert_close(trained[name], r, rtol=1e-9, atol=1e-12)
+        if not r.requires_grad:
+            assert torch.equal(trained[name], r)
+
+
+class Logs(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def test_epsilon_reaches_every_callback_and_the_budget_stops_training(tmp_path):
+    logs = Logs()
+    dp = DPArguments(noise_multiplier=0.8, max_epsilon=6.0, seed=1)
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=50), train_dataset=Examples(), dp_args=dp,
+                        callbacks=[logs])
+    trainer.train()
+    steps = trainer.accountant.steps
+    assert 0 < steps < 50 and trainer.state.global_step == steps
+    assert trainer.epsilon() <= 6.0
+    trainer.accountant.step(noise_multiplier=0.8, sample_rate=8 / N)
+    assert trainer.accountant.get_epsilon(1e-5) > 6.0  # one more step would have exceeded the budget
+    eps = [log["epsilon"] for log in logs.logs if "loss" in log]
+    assert len(eps) == steps and eps == sorted(eps)
+
+
+def test_target_epsilon_is_met_over_the_planned_steps(tmp_path):
+    dp = DPArguments(target_epsilon=5.0, seed=2, accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=6), train_dataset=Examples(), dp_args=dp)
+    trainer.train()
+    assert trainer.accountant.steps == 6 and 0.99 * 5.0 <= trainer.epsilon() <= 5.0
+
+
+def test_resume_from_checkpoint_keeps_epsilon_and_the_trajectory(tmp_path):
+    dp = DPArguments(noise_multiplier=1.0, seed=5)
+    straight = bert()
+    DPTrainer(model=straight, args=args(tmp_path / "a", max_steps=4), train_dataset=Examples(), dp_args=dp).train()
+
+    first = bert()
+    DPTrainer(model=first, args=args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+              train_dataset=Examples(), dp_args=dp).train()
+    resumed_model = bert()
+    trainer = DPTrainer(model=resumed_model, args=args(tmp_path / "b", max_steps=4), train_dataset=Examples(),
+                        dp_args=DPArguments(noise_multiplier=1.0, seed=99))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    assert trainer.accountant.steps == 4
+    for p, q in zip(resumed_model.parameters(), straight.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_evaluate_and_save_are_those_of_a_plain_trainer(tmp_path):
+    model = bert()
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=Examples(), eval_dataset=Examples(),
+                        dp_args=DPArguments(noise_multiplier=1.0, seed=0))
+    trainer.train()
+    assert "eval_loss" in trainer.evaluate()
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = BertForSequenceClassification.from_pretrained(str(tmp_path / "saved"))
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+
+
+def test_unsupported_settings_are_refused(tmp_path):
+    dp = DPArguments(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        DPTrainer(model=bert(), args=args(tmp_path, gradient_accumulation_steps=2), train_dataset=Examples(),
+                  dp_args=dp)
+    with pytest.raises(ValueError, match="padding-free"):
+        DPTrainer(model=bert(), args=args(tmp_path), train_dataset=Examples(), dp_args=dp,
+                  data_collator=DataCollatorWithFlattening())
+    with pytest.warns(UserWarning, match="max_grad_norm=1.0 is turned off"):
+        trainer = DPTrainer(model=bert(), args=args(tmp_path, max_grad_norm=1.0), train_dataset=Examples(),
+                            dp_args=dp)
+    assert trainer.args.max_grad_norm == 0
+    with pytest.raises(ValueError, match="exactly one"):
+        DPArguments(target_epsilon=3.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="loss"):
+        DPArguments(noise_multiplier=1.0, loss="masked_lm")
