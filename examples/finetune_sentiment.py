@@ -125,7 +125,7 @@ def peak_memory_mb():
 def train_once(name, model, train, test, args, epsilon, out_dir):
     from ghostdp.integrations.transformers import DPArguments, DPTrainer
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
-    common = dict(output_dir=os.path.join(out_dir, name), per_device_train_batch_size=args.batch_size,
+    common = dict(output_dir=os.path.join(out_dir, name.replace(" ", "_")), per_device_train_batch_size=args.batch_size,
                   per_device_eval_batch_size=512, num_train_epochs=args.epochs, learning_rate=args.lr,
                   lr_scheduler_type="constant", weight_decay=0.0, report_to=[], save_strategy="no",
                   eval_strategy="steps", eval_steps=max(1, steps_per_epoch * args.epochs // 8),
@@ -208,8 +208,9 @@ def main(argv=None):
     frozen = layers - train_layers
     train_states = encode(base.bert, tokenizer, [t for t, _ in train_ex], frozen)
     test_states = encode(base.bert, tokenizer, [t for t, _ in test_ex], frozen)
+    trained = f"the top {train_layers} layers, pooling and the head" if train_layers else "pooling and the head"
     print(f"frozen encoder ({frozen} of {layers} layers) run once in {time.perf_counter() - start:.1f} s; "
-          f"training the top {train_layers} layers and the head")
+          f"training {trained}")
     train = Features(train_states, [y for _, y in train_ex])
     test = Features(test_states, [y for _, y in test_ex])
 
