@@ -82,8 +82,10 @@ def reference_run(batches, sigma, C, lr, expected_batch, noise_seed):
 @pytest.mark.parametrize("max_physical", [None, 3])
 def test_update_equals_per_example_reference_with_the_same_noise(max_physical):
     record = []
-    engine, model, opt, crit, loader = private(noise_generator=torch.Generator().manual_seed(11),
+    original = make_model()
+    engine, model, opt, crit, loader = private(model=original, noise_generator=torch.Generator().manual_seed(11),
                                                max_physical_batch_size=max_physical)
+    assert model is original and isinstance(opt, ghostdp.DPOptimizer)
     train(model, opt, crit, loader, steps=4, record=record)
     ref = reference_run(record, sigma=0.7, C=0.5, lr=0.2, expected_batch=8, noise_seed=11)
     assert engine.accountant.history == [[0.7, 8 / N, 4]]
