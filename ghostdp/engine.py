@@ -1,14 +1,13 @@
 """PrivacyEngine: turns a model, optimizer, loader and criterion into their DP-SGD counterparts."""
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .accounting import get_noise_multiplier, make_accountant
-from .clipping import DPCriterion, GhostClipping
+from .accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
+from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
 from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
 from .optim import DPOptimizer
 from .randomness import RandomSource
@@ -16,13 +15,6 @@ from .randomness import RandomSource
 CLIPPING_MODES = ("ghost",)
 _LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
                     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device")
-
-
-def _check_positive(name, value, allow_zero=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
-        value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
 def _sample_rate(data_loader) -> tuple[float, int]:
@@ -68,8 +60,8 @@ class PrivacyEngine:
         batch_size; with False the loader's own batches are kept and the accountant still
         assumes Poisson sampling at rate batch_size / len(dataset), as Opacus and others do.
         """
-        _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-        _check_positive("max_grad_norm", max_grad_norm)
+        check_noise_multiplier(noise_multiplier)
+        check_max_grad_norm(max_grad_norm)
         if clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
         if loss_reduction not in ("mean", "sum"):

@@ -145,15 +145,15 @@ class DPOptimizer(torch.optim.Optimizer):
         return sum(n for n, _ in passes), len(passes)
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
-        if logical_batch_size is not None:  # the caller ran the logical batch itself (DPTrainer)
-            if examples != logical_batch_size:
-                raise PrivacyStepError(f"this logical batch has {logical_batch_size} examples but backward() "
-                                       f"clipped {examples}")
-            return
-        if not chunks:  # the loop's own loader: no chunk information
-            if backward_calls == 0:
-                raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss since "
-                                       "the last step. Call loss.backward() first.")
+        # The examples this step must have clipped: given by the caller (DPTrainer runs the logical
+        # batch itself), else the loader's record, else unknown (the loop's own batches).
+        expected = logical_batch_size
+        if expected is None and chunks:
+            expected = chunks[-1].logical_size
+        if backward_calls == 0 and expected != 0:
+            raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss for this "
+                                   "batch. Call loss.backward() first.")
+        if expected is None:
             if self.fixed_batch_size is not None and examples > self.fixed_batch_size:
                 raise PrivacyStepError(
                     f"this step clipped {examples} examples but the data loader's batches hold at most "
@@ -162,17 +162,13 @@ class DPOptimizer(torch.optim.Optimizer):
                     "max_physical_batch_size to split it.")
             return
         logical_ids = sorted({c.logical_id for c in chunks})
-        if len(logical_ids) > 1:
+        if logical_batch_size is None and len(logical_ids) > 1:
             raise PrivacyStepError(
                 f"this step spans {len(logical_ids)} logical batches of the data loader; each is one draw of the "
                 "sampled Gaussian mechanism and needs its own noise and step. Call optimizer.step() after "
                 "every batch of the loader (it skips until a logical batch is complete), and make the "
                 "logical batch larger (batch size of the loader) instead of accumulating.")
-        expected = chunks[-1].logical_size
         if examples != expected:
-            if backward_calls == 0:
-                raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss for this "
-                                       "batch. Call loss.backward() first.")
             raise PrivacyStepError(
                 f"this logical batch has {expected} examples but backward() clipped {examples}: a physical "
                 "batch was skipped, or examples were backpropagated twice or came from elsewhere. Run "

@@ -4,10 +4,14 @@ from __future__ import annotations
 import math
 
 
-def check_mechanism(noise_multiplier, sample_rate, num_steps=1):
+def check_noise_multiplier(noise_multiplier):
     if not isinstance(noise_multiplier, (int, float)) or isinstance(noise_multiplier, bool) \
             or not noise_multiplier >= 0 or math.isinf(noise_multiplier):
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+
+
+def check_mechanism(noise_multiplier, sample_rate, num_steps=1):
+    check_noise_multiplier(noise_multiplier)
     if not isinstance(sample_rate, (int, float)) or isinstance(sample_rate, bool) \
             or not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r} (the probability that an "

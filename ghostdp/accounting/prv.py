@@ -95,12 +95,6 @@ class PLD:
                 base = base.compose(base, budget * base_steps / (count * convolutions))
         return result
 
-    def delta(self, eps: float) -> float:
-        losses = self.h * (self.offset + np.arange(self.pmf.shape[0]))
-        above = losses > eps
-        return float(self.inf_mass + self.slack
-                     + np.sum(self.pmf[above] * -np.expm1(eps - losses[above])))
-
     def epsilon(self, delta: float) -> float:
         """The smallest eps with delta(eps) <= delta (an upper bound on the true one)."""
         fixed = self.inf_mass + self.slack
@@ -202,11 +196,6 @@ def _composed(history, h, direction, delta_scale) -> PLD:
 
 def prv_epsilon(history, delta, h=1e-4):
     return max(_composed(history, h, d, delta).epsilon(delta) for d in ("remove", "add"))
-
-
-def prv_delta(history, eps, h=1e-4, resolution=1e-12):
-    """An upper bound on delta(eps); truncations add at most 1e-3 * resolution to it."""
-    return max(_composed(history, h, d, resolution).delta(eps) for d in ("remove", "add"))
 
 
 class PRVAccountant(Accountant):

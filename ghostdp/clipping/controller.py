@@ -70,6 +70,12 @@ class _Pass:
         self.sq = sq if self.sq is None else self.sq + sq
 
 
+def check_max_grad_norm(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value != value \
+            or value == float("inf"):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}")
+
+
 def _leading_dim(args, kwargs):
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -129,9 +135,7 @@ class GhostClipping:
 
     @max_grad_norm.setter
     def max_grad_norm(self, value):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value != value \
-                or value == float("inf"):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}")
+        check_max_grad_norm(value)
         self._max_grad_norm = float(value)
 
     def detach(self) -> None:

@@ -17,8 +17,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.data.data_collator import DataCollatorWithFlattening
 
-from ..accounting import get_noise_multiplier, make_accountant
-from ..clipping import GhostClipping, per_example_loss
+from ..accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
+from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
 from ..data import DPDataLoader, PoissonBatchSampler
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
@@ -53,12 +53,11 @@ class DPArguments:
     def __post_init__(self):
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of target_epsilon and noise_multiplier")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
+        if self.noise_multiplier is not None:
+            check_noise_multiplier(self.noise_multiplier)
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon!r}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        check_max_grad_norm(self.max_grad_norm)
         if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size!r}")
         if not callable(self.loss) and self.loss not in LOSS_KINDS:
@@ -204,7 +203,7 @@ class DPTrainerMixin:
         return self.accountant.steps + low
 
     def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        optimizer = super().create_optimizer(model)
         if self.dp_optimizer is None or self.dp_optimizer.original_optimizer is not optimizer:
             if self.noise_multiplier is None:
                 raise RuntimeError("the noise multiplier is calibrated when the train dataloader is built")
