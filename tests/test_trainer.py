@@ -126,6 +126,7 @@ def test_epsilon_reaches_every_callback_and_the_budget_stops_training(tmp_path):
     assert trainer.accountant.get_epsilon(1e-5) > 6.0  # one more step would have exceeded the budget
     eps = [log["epsilon"] for log in logs.logs if "loss" in log]
     assert len(eps) == steps and eps == sorted(eps)
+    assert trainer._train_loader.tracker.yielded == []  # each step takes its chunk records
 
 
 def test_target_epsilon_is_met_over_the_planned_steps(tmp_path):

@@ -210,7 +210,7 @@ class DPTrainerMixin:
             self.dp_optimizer = DPOptimizer(
                 optimizer, controller=self.controller, noise_multiplier=self.noise_multiplier,
                 expected_batch_size=self.expected_batch_size, sample_rate=self.sample_rate,
-                accountant=self.accountant, random_source=self.random_source)
+                accountant=self.accountant, random_source=self.random_source, tracker=self._train_loader.tracker)
         return optimizer
 
     # ------------------------------------------------------------------ the private step
