@@ -60,6 +60,17 @@ class PoissonBatchSampler(Sampler):
         keep = self.source.sampling_uniform(self.shard.shape[0], (self.rank, epoch, batch)) < self.sample_rate
         return self.shard[keep].tolist()
 
+    def sizes_on_all_ranks(self, epoch: int, batch: int) -> list[int]:
+        """The size of this draw on every rank, computed locally (the streams are shared by all ranks)."""
+        if self.source.secure:
+            raise RuntimeError("secure-mode draws cannot be reproduced for other ranks")
+        sizes = []
+        for rank in range(self.world_size):
+            shard_size = len(range(rank, self.num_samples, self.world_size))
+            keep = self.source.sampling_uniform(shard_size, (rank, epoch, batch)) < self.sample_rate
+            sizes.append(int(keep.sum()))
+        return sizes
+
     def with_positions(self):
         """Yields ((epoch, batch), indices) from the current position to the end of the epoch."""
         epoch = self.epoch
@@ -92,6 +103,7 @@ class Chunk:
     count: int          # number of chunks of the logical batch
     logical_size: int   # examples in the whole logical batch
     position: tuple     # (epoch, batch) of the logical batch in its sampler, or None
+    padding: bool = False  # a stand-in row (weight 0) that keeps the ranks' chunk counts equal
 
     @property
     def is_last(self) -> bool:
@@ -115,14 +127,20 @@ class ChunkedBatchSampler(Sampler):
     """Splits each logical batch of ``logical`` into chunks of at most ``max_physical_batch_size``.
 
     An empty logical batch becomes one empty chunk, so the loop still runs a (noise-only) step.
+    With several processes, every rank yields as many chunks as the rank with the largest draw,
+    because DDP needs the same number of forward and backward calls everywhere: a rank whose own
+    examples run out yields padding chunks of one stand-in row (example 0) whose loss the
+    controller weighs by 0 (models need not accept empty batches). ``pad_ranks=False`` turns this
+    off for a caller that equalises the ranks itself (DPTrainer).
     """
 
-    def __init__(self, logical, max_physical_batch_size: int | None, tracker: BatchTracker):
+    def __init__(self, logical, max_physical_batch_size: int | None, tracker: BatchTracker, pad_ranks: bool = True):
         if max_physical_batch_size is not None and (not isinstance(max_physical_batch_size, int)
                                                     or max_physical_batch_size < 1):
             raise ValueError(f"max_physical_batch_size must be an integer >= 1 or None, got "
                              f"{max_physical_batch_size!r}")
         self.logical, self.max_physical, self.tracker = logical, max_physical_batch_size, tracker
+        self.pad_ranks = pad_ranks
 
     def __len__(self):
         return len(self.logical)  # the number of logical batches (= optimizer steps) per epoch
@@ -134,13 +152,17 @@ class ChunkedBatchSampler(Sampler):
             batches = ((None, indices) for indices in self.logical)
         for position, indices in batches:
             indices = list(indices)
-            size = self.max_physical or max(1, len(indices))
-            count = max(1, math.ceil(len(indices) / size))
+            distributed = self.pad_ranks and position is not None and self.logical.world_size > 1
+            largest = max(self.logical.sizes_on_all_ranks(*position)) if distributed else len(indices)
+            size = self.max_physical or max(1, largest)
+            count = max(1, math.ceil(largest / size))
             logical_id = self.tracker.logical_batches
             self.tracker.logical_batches += 1
             for index in range(count):
-                self.tracker.pending.append(Chunk(logical_id, index, count, len(indices), position))
-                yield indices[index * size:(index + 1) * size]
+                rows = indices[index * size:(index + 1) * size]
+                padding = distributed and not rows
+                self.tracker.pending.append(Chunk(logical_id, index, count, len(indices), position, padding))
+                yield [0] if padding else rows
 
 
 def empty_like_batch(batch):
@@ -184,11 +206,12 @@ class DPDataLoader(DataLoader):
     """
 
     def __init__(self, dataset, logical_batches, *, max_physical_batch_size=None, tracker=None,
-                 collate_fn=None, **loader_kwargs):
+                 collate_fn=None, controller=None, pad_ranks=True, **loader_kwargs):
         self.tracker = tracker or BatchTracker()
+        self.controller = controller  # told which chunks are padding (set by make_private)
         self.logical_batches = logical_batches
         super().__init__(dataset, batch_sampler=ChunkedBatchSampler(logical_batches, max_physical_batch_size,
-                                                                    self.tracker),
+                                                                    self.tracker, pad_ranks),
                          collate_fn=EmptyBatchCollate(collate_fn, dataset), **loader_kwargs)
         # Where to resume: the logical batch after the last one the loop received in full.
         self.position = None
@@ -202,6 +225,8 @@ class DPDataLoader(DataLoader):
         for batch in super().__iter__():
             chunk = self.tracker.pending.popleft()
             self.tracker.yielded.append(chunk)
+            if self.controller is not None:
+                self.controller.next_loss_is_padding = chunk.padding
             if chunk.is_last and chunk.position is not None:
                 self.position = self.logical_batches.position_after(chunk.position)
             yield batch

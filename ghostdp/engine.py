@@ -1,10 +1,11 @@
 """PrivacyEngine: turns a model, optimizer, loader and criterion into their DP-SGD counterparts."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from .accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
@@ -17,13 +18,19 @@ _LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "m
                     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device")
 
 
-def _sample_rate(data_loader) -> tuple[float, int]:
-    """(q, dataset size): q = batch_size / N, or 1 / len(loader) for a loader without batch_size."""
+def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
+    """(q, dataset size, steps per epoch). q = batch_size * world_size / N: with several processes,
+    batch_size is each process's expected share, as in DDP (or 1 / len(loader) without batch_size)."""
     n = len(data_loader.dataset)
     if n == 0:
         raise ValueError("the data loader's dataset is empty")
     batch_size = data_loader.batch_size
-    return min(1.0, batch_size / n if batch_size else 1 / len(data_loader)), n
+    if world_size == 1:
+        return min(1.0, batch_size / n if batch_size else 1 / len(data_loader)), n, len(data_loader)
+    if not batch_size:
+        raise ValueError("with several processes the data loader needs a batch_size (each process's expected "
+                         "batch), from which the sample rate batch_size * world_size / len(dataset) follows")
+    return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
 
 
 class PrivacyEngine:
@@ -69,9 +76,6 @@ class PrivacyEngine:
         if self.controller is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use one engine per model "
                                "(its accountant belongs to that training run)")
-        if distributed_rank_and_size()[1] > 1:
-            raise NotImplementedError("PrivacyEngine.make_private does not support several processes yet: noise "
-                                      "would be added on every rank and the gradient average would be mis-scaled.")
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if criterion is not None:
@@ -83,6 +87,8 @@ class PrivacyEngine:
             if self.secure_mode:
                 raise ValueError("secure_mode draws noise from OS entropy; do not pass a noise_generator")
             self.random_source = RandomSource(seed=self.random_source.seed, noise_generator=noise_generator)
+        if distributed_rank_and_size()[1] > 1:
+            self.random_source.agree_across_ranks(seed_given=self._seed is not None)
 
         loader, sample_rate, expected_batch_size, tracker, fixed = self._private_loader(
             data_loader, poisson_sampling, max_physical_batch_size)
@@ -99,6 +105,7 @@ class PrivacyEngine:
         dp_criterion = None
         if criterion is not None:
             dp_criterion = DPCriterion(criterion, controller, expected_batch_size)
+        loader.controller = controller
         self.controller, self.optimizer, self.data_loader = controller, dp_optimizer, loader
         self._apply_pending_state()
         return module, dp_optimizer, dp_criterion, loader
@@ -114,8 +121,13 @@ class PrivacyEngine:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError("DP-SGD needs a map-style dataset with len() (each example must be addressable to "
                             "sample it); an IterableDataset cannot be Poisson-sampled")
-        sample_rate, n = _sample_rate(data_loader)
-        steps_per_epoch = len(data_loader)
+        world_size = distributed_rank_and_size()[1]
+        if world_size > 1 and not poisson_sampling and not isinstance(data_loader.sampler, DistributedSampler):
+            raise ValueError(
+                "with several processes and poisson_sampling=False, the data loader must shard the data with a "
+                "torch DistributedSampler; otherwise every process trains on the same examples and the sample "
+                "rate (and epsilon) would be wrong. Use Poisson sampling (each rank draws from its own shard).")
+        sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, world_size)
         expected_batch_size = sample_rate * n
         settings = {k: getattr(data_loader, k) for k in _LOADER_SETTINGS if hasattr(data_loader, k)}
         if settings.get("num_workers", 0) == 0:
@@ -144,9 +156,9 @@ class PrivacyEngine:
             raise ValueError("make_private_with_epsilon chooses noise_multiplier; do not pass one")
         if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
             raise TypeError("make_private_with_epsilon needs a torch DataLoader over a dataset with len()")
-        sample_rate, _ = _sample_rate(data_loader)
+        sample_rate, _, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
         sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                     sample_rate=sample_rate, steps=epochs * len(data_loader),
+                                     sample_rate=sample_rate, steps=epochs * steps_per_epoch,
                                      accountant=self.accountant.mechanism)
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader, criterion=criterion,
                                  noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)

@@ -4,12 +4,17 @@ After backward, p.grad holds the clipped sum sum_i c_i g_i (ghostdp's controller
 At the end of a logical batch, step() does, for every parameter of the wrapped optimizer:
     p.grad = (p.grad + N(0, sigma^2 C^2)) / expected_batch_size     (loss_reduction="mean")
 then the wrapped optimizer's step, and records (sigma, q) in the accountant.
+
+With several processes (DDP), p.grad holds the average over ranks of their clipped sums; it is
+multiplied by the world size back into the sum over all ranks' examples, and every rank adds the
+same noise draw (shared seed), so the noise enters once. One small all-reduce per step checks
+that the gradients and the noise agree on all ranks.
 """
 from __future__ import annotations
 
 import torch
 
-from .data import BatchTracker
+from .data import BatchTracker, distributed_rank_and_size
 
 
 class PrivacyStepError(RuntimeError):
@@ -54,6 +59,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.tracker = tracker
         self.fixed_batch_size = fixed_batch_size
         self.loss_reduction = loss_reduction
+        self.world_size = distributed_rank_and_size()[1]
         self._param_names = {p: n for n, p in controller.module.named_parameters()}
         self._check_params_belong_to_model()
         self._mid_logical_batch = False   # the last step() was skipped: more chunks follow
@@ -182,15 +188,57 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def add_noise(self):
-        """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero."""
+        """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero.
+
+        With several processes p.grad is first multiplied by the world size (DDP averaged it).
+        """
         std = self.noise_multiplier * self.max_grad_norm
-        for p in self.params:
+        params = self.params
+        distributed = self.world_size > 1 and bool(params)
+        clipped_fingerprint = self._fingerprint() if distributed else None
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if self.world_size > 1:
+                p.grad.mul_(self.world_size)
             if std > 0:
                 p.grad.add_(self.random_source.gaussian_like(p.grad, std))
             if self.loss_reduction == "mean":
                 p.grad.div_(self.expected_batch_size)
+        if distributed:
+            self._check_ranks_agree(clipped_fingerprint, self._fingerprint())
+
+    def _fingerprint(self) -> torch.Tensor:
+        """Two float64 numbers that summarise every p.grad: sum_k (k + 1) sum(g_k), and sum_k |g_k|."""
+        device = self.params[0].device
+        weighted, norms = [], []
+        for k, p in enumerate(self.params):
+            if p.grad is not None:
+                weighted.append(((k + 1) * p.grad.sum(dtype=torch.float64)).to(device))
+                norms.append(torch.linalg.vector_norm(p.grad).double().to(device))
+        if not weighted:
+            return torch.zeros(2, dtype=torch.float64, device=device)
+        return torch.stack([torch.stack(weighted).sum(), torch.stack(norms).sum()])
+
+    def _check_ranks_agree(self, clipped, noisy):
+        import torch.distributed as dist
+        both = torch.cat([clipped, noisy])
+        spread = torch.cat([both, -both])
+        if dist.get_backend() != "nccl":
+            spread = spread.cpu()
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        high, low = spread[:4].cpu(), -spread[4:].cpu()
+        differs = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-300
+        if bool(differs[:2].any()):
+            raise PrivacyStepError(
+                "the clipped gradients differ between processes after backward(), so they were not all-reduced "
+                "and each rank would step on its own examples only. Wrap the model in DistributedDataParallel "
+                "(or let accelerate / the Trainer do it) and run forward through the wrapper.")
+        if bool(differs[2:].any()):
+            raise PrivacyStepError(
+                "the noise differs between processes: the ranks do not share one noise stream (a "
+                "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
+                "would not be one draw. Give every rank the same seed / generator state.")
 
     def _check_finite(self):
         params = [p for p in self.params if p.grad is not None]

@@ -46,19 +46,56 @@ class RandomSource:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.secure = secure
         self.seed = None if secure else (seed if seed is not None else secrets.randbits(63))
+        # Noise streams by key: the device ("cuda:1"), or only its type ("cuda") once the streams are
+        # shared across ranks, where each rank's copy of a parameter lives on its own device.
+        self.shared_across_ranks = False
         self._generators = {}
         if noise_generator is not None:
             if not isinstance(noise_generator, torch.Generator):
                 raise TypeError(f"noise_generator must be a torch.Generator, got {type(noise_generator).__name__}")
-            self._generators[torch.device(noise_generator.device)] = noise_generator
+            self._generators[str(torch.device(noise_generator.device))] = noise_generator
+
+    def _stream_key(self, device: torch.device) -> str:
+        return device.type if self.shared_across_ranks else str(device)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         device = torch.device(device)
-        if device not in self._generators:
-            entropy = [self.seed, _NOISE_STREAM, zlib.crc32(str(device).encode())]
+        key = self._stream_key(device)
+        if key not in self._generators:
+            entropy = [self.seed, _NOISE_STREAM, zlib.crc32(key.encode())]
             seed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
-            self._generators[device] = torch.Generator(device=device).manual_seed(seed)
-        return self._generators[device]
+            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+        generator = self._generators[key]
+        if torch.device(generator.device) != device:
+            # Two devices of one type on a rank would share one stream: identical noise twice.
+            raise RuntimeError(
+                f"parameters on {generator.device} and {device} would draw noise from one stream, which "
+                "makes their noise identical. With several processes, keep each process's trainable "
+                "parameters on one device of each type (one GPU per process).")
+        return generator
+
+    def agree_across_ranks(self, seed_given: bool) -> None:
+        """Make every process draw the same noise and sampling streams (collective; call on every rank).
+
+        DDP averages the ranks' clipped sums, so each rank adds the same noise draw: the noise is
+        then added once. The seed is rank 0's; a seed given by the user must be the same everywhere.
+        """
+        import torch.distributed as dist
+        if self.secure:
+            raise NotImplementedError(
+                "secure_mode with several processes is not supported: OS entropy differs on every rank, so "
+                "the ranks cannot add one shared noise draw. Use secure_mode=False (seeded streams), or train "
+                "in one process.")
+        seeds = [None] * dist.get_world_size()
+        dist.all_gather_object(seeds, (self.seed, bool(seed_given)))
+        given = {seed for seed, was_given in seeds if was_given}
+        if given and (len(given) > 1 or not all(was_given for _, was_given in seeds)):
+            raise ValueError(
+                f"the processes were given different seeds ({sorted(str(s) for s, _ in seeds)}); every rank "
+                "must add the same noise draw, so pass the same seed on every rank (or none: rank 0's is used).")
+        self.seed = seeds[0][0]
+        self.shared_across_ranks = True
+        self._generators = {key.split(":")[0]: g for key, g in self._generators.items()}
 
     def gaussian_like(self, tensor: torch.Tensor, std: float) -> torch.Tensor:
         """N(0, std^2) noise of tensor's shape and device, in float32 or wider."""
@@ -89,5 +126,12 @@ class RandomSource:
         if self.secure:
             return
         self.seed = state["seed"]
-        for device, gen_state in state["generators"].items():
-            self._generator(torch.device(device)).set_state(gen_state)
+        for key, gen_state in state["generators"].items():
+            if self.shared_across_ranks:
+                key = key.split(":")[0]
+            if key not in self._generators:
+                device = torch.device(key)
+                if device.type != "cpu" and device.index is None:
+                    device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+                self._generator(device)
+            self._generators[key].set_state(gen_state)

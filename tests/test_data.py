@@ -63,6 +63,34 @@ def test_chunks_split_each_logical_batch_and_are_reported_in_order():
     assert got == expected
 
 
+def test_ranks_yield_equal_chunk_counts_padding_with_a_flagged_stand_in_row():
+    source, trackers, chunks_of = RandomSource(seed=6), [BatchTracker(), BatchTracker()], [[], []]
+    for rank in range(2):
+        sampler = PoissonBatchSampler(30, 0.4, 4, source=source, rank=rank, world_size=2)
+        for step in range(4):
+            assert sampler.sizes_on_all_ranks(0, step) == [len(PoissonBatchSampler(
+                30, 0.4, 4, source=source, rank=r, world_size=2).draw(0, step)) for r in range(2)]
+        loader = DPDataLoader(Pairs(), sampler, max_physical_batch_size=2, tracker=trackers[rank])
+        for batch in loader:
+            chunk = trackers[rank].yielded[-1]
+            chunks_of[rank].append((chunk.logical_id, chunk.index, chunk.count))
+            if chunk.padding:  # one row of example 0; the controller weighs its loss by 0
+                assert batch["input_ids"][:, 0].tolist() == [0] and chunk.index * 2 >= chunk.logical_size
+            else:
+                assert all(i % 2 == rank for i in batch["input_ids"][:, 0].tolist())
+    assert chunks_of[0] == chunks_of[1]
+    sizes = [[c.logical_size for c in t.yielded if c.index == 0] for t in trackers]
+    assert sizes[0] != sizes[1]  # the draws differ, so one rank was padded
+
+
+def test_a_shared_noise_stream_refuses_two_devices_of_one_type():
+    source = RandomSource(seed=1)
+    source.shared_across_ranks = True
+    source._generator(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="one stream"):
+        source._generator(torch.device("cpu", 1))
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_resumed_loader_continues_with_the_same_batches(num_workers):
     def loader(seed):

@@ -120,6 +120,8 @@ class GhostClipping:
         # last took them (None: nobody listens); and callables run before each norm pass.
         self.passes: list[tuple[int, float]] | None = None
         self.pass_observers: list = []
+        # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
+        self.next_loss_is_padding = False
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
         for name, m in hooked_modules(module):
             rule = None if isinstance(m, OPAQUE_MODULES) else find_norm_rule(m)

@@ -10,9 +10,10 @@ class ClippedLoss(torch.autograd.Function):
     """value = sum_i L_i / divisor; backward returns c_i * grad_output for L_i (pass 2 follows)."""
 
     @staticmethod
-    def forward(ctx, per_example_losses, controller, divisor):
+    def forward(ctx, per_example_losses, controller, divisor, examples):
         ctx.losses = per_example_losses  # kept with its graph: pass 1 differentiates it again
         ctx.controller = controller
+        ctx.examples = examples
         ctx.consumed = False
         return per_example_losses.sum() / divisor
 
@@ -26,8 +27,8 @@ class ClippedLoss(torch.autograd.Function):
         coeffs = ctx.controller.clip_coefficients(ctx.losses)
         ctx.controller.last_loss_scale = grad_output.detach()
         if ctx.controller.passes is not None:
-            ctx.controller.passes.append((ctx.losses.shape[0], float(grad_output)))
-        return (coeffs * grad_output).to(ctx.losses.dtype), None, None
+            ctx.controller.passes.append((ctx.examples, float(grad_output)))
+        return (coeffs * grad_output).to(ctx.losses.dtype), None, None, None
 
 
 def clipped_loss(controller, per_example_losses, reduction="mean", expected_batch_size=None):
@@ -40,11 +41,16 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if expected_batch_size is not None and not expected_batch_size > 0:
         raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+    examples = per_example_losses.shape[0]
+    if controller.next_loss_is_padding:
+        # A stand-in row that keeps DDP's collectives in step on a rank with fewer examples: its loss
+        # times 0 has gradient exactly 0 and norm 0, so it adds nothing to the clipped sum.
+        controller.next_loss_is_padding = False
+        per_example_losses, examples = per_example_losses * 0.0, 0
     divisor = 1.0
     if reduction == "mean":
-        divisor = float(expected_batch_size if expected_batch_size is not None
-                        else max(1, per_example_losses.shape[0]))
-    return ClippedLoss.apply(per_example_losses, controller, divisor)
+        divisor = float(expected_batch_size if expected_batch_size is not None else max(1, examples))
+    return ClippedLoss.apply(per_example_losses, controller, divisor, examples)
 
 
 def _token_weights(criterion, target):

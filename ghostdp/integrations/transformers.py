@@ -19,7 +19,7 @@ from transformers.data.data_collator import DataCollatorWithFlattening
 
 from ..accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
-from ..data import DPDataLoader, PoissonBatchSampler
+from ..data import DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
 
@@ -76,11 +76,22 @@ def per_example_losses(kind, outputs, labels, num_labels=None) -> torch.Tensor:
     return per_example_loss(torch.nn.CrossEntropyLoss(ignore_index=-100), logits, labels)
 
 
-def _split_rows(batch: dict, size: int, count: int):
-    """Row slices [start, start + size) of every tensor of a collated batch."""
-    for start in range(0, count, size):
-        yield {k: (v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-               for k, v in batch.items()}
+def _pop_labels(inputs: dict) -> torch.Tensor:
+    for key in ("labels", "label", "label_ids"):
+        if key in inputs:
+            return inputs.pop(key)
+    raise ValueError("the batch has no 'labels': DPTrainer computes each example's loss from the logits "
+                     "and the labels, so the collator must provide them")
+
+
+def _largest_across_ranks(count: int, device) -> int:
+    """The largest ``count`` over all processes (collective; every rank calls it once per step)."""
+    if distributed_rank_and_size()[1] == 1:
+        return count
+    import torch.distributed as dist
+    largest = torch.tensor([count], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
 
 
 class _EpsilonBudget(TrainerCallback):
@@ -106,6 +117,8 @@ class DPTrainerMixin:
         self._refuse_unsupported()
         self.accountant = make_accountant(dp_args.accountant)
         self.random_source = RandomSource(secure=dp_args.secure_mode, seed=dp_args.seed)
+        if distributed_rank_and_size()[1] > 1:
+            self.random_source.agree_across_ranks(seed_given=dp_args.seed is not None)
         self.controller = GhostClipping(self.model, dp_args.max_grad_norm)
         self.noise_multiplier = dp_args.noise_multiplier
         self.dp_optimizer = None
@@ -130,8 +143,6 @@ class DPTrainerMixin:
         if args.n_gpu > 1:
             raise ValueError("DataParallel (several GPUs in one process) is not supported: launch one process "
                              "per GPU (torchrun / accelerate launch) instead.")
-        if args.world_size > 1:
-            raise NotImplementedError("DPTrainer does not support several processes yet.")
         if isinstance(self.data_collator, DataCollatorWithFlattening) or getattr(self.data_collator,
                                                                                  "padding_free", False):
             raise ValueError("packing / padding-free collators merge examples into one row, so a row is no "
@@ -160,14 +171,17 @@ class DPTrainerMixin:
         if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
             raise TypeError("DP-SGD needs a map-style train_dataset with len() to Poisson-sample it")
         n = len(dataset)
-        logical = self.args.per_device_train_batch_size
+        # Each process draws its own shard; the logical batch is the union over processes.
+        logical = self.args.per_device_train_batch_size * distributed_rank_and_size()[1]
         sample_rate = min(1.0, logical / n)
         steps_per_epoch = max(1, math.ceil(n / logical))
         self.sample_rate, self.expected_batch_size = sample_rate, sample_rate * n
         sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source)
+        # One batch per logical batch; training_step splits it and keeps the ranks' chunk counts equal.
         loader = DPDataLoader(dataset, sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
-                              pin_memory=self.args.dataloader_pin_memory)
+                              pin_memory=self.args.dataloader_pin_memory, pad_ranks=False)
         self._train_loader = loader
+        self._padding_row = loader.collate_fn([dataset[0]])  # stand-in for padding chunks (several processes)
         self._calibrate(steps_per_epoch)
         self._apply_pending_state()
         return loader
@@ -217,19 +231,22 @@ class DPTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
-        labels = None
-        for key in ("labels", "label", "label_ids"):
-            if key in inputs:
-                labels = inputs.pop(key)
-                break
-        if labels is None:
-            raise ValueError("the batch has no 'labels': DPTrainer computes each example's loss from the logits "
-                             "and the labels, so the collator must provide them")
+        labels = _pop_labels(inputs)
         count = labels.shape[0]
-        size = self.dp_args.max_physical_batch_size or max(1, count)
+        # DDP needs the same number of forward and backward calls on every rank: a rank whose own
+        # examples run out runs padding chunks of one stand-in row whose loss weighs 0.
+        largest = _largest_across_ranks(count, self.args.device)
+        size = self.dp_args.max_physical_batch_size or max(1, largest)
         num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
         total = torch.zeros((), device=self.args.device)
-        for chunk, chunk_labels in zip(_split_rows(inputs, size, count), labels.split(size)):
+        for start in range(0, math.ceil(largest / size) * size, size):
+            chunk = {k: (v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                     for k, v in inputs.items()}
+            chunk_labels = labels[start:start + size]
+            if chunk_labels.shape[0] == 0:
+                chunk = self._prepare_inputs(dict(self._padding_row))
+                chunk_labels = _pop_labels(chunk)
+                self.controller.next_loss_is_padding = True
             with self.compute_loss_context_manager():
                 outputs = model(**chunk)
                 losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels)

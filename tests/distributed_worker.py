@@ -1,0 +1,156 @@
+"""Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU); not a test module.
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py SCENARIO OUTDIR``
+Each rank writes what it saw to OUTDIR/rank<r>.pt; the test compares it with a single-process reference.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ghostdp  # noqa: E402
+from ghostdp.optim import PrivacyStepError  # noqa: E402
+
+N, PER_RANK_BATCH, C, LR = 40, 5, 0.5, 0.5
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g), torch.arange(N))
+
+
+def private(model, *, seed=None, secure_mode=False, noise_generator=None, wrap_first=False, noise=0.0,
+            physical=None):
+    engine = ghostdp.PrivacyEngine(accountant="rdp", seed=seed, secure_mode=secure_mode)
+    module = DDP(model) if wrap_first else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    module, optimizer, criterion, loader = engine.make_private(
+        module=module, optimizer=optimizer, data_loader=DataLoader(data(), batch_size=PER_RANK_BATCH),
+        criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=noise, max_grad_norm=C,
+        max_physical_batch_size=physical, noise_generator=noise_generator)
+    return engine, module, optimizer, criterion, loader
+
+
+def train_exact(wrap_first, seed, physical):
+    """noise 0: the update must equal the single-process one on the union of the ranks' examples."""
+    model = mlp()
+    engine, module, optimizer, criterion, loader = private(model, seed=seed, wrap_first=wrap_first, physical=physical)
+    ddp = module if wrap_first else DDP(model)
+    in_norm_pass = []
+
+    def record_allreduce(state, bucket):
+        in_norm_pass.append(engine.controller._pass is not None)
+        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return future.then(lambda f: f.value()[0] / dist.get_world_size())
+
+    ddp.register_comm_hook(None, record_allreduce)
+    steps, backward_calls, seen = 0, 0, [[]]
+    for x, y, index in loader:
+        optimizer.zero_grad()
+        if not loader.tracker.yielded[-1].padding:
+            seen[-1].extend(index.tolist())
+        criterion(ddp(x), y).backward()
+        backward_calls += 1
+        optimizer.step()
+        if not optimizer._mid_logical_batch:
+            steps += 1
+            seen.append([])
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "seed": engine.random_source.seed,
+            "indices": seen[:-1], "steps": steps, "backward_calls": backward_calls, "in_norm_pass": in_norm_pass,
+            "epsilon": engine.get_epsilon(1e-5)}
+
+
+def noise_draws(steps=5, sigma=2.0):
+    """Zero per-example gradients: after each step, p.grad * expected batch size is the noise alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(60, 50)
+    engine, _, optimizer, _, loader = private(model, seed=3, noise=sigma)
+    optimizer.param_groups[0]["lr"] = 0.0
+    ddp, draws = DDP(model), []
+    for step, (x, _, _) in zip(range(steps), loader):
+        optimizer.zero_grad()
+        engine.controller.loss(ddp(torch.randn(x.shape[0], 60)).sum(1) * 0.0).backward()
+        optimizer.step()
+        draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]) * optimizer.expected_batch_size)
+    return torch.cat(draws)
+
+
+def refusal(build):
+    try:
+        build()
+    except (NotImplementedError, ValueError, PrivacyStepError) as error:
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+def one_step(engine_kwargs=None, wrap=True, noise=0.0):
+    model = mlp()
+    _, module, optimizer, criterion, loader = private(model, noise=noise, **(engine_kwargs or {"seed": 1}))
+    forward = DDP(model) if wrap else model
+    x, y, _ = next(iter(loader))
+    criterion(forward(x), y).backward()
+    optimizer.step()
+
+
+def refusals():
+    rank = dist.get_rank()
+    other_noise = torch.Generator().manual_seed(100 + rank)
+    return {
+        "secure_mode": refusal(lambda: one_step({"secure_mode": True})),
+        "different_seeds": refusal(lambda: one_step({"seed": 10 + rank})),
+        "fixed_batches_unsharded": refusal(lambda: ghostdp.PrivacyEngine(seed=1).make_private(
+            module=mlp(), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1), noise_multiplier=1.0,
+            data_loader=DataLoader(data(), batch_size=4), max_grad_norm=1.0, poisson_sampling=False)),
+        "not_all_reduced": refusal(lambda: one_step(wrap=False)),
+        "noise_not_shared": refusal(lambda: one_step({"seed": 1, "noise_generator": other_noise}, noise=1.0)),
+    }
+
+
+def trainer(noise):
+    from transformers import TrainingArguments
+    from ghostdp.integrations.transformers import DPArguments, DPTrainer
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_trainer import Examples, bert
+    torch.set_default_dtype(torch.float64)
+    model = bert()
+    args = TrainingArguments(output_dir=os.environ["GHOSTDP_TEST_OUT"], per_device_train_batch_size=3,
+                             learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+                             max_steps=3, report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=0.0,
+                             dataloader_pin_memory=False, ddp_backend="gloo", disable_tqdm=True)
+    dp = DPArguments(noise_multiplier=noise, max_grad_norm=0.3, max_physical_batch_size=2, seed=7)
+    trained = DPTrainer(model=model, args=args, train_dataset=Examples(), dp_args=dp)
+    trained.train()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "epsilon": trained.epsilon(),
+            "expected_batch_size": trained.expected_batch_size, "steps": trained.accountant.steps}
+
+
+def main(scenario, out):
+    torch.set_default_dtype(torch.float64)
+    if scenario == "engine":
+        result = {"after_chunked": train_exact(wrap_first=False, seed=11, physical=2),
+                  "first_unseeded": train_exact(wrap_first=True, seed=None, physical=None),
+                  "noise": noise_draws(), "refusals": refusals()}
+    else:
+        result = {"exact": trainer(0.0), "noisy": trainer(1.0)}
+    torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
+
+
+if __name__ == "__main__":
+    os.environ["GHOSTDP_TEST_OUT"] = sys.argv[2]
+    if sys.argv[1] == "engine":
+        dist.init_process_group("gloo")
+    try:
+        main(sys.argv[1], sys.argv[2])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

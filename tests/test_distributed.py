@@ -1,0 +1,139 @@
+"""Several processes (DDP on gloo, CPU, 2 ranks under torchrun) against a single-process reference.
+
+The workers live in distributed_worker.py; each launch runs both ranks and saves what they saw.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distributed_worker as worker
+from ghostdp.data import PoissonBatchSampler
+from ghostdp.randomness import RandomSource
+from test_trainer import Examples, bert, cross_entropy, reference_step
+
+WORLD = 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(scenario, tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+               os.path.join(HERE, "distributed_worker.py"), scenario, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    return launch("engine", tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    return launch("trainer", tmp_path_factory.mktemp("trainer"))
+
+
+def draws(seed, n, rate, steps, step):
+    """Each rank's own Poisson draw for this step, recomputed in this process."""
+    return [PoissonBatchSampler(n, rate, steps, source=RandomSource(seed=seed), rank=r, world_size=WORLD).draw(0, step)
+            for r in range(WORLD)]
+
+
+def reference_engine_run(seed, steps):
+    """Single process, per-example loop: clip each example of the union of the ranks' draws, sum, divide by
+    the expected batch size over all ranks, SGD step."""
+    model, data = worker.mlp(), worker.data()
+    rate = worker.PER_RANK_BATCH * WORLD / worker.N
+    for step in range(steps):
+        union = sorted(i for rank_draw in draws(seed, worker.N, rate, steps, step) for i in rank_draw)
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for i in union:
+            x, y, _ = data[i]
+            grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x[None]), y[None]),
+                                        list(model.parameters()))
+            norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+            for t, g in zip(total, grads):
+                t += min(1.0, worker.C / (norm + 1e-6)) * g
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), total):
+                p -= worker.LR * t / (worker.PER_RANK_BATCH * WORLD)
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("run", ["after_chunked", "first_unseeded"])
+def test_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples(engine_runs, run):
+    ranks = [r[run] for r in engine_runs]
+    seed = ranks[0]["seed"]
+    assert ranks[1]["seed"] == seed  # an unseeded engine takes rank 0's seed everywhere
+    steps = ranks[0]["steps"]
+    assert steps == worker.N // (worker.PER_RANK_BATCH * WORLD)
+    rate = worker.PER_RANK_BATCH * WORLD / worker.N
+    for step in range(steps):  # each rank trained on exactly its own shard's draw
+        for rank, rank_draw in enumerate(draws(seed, worker.N, rate, steps, step)):
+            assert sorted(ranks[rank]["indices"][step]) == rank_draw
+            assert all(i % WORLD == rank for i in rank_draw)
+    reference = reference_engine_run(seed, steps)
+    for rank in ranks:
+        for name, value in reference.items():
+            torch.testing.assert_close(rank["params"][name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_ranks_run_equal_numbers_of_backward_calls_and_pass_one_never_all_reduces(engine_runs):
+    ranks = [r["after_chunked"] for r in engine_runs]
+    sizes = [[len(s) for s in r["indices"]] for r in ranks]
+    assert sizes[0] != sizes[1]  # the ranks' draws differ, so padding chunks were needed
+    assert ranks[0]["backward_calls"] == ranks[1]["backward_calls"] == sum(
+        max(math.ceil(a / 2), math.ceil(b / 2), 1) for a, b in zip(*sizes))
+    for rank in ranks:  # one bucket all-reduce per backward, none during the norm pass
+        assert len(rank["in_norm_pass"]) == rank["backward_calls"] and not any(rank["in_norm_pass"])
+
+
+def test_noise_is_one_shared_draw_with_variance_sigma_squared_c_squared(engine_runs):
+    noise = [r["noise"] for r in engine_runs]
+    assert torch.equal(noise[0], noise[1])  # identical on both ranks: added once, not once per rank
+    sigma_c = 2.0 * worker.C
+    n = noise[0].numel()
+    # Sample variance of n normals: relative standard error sqrt(2 / n) = 1.3%; allow 5 of them.
+    assert abs(float(noise[0].var()) / sigma_c ** 2 - 1) < 5 * math.sqrt(2 / n)
+    assert abs(float(noise[0].mean())) < 5 * sigma_c / math.sqrt(n)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("secure_mode", "NotImplementedError", "secure_mode with several processes"),
+    ("different_seeds", "ValueError", "different seeds"),
+    ("fixed_batches_unsharded", "ValueError", "DistributedSampler"),
+    ("not_all_reduced", "PrivacyStepError", "not all-reduced"),
+    ("noise_not_shared", "PrivacyStepError", "noise differs"),
+])
+def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error, match):
+    for rank in engine_runs:
+        assert rank["refusals"][case][0] == error and match in rank["refusals"][case][1]
+
+
+def test_dp_trainer_under_torchrun_equals_one_process_on_the_union(trainer_runs):
+    ranks = [r["exact"] for r in trainer_runs]
+    data, model = Examples(), bert()
+    per_rank, n = 3, len(data)
+    rate = per_rank * WORLD / n
+    steps_per_epoch = math.ceil(n / (per_rank * WORLD))
+    assert ranks[0]["expected_batch_size"] == pytest.approx(per_rank * WORLD)
+    for step in range(ranks[0]["steps"]):
+        union = sorted(i for d in draws(7, n, rate, steps_per_epoch, step) for i in d)
+        model = reference_step(model, data, union, 0.3, worker.LR, per_rank * WORLD, cross_entropy)
+    for rank in ranks:
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(rank["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_dp_trainer_ranks_stay_identical_with_noise(trainer_runs):
+    ranks = [r["noisy"] for r in trainer_runs]
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] > 0
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name])
+    assert any(not torch.equal(value, trainer_runs[0]["exact"]["params"][name])
+               for name, value in ranks[0]["params"].items())
