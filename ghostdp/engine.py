@@ -9,11 +9,11 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from .accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
+from .clipping.modes import clipping_mode
 from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
 from .optim import DPOptimizer
 from .randomness import RandomSource
 
-CLIPPING_MODES = ("ghost",)
 _LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
                     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device")
 
@@ -69,8 +69,7 @@ class PrivacyEngine:
         """
         check_noise_multiplier(noise_multiplier)
         check_max_grad_norm(max_grad_norm)
-        if clipping not in CLIPPING_MODES:
-            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+        clipping_mode(clipping)  # a clear error for an unknown mode before anything is built
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if self.controller is not None:
@@ -92,7 +91,7 @@ class PrivacyEngine:
 
         loader, sample_rate, expected_batch_size, tracker, fixed = self._private_loader(
             data_loader, poisson_sampling, max_physical_batch_size)
-        controller = GhostClipping(module, max_grad_norm, nonfinite=nonfinite)
+        controller = GhostClipping(module, max_grad_norm, nonfinite=nonfinite, clipping=clipping)
         try:
             dp_optimizer = DPOptimizer(
                 optimizer, controller=controller, noise_multiplier=float(noise_multiplier),

@@ -40,9 +40,12 @@ def clipped_sum(per_example, C):
     return total, norms
 
 
-def ghost_clipped_sum(model, batch_losses, C):
+CLIPPING_MODES = ("ghost", "bookkeeping")
+
+
+def ghost_clipped_sum(model, batch_losses, C, clipping="ghost"):
     """The clipped sum ghostdp leaves in p.grad for batch_losses() -> (B,) losses."""
-    controller = ghostdp.GhostClipping(model, C)
+    controller = ghostdp.GhostClipping(model, C, clipping=clipping)
     try:
         model.zero_grad(set_to_none=True)
         controller.loss(batch_losses(), reduction="sum").backward()
@@ -61,17 +64,18 @@ def relative_error(got: dict, ref: dict) -> float:
 
 
 def assert_exact(model, batch_losses, example_loss, batch_size, rtol=RTOL):
-    """ghostdp == per-example loop, with every example clipped and with none clipped."""
+    """ghostdp == per-example loop, in both clipping modes, with every example clipped and with none clipped."""
     model.train()
     per_example = reference_per_example_grads(model, example_loss, batch_size)
     _, norms = clipped_sum(per_example, 1.0)
     assert float(norms.min()) > 0, "degenerate test: an example has zero gradient"
     for C in (0.5 * float(norms.min()), 2.0 * float(norms.max())):
         ref, ref_norms = clipped_sum(per_example, C)
-        got, got_norms = ghost_clipped_sum(model, batch_losses, C)
-        assert float(((got_norms - ref_norms).abs() / ref_norms).max()) < rtol, (got_norms, ref_norms)
-        err = relative_error(got, ref)
-        assert err < rtol, f"clipped sum off by {err:.3e} at C={C}"
+        for clipping in CLIPPING_MODES:
+            got, got_norms = ghost_clipped_sum(model, batch_losses, C, clipping)
+            assert float(((got_norms - ref_norms).abs() / ref_norms).max()) < rtol, (got_norms, ref_norms)
+            err = relative_error(got, ref)
+            assert err < rtol, f"{clipping}: clipped sum off by {err:.3e} at C={C}"
     return norms
 
 

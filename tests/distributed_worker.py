@@ -30,14 +30,14 @@ def data():
 
 
 def private(model, *, seed=None, secure_mode=False, noise_generator=None, wrap_first=False, noise=0.0,
-            physical=None):
+            physical=None, clipping="ghost"):
     engine = ghostdp.PrivacyEngine(accountant="rdp", seed=seed, secure_mode=secure_mode)
     module = DDP(model) if wrap_first else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     module, optimizer, criterion, loader = engine.make_private(
         module=module, optimizer=optimizer, data_loader=DataLoader(data(), batch_size=PER_RANK_BATCH),
         criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=noise, max_grad_norm=C,
-        max_physical_batch_size=physical, noise_generator=noise_generator)
+        max_physical_batch_size=physical, noise_generator=noise_generator, clipping=clipping)
     return engine, module, optimizer, criterion, loader
 
 
@@ -113,6 +113,7 @@ def refusals():
             data_loader=DataLoader(data(), batch_size=4), max_grad_norm=1.0, poisson_sampling=False)),
         "not_all_reduced": refusal(lambda: one_step(wrap=False)),
         "noise_not_shared": refusal(lambda: one_step({"seed": 1, "noise_generator": other_noise}, noise=1.0)),
+        "bookkeeping": refusal(lambda: one_step({"seed": 1, "clipping": "bookkeeping"})),
     }
 
 

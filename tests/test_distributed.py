@@ -109,6 +109,7 @@ def test_noise_is_one_shared_draw_with_variance_sigma_squared_c_squared(engine_r
     ("fixed_batches_unsharded", "ValueError", "DistributedSampler"),
     ("not_all_reduced", "PrivacyStepError", "not all-reduced"),
     ("noise_not_shared", "PrivacyStepError", "noise differs"),
+    ("bookkeeping", "NotImplementedError", "clipping='ghost'"),
 ])
 def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error, match):
     for rank in engine_runs:

@@ -79,12 +79,14 @@ def reference_run(batches, sigma, C, lr, expected_batch, noise_seed):
     return model
 
 
-@pytest.mark.parametrize("max_physical", [None, 3])
-def test_update_equals_per_example_reference_with_the_same_noise(max_physical):
+@pytest.mark.parametrize("max_physical, clipping", [(None, "ghost"), (3, "ghost"), (None, "bookkeeping"),
+                                                    (3, "bookkeeping")])
+def test_update_equals_per_example_reference_with_the_same_noise(max_physical, clipping):
     record = []
     original = make_model()
     engine, model, opt, crit, loader = private(model=original, noise_generator=torch.Generator().manual_seed(11),
-                                               max_physical_batch_size=max_physical)
+                                               max_physical_batch_size=max_physical, clipping=clipping)
+    assert engine.controller.mode.name == clipping
     assert model is original and isinstance(opt, ghostdp.DPOptimizer)
     train(model, opt, crit, loader, steps=4, record=record)
     ref = reference_run(record, sigma=0.7, C=0.5, lr=0.2, expected_batch=8, noise_seed=11)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from conftest import clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
+from conftest import CLIPPING_MODES, clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 
@@ -16,9 +16,10 @@ def check(model, x, C_scale, loss=lambda out: out.tanh().flatten(1).sum(1) + out
     _, norms = clipped_sum(per_example, 1.0)
     C = C_scale * float(norms.median()) + 1e-12
     ref, _ = clipped_sum(per_example, C)
-    got, got_norms = ghost_clipped_sum(model, lambda: loss(model(x)), C)
-    assert torch.allclose(got_norms, norms, rtol=1e-9)
-    assert relative_error(got, ref) < 1e-9
+    for clipping in CLIPPING_MODES:
+        got, got_norms = ghost_clipped_sum(model, lambda: loss(model(x)), C, clipping)
+        assert torch.allclose(got_norms, norms, rtol=1e-9)
+        assert relative_error(got, ref) < 1e-9, clipping
 
 
 @SETTINGS

@@ -82,11 +82,12 @@ def causal_token_mean(logits, labels):
     return torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
 
 
-@pytest.mark.parametrize("physical", [None, 3])
-def test_a_trainer_step_equals_the_per_example_reference(tmp_path, physical):
+@pytest.mark.parametrize("physical, clipping", [(None, "ghost"), (3, "ghost"), (3, "bookkeeping")])
+def test_a_trainer_step_equals_the_per_example_reference(tmp_path, physical, clipping):
     data, model = Examples(), bert()
     reference = reference_step(copy.deepcopy(model), data, first_batch(7, data, 8 / N), 0.3, 0.5, 8, cross_entropy)
-    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.3, max_physical_batch_size=physical, seed=7)
+    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.3, max_physical_batch_size=physical, seed=7,
+                     clipping=clipping)
     DPTrainer(model=model, args=args(tmp_path), train_dataset=data, dp_args=dp).train()
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-12)

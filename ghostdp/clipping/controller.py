@@ -24,6 +24,7 @@ from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, out
 from ..norms.registry import find_norm_rule, rule_parameters
 from .. import validate
 from .audit import unattributed_leaves
+from .modes import clipping_mode, new_factor_store
 from .probe import add_probe
 
 CLIP_EPS = 1e-6
@@ -63,6 +64,7 @@ class _Pass:
         self.batch_size = batch_size
         self.sq = None
         self.pending = defaultdict(list)  # parameter -> factors of its several uses
+        self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
         self.uses = []
 
     def add(self, sq):
@@ -92,16 +94,23 @@ class GhostClipping:
         nonfinite: "error" (default) raises on a NaN/inf per-example loss or norm;
             "skip" gives such examples a clip coefficient of 0 (see ``clip_coefficients``).
         check_model: run ``ghostdp.validate.check`` on the model first.
+        clipping: "ghost" (two passes, default) or "bookkeeping" (one backward; see ``modes``).
     """
 
     def __init__(self, module: torch.nn.Module, max_grad_norm: float, *, nonfinite: str = "error",
-                 check_model: bool = True):
+                 check_model: bool = True, clipping: str = "ghost"):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"GhostClipping needs a torch.nn.Module, got {type(module).__name__}")
         if nonfinite not in ("error", "skip"):
             raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if check_model:
             validate.check(module)
+        self.mode = clipping_mode(clipping)
+        if self.mode.keeps_factors and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise NotImplementedError(
+                "clipping='bookkeeping' writes the clipped sum into p.grad without a second backward, so DDP's "
+                "gradient all-reduce never runs; with several processes use clipping='ghost'.")
         self.module = module
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
@@ -110,6 +119,7 @@ class GhostClipping:
         self._pass = None
         self._in_fallback = False
         self._batch_hint = None
+        self._kept = new_factor_store()
         self._audited_pattern = None
         self.last_norms = None
         self.last_coefficients = None
@@ -253,6 +263,8 @@ class GhostClipping:
             finally:
                 self._in_fallback = False
         for n, f in factors.items():
+            if self.mode.keeps_factors:
+                self._pass.kept[use.params[n]].append(f)
             if use.eager[n]:
                 self._pass.add(f.sq_norm())
             else:
@@ -308,7 +320,7 @@ class GhostClipping:
                 torch.autograd.grad(per_example_losses, probes, torch.ones_like(per_example_losses),
                                     retain_graph=True, allow_unused=True)
             self._finish()
-            sq = self._pass.sq
+            sq, self._kept = self._pass.sq, self._pass.kept
         finally:
             self._pass = None
         if sq is None:
@@ -325,10 +337,17 @@ class GhostClipping:
         if bad.any():
             indices = bad.nonzero().flatten().tolist()
             if self.nonfinite == "error":
+                self._kept = new_factor_store()
                 raise NonFiniteLossError(indices, "loss or gradient norm")
             coeffs = torch.where(bad, torch.zeros_like(coeffs), coeffs)
         self.last_norms, self.last_coefficients = norms, coeffs
         return coeffs
+
+    def grad_of_losses(self, coefficients, grad_output, losses):
+        """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode
+        has written the clipped sum into p.grad itself."""
+        kept, self._kept = self._kept, new_factor_store()
+        return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
 
     # ----------------------------------------------------------------- losses
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):

@@ -28,7 +28,7 @@ class ClippedLoss(torch.autograd.Function):
         ctx.controller.last_loss_scale = grad_output.detach()
         if ctx.controller.passes is not None:
             ctx.controller.passes.append((ctx.examples, float(grad_output)))
-        return (coeffs * grad_output).to(ctx.losses.dtype), None, None, None
+        return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses), None, None, None
 
 
 def clipped_loss(controller, per_example_losses, reduction="mean", expected_batch_size=None):

@@ -19,6 +19,7 @@ from transformers.data.data_collator import DataCollatorWithFlattening
 
 from ..accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
+from ..clipping.modes import clipping_mode
 from ..data import DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
@@ -37,7 +38,8 @@ class DPArguments:
     "sequence_classification" (cross-entropy, or MSE when the model has one label),
     "token_classification" (token mean over labels != -100 per example), "causal_lm" (the
     same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
-    ``max_epsilon`` stops training before the step that would exceed it.
+    ``max_epsilon`` stops training before the step that would exceed it. ``clipping`` is "ghost"
+    (two passes) or "bookkeeping" (one backward, more memory; one process only).
     """
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
@@ -47,6 +49,7 @@ class DPArguments:
     max_epsilon: float | None = None
     loss: str | Callable = "sequence_classification"
     accountant: str = "prv"
+    clipping: str = "ghost"
     secure_mode: bool = False
     seed: int | None = None
 
@@ -60,6 +63,7 @@ class DPArguments:
         check_max_grad_norm(self.max_grad_norm)
         if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size!r}")
+        clipping_mode(self.clipping)
         if not callable(self.loss) and self.loss not in LOSS_KINDS:
             raise ValueError(f"loss must be one of {LOSS_KINDS} or a callable, got {self.loss!r}")
 
@@ -119,7 +123,7 @@ class DPTrainerMixin:
         self.random_source = RandomSource(secure=dp_args.secure_mode, seed=dp_args.seed)
         if distributed_rank_and_size()[1] > 1:
             self.random_source.agree_across_ranks(seed_given=dp_args.seed is not None)
-        self.controller = GhostClipping(self.model, dp_args.max_grad_norm)
+        self.controller = GhostClipping(self.model, dp_args.max_grad_norm, clipping=dp_args.clipping)
         self.noise_multiplier = dp_args.noise_multiplier
         self.dp_optimizer = None
         self.allowed_steps = None

@@ -9,7 +9,9 @@ one parameter implicitly, and can give
 - ``materialize(lo, hi)``: the explicit gradients of examples lo..hi-1, shaped
   (hi - lo, *param.shape), as a last resort for cross terms;
 - ``merge`` / ``dot``: the pieces needed when one parameter is used several
-  times in a step (tied weights, a module called twice).
+  times in a step (tied weights, a module called twice);
+- ``weighted_sum(c)``: sum_i c_i g_i, the clipped sum of book-keeping mode,
+  formed without per-example gradients where the factor allows.
 
 Memory is bounded by ``ELEMENT_BUDGET``: no temporary built here holds more
 than that many elements (beyond one example's worth when a single example is
@@ -52,6 +54,15 @@ class PerExampleGrad:
     def materialize(self, lo: int, hi: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """sum_i weights_i g_i, of param_shape; by default through materialised chunks."""
+        total = None
+        for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
+            g = self.materialize(lo, hi)
+            part = torch.tensordot(weights[lo:hi].to(g.dtype), g, dims=1)
+            total = part if total is None else total + part
+        return total
+
     def merge(self, other: "PerExampleGrad") -> "PerExampleGrad | None":
         """A single factor for the sum of both gradients, when exact and cheap; else None."""
         return None
@@ -80,6 +91,10 @@ class Instantiated(PerExampleGrad):
 
     def materialize(self, lo, hi):
         return self.grads[lo:hi].to(acc_dtype(self.grads))
+
+    def weighted_sum(self, weights):
+        g = self.grads.to(acc_dtype(self.grads))
+        return torch.tensordot(weights.to(g.dtype), g, dims=1)
 
     def merge(self, other):
         if isinstance(other, Instantiated):
@@ -115,6 +130,12 @@ class OuterProduct(PerExampleGrad):
         dt = acc_dtype(self.left, self.right)
         g = torch.bmm(self.left[lo:hi].to(dt).transpose(1, 2), self.right[lo:hi].to(dt))
         return g.reshape(hi - lo, *self.param_shape)
+
+    def weighted_sum(self, weights):
+        # sum_i c_i L_i^T R_i = (c ⊙ L)^T R over all (example, token) rows: one matmul, as a weight gradient.
+        dt = acc_dtype(self.left, self.right)
+        left = (self.left.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, self.left.shape[-1])
+        return (left.T @ self.right.to(dt).reshape(-1, self.right.shape[-1])).reshape(self.param_shape)
 
     def merge(self, other):
         # sum_u L_u^T R_u == [L_1; L_2]^T [R_1; R_2]: concatenate along T.
@@ -172,6 +193,13 @@ class EmbeddingGather(PerExampleGrad):
         out = torch.zeros(hi - lo, *self.param_shape, dtype=dt, device=grads.device)
         return out.scatter_add_(1, ids.unsqueeze(-1).expand_as(grads), grads)
 
+    def weighted_sum(self, weights):
+        dt = acc_dtype(self.grads)
+        rows = (self.grads.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, self.grads.shape[-1])
+        valid = self._valid().reshape(-1)
+        out = torch.zeros(self.param_shape, dtype=dt, device=self.grads.device)
+        return out.index_add_(0, self.ids.reshape(-1)[valid], rows[valid])
+
     def merge(self, other):
         if (isinstance(other, EmbeddingGather) and other.num_embeddings == self.num_embeddings
                 and other.padding_idx == self.padding_idx):
@@ -213,6 +241,9 @@ class Blocks(PerExampleGrad):
 
     def materialize(self, lo, hi):
         return torch.cat([b.materialize(lo, hi) for b in self.blocks], self.dim).reshape(hi - lo, *self.param_shape)
+
+    def weighted_sum(self, weights):
+        return torch.cat([b.weighted_sum(weights) for b in self.blocks], self.dim - 1).reshape(self.param_shape)
 
     def merge(self, other):
         if isinstance(other, Blocks) and len(other.blocks) == len(self.blocks):

@@ -1,0 +1,51 @@
+"""How the clipped sum reaches p.grad once pass 1 has given the clip coefficients c_i.
+
+- ``TwoPass`` ("ghost", the default): the DP loss's backward returns c_i for loss i and autograd
+  continues (pass 2), so the ordinary backward forms sum_i c_i g_i. Memory: that of training.
+- ``BookKeeping`` ("bookkeeping"): pass 1 keeps each layer's factors (activations A and output
+  grads G) and the loss's backward writes sum_i c_i g_i = (c ⊙ G)^T A per layer into p.grad;
+  autograd stops there (no second backward). Faster, but A and G of every layer stay alive
+  until the coefficients are known.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+class TwoPass:
+    name = "ghost"
+    keeps_factors = False
+
+    def grad_of_losses(self, kept, coefficients, grad_output, losses):
+        return (coefficients * grad_output).to(losses.dtype)
+
+
+class BookKeeping:
+    name = "bookkeeping"
+    keeps_factors = True
+
+    @torch.no_grad()
+    def grad_of_losses(self, kept, coefficients, grad_output, losses):
+        weights = coefficients * grad_output.to(coefficients.dtype)
+        for param, factors in kept.items():
+            clipped = sum(f.weighted_sum(weights) for f in factors).to(param.dtype)
+            if param.grad is None:
+                param.grad = clipped
+            else:
+                param.grad.add_(clipped)
+        return None  # nothing flows further back: p.grad already holds the clipped sum
+
+
+CLIPPING_MODES = {mode.name: mode for mode in (TwoPass(), BookKeeping())}
+
+
+def clipping_mode(name: str):
+    if name not in CLIPPING_MODES:
+        raise ValueError(f"clipping must be one of {tuple(CLIPPING_MODES)}, got {name!r}")
+    return CLIPPING_MODES[name]
+
+
+def new_factor_store():
+    return defaultdict(list)  # parameter -> the factors of its uses in this pass
