@@ -17,6 +17,16 @@ import torch
 from .data import BatchTracker, distributed_rank_and_size
 
 
+def _wide_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor as a float64 scalar, accumulated in float32 or wider.
+
+    (``t.sum(dtype=torch.float64)`` would first copy a float32 tensor to float64: twice its memory.)
+    """
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.float()
+    return t.sum().double()
+
+
 class PrivacyStepError(RuntimeError):
     """The training loop did something that would make this step's privacy guarantee wrong."""
 
@@ -202,7 +212,7 @@ class DPOptimizer(torch.optim.Optimizer):
             if self.world_size > 1:
                 p.grad.mul_(self.world_size)
             if std > 0:
-                p.grad.add_(self.random_source.gaussian_like(p.grad, std))
+                self.random_source.add_gaussian_(p.grad, std)
             if self.loss_reduction == "mean":
                 p.grad.div_(self.expected_batch_size)
         if distributed:
@@ -214,7 +224,7 @@ class DPOptimizer(torch.optim.Optimizer):
         weighted, norms = [], []
         for k, p in enumerate(self.params):
             if p.grad is not None:
-                weighted.append(((k + 1) * p.grad.sum(dtype=torch.float64)).to(device))
+                weighted.append(((k + 1) * _wide_sum(p.grad)).to(device))
                 norms.append(torch.linalg.vector_norm(p.grad).double().to(device))
         if not weighted:
             return torch.zeros(2, dtype=torch.float64, device=device)
@@ -244,7 +254,8 @@ class DPOptimizer(torch.optim.Optimizer):
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return
-        finite = torch.stack([torch.isfinite(p.grad).all() for p in params])
+        # A NaN or inf anywhere makes a tensor's sum non-finite: one cheap reduction per tensor.
+        finite = torch.isfinite(torch.stack([_wide_sum(p.grad).to(params[0].device) for p in params]))
         if not bool(finite.all()):
             names = [self._param_names.get(p, f"shape {tuple(p.shape)}")
                      for p, ok in zip(params, finite.tolist()) if not ok]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 _NOISE_STREAM, _SAMPLING_STREAM = 1, 2
+SCRATCH_ELEMENTS = 1 << 20  # the noise scratch buffer: 4 MB in float32
 
 
 def secure_uniform(n: int) -> np.ndarray:
@@ -49,6 +50,7 @@ class RandomSource:
         # Noise streams by key: the device ("cuda:1"), or only its type ("cuda") once the streams are
         # shared across ranks, where each rank's copy of a parameter lives on its own device.
         self.shared_across_ranks = False
+        self._scratch = {}
         self._generators = {}
         if noise_generator is not None:
             if not isinstance(noise_generator, torch.Generator):
@@ -105,6 +107,28 @@ class RandomSource:
             return (values * std).to(device=tensor.device, dtype=dtype)
         return torch.normal(0.0, std, size=tensor.shape, generator=self._generator(tensor.device),
                             device=tensor.device, dtype=dtype)
+
+    @torch.no_grad()
+    def add_gaussian_(self, tensor: torch.Tensor, std: float) -> None:
+        """tensor += N(0, std^2) noise, drawn in float32 or wider; the values are those of
+        ``gaussian_like`` for tensors of up to SCRATCH_ELEMENTS elements.
+
+        The draws go through one reused scratch buffer per device: allocating a fresh
+        model-sized noise tensor each step costs as much again in page faults on CPU.
+        """
+        dtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
+        if self.secure or not tensor.is_contiguous():
+            tensor.add_(self.gaussian_like(tensor, std).to(tensor.dtype))
+            return
+        generator = self._generator(tensor.device)
+        flat = tensor.view(-1)
+        scratch = self._scratch.get((tensor.device, dtype))
+        if scratch is None or scratch.numel() < min(flat.numel(), SCRATCH_ELEMENTS):
+            scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), device=tensor.device, dtype=dtype)
+            self._scratch[(tensor.device, dtype)] = scratch
+        for lo in range(0, flat.numel(), scratch.numel()):
+            hi = min(flat.numel(), lo + scratch.numel())
+            flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generator))
 
     def sampling_uniform(self, n: int, key) -> np.ndarray:
         """n uniforms for the Poisson draw of batch ``key`` = (rank, epoch, batch)."""

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 from torch.autograd.graph import get_gradient_edge
+from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..norms.factors import combined_sq_norm
@@ -115,6 +116,8 @@ class GhostClipping:
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self._probes = {}
+        self._anchors = {}
+        self._graph_needed_after_pass1 = False
         self._live = defaultdict(int)  # parameter -> recorded, not yet consumed uses
         self._pass = None
         self._in_fallback = False
@@ -164,6 +167,12 @@ class GhostClipping:
         if self._recording(module):
             self._batch_hint = _leading_dim(args, kwargs)
 
+    def anchor(self, device):
+        """A zero-size leaf for a DP loss whose backward must not continue into the model (book-keeping)."""
+        if device not in self._anchors:
+            self._anchors[device] = torch.zeros(0, device=device, requires_grad=True)
+        return self._anchors[device]
+
     def _probe(self, device):
         if device not in self._probes:
             self._probes[device] = torch.zeros(0, device=device, requires_grad=True)
@@ -188,6 +197,9 @@ class GhostClipping:
         if rule is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
             rule = None
         use = Use(self, name, module, rule, params)
+        if rule is None and len(slots) > 1:
+            # Its fallback runs after pass 1 has gone below it, through the module's own graph.
+            self._graph_needed_after_pass1 = True
         use.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
         B = self._batch_hint
         new_flat = list(flat)
@@ -252,23 +264,24 @@ class GhostClipping:
                     "ghostdp needs every trainable layer's output to be batch-first (one row per example). "
                     "Fix: call the model itself (not a submodule) so ghostdp sees the batch size, or "
                     "register a norm rule for this module.")
-        factors = {}
-        if use.rule is not None:
-            factors = use.rule(use.module, use.inputs, use.grads[0], set(use.params))
-        missing = {n: p for n, p in use.params.items() if n not in factors}
-        if missing:
-            self._in_fallback = True
-            try:
-                factors.update(fallback_grads(missing, use.edges, use.grads, use.batch_dims, use.expanded, B))
-            finally:
-                self._in_fallback = False
-        for n, f in factors.items():
-            if self.mode.keeps_factors:
-                self._pass.kept[use.params[n]].append(f)
-            if use.eager[n]:
-                self._pass.add(f.sq_norm())
-            else:
-                self._pass.pending[use.params[n]].append(f)
+        with record_function(f"ghostdp.norms.{type(use.module).__name__}"):  # profiling/layers.py reads these
+            factors = {}
+            if use.rule is not None:
+                factors = use.rule(use.module, use.inputs, use.grads[0], set(use.params))
+            missing = {n: p for n, p in use.params.items() if n not in factors}
+            if missing:
+                self._in_fallback = True
+                try:
+                    factors.update(fallback_grads(missing, use.edges, use.grads, use.batch_dims, use.expanded, B))
+                finally:
+                    self._in_fallback = False
+            for n, f in factors.items():
+                if self.mode.keeps_factors:
+                    self._pass.kept[use.params[n]].append(f)
+                if use.eager[n]:
+                    self._pass.add(f.sq_norm())
+                else:
+                    self._pass.pending[use.params[n]].append(f)
         use.inputs, use.edges, use.grads, use.done = (), [], [], True
 
     def _finish(self):
@@ -316,10 +329,14 @@ class GhostClipping:
         self._pass = _Pass(B)
         try:
             probes = list(self._probes.values())
-            if probes:
-                torch.autograd.grad(per_example_losses, probes, torch.ones_like(per_example_losses),
-                                    retain_graph=True, allow_unused=True)
-            self._finish()
+            with record_function("ghostdp.pass1"):
+                if probes:
+                    # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
+                    retain = self.mode.continues_backward or self._graph_needed_after_pass1
+                    torch.autograd.grad(per_example_losses, probes, torch.ones_like(per_example_losses),
+                                        retain_graph=retain, allow_unused=True)
+                with record_function("ghostdp.norms.shared_parameters"):
+                    self._finish()
             sq, self._kept = self._pass.sq, self._pass.kept
         finally:
             self._pass = None
@@ -347,7 +364,8 @@ class GhostClipping:
         """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode
         has written the clipped sum into p.grad itself."""
         kept, self._kept = self._kept, new_factor_store()
-        return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
+        with record_function("ghostdp.clipped_sum"):
+            return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
 
     # ----------------------------------------------------------------- losses
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):

@@ -7,15 +7,21 @@ import torch
 
 
 class ClippedLoss(torch.autograd.Function):
-    """value = sum_i L_i / divisor; backward returns c_i * grad_output for L_i (pass 2 follows)."""
+    """value = sum_i L_i / divisor; backward runs pass 1, then returns c_i * grad_output for L_i
+    (pass 2 follows) or, in book-keeping mode, writes the clipped sums itself.
+
+    ``graph_input`` is what the outer backward continues into: the losses themselves (two-pass),
+    or a zero-size anchor leaf (book-keeping), so that autograd never walks the model's graph a
+    second time, which pass 1 has already freed.
+    """
 
     @staticmethod
-    def forward(ctx, per_example_losses, controller, divisor, examples):
-        ctx.losses = per_example_losses  # kept with its graph: pass 1 differentiates it again
+    def forward(ctx, graph_input, held_losses, controller, divisor, examples):
+        ctx.losses = held_losses[0]  # kept with its graph: pass 1 differentiates it again
         ctx.controller = controller
         ctx.examples = examples
         ctx.consumed = False
-        return per_example_losses.sum() / divisor
+        return ctx.losses.sum() / divisor
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -28,7 +34,7 @@ class ClippedLoss(torch.autograd.Function):
         ctx.controller.last_loss_scale = grad_output.detach()
         if ctx.controller.passes is not None:
             ctx.controller.passes.append((ctx.examples, float(grad_output)))
-        return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses), None, None, None
+        return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses), None, None, None, None
 
 
 def clipped_loss(controller, per_example_losses, reduction="mean", expected_batch_size=None):
@@ -50,7 +56,9 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
     divisor = 1.0
     if reduction == "mean":
         divisor = float(expected_batch_size if expected_batch_size is not None else max(1, examples))
-    return ClippedLoss.apply(per_example_losses, controller, divisor, examples)
+    graph_input = per_example_losses if controller.mode.continues_backward else controller.anchor(
+        per_example_losses.device)
+    return ClippedLoss.apply(graph_input, (per_example_losses,), controller, divisor, examples)
 
 
 def _token_weights(criterion, target):

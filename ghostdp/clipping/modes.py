@@ -17,6 +17,7 @@ import torch
 class TwoPass:
     name = "ghost"
     keeps_factors = False
+    continues_backward = True  # autograd's continuation from the losses is pass 2
 
     def grad_of_losses(self, kept, coefficients, grad_output, losses):
         return (coefficients * grad_output).to(losses.dtype)
@@ -25,12 +26,16 @@ class TwoPass:
 class BookKeeping:
     name = "bookkeeping"
     keeps_factors = True
+    continues_backward = False
 
     @torch.no_grad()
     def grad_of_losses(self, kept, coefficients, grad_output, losses):
         weights = coefficients * grad_output.to(coefficients.dtype)
         for param, factors in kept.items():
-            clipped = sum(f.weighted_sum(weights) for f in factors).to(param.dtype)
+            clipped = factors[0].weighted_sum(weights)
+            for factor in factors[1:]:  # further uses of the same parameter (tied weights)
+                clipped = clipped + factor.weighted_sum(weights)
+            clipped = clipped.to(param.dtype)
             if param.grad is None:
                 param.grad = clipped
             else:

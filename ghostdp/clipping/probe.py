@@ -25,6 +25,9 @@ class ProbeIdentity(torch.autograd.Function):
     def forward(ctx, out, probe, use, slot, in_place):
         ctx.use, ctx.slot = use, slot
         ctx.probe_meta = (probe.device, probe.dtype)
+        # No zeros for a missing gradient: after book-keeping's pass 1 nothing flows further back,
+        # and zeros would run a whole useless backward.
+        ctx.set_materialize_grads(False)
         if in_place:
             ctx.mark_dirty(out)
             return out
@@ -32,6 +35,8 @@ class ProbeIdentity(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None, None
         use = ctx.use
         if use.controller._receives_output_grads():
             use.controller._receive(use, ctx.slot, grad)

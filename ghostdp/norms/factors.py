@@ -32,6 +32,12 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def prefers_gram(T: int, m: int, n: int) -> bool:
+    """Gram <L L^T, R R^T> costs T^2 (m + n) per example, instantiation ||L^T R||^2 costs T m n
+    (DESIGN.md, norm rules); profiling/layers.py checks this choice against measured times."""
+    return T * (m + n) <= m * n
+
+
 def _example_chunks(batch: int, per_example: int):
     step = max(1, ELEMENT_BUDGET // max(1, per_example))
     for lo in range(0, batch, step):
@@ -121,8 +127,7 @@ class OuterProduct(PerExampleGrad):
         dt = acc_dtype(self.left, self.right)
         if T == 1:  # ||g_i||^2 = ||l_i||^2 ||r_i||^2 for a rank-one gradient
             return self.left.to(dt).pow(2).sum((1, 2)) * self.right.to(dt).pow(2).sum((1, 2))
-        # Gram rule costs T^2 (m + n) per example, instantiation T m n (DESIGN.md, norm rules).
-        if T * (m + n) <= m * n:
+        if prefers_gram(T, m, n):
             return _gram_inner(self.left, self.left, self.right, self.right, dt, symmetric=True)
         return super().sq_norm()
 

@@ -6,6 +6,7 @@ xhat is recomputed from the saved input in float32 or better.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .factors import Instantiated, acc_dtype
 from .registry import register_norm_rule
@@ -29,11 +30,8 @@ def _leading_dims(x, n_normalized):
 def layer_norm_rule(module, inputs, output_grad, trainable):
     dt = acc_dtype(inputs[0], output_grad)
     x, G = inputs[0].to(dt), output_grad.to(dt)
-    dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
-    mean = x.mean(dims, keepdim=True)
-    var = x.var(dims, keepdim=True, unbiased=False)
-    xhat = (x - mean) * torch.rsqrt(var + module.eps)
-    return _affine_grads(xhat, G, trainable, _leading_dims(x, len(dims)))
+    xhat = F.layer_norm(x, module.normalized_shape, eps=module.eps)  # (x - mean) / sqrt(var + eps), fused
+    return _affine_grads(xhat, G, trainable, _leading_dims(x, len(module.normalized_shape)))
 
 
 @register_norm_rule(torch.nn.RMSNorm)
@@ -50,11 +48,7 @@ def rms_norm_rule(module, inputs, output_grad, trainable):
 def group_norm_rule(module, inputs, output_grad, trainable):
     dt = acc_dtype(inputs[0], output_grad)
     x, G = inputs[0].to(dt), output_grad.to(dt)
-    B, C = x.shape[:2]
-    grouped = x.reshape(B, module.num_groups, -1)
-    mean = grouped.mean(-1, keepdim=True)
-    var = grouped.var(-1, keepdim=True, unbiased=False)
-    xhat = ((grouped - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+    xhat = F.group_norm(x, module.num_groups, eps=module.eps)
     spatial = tuple(range(2, x.dim()))
     return _affine_grads(xhat, G, trainable, spatial)
 

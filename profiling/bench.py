@@ -1,0 +1,290 @@
+"""Step time and peak memory of private training modes next to plain PyTorch, each in a fresh process.
+
+    python -m profiling.bench                                   # BERT L=2 H=256, B=16, T=128, CPU
+    python -m profiling.bench --batches 8 16 32 --budget-mb 2000
+    python -m profiling.bench --model gpt2 --freeze-embeddings --device cuda --dtype bf16
+
+Modes: plain (non-private, the limit), ghost and bookkeeping (ghostdp), opacus-ghost and
+opacus-hooks (when opacus is installed: pip install ghostdp[compare]). A mode that fails prints
+its error in the table instead of a time. Peak memory: on CUDA, peak allocated above the
+allocation before the first step; on CPU, peak resident set size of the process above its
+resident size before the first step (Linux: /proc/self/clear_refs resets the peak).
+Writes a table (stdout), results.json and PNG plots into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODES = ("plain", "ghost", "bookkeeping", "opacus-ghost", "opacus-hooks")
+
+
+# ----------------------------------------------------------------------------- one measurement (worker)
+def build_model(args):
+    import torch
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
+                              GPT2ForSequenceClassification)
+    torch.manual_seed(0)
+    if args.model.startswith("bert"):
+        config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                            num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
+                            max_position_embeddings=max(512, args.seq), num_labels=2,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = BertForSequenceClassification(config)
+    else:
+        config = GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                            n_positions=max(512, args.seq), num_labels=2, pad_token_id=0,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2ForSequenceClassification(config)
+    if args.model.endswith("lora"):
+        from peft import LoraConfig, get_peft_model
+        targets = ["query", "value"] if args.model.startswith("bert") else ["c_attn"]
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=targets, lora_dropout=0.0,
+                                                 fan_in_fan_out=not args.model.startswith("bert"),
+                                                 modules_to_save=["classifier", "score"]))
+    if args.freeze_embeddings:
+        for name, p in model.named_parameters():
+            if "embeddings" in name or ".wte." in name or ".wpe." in name:
+                p.requires_grad_(False)
+    return model
+
+
+def make_step(mode, model, args, batch):
+    """A closure running one full training step (forward, backward, optimizer step)."""
+    import torch
+    import torch.nn.functional as F
+    ids, labels = batch
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    if mode == "plain":
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(input_ids=ids).logits.float(), labels).backward()
+            optimizer.step()
+        return step
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
+    if mode in ("ghost", "bookkeeping"):
+        import ghostdp
+        engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
+        model, optimizer, criterion, _ = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
+    else:
+        from opacus import PrivacyEngine
+        engine = PrivacyEngine(accountant="rdp")
+        grad_sample_mode = mode.split("-")[1]
+        made = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                   criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                   max_grad_norm=1.0, grad_sample_mode=grad_sample_mode, poisson_sampling=False)
+        model, optimizer = made[0], made[1]
+        criterion = made[2] if grad_sample_mode == "ghost" else torch.nn.CrossEntropyLoss()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        criterion(model(input_ids=ids).logits.float(), labels).backward()
+        optimizer.step()
+    return step
+
+
+def resident_mb(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure(args) -> dict:
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = build_model(args).to(device=device, dtype=dtype).train()
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
+    labels = torch.randint(0, 2, (args.batch,), device=device)
+    step = make_step(args.mode, model, args, (ids, labels))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        base = resident_mb("VmRSS")
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if cuda else resident_mb("VmHWM") - base
+    warm = sorted(times[args.warmup:])
+    return {"median_ms": 1e3 * warm[len(warm) // 2], "peak_mb": peak}
+
+
+# ----------------------------------------------------------------------------- the driver
+def run_fresh(args, mode, batch) -> dict:
+    """One measurement in a new Python process (no caches, allocator state or hooks shared)."""
+    argv = [sys.executable, "-m", "profiling.bench", "--worker", "--mode", mode, "--batch", str(batch)]
+    for key in ("model", "layers", "hidden", "heads", "vocab", "seq", "steps", "warmup", "device", "dtype",
+                "threads"):
+        value = getattr(args, key)
+        if value is not None:
+            argv += [f"--{key}", str(value)]
+    if args.freeze_embeddings:
+        argv.append("--freeze-embeddings")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=root, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        error = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):
+            error = "out of memory"
+        return {"error": error[:160]}
+    return json.loads(lines[-1])
+
+
+def available(mode) -> bool:
+    if not mode.startswith("opacus"):
+        return True
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def largest_batch(args, mode, budget_mb, start) -> int:
+    """The largest batch whose peak memory stays within budget_mb: doubling, then bisection."""
+    def fits(batch):
+        result = run_fresh(args, mode, batch)
+        return "error" not in result and result["peak_mb"] <= budget_mb
+    if not fits(1):
+        return 0
+    low, high = 1, max(2, start)
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > max(1, low // 16):  # within about 6%
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def print_table(results, modes, batches):
+    print(f"{'mode':<14}{'batch':>6}{'step ms':>10}{'peak MB':>10}{'time/plain':>12}{'mem/plain':>11}")
+    for b in batches:
+        plain = results["plain"][b]
+        for mode in modes:
+            r = results[mode][b]
+            if "error" in r:
+                print(f"{mode:<14}{b:>6}   failed: {r['error']}")
+                continue
+            ratios = ""
+            if "error" not in plain:
+                ratios = f"{r['median_ms'] / plain['median_ms']:>11.2f}x{r['peak_mb'] / plain['peak_mb']:>10.2f}x"
+            print(f"{mode:<14}{b:>6}{r['median_ms']:>10.1f}{r['peak_mb']:>10.0f}{ratios}")
+
+
+def plot(results, modes, batches, budget, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = 3 if budget else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    for key, ax, label in (("median_ms", axes[0], "median step time (ms)"), ("peak_mb", axes[1], "peak memory (MB)")):
+        for mode in modes:
+            points = [(b, results[mode][b][key]) for b in batches if "error" not in results[mode][b]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.legend()
+    if budget:
+        names = list(budget)
+        axes[2].bar(names, [budget[m] for m in names])
+        axes[2].set_ylabel("largest batch within budget")
+        axes[2].tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    path = os.path.join(out, "bench.png")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batches", type=int, nargs="+", default=[16])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--freeze-embeddings", action="store_true", help="so that Opacus can run on BERT")
+    p.add_argument("--budget-mb", type=float, default=None, help="find each mode's largest batch within this")
+    p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")
+    p.add_argument("--out", default="profiling_output")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.worker:
+        print(json.dumps(measure(args)))
+        return None
+    modes = [m for m in args.modes if available(m)]
+    skipped = [m for m in args.modes if m not in modes]
+    if skipped:
+        print(f"skipped {skipped}: opacus is not installed (pip install 'ghostdp[compare]')")
+    if "plain" not in modes:
+        modes.insert(0, "plain")
+    results = {m: {} for m in modes}
+    for b in args.batches:
+        for _ in range(args.repeats):  # interleave modes so drift hits all of them alike
+            for mode in modes:
+                r = run_fresh(args, mode, b)
+                results[mode].setdefault(b, []).append(r)
+    for mode in modes:
+        for b in args.batches:
+            runs = [r for r in results[mode][b] if "error" not in r]
+            if not runs:
+                results[mode][b] = results[mode][b][0]
+                continue
+            runs.sort(key=lambda r: r["median_ms"])
+            results[mode][b] = {"median_ms": runs[len(runs) // 2]["median_ms"],
+                                "peak_mb": sorted(r["peak_mb"] for r in runs)[len(runs) // 2]}
+    print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} {args.dtype} on {args.device}"
+          f"{', embeddings frozen' if args.freeze_embeddings else ''}; {args.steps} steps, median of the last "
+          f"{args.steps - args.warmup}, each mode in a fresh process")
+    print_table(results, modes, args.batches)
+    budget = None
+    if args.budget_mb:
+        budget = {m: largest_batch(args, m, args.budget_mb, max(args.batches)) for m in modes}
+        print(f"largest batch within {args.budget_mb:.0f} MB: " + ", ".join(f"{m} {b}" for m, b in budget.items()))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "results": {m: {str(b): r for b, r in v.items()} for m, v in results.items()},
+                   "largest_batch": budget}, f, indent=1)
+    print(f"wrote {plot(results, modes, args.batches, budget, args.out)} and results.json")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Where the time of a private step goes, and whether the Linear rule picks the cheaper norm method.
+
+    python -m profiling.layers                      # BERT L=2 H=256, B=16, T=128, CPU
+    python -m profiling.layers --device cuda --hidden 768 --layers 12
+
+Part 1 profiles one ghost and one book-keeping step (torch.profiler; the controller marks its
+regions with record_function) next to a plain step: forward, pass 1 split into the norm rules by
+module type and the backward itself, pass 2 or the book-keeping clipped sums, optimizer step.
+
+Part 2 times the two ways of a Linear layer's per-example squared norms at several (T, d, p):
+Gram <A_i A_i^T, G_i G_i^T>, O(T^2 (d + p)), and instantiation ||G_i^T A_i||^2, O(T d p), and
+reports which one the rule's cost model picks and which one was faster.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from profiling.bench import build_model
+
+
+def profiled_step(args, mode):
+    import ghostdp
+    model = build_model(args).to(args.device).train()
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=args.device)
+    labels = torch.randint(0, 2, (args.batch,), device=args.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    if mode == "plain":
+        def loss():
+            return F.cross_entropy(model(input_ids=ids).logits, labels)
+    else:
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=mode)
+        criterion = controller.criterion(torch.nn.CrossEntropyLoss())
+
+        def loss():
+            return criterion(model(input_ids=ids).logits, labels)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with record_function("step.forward"):
+            value = loss()
+        with record_function("step.backward"):
+            value.backward()
+        with record_function("step.optimizer"):
+            optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+    totals, selfs = defaultdict(float), defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith(("step.", "ghostdp.")):
+            device_time = getattr(event, "device_time_total", 0) if args.device == "cuda" else 0
+            totals[event.key] = (device_time or event.cpu_time_total) / 1e3 / args.steps
+            selfs[event.key] = event.self_cpu_time_total / 1e3 / args.steps
+    return totals
+
+
+def breakdown(args):
+    runs = {mode: profiled_step(args, mode) for mode in ("plain", "ghost", "bookkeeping")}
+    plain_step = sum(runs["plain"][k] for k in ("step.forward", "step.backward", "step.optimizer"))
+    print(f"Part 1: one step, ms (mean of {args.steps} profiled steps after {args.warmup} warm-up steps)")
+    for mode, t in runs.items():
+        step = sum(t[k] for k in ("step.forward", "step.backward", "step.optimizer"))
+        print(f"\n{mode}: step {step:.1f} ms ({step / plain_step:.2f}x plain)")
+        print(f"  forward                     {t['step.forward']:8.1f}")
+        print(f"  backward                    {t['step.backward']:8.1f}")
+        if mode != "plain":
+            pass1 = t.get("ghostdp.pass1", 0.0)
+            norms = {k: v for k, v in t.items() if k.startswith("ghostdp.norms.")}
+            norm_total = sum(norms.values())
+            print(f"    pass 1                    {pass1:8.1f}")
+            print(f"      norm rules              {norm_total:8.1f}")
+            for key, value in sorted(norms.items(), key=lambda kv: -kv[1]):
+                print(f"        {key[len('ghostdp.norms.'):]:<22}{value:8.1f}")
+            print(f"      backward (activations)  {pass1 - norm_total:8.1f}")
+            if mode == "ghost":
+                print(f"    pass 2 (plain backward)   {t['step.backward'] - pass1:8.1f}")
+            else:
+                clipped = t.get("ghostdp.clipped_sum", 0.0)
+                print(f"    clipped sums (c*G)^T A    {clipped:8.1f}")
+                print(f"    rest                      {t['step.backward'] - pass1 - clipped:8.1f}")
+        print(f"  optimizer step              {t['step.optimizer']:8.1f}")
+
+
+def best_time(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+GRID = [(T, d, p) for T in (16, 64, 128, 256, 512) for d, p in ((256, 256), (256, 1024), (768, 768), (768, 3072))]
+
+
+def gram_versus_instantiate(args, grid=GRID):
+    """Returns [(T, d, p, gram seconds, instantiate seconds, picked, faster)]."""
+    from ghostdp.norms.factors import OuterProduct, PerExampleGrad, _gram_inner, prefers_gram
+    print("\nPart 2: Linear-layer squared norms, ms per call (B = %d)" % args.batch)
+    print(f"{'T':>6}{'d':>6}{'p':>6}{'gram':>10}{'instantiate':>13}  {'rule picks':<12}{'faster':<12}")
+    rows = []
+    for T, d, p in grid:
+        G = torch.randn(args.batch, T, p, device=args.device)
+        A = torch.randn(args.batch, T, d, device=args.device)
+        factor = OuterProduct(G, A, (p, d))
+        gram = best_time(lambda: _gram_inner(G, G, A, A, torch.float32, symmetric=True), args.repeats)
+        inst = best_time(lambda: PerExampleGrad.sq_norm(factor), args.repeats)
+        picks = "gram" if prefers_gram(T, p, d) else "instantiate"
+        faster = "gram" if gram < inst else "instantiate"
+        rows.append((T, d, p, gram, inst, picks, faster))
+        print(f"{T:>6}{d:>6}{p:>6}{gram * 1e3:>10.2f}{inst * 1e3:>13.2f}  {picks:<12}{faster:<12}")
+    agree = sum(r[5] == r[6] for r in rows)
+    print(f"the cost model picked the faster method in {agree} of {len(rows)} cases")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--freeze-embeddings", action="store_true")
+    p.add_argument("--skip-breakdown", action="store_true")
+    p.add_argument("--skip-gram", action="store_true")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    if not args.skip_breakdown:
+        breakdown(args)
+    if not args.skip_gram:
+        gram_versus_instantiate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The profiling tools run end to end on a tiny model (their figures are printed, never asserted)."""
+import json
+import math
+
+from profiling import bench, layers
+from ghostdp.norms.factors import prefers_gram
+
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8"]
+
+
+def test_bench_runs_each_mode_in_a_fresh_process_and_writes_table_json_and_plot(tmp_path, capsys):
+    results = bench.main(TINY + ["--batches", "2", "--steps", "2", "--warmup", "1", "--modes", "plain", "ghost",
+                                 "bookkeeping", "--out", str(tmp_path)])
+    for mode in ("plain", "ghost", "bookkeeping"):
+        assert "error" not in results[mode][2], results[mode][2]
+        assert results[mode][2]["median_ms"] > 0 and math.isfinite(results[mode][2]["peak_mb"])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["results"]) == {"plain", "ghost", "bookkeeping"}
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "time/plain" in capsys.readouterr().out
+
+
+def test_a_failing_mode_is_reported_not_hidden(tmp_path):
+    args = bench.parse(TINY + ["--out", str(tmp_path), "--vocab", "0"])  # no model can have 0 tokens
+    assert "error" in bench.run_fresh(args, "ghost", 2)
+
+
+def test_the_budget_search_finds_the_largest_batch_that_fits(monkeypatch):
+    monkeypatch.setattr(bench, "run_fresh", lambda args, mode, batch: {"median_ms": 1.0, "peak_mb": 10.0 * batch})
+    found = bench.largest_batch(None, "ghost", budget_mb=1000.0, start=16)
+    assert 94 <= found <= 100  # 100 fits exactly; the bisection stops within about 6%
+    assert bench.largest_batch(None, "ghost", budget_mb=5.0, start=16) == 0  # not even one example fits
+
+
+def test_layer_breakdown_and_gram_choice_run(capsys):
+    layers.main(TINY + ["--batch", "2", "--steps", "1", "--warmup", "1", "--skip-gram"])
+    args = layers.argparse.Namespace(batch=2, device="cpu", repeats=1)
+    rows = layers.gram_versus_instantiate(args, grid=[(4, 8, 8), (64, 4, 4)])
+    assert [r[5] for r in rows] == ["gram", "instantiate"] == [
+        "gram" if prefers_gram(T, p, d) else "instantiate" for T, d, p, *_ in rows]
+    assert all(r[3] > 0 and r[4] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "pass 1" in out and "norm rules" in out and "Linear" in out and "cost model picked" in out
