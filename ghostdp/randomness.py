@@ -15,12 +15,25 @@ import math
 import os
 import secrets
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 _NOISE_STREAM, _SAMPLING_STREAM = 1, 2
-SCRATCH_ELEMENTS = 1 << 20  # the noise scratch buffer: 4 MB in float32
+NOISE_BLOCK = 1 << 18     # noise values drawn per call, into a reused scratch buffer (1 MB in float32)
+CPU_NOISE_STREAMS = 4     # a large CPU tensor's blocks come from this many sub-streams, in parallel
+
+
+_NOISE_THREADS = None
+
+
+def _noise_threads() -> ThreadPoolExecutor:
+    global _NOISE_THREADS
+    if _NOISE_THREADS is None:
+        _NOISE_THREADS = ThreadPoolExecutor(max_workers=min(CPU_NOISE_STREAMS, max(1, torch.get_num_threads())),
+                                            thread_name_prefix="ghostdp-noise")
+    return _NOISE_THREADS
 
 
 def secure_uniform(n: int) -> np.ndarray:
@@ -56,15 +69,17 @@ class RandomSource:
             if not isinstance(noise_generator, torch.Generator):
                 raise TypeError(f"noise_generator must be a torch.Generator, got {type(noise_generator).__name__}")
             self._generators[str(torch.device(noise_generator.device))] = noise_generator
+        self._user_generator = noise_generator is not None
 
     def _stream_key(self, device: torch.device) -> str:
         return device.type if self.shared_across_ranks else str(device)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, stream: int = 0) -> torch.Generator:
         device = torch.device(device)
-        key = self._stream_key(device)
+        key = self._stream_key(device) + (f"#{stream}" if stream else "")
         if key not in self._generators:
-            entropy = [self.seed, _NOISE_STREAM, zlib.crc32(key.encode())]
+            entropy = [self.seed, _NOISE_STREAM, zlib.crc32(self._stream_key(device).encode())] + (
+                [stream] if stream else [])
             seed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
             self._generators[key] = torch.Generator(device=device).manual_seed(seed)
         generator = self._generators[key]
@@ -110,25 +125,41 @@ class RandomSource:
 
     @torch.no_grad()
     def add_gaussian_(self, tensor: torch.Tensor, std: float) -> None:
-        """tensor += N(0, std^2) noise, drawn in float32 or wider; the values are those of
-        ``gaussian_like`` for tensors of up to SCRATCH_ELEMENTS elements.
+        """tensor += N(0, std^2) noise, drawn in float32 or wider.
 
-        The draws go through one reused scratch buffer per device: allocating a fresh
-        model-sized noise tensor each step costs as much again in page faults on CPU.
+        Draws go block by block through reused scratch buffers: a fresh model-sized noise
+        tensor each step costs as much again in page faults on CPU. A tensor of at most
+        NOISE_BLOCK elements gets exactly the values of ``gaussian_like``. On CPU, without a
+        user-supplied generator, the blocks of a larger tensor are drawn by CPU_NOISE_STREAMS
+        threads, block j from sub-stream j mod CPU_NOISE_STREAMS: one CPU generator is serial,
+        and the fixed assignment keeps the draws independent of the number of threads.
         """
         dtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
         if self.secure or not tensor.is_contiguous():
             tensor.add_(self.gaussian_like(tensor, std).to(tensor.dtype))
             return
-        generator = self._generator(tensor.device)
         flat = tensor.view(-1)
-        scratch = self._scratch.get((tensor.device, dtype))
-        if scratch is None or scratch.numel() < min(flat.numel(), SCRATCH_ELEMENTS):
-            scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), device=tensor.device, dtype=dtype)
-            self._scratch[(tensor.device, dtype)] = scratch
-        for lo in range(0, flat.numel(), scratch.numel()):
-            hi = min(flat.numel(), lo + scratch.numel())
-            flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generator))
+        parallel = tensor.device.type == "cpu" and flat.numel() > NOISE_BLOCK and not self._user_generator
+        streams = CPU_NOISE_STREAMS if parallel else 1
+        generators = [self._generator(tensor.device, k) for k in range(streams)]
+
+        def fill(stream):
+            scratch = self._scratch_buffer(tensor.device, dtype, stream, min(flat.numel(), NOISE_BLOCK))
+            for lo in range(stream * NOISE_BLOCK, flat.numel(), streams * NOISE_BLOCK):
+                hi = min(flat.numel(), lo + NOISE_BLOCK)
+                flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generators[stream]))
+
+        if not parallel:
+            fill(0)
+            return
+        list(_noise_threads().map(fill, range(streams)))
+
+    def _scratch_buffer(self, device, dtype, stream, size):
+        scratch = self._scratch.get((device, dtype, stream))
+        if scratch is None or scratch.numel() < size:
+            scratch = torch.empty(size, device=device, dtype=dtype)
+            self._scratch[(device, dtype, stream)] = scratch
+        return scratch
 
     def sampling_uniform(self, n: int, key) -> np.ndarray:
         """n uniforms for the Poisson draw of batch ``key`` = (rank, epoch, batch)."""
@@ -151,11 +182,13 @@ class RandomSource:
             return
         self.seed = state["seed"]
         for key, gen_state in state["generators"].items():
+            base, _, stream = key.partition("#")
             if self.shared_across_ranks:
-                key = key.split(":")[0]
+                base = base.split(":")[0]
+                key = base + (f"#{stream}" if stream else "")
             if key not in self._generators:
-                device = torch.device(key)
+                device = torch.device(base)
                 if device.type != "cpu" and device.index is None:
                     device = torch.device(device.type, torch.get_device_module(device.type).current_device())
-                self._generator(device)
+                self._generator(device, int(stream or 0))
             self._generators[key].set_state(gen_state)

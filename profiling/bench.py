@@ -219,22 +219,27 @@ def plot(results, modes, batches, budget, out):
     return path
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model options shared by bench and layers (defaults: the issue's BERT L=2, H=256, T=128)."""
     p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora"])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--freeze-embeddings", action="store_true", help="so that Opacus can run on BERT")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
     p.add_argument("--batches", type=int, nargs="+", default=[16])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--freeze-embeddings", action="store_true", help="so that Opacus can run on BERT")
     p.add_argument("--budget-mb", type=float, default=None, help="find each mode's largest batch within this")
     p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")
     p.add_argument("--out", default="profiling_output")

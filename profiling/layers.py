@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from profiling.bench import build_model
+from profiling.bench import add_model_arguments, build_model
 
 
 def profiled_step(args, mode):
@@ -58,12 +58,11 @@ def profiled_step(args, mode):
             step()
             if args.device == "cuda":
                 torch.cuda.synchronize()
-    totals, selfs = defaultdict(float), defaultdict(float)
+    totals = defaultdict(float)
     for event in prof.key_averages():
         if event.key.startswith(("step.", "ghostdp.")):
             device_time = getattr(event, "device_time_total", 0) if args.device == "cuda" else 0
             totals[event.key] = (device_time or event.cpu_time_total) / 1e3 / args.steps
-            selfs[event.key] = event.self_cpu_time_total / 1e3 / args.steps
     return totals
 
 
@@ -132,18 +131,11 @@ def gram_versus_instantiate(args, grid=GRID):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora"])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=30522)
-    p.add_argument("--seq", type=int, default=128)
+    add_model_arguments(p)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--freeze-embeddings", action="store_true")
     p.add_argument("--skip-breakdown", action="store_true")
     p.add_argument("--skip-gram", action="store_true")
     args = p.parse_args(argv)

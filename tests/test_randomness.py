@@ -1,0 +1,41 @@
+"""Noise streams: large CPU tensors draw their blocks from fixed sub-streams, in parallel, reproducibly."""
+import torch
+
+from ghostdp.randomness import CPU_NOISE_STREAMS, NOISE_BLOCK, RandomSource
+
+N = 3 * CPU_NOISE_STREAMS * NOISE_BLOCK // 2 + 1234  # several blocks per sub-stream and a partial last block
+
+
+def test_large_tensors_take_block_j_from_sub_stream_j_mod_streams():
+    got = torch.zeros(N, dtype=torch.float32)
+    RandomSource(seed=9).add_gaussian_(got, 0.5)
+    reference_source = RandomSource(seed=9)
+    generators = [reference_source._generator(torch.device("cpu"), k) for k in range(CPU_NOISE_STREAMS)]
+    expected = torch.empty(N, dtype=torch.float32)
+    for j, lo in enumerate(range(0, N, NOISE_BLOCK)):
+        hi = min(N, lo + NOISE_BLOCK)
+        expected[lo:hi] = torch.empty(hi - lo, dtype=torch.float32).normal_(0.0, 0.5, generator=generators[j % CPU_NOISE_STREAMS])
+    assert torch.equal(got, expected)
+    blocks = got[:CPU_NOISE_STREAMS * NOISE_BLOCK].reshape(CPU_NOISE_STREAMS, NOISE_BLOCK)
+    assert all(not torch.equal(blocks[0], blocks[k]) for k in range(1, CPU_NOISE_STREAMS))  # distinct streams
+    assert abs(float(got.std()) / 0.5 - 1) < 0.01 and abs(float(got.mean())) < 0.005
+
+
+def test_a_small_tensor_gets_exactly_the_values_of_gaussian_like():
+    got = torch.zeros(1000, dtype=torch.float32)
+    RandomSource(seed=2).add_gaussian_(got, 3.0)
+    assert torch.equal(got, RandomSource(seed=2).gaussian_like(torch.zeros(1000, dtype=torch.float32), 3.0))
+
+
+def test_saved_state_resumes_every_sub_stream():
+    source = RandomSource(seed=4)
+    source.add_gaussian_(torch.zeros(N, dtype=torch.float32), 1.0)
+    state = source.state_dict()
+    assert len(state["generators"]) == CPU_NOISE_STREAMS
+    continued = torch.zeros(N, dtype=torch.float32)
+    source.add_gaussian_(continued, 1.0)
+    resumed_source = RandomSource(seed=123)
+    resumed_source.load_state_dict(state)
+    resumed = torch.zeros(N, dtype=torch.float32)
+    resumed_source.add_gaussian_(resumed, 1.0)
+    assert torch.equal(resumed, continued)
