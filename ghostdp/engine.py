@@ -66,6 +66,12 @@ class PrivacyEngine:
         poisson_sampling=True the loader is rebuilt to draw Poisson batches of expected size
         batch_size; with False the loader's own batches are kept and the accountant still
         assumes Poisson sampling at rate batch_size / len(dataset), as Opacus and others do.
+
+        Several processes (torchrun / accelerate, process group initialised first): batch_size is
+        each process's expected share (q = batch_size * world_size / len(dataset)), each rank
+        samples its own shard, all ranks share rank 0's seed so that they add one identical noise
+        draw, and the model must run forward through DistributedDataParallel (before or after this
+        call). clipping="bookkeeping" and secure_mode are single-process only.
         """
         check_noise_multiplier(noise_multiplier)
         check_max_grad_norm(max_grad_norm)

@@ -4,6 +4,11 @@ Each Trainer batch is one Poisson-sampled logical batch. ``training_step`` split
 chunks, computes per-example losses from the logits (never the model's batch-token-mean loss),
 runs ghostdp's two passes per chunk, then adds the noise once and divides by the expected batch
 size, all before the Trainer reads ``grad_norm`` and steps the (unwrapped) optimizer.
+
+Under torchrun / accelerate launch, each process Poisson-samples its own shard (expected size
+per_device_train_batch_size), the Trainer's DDP averages the clipped sums, the DP optimizer turns
+the average back into the sum and adds one noise draw shared by all ranks; ranks with fewer
+physical chunks than the largest draw run zero-weight padding chunks so DDP stays in step.
 """
 from __future__ import annotations
 
