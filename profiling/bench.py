@@ -56,32 +56,26 @@ def build_model(args):
 def make_step(mode, model, args, batch):
     """A closure running one full training step (forward, backward, optimizer step)."""
     import torch
-    import torch.nn.functional as F
     ids, labels = batch
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3)
-    if mode == "plain":
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(input_ids=ids).logits.float(), labels).backward()
-            optimizer.step()
-        return step
+    criterion = torch.nn.CrossEntropyLoss()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
     if mode in ("ghost", "bookkeeping"):
         import ghostdp
         engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
         model, optimizer, criterion, _ = engine.make_private(
-            module=model, optimizer=optimizer, data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
+            module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
             noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
-    else:
+    elif mode != "plain":
         from opacus import PrivacyEngine
         engine = PrivacyEngine(accountant="rdp")
         grad_sample_mode = mode.split("-")[1]
         made = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                   criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                   criterion=criterion, noise_multiplier=1.0,
                                    max_grad_norm=1.0, grad_sample_mode=grad_sample_mode, poisson_sampling=False)
         model, optimizer = made[0], made[1]
-        criterion = made[2] if grad_sample_mode == "ghost" else torch.nn.CrossEntropyLoss()
+        criterion = made[2] if grad_sample_mode == "ghost" else criterion
 
     def step():
         optimizer.zero_grad(set_to_none=True)
