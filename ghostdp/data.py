@@ -26,6 +26,11 @@ def distributed_rank_and_size():
     return 0, 1
 
 
+def collective_device(device) -> torch.device:
+    """Where a small tensor for a collective must live: the GPU with NCCL, the CPU otherwise (gloo)."""
+    return torch.device(device) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
 class PoissonBatchSampler(Sampler):
     """Logical batches in which every example is present independently with probability ``sample_rate``.
 
@@ -56,20 +61,19 @@ class PoissonBatchSampler(Sampler):
     def __len__(self):
         return self.steps_per_epoch
 
+    def _kept(self, rank: int, epoch: int, batch: int) -> np.ndarray:
+        """Which examples of ``rank``'s shard (indices rank, rank + world_size, ...) this draw keeps."""
+        shard_size = len(range(rank, self.num_samples, self.world_size))
+        return self.source.sampling_uniform(shard_size, (rank, epoch, batch)) < self.sample_rate
+
     def draw(self, epoch: int, batch: int) -> list[int]:
-        keep = self.source.sampling_uniform(self.shard.shape[0], (self.rank, epoch, batch)) < self.sample_rate
-        return self.shard[keep].tolist()
+        return self.shard[self._kept(self.rank, epoch, batch)].tolist()
 
     def sizes_on_all_ranks(self, epoch: int, batch: int) -> list[int]:
         """The size of this draw on every rank, computed locally (the streams are shared by all ranks)."""
         if self.source.secure:
             raise RuntimeError("secure-mode draws cannot be reproduced for other ranks")
-        sizes = []
-        for rank in range(self.world_size):
-            shard_size = len(range(rank, self.num_samples, self.world_size))
-            keep = self.source.sampling_uniform(shard_size, (rank, epoch, batch)) < self.sample_rate
-            sizes.append(int(keep.sum()))
-        return sizes
+        return [int(self._kept(rank, epoch, batch).sum()) for rank in range(self.world_size)]
 
     def with_positions(self):
         """Yields ((epoch, batch), indices) from the current position to the end of the epoch."""
