@@ -33,6 +33,21 @@ def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
     return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
 
 
+def run_state(accountant, random_source, data_loader) -> dict:
+    """What a resumed run needs besides model and optimizer: accountant history, random streams,
+    loader position (shared by PrivacyEngine and DPTrainer checkpoints)."""
+    return {"accountant": accountant.state_dict(), "random": random_source.state_dict(),
+            "data_loader": data_loader.state_dict() if data_loader is not None else {}}
+
+
+def restore_streams(state: dict, random_source, data_loader) -> None:
+    """The random streams and loader position of ``run_state`` (the accountant is restored on its own,
+    at once, while these wait until the loader exists)."""
+    random_source.load_state_dict(state["random"])
+    if data_loader is not None:
+        data_loader.load_state_dict(state["data_loader"])
+
+
 class PrivacyEngine:
     """DP-SGD with ghost clipping, Opacus-style.
 
@@ -174,9 +189,7 @@ class PrivacyEngine:
 
     def state_dict(self) -> dict:
         """Accountant history, sampler position and random state: save with the model and optimizer."""
-        return {"accountant": self.accountant.state_dict(),
-                "random": self.random_source.state_dict(),
-                "data_loader": self.data_loader.state_dict() if self.data_loader is not None else {}}
+        return run_state(self.accountant, self.random_source, self.data_loader)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved run; before make_private the sampler and noise parts wait until it is called."""
@@ -189,7 +202,5 @@ class PrivacyEngine:
         state = self._pending_state
         if state is None:
             return
-        self.random_source.load_state_dict(state["random"])
-        if self.data_loader is not None:
-            self.data_loader.load_state_dict(state["data_loader"])
+        restore_streams(state, self.random_source, self.data_loader)
         self._pending_state = None

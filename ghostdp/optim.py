@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import BatchTracker, distributed_rank_and_size
+from .data import BatchTracker, collective_device, distributed_rank_and_size
 
 
 def _wide_sum(t: torch.Tensor) -> torch.Tensor:
@@ -209,7 +209,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self.world_size > 1:
+            if distributed:
                 p.grad.mul_(self.world_size)
             if std > 0:
                 self.random_source.add_gaussian_(p.grad, std)
@@ -233,9 +233,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _check_ranks_agree(self, clipped, noisy):
         import torch.distributed as dist
         both = torch.cat([clipped, noisy])
-        spread = torch.cat([both, -both])
-        if dist.get_backend() != "nccl":
-            spread = spread.cpu()
+        spread = torch.cat([both, -both]).to(collective_device(both.device))
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         high, low = spread[:4].cpu(), -spread[4:].cpu()
         differs = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-300

@@ -79,6 +79,13 @@ def check_max_grad_norm(value):
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}")
 
 
+def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
+    """The leaf of ``leaves`` for this device, made on first use: an empty tensor that requires grad."""
+    if device not in leaves:
+        leaves[device] = torch.zeros(0, device=device, requires_grad=True)
+    return leaves[device]
+
+
 def _leading_dim(args, kwargs):
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -169,14 +176,10 @@ class GhostClipping:
 
     def anchor(self, device):
         """A zero-size leaf for a DP loss whose backward must not continue into the model (book-keeping)."""
-        if device not in self._anchors:
-            self._anchors[device] = torch.zeros(0, device=device, requires_grad=True)
-        return self._anchors[device]
+        return _zero_size_leaf(self._anchors, device)
 
     def _probe(self, device):
-        if device not in self._probes:
-            self._probes[device] = torch.zeros(0, device=device, requires_grad=True)
-        return self._probes[device]
+        return _zero_size_leaf(self._probes, device)
 
     def _on_forward(self, name, rule, module, args, kwargs, output):
         if not self._recording(module):

@@ -25,7 +25,8 @@ from transformers.data.data_collator import DataCollatorWithFlattening
 from ..accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
 from ..clipping.modes import clipping_mode
-from ..data import DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
+from ..data import DPDataLoader, PoissonBatchSampler, collective_device, distributed_rank_and_size
+from ..engine import restore_streams, run_state
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
 
@@ -98,7 +99,7 @@ def _largest_across_ranks(count: int, device) -> int:
     if distributed_rank_and_size()[1] == 1:
         return count
     import torch.distributed as dist
-    largest = torch.tensor([count], device=device if dist.get_backend() == "nccl" else "cpu")
+    largest = torch.tensor([count], device=collective_device(device))
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return int(largest.item())
 
@@ -287,9 +288,8 @@ class DPTrainerMixin:
         return super().log(logs, *args, **kwargs)
 
     def _state(self):
-        return {"accountant": self.accountant.state_dict(), "random": self.random_source.state_dict(),
-                "data_loader": self._train_loader.state_dict() if self._train_loader is not None else {},
-                "noise_multiplier": self.noise_multiplier}
+        return dict(run_state(self.accountant, self.random_source, self._train_loader),
+                    noise_multiplier=self.noise_multiplier)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -311,8 +311,7 @@ class DPTrainerMixin:
         state = self._pending_state
         if state is None:
             return
-        self.random_source.load_state_dict(state["random"])
-        self._train_loader.load_state_dict(state["data_loader"])
+        restore_streams(state, self.random_source, self._train_loader)
         self.noise_multiplier = state["noise_multiplier"]
         self._pending_state = None
 
