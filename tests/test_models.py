@@ -123,6 +123,25 @@ def test_conv_net_with_groupnorm_and_inplace_relu():
     assert_exact_model(model, x, classification_loss(torch.randint(0, 5, (B,))), B)
 
 
+class TokenMLP(nn.Module):
+    """Linear layers on (B, T, d) inputs whose outputs are then changed in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 9)
+        self.down = nn.Linear(9, 4)
+
+    def forward(self, x):
+        h = torch.relu_(self.up(x))
+        y = self.down(h)
+        y.mul_(2.0).add_(x[..., :4])
+        return y.mean(1)
+
+
+def test_token_linear_outputs_modified_in_place():
+    assert_exact_model(TokenMLP(), torch.randn(B, 5, 6), classification_loss(torch.randint(0, 4, (B,))), B)
+
+
 class GRUClassifier(nn.Module):
     def __init__(self):
         super().__init__()

@@ -50,3 +50,26 @@ def test_the_detector_sees_weight_gradients_of_an_ordinary_backward():
     with OutputShapes() as mode:
         model(x).pow(2).sum().backward()
     assert len(weight_shaped(mode.shapes, model)) >= 3
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_probe_copies_no_layer_output():
+    # A Linear layer on (B, T, d) returns a view of its matmul result; the probe must attach without a copy.
+    model = nn.Sequential(nn.Linear(7, 11), nn.ReLU(inplace=True), nn.LayerNorm(11), nn.Linear(11, 5))
+    x = torch.randn(3, 4, 7)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with OpNames() as mode:
+        out = model(x)
+    assert out.shape == (3, 4, 5)
+    copies = [n for n in mode.names if n.startswith(("aten.clone", "aten.copy"))]
+    assert copies == [], copies
+    controller.detach()

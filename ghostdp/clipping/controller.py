@@ -215,7 +215,7 @@ class GhostClipping:
             if expanded:
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
             use.expanded.append(expanded)
-            new_flat[i] = add_probe(t, self._probe(t.device), use, slot)
+            new_flat[i] = add_probe(t, self._probe(t.device), use, slot, known_forward=rule is not None)
         use.grads = [None] * len(slots)
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         use.input_nodes = frozenset(get_gradient_edge(a).node for a in inputs if a.requires_grad)

@@ -7,8 +7,11 @@ gradient (no weight is an input of that ``autograd.grad`` call).
 
 The identity marks its input dirty instead of returning a view or a copy, so a
 later in-place op (``ReLU(inplace=True)``) stays legal and memory is unchanged.
-Where the output was saved by its own producer (tanh, sigmoid) or is a view or
-a leaf, bumping its version would break the backward, so a copy is returned.
+A Linear layer on a (B, T, d) input returns a view of its (B*T, p) matmul result:
+there the probe goes on that result and the view is taken again after it, so no
+copy is made either. Where the output was saved by its own producer (tanh,
+sigmoid), or is another kind of view or a leaf, bumping its version would break
+the backward, so a copy is returned.
 """
 from __future__ import annotations
 
@@ -20,10 +23,19 @@ def can_mark_dirty(t: torch.Tensor) -> bool:
             and not hasattr(t.grad_fn, "_saved_result"))
 
 
+def _reshaped_base(t: torch.Tensor):
+    """The tensor that ``t`` merely reshapes (same elements, same order), if it may be marked dirty."""
+    base = t._base if t._is_view() else None
+    if (base is None or base.numel() != t.numel() or not base.is_contiguous() or not t.is_contiguous()
+            or t.storage_offset() != base.storage_offset() or not can_mark_dirty(base)):
+        return None
+    return base
+
+
 class ProbeIdentity(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, probe, use, slot, in_place):
-        ctx.use, ctx.slot = use, slot
+    def forward(ctx, out, probe, use, slot, in_place, output_shape):
+        ctx.use, ctx.slot, ctx.output_shape = use, slot, output_shape
         ctx.probe_meta = (probe.device, probe.dtype)
         # No zeros for a missing gradient: after book-keeping's pass 1 nothing flows further back,
         # and zeros would run a whole useless backward.
@@ -36,16 +48,24 @@ class ProbeIdentity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         use = ctx.use
         if use.controller._receives_output_grads():
-            use.controller._receive(use, ctx.slot, grad)
+            shaped = grad if ctx.output_shape is None else grad.view(ctx.output_shape)
+            use.controller._receive(use, ctx.slot, shaped)
             device, dtype = ctx.probe_meta
-            return grad, torch.zeros(0, device=device, dtype=dtype), None, None, None
+            return grad, torch.zeros(0, device=device, dtype=dtype), None, None, None, None
         if grad.numel():  # a gradient with no rows (an empty batch) carries no example
             use.controller._check_pass_two(use)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
-def add_probe(out: torch.Tensor, probe: torch.Tensor, use, slot: int) -> torch.Tensor:
-    return ProbeIdentity.apply(out, probe, use, slot, can_mark_dirty(out))
+def add_probe(out: torch.Tensor, probe: torch.Tensor, use, slot: int, known_forward: bool) -> torch.Tensor:
+    """``out`` with the probe attached. ``known_forward``: the module is one whose forward a norm rule
+    knows (Linear, Conv1D, ...), so nothing inside it saved the base of a view output."""
+    if can_mark_dirty(out):
+        return ProbeIdentity.apply(out, probe, use, slot, True, None)
+    base = _reshaped_base(out) if known_forward else None
+    if base is not None:
+        return ProbeIdentity.apply(base, probe, use, slot, True, out.shape).view(out.shape)
+    return ProbeIdentity.apply(out, probe, use, slot, False, None)
