@@ -211,10 +211,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             if distributed:
                 p.grad.mul_(self.world_size)
+            divisor = self.expected_batch_size if self.loss_reduction == "mean" else 1.0
             if std > 0:
-                self.random_source.add_gaussian_(p.grad, std)
-            if self.loss_reduction == "mean":
-                p.grad.div_(self.expected_batch_size)
+                self.random_source.add_gaussian_(p.grad, std, divisor)
+            elif divisor != 1.0:
+                p.grad.div_(divisor)
         if distributed:
             self._check_ranks_agree(clipped_fingerprint, self._fingerprint())
 

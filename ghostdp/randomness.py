@@ -124,8 +124,8 @@ class RandomSource:
                             device=tensor.device, dtype=dtype)
 
     @torch.no_grad()
-    def add_gaussian_(self, tensor: torch.Tensor, std: float) -> None:
-        """tensor += N(0, std^2) noise, drawn in float32 or wider.
+    def add_gaussian_(self, tensor: torch.Tensor, std: float, divisor: float = 1.0) -> None:
+        """tensor <- (tensor + N(0, std^2) noise) / divisor, the noise drawn in float32 or wider.
 
         Draws go block by block through reused scratch buffers: a fresh model-sized noise
         tensor each step costs as much again in page faults on CPU. A tensor of at most
@@ -137,6 +137,8 @@ class RandomSource:
         dtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
         if self.secure or not tensor.is_contiguous():
             tensor.add_(self.gaussian_like(tensor, std).to(tensor.dtype))
+            if divisor != 1.0:
+                tensor.div_(divisor)
             return
         flat = tensor.view(-1)
         parallel = tensor.device.type == "cpu" and flat.numel() > NOISE_BLOCK and not self._user_generator
@@ -147,7 +149,9 @@ class RandomSource:
             scratch = self._scratch_buffer(tensor.device, dtype, stream, min(flat.numel(), NOISE_BLOCK))
             for lo in range(stream * NOISE_BLOCK, flat.numel(), streams * NOISE_BLOCK):
                 hi = min(flat.numel(), lo + NOISE_BLOCK)
-                flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generators[stream]))
+                block = flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generators[stream]))
+                if divisor != 1.0:
+                    block.div_(divisor)  # while the block is in cache: one pass over the tensor, not two
 
         if not parallel:
             fill(0)

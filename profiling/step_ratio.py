@@ -1,49 +1,81 @@
-"""Median step time of ghost clipping vs plain training, one process, side by side.
+"""Step-time ratios to plain training, measured in one process with the modes' steps interleaved.
 
-python profiling/step_ratio.py [--layers 2 --hidden 256 --batch 16 --seq 128 --steps 10]
-A first probe until the full suite (issue 5): prints both medians and their ratio.
+    python -m profiling.step_ratio                       # BERT L=2 H=256, B=16, T=128, CPU
+    python -m profiling.step_ratio --modes plain bookkeeping --rounds 30
+
+Each mode gets its own copy of the model (same weights) and its own optimizer; one round runs one
+full step of every mode in turn (forward, backward, noise, optimizer step). A machine whose speed
+drifts (a shared VM: +-15% between runs) slows all modes of a round alike, so the median over rounds
+of each round's time ratio is far steadier than a ratio of medians taken in separate processes.
+Memory is not measured here (the models share one process): use profiling.bench for that.
 """
+from __future__ import annotations
+
 import argparse
+import copy
 import time
 
-import torch
-from torch import nn
-from transformers import BertConfig, BertForSequenceClassification
+from profiling.bench import add_model_arguments, build_model, make_step
 
-import ghostdp
+MODES = ("plain", "ghost", "bookkeeping")
 
 
-def median_step(private, args):
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def interleaved_times(args) -> dict:
+    """{mode: [seconds of its step in each measured round]}."""
+    import torch
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=30522, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
-        intermediate_size=4 * args.hidden, num_labels=2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ce = nn.CrossEntropyLoss()
-    criterion = ghostdp.GhostClipping(model, 1.0).criterion(ce) if private else ce
-    ids = torch.randint(0, 30522, (args.batch, args.seq))
-    labels = torch.randint(0, 2, (args.batch,))
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        opt.zero_grad()
-        criterion(model(input_ids=ids).logits, labels).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    warm = sorted(times[2:])
-    return warm[len(warm) // 2]
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    template = build_model(args).to(device=device, dtype=dtype).train()
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
+    labels = torch.randint(0, 2, (args.batch,), device=device)
+    args.mode = None
+    steps = {mode: make_step(mode, copy.deepcopy(template), args, (ids, labels)) for mode in args.modes}
+    times = {mode: [] for mode in args.modes}
+    for round_ in range(args.warmup + args.rounds):
+        for mode, step in steps.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_ >= args.warmup:
+                times[mode].append(time.perf_counter() - start)
+    return times
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    for name, default in [("layers", 2), ("hidden", 256), ("batch", 16), ("seq", 128), ("steps", 10)]:
-        p.add_argument(f"--{name}", type=int, default=default)
-    args = p.parse_args()
-    plain_a = median_step(False, args)
-    ghost = median_step(True, args)
-    plain_b = median_step(False, args)  # plain twice, around ghost, to expose drift
-    print(f"plain {plain_a * 1e3:.0f} / {plain_b * 1e3:.0f} ms, ghost {ghost * 1e3:.0f} ms, "
-          f"ratio {ghost / min(plain_a, plain_b):.2f}")
+def report(times) -> dict:
+    """{mode: (median ms, median of the per-round ratios to plain)}, printed as a table."""
+    plain = times["plain"]
+    rows = {}
+    print(f"{'mode':<14}{'median ms':>10}{'ratio':>8}   (ratio: median over rounds of step / plain step)")
+    for mode, ts in times.items():
+        ratio = median([t / p for t, p in zip(ts, plain)])
+        rows[mode] = (1e3 * median(ts), ratio)
+        print(f"{mode:<14}{rows[mode][0]:>10.1f}{ratio:>7.2f}x")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    if "plain" not in args.modes:
+        args.modes.insert(0, "plain")
+    print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} B={args.batch} {args.dtype} on {args.device}"
+          f"{', embeddings frozen' if args.freeze_embeddings else ''}; {args.rounds} interleaved rounds")
+    return report(interleaved_times(args))
 
 
 if __name__ == "__main__":

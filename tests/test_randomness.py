@@ -39,3 +39,13 @@ def test_saved_state_resumes_every_sub_stream():
     resumed = torch.zeros(N, dtype=torch.float32)
     resumed_source.add_gaussian_(resumed, 1.0)
     assert torch.equal(resumed, continued)
+
+
+def test_the_divisor_applies_to_gradient_and_noise_alike():
+    grad = torch.linspace(-1, 1, N, dtype=torch.float32)
+    for tensor in (grad.clone(), grad.clone()[::2], grad.clone()[:1000]):  # blocks, non-contiguous, one block
+        divided = tensor.clone()
+        RandomSource(seed=5).add_gaussian_(divided, 2.0, divisor=8.0)
+        undivided = tensor.clone()
+        RandomSource(seed=5).add_gaussian_(undivided, 2.0)
+        assert torch.equal(divided, undivided / 8.0)

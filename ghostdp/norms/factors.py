@@ -137,10 +137,16 @@ class OuterProduct(PerExampleGrad):
         return g.reshape(hi - lo, *self.param_shape)
 
     def weighted_sum(self, weights):
-        # sum_i c_i L_i^T R_i = (c ⊙ L)^T R over all (example, token) rows: one matmul, as a weight gradient.
+        # sum_i c_i L_i^T R_i = (c ⊙ L)^T R = L^T (c ⊙ R) over all (example, token) rows: one matmul, as
+        # a weight gradient, with the weights applied to the narrower of the two.
         dt = acc_dtype(self.left, self.right)
-        left = (self.left.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, self.left.shape[-1])
-        return (left.T @ self.right.to(dt).reshape(-1, self.right.shape[-1])).reshape(self.param_shape)
+        w = weights.to(dt)[:, None, None]
+        left, right = self.left.to(dt), self.right.to(dt)
+        if left.shape[-1] <= right.shape[-1]:
+            left = left * w
+        else:
+            right = right * w
+        return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])).reshape(self.param_shape)
 
     def merge(self, other):
         # sum_u L_u^T R_u == [L_1; L_2]^T [R_1; R_2]: concatenate along T.
@@ -179,31 +185,36 @@ class EmbeddingGather(PerExampleGrad):
             return torch.ones_like(self.ids, dtype=torch.bool)
         return self.ids != self.padding_idx
 
+    def _grads(self, lo=0, hi=None, weights=None):
+        """Output grads of examples lo..hi-1, (b, T, H), in the accumulation dtype, times weights_i of
+        their example if given, and 0 at padding positions (where, not a product: those may hold inf)."""
+        dt = acc_dtype(self.grads)
+        grads = self.grads[lo:hi].to(dt)
+        if weights is not None:
+            grads = grads * weights.to(dt)[:, None, None]
+        if self.padding_idx is not None:
+            grads = torch.where(self._valid()[lo:hi].unsqueeze(-1), grads, 0)
+        return grads
+
     def sq_norm(self):
         B, T, H = self.grads.shape
-        dt = acc_dtype(self.grads)
-        valid = self._valid().reshape(-1)
-        example = torch.arange(B, device=self.ids.device).repeat_interleave(T)[valid]
-        keys = example * self.num_embeddings + self.ids.reshape(-1)[valid]
+        example = torch.arange(B, device=self.ids.device).repeat_interleave(T)
+        keys = example * self.num_embeddings + self.ids.reshape(-1)
         unique_keys, slot = torch.unique(keys, return_inverse=True)
-        rows = torch.zeros(unique_keys.numel(), H, dtype=dt, device=self.grads.device)
-        rows.index_add_(0, slot, self.grads.reshape(-1, H)[valid].to(dt))
-        out = torch.zeros(B, dtype=dt, device=self.grads.device)
-        return out.index_add_(0, unique_keys // self.num_embeddings, rows.pow(2).sum(1))
+        rows = self._grads().reshape(B * T, H)
+        summed = torch.zeros(unique_keys.numel(), H, dtype=rows.dtype, device=rows.device).index_add_(0, slot, rows)
+        out = torch.zeros(B, dtype=rows.dtype, device=rows.device)
+        return out.index_add_(0, unique_keys // self.num_embeddings, summed.pow(2).sum(1))
 
     def materialize(self, lo, hi):
-        dt = acc_dtype(self.grads)
-        ids, grads = self.ids[lo:hi], self.grads[lo:hi].to(dt)
-        grads = grads * self._valid()[lo:hi].unsqueeze(-1)
-        out = torch.zeros(hi - lo, *self.param_shape, dtype=dt, device=grads.device)
+        ids, grads = self.ids[lo:hi], self._grads(lo, hi)
+        out = torch.zeros(hi - lo, *self.param_shape, dtype=grads.dtype, device=grads.device)
         return out.scatter_add_(1, ids.unsqueeze(-1).expand_as(grads), grads)
 
     def weighted_sum(self, weights):
-        dt = acc_dtype(self.grads)
-        rows = (self.grads.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, self.grads.shape[-1])
-        valid = self._valid().reshape(-1)
-        out = torch.zeros(self.param_shape, dtype=dt, device=self.grads.device)
-        return out.index_add_(0, self.ids.reshape(-1)[valid], rows[valid])
+        rows = self._grads(weights=weights).reshape(-1, self.grads.shape[-1])
+        out = torch.zeros(self.param_shape, dtype=rows.dtype, device=rows.device)
+        return out.index_add_(0, self.ids.reshape(-1), rows)
 
     def merge(self, other):
         if (isinstance(other, EmbeddingGather) and other.num_embeddings == self.num_embeddings
@@ -226,8 +237,8 @@ class EmbeddingGather(PerExampleGrad):
                 ids = self.ids[lo:hi]
                 left = other.left[lo:hi]
                 picked = torch.gather(left, 2, ids.unsqueeze(1).expand(-1, left.shape[1], -1)).to(dt)  # (b, S, T)
-                inner = torch.bmm(other.right[lo:hi].to(dt), self.grads[lo:hi].to(dt).transpose(1, 2))  # (b, S, T)
-                parts.append((picked * inner * self._valid()[lo:hi].unsqueeze(1)).sum((1, 2)))
+                inner = torch.bmm(other.right[lo:hi].to(dt), self._grads(lo, hi).to(dt).transpose(1, 2))  # (b, S, T)
+                parts.append((picked * inner).sum((1, 2)))
             return torch.cat(parts)
         return super().dot(other)
 
