@@ -186,3 +186,22 @@ def test_bfloat16_model_norms_accumulate_in_float32_or_better():
         ref.append(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())))
     # bf16 gradients carry ~3 significant digits; the norms must agree to that, not drift further
     assert torch.allclose(norms, torch.stack(ref), rtol=3e-2)
+
+
+def test_bfloat16_model_both_clipping_modes_agree():
+    import ghostdp
+    model = tiny_bert().to(torch.bfloat16)
+    ids, mask = padded_text(30)
+    labels = torch.randint(0, 3, (B,))
+    grads = {}
+    for clipping in ("ghost", "bookkeeping"):
+        controller = ghostdp.GhostClipping(model, 0.1, clipping=clipping)  # C small: every example is clipped
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask).logits
+        controller.loss(per_example_loss(CE, out.float(), labels), reduction="sum").backward()
+        controller.detach()
+        assert bool((controller.last_coefficients < 1).all())
+        grads[clipping] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+        assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    scale = grads["ghost"].abs().max()
+    assert float((grads["ghost"] - grads["bookkeeping"]).abs().max() / scale) < 2e-2

@@ -229,3 +229,17 @@ class SharedPositions(nn.Module):
 
 def test_batch_shared_inputs():
     check_module(SharedPositions(), torch.randint(0, 10, (4, 5)))
+
+
+def test_wide_matmul_accumulates_16_bit_inputs_in_float32(monkeypatch):
+    a = torch.randn(3, 5, 7).to(torch.bfloat16)
+    b = torch.randn(3, 7, 4).to(torch.bfloat16)
+    got = factors.wide_matmul(a, b, torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.bmm(a.float(), b.float()))  # CPU: the inputs are upcast first
+    assert not factors._tensor_core_path(a, b, torch.float32)
+    # The CUDA path (16-bit inputs, cuBLAS returning float32), run on meta tensors: no GPU needed.
+    monkeypatch.setattr(factors, "_tensor_core_path", lambda x, y, dt: True)
+    for left, right in ((a, b), (a[0], b[0])):
+        out = factors.wide_matmul(left.to("meta"), right.to("meta"), torch.float32)
+        assert out.dtype == torch.float32 and out.shape == got.shape[3 - left.dim():]

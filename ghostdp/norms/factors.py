@@ -19,6 +19,7 @@ larger than the budget).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,6 +31,34 @@ ELEMENT_BUDGET = 1 << 25
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32: norms never accumulate in 16 bits."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+@functools.cache
+def _matmuls_take_out_dtype() -> bool:
+    """Whether this torch's mm/bmm take out_dtype (torch >= 2.8; checked on meta tensors, no device needed)."""
+    half = torch.empty(1, 1, 1, device="meta", dtype=torch.bfloat16)
+    try:
+        return torch.bmm(half, half, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def wide_matmul(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """a @ b (2-D, or batched 3-D) with a result in dt, the accumulation dtype.
+
+    On CUDA, 16-bit inputs stay 16-bit: cuBLAS multiplies them on tensor cores, and with out_dtype
+    float32 it accumulates and returns float32. The products of 16-bit numbers are exact in float32,
+    so this equals upcasting first, at 16-bit speed and without float32 copies of the inputs.
+    Elsewhere the inputs are converted to dt.
+    """
+    if _tensor_core_path(a, b, dt):
+        return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=dt)
+    return torch.matmul(a.to(dt), b.to(dt))
+
+
+def _tensor_core_path(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> bool:
+    return (a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and dt == torch.float32
+            and a.device.type == "cuda" and _matmuls_take_out_dtype())
 
 
 def prefers_gram(T: int, m: int, n: int) -> bool:
@@ -133,7 +162,7 @@ class OuterProduct(PerExampleGrad):
 
     def materialize(self, lo, hi):
         dt = acc_dtype(self.left, self.right)
-        g = torch.bmm(self.left[lo:hi].to(dt).transpose(1, 2), self.right[lo:hi].to(dt))
+        g = wide_matmul(self.left[lo:hi].transpose(1, 2), self.right[lo:hi], dt)
         return g.reshape(hi - lo, *self.param_shape)
 
     def weighted_sum(self, weights):
@@ -141,12 +170,16 @@ class OuterProduct(PerExampleGrad):
         # a weight gradient, with the weights applied to the narrower of the two.
         dt = acc_dtype(self.left, self.right)
         w = weights.to(dt)[:, None, None]
-        left, right = self.left.to(dt), self.right.to(dt)
+        left, right = self.left, self.right
+        # On the 16-bit tensor-core path c_i L_i is rounded to 16 bits, as pass 2 of the two-pass mode
+        # rounds c_i G_i; elsewhere it stays in dt.
+        scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
         if left.shape[-1] <= right.shape[-1]:
-            left = left * w
+            left = (left * w).to(scaled_dtype)
         else:
-            right = right * w
-        return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])).reshape(self.param_shape)
+            right = (right * w).to(scaled_dtype)
+        total = wide_matmul(left.reshape(-1, left.shape[-1]).T, right.reshape(-1, right.shape[-1]), dt)
+        return total.reshape(self.param_shape)
 
     def merge(self, other):
         # sum_u L_u^T R_u == [L_1; L_2]^T [R_1; R_2]: concatenate along T.
@@ -237,7 +270,7 @@ class EmbeddingGather(PerExampleGrad):
                 ids = self.ids[lo:hi]
                 left = other.left[lo:hi]
                 picked = torch.gather(left, 2, ids.unsqueeze(1).expand(-1, left.shape[1], -1)).to(dt)  # (b, S, T)
-                inner = torch.bmm(other.right[lo:hi].to(dt), self._grads(lo, hi).to(dt).transpose(1, 2))  # (b, S, T)
+                inner = wide_matmul(other.right[lo:hi], self._grads(lo, hi).transpose(1, 2), dt)  # (b, S, T)
                 parts.append((picked * inner).sum((1, 2)))
             return torch.cat(parts)
         return super().dot(other)
@@ -276,10 +309,10 @@ def _gram_inner(l1, l2, r1, r2, dt, symmetric):
     tile = max(1, int(math.sqrt(ELEMENT_BUDGET / (2 * B))))
     total = torch.zeros(B, dtype=dt, device=l1.device)
     for a in range(0, T1, tile):
-        la, ra = l1[:, a:a + tile].to(dt), r1[:, a:a + tile].to(dt)
+        la, ra = l1[:, a:a + tile], r1[:, a:a + tile]
         for b in range(a if symmetric else 0, T2, tile):
-            lb, rb = l2[:, b:b + tile].to(dt), r2[:, b:b + tile].to(dt)
-            block = (torch.bmm(la, lb.transpose(1, 2)) * torch.bmm(ra, rb.transpose(1, 2))).sum((1, 2))
+            lb, rb = l2[:, b:b + tile], r2[:, b:b + tile]
+            block = (wide_matmul(la, lb.transpose(1, 2), dt) * wide_matmul(ra, rb.transpose(1, 2), dt)).sum((1, 2))
             total += block if (not symmetric or a == b) else 2 * block
     return total
 
