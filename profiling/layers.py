@@ -109,21 +109,29 @@ GRID = [(T, d, p) for T in (16, 64, 128, 256, 512) for d, p in ((256, 256), (256
 
 
 def gram_versus_instantiate(args, grid=GRID):
-    """Returns [(T, d, p, gram seconds, instantiate seconds, picked, faster)]."""
-    from ghostdp.norms.factors import OuterProduct, PerExampleGrad, _gram_inner, prefers_gram
+    """Returns [(T, d, p, gram seconds, instantiate seconds, picked, faster, one-tile gram seconds)].
+
+    "gram" is the rule's tiling (only tiles on or above the diagonal, see gram_tile); "1 tile" is the
+    whole Gram in one product, to check that splitting T pays on this device.
+    """
+    from ghostdp.norms.factors import OuterProduct, PerExampleGrad, gram_sq_norm, gram_tile, prefers_gram
     print("\nPart 2: Linear-layer squared norms, ms per call (B = %d)" % args.batch)
-    print(f"{'T':>6}{'d':>6}{'p':>6}{'gram':>10}{'instantiate':>13}  {'rule picks':<12}{'faster':<12}")
+    print(f"{'T':>6}{'d':>6}{'p':>6}{'tile':>6}{'gram':>9}{'1 tile':>9}{'instantiate':>13}  "
+          f"{'rule picks':<12}{'faster':<12}")
     rows = []
     for T, d, p in grid:
         G = torch.randn(args.batch, T, p, device=args.device)
         A = torch.randn(args.batch, T, d, device=args.device)
         factor = OuterProduct(G, A, (p, d))
-        gram = best_time(lambda: _gram_inner(G, G, A, A, torch.float32, symmetric=True), args.repeats)
+        tile = gram_tile(args.batch, T, torch.device(args.device).type)
+        gram = best_time(lambda: gram_sq_norm(G, A, torch.float32, tile), args.repeats)
+        whole = best_time(lambda: gram_sq_norm(G, A, torch.float32, T), args.repeats) if tile < T else gram
         inst = best_time(lambda: PerExampleGrad.sq_norm(factor), args.repeats)
-        picks = "gram" if prefers_gram(T, p, d) else "instantiate"
+        picks = "gram" if prefers_gram(T, p, d, tile) else "instantiate"
         faster = "gram" if gram < inst else "instantiate"
-        rows.append((T, d, p, gram, inst, picks, faster))
-        print(f"{T:>6}{d:>6}{p:>6}{gram * 1e3:>10.2f}{inst * 1e3:>13.2f}  {picks:<12}{faster:<12}")
+        rows.append((T, d, p, gram, inst, picks, faster, whole))
+        print(f"{T:>6}{d:>6}{p:>6}{tile:>6}{gram * 1e3:>9.2f}{whole * 1e3:>9.2f}{inst * 1e3:>13.2f}  "
+              f"{picks:<12}{faster:<12}")
     agree = sum(r[5] == r[6] for r in rows)
     print(f"the cost model picked the faster method in {agree} of {len(rows)} cases")
     return rows

@@ -15,9 +15,7 @@ import argparse
 import copy
 import time
 
-from profiling.bench import add_model_arguments, build_model, make_step
-
-MODES = ("plain", "ghost", "bookkeeping")
+from profiling.bench import MODES, add_model_arguments, available, build_model, make_step
 
 
 def median(values):
@@ -66,11 +64,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=["plain", "ghost", "bookkeeping"], choices=MODES,
+                   help="opacus-ghost and opacus-hooks need opacus and, on BERT, --freeze-embeddings")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)
+    missing = [m for m in args.modes if not available(m)]
+    if missing:
+        raise SystemExit(f"{missing}: opacus is not installed (pip install 'ghostdp[compare]')")
     if "plain" not in args.modes:
         args.modes.insert(0, "plain")
     print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} B={args.batch} {args.dtype} on {args.device}"

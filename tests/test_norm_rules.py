@@ -243,3 +243,19 @@ def test_wide_matmul_accumulates_16_bit_inputs_in_float32(monkeypatch):
     for left, right in ((a, b), (a[0], b[0])):
         out = factors.wide_matmul(left.to("meta"), right.to("meta"), torch.float32)
         assert out.dtype == torch.float32 and out.shape == got.shape[3 - left.dim():]
+
+
+@pytest.mark.parametrize("T", [0, 1, 5, 64, 130])
+def test_gram_tiles_on_and_above_the_diagonal_give_the_full_sum(T):
+    left, right = torch.randn(3, T, 6), torch.randn(3, T, 4)
+    exact = torch.bmm(left.transpose(1, 2), right).pow(2).sum((1, 2))
+    for tile in (1, 7, 64, max(T, 1)):
+        assert torch.allclose(factors.gram_sq_norm(left, right, torch.float64, tile), exact, rtol=1e-12, atol=0)
+    tile = factors.gram_tile(3, T, "cpu")
+    assert 1 <= tile and (T < 128 and tile >= T or tile < T)  # split in two from 2 * 64 rows on
+
+
+def test_the_cost_model_counts_only_the_tiles_it_forms():
+    assert factors.gram_fraction(128, 128) == 1.0 and factors.gram_fraction(128, 64) == 0.75
+    # T (m + n) = 1.25 m n: instantiation is cheaper for one tile, the Gram once split in two.
+    assert not factors.prefers_gram(160, 256, 256) and factors.prefers_gram(160, 256, 256, tile=80)

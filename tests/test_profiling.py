@@ -3,7 +3,7 @@ import json
 import math
 
 from profiling import bench, layers
-from ghostdp.norms.factors import prefers_gram
+from ghostdp.norms.factors import gram_tile, prefers_gram
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8"]
 
@@ -35,9 +35,9 @@ def test_the_budget_search_finds_the_largest_batch_that_fits(monkeypatch):
 def test_layer_breakdown_and_gram_choice_run(capsys):
     layers.main(TINY + ["--batch", "2", "--steps", "1", "--warmup", "1", "--skip-gram"])
     args = layers.argparse.Namespace(batch=2, device="cpu", repeats=1)
-    rows = layers.gram_versus_instantiate(args, grid=[(4, 8, 8), (64, 4, 4)])
-    assert [r[5] for r in rows] == ["gram", "instantiate"] == [
-        "gram" if prefers_gram(T, p, d) else "instantiate" for T, d, p, *_ in rows]
-    assert all(r[3] > 0 and r[4] > 0 for r in rows)
+    rows = layers.gram_versus_instantiate(args, grid=[(4, 8, 8), (64, 4, 4), (128, 256, 256)])
+    assert [r[5] for r in rows] == ["gram", "instantiate", "gram"] == [
+        "gram" if prefers_gram(T, p, d, gram_tile(2, T, "cpu")) else "instantiate" for T, d, p, *_ in rows]
+    assert all(r[3] > 0 and r[4] > 0 and r[7] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "pass 1" in out and "norm rules" in out and "Linear" in out and "cost model picked" in out

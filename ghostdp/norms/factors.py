@@ -61,10 +61,33 @@ def _tensor_core_path(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> bool
             and a.device.type == "cuda" and _matmuls_take_out_dtype())
 
 
-def prefers_gram(T: int, m: int, n: int) -> bool:
-    """Gram <L L^T, R R^T> costs T^2 (m + n) per example, instantiation ||L^T R||^2 costs T m n
-    (DESIGN.md, norm rules); profiling/layers.py checks this choice against measured times."""
-    return T * (m + n) <= m * n
+# Fewest rows of a Gram tile worth splitting T into (below, one tile): small matrix products lose
+# more speed than the skipped lower tiles save. Measured on CPU (profiling/layers.py); the GPU value
+# is a guess to check there.
+MIN_SPLIT_TILE = {"cpu": 64}
+MIN_SPLIT_TILE_OTHER = 256
+
+
+def gram_tile(B: int, T: int, device_type: str) -> int:
+    """Rows per tile of the Gram computation: within ELEMENT_BUDGET, and about T/2 once T allows
+    tiles of MIN_SPLIT_TILE rows or more, since only the tiles on or above the diagonal are formed."""
+    budget = max(1, int(math.sqrt(ELEMENT_BUDGET / (2 * B))))
+    smallest = MIN_SPLIT_TILE.get(device_type, MIN_SPLIT_TILE_OTHER)
+    split = T if T < 2 * smallest else max(smallest, -(-T // 2))
+    return max(1, min(budget, split))
+
+
+def gram_fraction(T: int, tile: int) -> float:
+    """The part of the full Gram T^2 that the tiles on or above the diagonal cover: (k + 1) / (2k)."""
+    k = -(-T // tile)
+    return (k + 1) / (2 * k)
+
+
+def prefers_gram(T: int, m: int, n: int, tile: int | None = None) -> bool:
+    """Gram <L L^T, R R^T> costs T^2 (m + n) per example, times gram_fraction for its tiles;
+    instantiation ||L^T R||^2 costs T m n (DESIGN.md, norm rules). profiling/layers.py checks
+    this choice against measured times."""
+    return gram_fraction(T, tile or T) * T * (m + n) <= m * n
 
 
 def _example_chunks(batch: int, per_example: int):
@@ -156,8 +179,9 @@ class OuterProduct(PerExampleGrad):
         dt = acc_dtype(self.left, self.right)
         if T == 1:  # ||g_i||^2 = ||l_i||^2 ||r_i||^2 for a rank-one gradient
             return self.left.to(dt).pow(2).sum((1, 2)) * self.right.to(dt).pow(2).sum((1, 2))
-        if prefers_gram(T, m, n):
-            return _gram_inner(self.left, self.left, self.right, self.right, dt, symmetric=True)
+        tile = gram_tile(B, T, self.left.device.type)
+        if prefers_gram(T, m, n, tile):
+            return gram_sq_norm(self.left, self.right, dt, tile)
         return super().sq_norm()
 
     def materialize(self, lo, hi):
@@ -302,18 +326,17 @@ class Blocks(PerExampleGrad):
         return None
 
 
-def _gram_inner(l1, l2, r1, r2, dt, symmetric):
-    """sum_{t,s} (L1 L2^T)_{ts} (R1 R2^T)_{ts} per example, tiled over (t, s) blocks."""
-    B, T1, _ = l1.shape
-    T2 = l2.shape[1]
-    tile = max(1, int(math.sqrt(ELEMENT_BUDGET / (2 * B))))
-    total = torch.zeros(B, dtype=dt, device=l1.device)
-    for a in range(0, T1, tile):
-        la, ra = l1[:, a:a + tile], r1[:, a:a + tile]
-        for b in range(a if symmetric else 0, T2, tile):
-            lb, rb = l2[:, b:b + tile], r2[:, b:b + tile]
+def gram_sq_norm(left, right, dt, tile):
+    """||L_i^T R_i||^2 = sum_{t,s} (L_i L_i^T)_{ts} (R_i R_i^T)_{ts} per example, over (t, s) tiles with
+    s >= t: both Grams are symmetric, so a tile off the diagonal counts twice."""
+    B, T, _ = left.shape
+    total = torch.zeros(B, dtype=dt, device=left.device)
+    for a in range(0, T, tile):
+        la, ra = left[:, a:a + tile], right[:, a:a + tile]
+        for b in range(a, T, tile):
+            lb, rb = left[:, b:b + tile], right[:, b:b + tile]
             block = (wide_matmul(la, lb.transpose(1, 2), dt) * wide_matmul(ra, rb.transpose(1, 2), dt)).sum((1, 2))
-            total += block if (not symmetric or a == b) else 2 * block
+            total += block if a == b else 2 * block
     return total
 
 
