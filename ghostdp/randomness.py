@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 _NOISE_STREAM, _SAMPLING_STREAM = 1, 2
-NOISE_BLOCK = 1 << 18     # noise values drawn per call, into a reused scratch buffer (1 MB in float32)
+NOISE_BLOCK = 1 << 18     # CPU: noise values drawn per call, into a reused scratch buffer (1 MB in float32)
+ACCELERATOR_NOISE_BLOCK = 1 << 22  # GPU: larger blocks, fewer kernel launches (a 16 MB float32 scratch)
 CPU_NOISE_STREAMS = 4     # a large CPU tensor's blocks come from this many sub-streams, in parallel
 
 
@@ -128,8 +129,9 @@ class RandomSource:
         """tensor <- (tensor + N(0, std^2) noise) / divisor, the noise drawn in float32 or wider.
 
         Draws go block by block through reused scratch buffers: a fresh model-sized noise
-        tensor each step costs as much again in page faults on CPU. A tensor of at most
-        NOISE_BLOCK elements gets exactly the values of ``gaussian_like``. On CPU, without a
+        tensor each step costs as much again in page faults on CPU. A tensor of at most one
+        block (NOISE_BLOCK elements on CPU, ACCELERATOR_NOISE_BLOCK elsewhere, where each block
+        costs kernel launches) gets exactly the values of ``gaussian_like``. On CPU, without a
         user-supplied generator, the blocks of a larger tensor are drawn by CPU_NOISE_STREAMS
         threads, block j from sub-stream j mod CPU_NOISE_STREAMS: one CPU generator is serial,
         and the fixed assignment keeps the draws independent of the number of threads.
@@ -141,14 +143,16 @@ class RandomSource:
                 tensor.div_(divisor)
             return
         flat = tensor.view(-1)
-        parallel = tensor.device.type == "cpu" and flat.numel() > NOISE_BLOCK and not self._user_generator
+        cpu = tensor.device.type == "cpu"
+        block_size = NOISE_BLOCK if cpu else ACCELERATOR_NOISE_BLOCK
+        parallel = cpu and flat.numel() > block_size and not self._user_generator
         streams = CPU_NOISE_STREAMS if parallel else 1
         generators = [self._generator(tensor.device, k) for k in range(streams)]
 
         def fill(stream):
-            scratch = self._scratch_buffer(tensor.device, dtype, stream, min(flat.numel(), NOISE_BLOCK))
-            for lo in range(stream * NOISE_BLOCK, flat.numel(), streams * NOISE_BLOCK):
-                hi = min(flat.numel(), lo + NOISE_BLOCK)
+            scratch = self._scratch_buffer(tensor.device, dtype, stream, min(flat.numel(), block_size))
+            for lo in range(stream * block_size, flat.numel(), streams * block_size):
+                hi = min(flat.numel(), lo + block_size)
                 block = flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generators[stream]))
                 if divisor != 1.0:
                     block.div_(divisor)  # while the block is in cache: one pass over the tensor, not two
