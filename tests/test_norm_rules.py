@@ -259,3 +259,46 @@ def test_the_cost_model_counts_only_the_tiles_it_forms():
     assert factors.gram_fraction(128, 128) == 1.0 and factors.gram_fraction(128, 64) == 0.75
     # T (m + n) = 1.25 m n: instantiation is cheaper for one tile, the Gram once split in two.
     assert not factors.prefers_gram(160, 256, 256) and factors.prefers_gram(160, 256, 256, tile=80)
+
+
+class SharedInputProjections(nn.Module):
+    """Query, key and value projections of one input, as in a transformer's attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(16, 16), nn.Linear(16, 12), nn.Linear(16, 20)
+
+    def forward(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        return torch.cat([q.tanh() * k.sum(-1, keepdim=True), v], -1)
+
+
+def test_layers_reading_one_input_share_its_gram(monkeypatch):
+    model = SharedInputProjections()
+    x = torch.randn(3, 4, 16)  # T (m + n) <= m n for all three: the Gram method
+    check_module(model, x)
+    input_grams = []
+    wide_matmul = factors.wide_matmul
+
+    def counting(a, b, dt):
+        if a.shape[-1] == 16 and b.shape[-2] == 16 and a.data_ptr() == x.data_ptr():
+            input_grams.append(a.shape)
+        return wide_matmul(a, b, dt)
+
+    monkeypatch.setattr(factors, "wide_matmul", counting)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
+    controller.detach()
+    assert len(input_grams) == 1  # one Gram of x for the three layers
+
+
+def test_input_grams_are_reused_only_for_the_same_unchanged_tensor():
+    grams = factors.InputGrams()
+    x = torch.randn(2, 5, 3)
+    first = grams.tiles(x, torch.float64, 5).get(0, 0, x, x)
+    assert grams.tiles(x.reshape(2, 5, 3), torch.float64, 5).get(0, 0, x, x) is first  # a view of x: shared
+    x.mul_(2)  # changed in place: its version moved on, the Gram is formed again
+    again = grams.tiles(x, torch.float64, 5).get(0, 0, x, x)
+    assert again is not first and torch.allclose(again, 4 * first)
+    y = x.clone()  # equal values, another tensor: not shared
+    assert grams.tiles(y, torch.float64, 5).get(0, 0, y, y) is not again

@@ -20,7 +20,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..norms.factors import combined_sq_norm
+from ..norms.factors import InputGrams, combined_sq_norm
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import find_norm_rule, rule_parameters
 from .. import validate
@@ -67,6 +67,7 @@ class _Pass:
         self.pending = defaultdict(list)  # parameter -> factors of its several uses
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
         self.uses = []
+        self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
 
     def add(self, sq):
         sq = sq.double()
@@ -282,7 +283,7 @@ class GhostClipping:
                 if self.mode.keeps_factors:
                     self._pass.kept[use.params[n]].append(f)
                 if use.eager[n]:
-                    self._pass.add(f.sq_norm())
+                    self._pass.add(f.sq_norm(self._pass.grams))
                 else:
                     self._pass.pending[use.params[n]].append(f)
         use.inputs, use.edges, use.grads, use.done = (), [], [], True

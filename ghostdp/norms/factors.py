@@ -4,8 +4,9 @@ A norm rule never returns a per-example gradient tensor if it can avoid it. It
 returns a *factor*: an object that knows the per-example gradient of one use of
 one parameter implicitly, and can give
 
-- ``sq_norm()``: the (B,) squared Frobenius norms, accumulated in float32 or
-  better;
+- ``sq_norm(grams=None)``: the (B,) squared Frobenius norms, accumulated in float32
+  or better; ``grams``, an ``InputGrams`` of the norm pass, lets layers that read one
+  input tensor share its Gram;
 - ``materialize(lo, hi)``: the explicit gradients of examples lo..hi-1, shaped
   (hi - lo, *param.shape), as a last resort for cross terms;
 - ``merge`` / ``dot``: the pieces needed when one parameter is used several
@@ -102,7 +103,7 @@ class PerExampleGrad:
     batch_size: int
     param_shape: torch.Size
 
-    def sq_norm(self) -> torch.Tensor:
+    def sq_norm(self, grams=None) -> torch.Tensor:
         total = None
         for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
             part = self.materialize(lo, hi).reshape(hi - lo, -1).pow(2).sum(1)
@@ -143,7 +144,7 @@ class Instantiated(PerExampleGrad):
         self.batch_size = grads.shape[0]
         self.param_shape = grads.shape[1:]
 
-    def sq_norm(self) -> torch.Tensor:
+    def sq_norm(self, grams=None) -> torch.Tensor:
         g = self.grads.reshape(self.batch_size, -1)
         return g.to(acc_dtype(g)).pow(2).sum(1)
 
@@ -164,16 +165,20 @@ class OuterProduct(PerExampleGrad):
     """g_i = left_i^T right_i with left (B, T, m) and right (B, T, n), reshaped to param_shape.
 
     Linear: left = output grads G, right = inputs A. transformers Conv1D: the
-    reverse. Conv: left = G, right = unfolded input.
+    reverse. Conv: left = G, right = unfolded input. ``input_side`` ("left" or
+    "right") names the side that is the layer's input as the model passed it, whose
+    Gram other layers reading the same tensor can share (query, key and value).
     """
 
-    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape):
+    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape, input_side=None):
         assert left.shape[:2] == right.shape[:2], (left.shape, right.shape)
+        assert input_side in (None, "left", "right"), input_side
         self.left, self.right = left, right
         self.batch_size = left.shape[0]
         self.param_shape = torch.Size(param_shape)
+        self.input_side = input_side
 
-    def sq_norm(self) -> torch.Tensor:
+    def sq_norm(self, grams=None) -> torch.Tensor:
         B, T, m = self.left.shape
         n = self.right.shape[-1]
         dt = acc_dtype(self.left, self.right)
@@ -181,7 +186,8 @@ class OuterProduct(PerExampleGrad):
             return self.left.to(dt).pow(2).sum((1, 2)) * self.right.to(dt).pow(2).sum((1, 2))
         tile = gram_tile(B, T, self.left.device.type)
         if prefers_gram(T, m, n, tile):
-            return gram_sq_norm(self.left, self.right, dt, tile)
+            shared = grams if self.input_side is not None else None
+            return gram_sq_norm(self.left, self.right, dt, tile, shared, self.input_side)
         return super().sq_norm()
 
     def materialize(self, lo, hi):
@@ -253,7 +259,7 @@ class EmbeddingGather(PerExampleGrad):
             grads = torch.where(self._valid()[lo:hi].unsqueeze(-1), grads, 0)
         return grads
 
-    def sq_norm(self):
+    def sq_norm(self, grams=None):
         B, T, H = self.grads.shape
         example = torch.arange(B, device=self.ids.device).repeat_interleave(T)
         keys = example * self.num_embeddings + self.ids.reshape(-1)
@@ -309,7 +315,7 @@ class Blocks(PerExampleGrad):
         self.param_shape = torch.Size(param_shape)
         self.dim = dim
 
-    def sq_norm(self):
+    def sq_norm(self, grams=None):
         return sum(b.sq_norm() for b in self.blocks)
 
     def materialize(self, lo, hi):
@@ -326,18 +332,49 @@ class Blocks(PerExampleGrad):
         return None
 
 
-def gram_sq_norm(left, right, dt, tile):
+def gram_sq_norm(left, right, dt, tile, grams=None, input_side=None):
     """||L_i^T R_i||^2 = sum_{t,s} (L_i L_i^T)_{ts} (R_i R_i^T)_{ts} per example, over (t, s) tiles with
-    s >= t: both Grams are symmetric, so a tile off the diagonal counts twice."""
+    s >= t: both Grams are symmetric, so a tile off the diagonal counts twice. With ``grams``, the
+    tiles of the ``input_side`` Gram come from (and go to) that cache."""
     B, T, _ = left.shape
     total = torch.zeros(B, dtype=dt, device=left.device)
+    shared = grams.tiles(left if input_side == "left" else right, dt, tile) if grams is not None else None
     for a in range(0, T, tile):
         la, ra = left[:, a:a + tile], right[:, a:a + tile]
         for b in range(a, T, tile):
             lb, rb = left[:, b:b + tile], right[:, b:b + tile]
-            block = (wide_matmul(la, lb.transpose(1, 2), dt) * wide_matmul(ra, rb.transpose(1, 2), dt)).sum((1, 2))
+            if shared is not None and input_side == "left":
+                left_gram, right_gram = shared.get(a, b, la, lb), wide_matmul(ra, rb.transpose(1, 2), dt)
+            elif shared is not None:
+                left_gram, right_gram = wide_matmul(la, lb.transpose(1, 2), dt), shared.get(a, b, ra, rb)
+            else:
+                left_gram, right_gram = wide_matmul(la, lb.transpose(1, 2), dt), wide_matmul(ra, rb.transpose(1, 2), dt)
+            block = (left_gram * right_gram).sum((1, 2))
             total += block if a == b else 2 * block
     return total
+
+
+class InputGrams:
+    """The Gram tiles X_i X_i^T of the last layer input seen in a norm pass, for the next layer that
+    reads the same tensor: a transformer's query, key and value projections share one input, whose
+    Gram is then formed once instead of three times. One input is kept at a time (the three run
+    back to back in the backward), so the memory is one Gram's."""
+
+    def __init__(self):
+        self._key = None
+        self._tensor = None  # held, so that no other tensor can take its address while it is the key
+        self._tiles = {}
+
+    def tiles(self, x: torch.Tensor, dt, tile) -> "InputGrams":
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, tile)
+        if x.numel() == 0 or key != self._key:
+            self._key, self._tensor, self._tiles = key, x, {}
+        return self
+
+    def get(self, a, b, xa, xb):
+        if (a, b) not in self._tiles:
+            self._tiles[(a, b)] = wide_matmul(xa, xb.transpose(1, 2), self._key[6])
+        return self._tiles[(a, b)]
 
 
 def combined_sq_norm(factors) -> torch.Tensor:

@@ -18,7 +18,7 @@ def linear_rule(module, inputs, output_grad, trainable):
     A, G = _flatten_tokens(inputs[0], output_grad)
     out = {}
     if "weight" in trainable:
-        out["weight"] = OuterProduct(G, A, module.weight.shape)  # g_i = G_i^T A_i
+        out["weight"] = OuterProduct(G, A, module.weight.shape, input_side="right")  # g_i = G_i^T A_i
     if "bias" in trainable:
         out["bias"] = Instantiated(G.sum(1))
     return out
@@ -29,7 +29,7 @@ def conv1d_transformers_rule(module, inputs, output_grad, trainable):
     A, G = _flatten_tokens(inputs[0], output_grad)
     out = {}
     if "weight" in trainable:
-        out["weight"] = OuterProduct(A, G, module.weight.shape)
+        out["weight"] = OuterProduct(A, G, module.weight.shape, input_side="left")
     if "bias" in trainable:
         out["bias"] = Instantiated(G.sum(1))
     return out
