@@ -2,7 +2,9 @@
 import json
 import math
 
-from profiling import bench, layers
+import pytest
+
+from profiling import bench, layers, step_ratio
 from ghostdp.norms.factors import gram_tile, prefers_gram
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8"]
@@ -41,3 +43,18 @@ def test_layer_breakdown_and_gram_choice_run(capsys):
     assert all(r[3] > 0 and r[4] > 0 and r[7] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "pass 1" in out and "norm rules" in out and "Linear" in out and "cost model picked" in out
+
+
+def test_step_ratio_interleaves_the_modes_and_pairs_each_round_with_plain(capsys):
+    rows = step_ratio.main(TINY + ["--batch", "2", "--rounds", "3", "--warmup", "1", "--modes", "ghost", "bookkeeping"])
+    assert list(rows) == ["plain", "ghost", "bookkeeping"]
+    assert rows["plain"][1] == 1.0 and all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
+    assert "median over rounds" in capsys.readouterr().out
+    times = {"plain": [1.0, 2.0, 4.0], "ghost": [2.0, 3.0, 8.0]}  # per-round ratios 2, 1.5, 2
+    assert step_ratio.report(times)["ghost"] == (3000.0, 2.0)
+
+
+def test_step_ratio_says_when_opacus_is_missing(monkeypatch):
+    monkeypatch.setattr(step_ratio, "available", lambda mode: not mode.startswith("opacus"))
+    with pytest.raises(SystemExit, match="opacus is not installed"):
+        step_ratio.main(TINY + ["--modes", "opacus-ghost"])
