@@ -337,19 +337,17 @@ def gram_sq_norm(left, right, dt, tile, grams=None, input_side=None):
     s >= t: both Grams are symmetric, so a tile off the diagonal counts twice. With ``grams``, the
     tiles of the ``input_side`` Gram come from (and go to) that cache."""
     B, T, _ = left.shape
-    total = torch.zeros(B, dtype=dt, device=left.device)
     shared = grams.tiles(left if input_side == "left" else right, dt, tile) if grams is not None else None
+
+    def tile_gram(side, x, a, b):
+        if shared is not None and side == input_side:
+            return shared.get(a, b, x[:, a:a + tile], x[:, b:b + tile])
+        return wide_matmul(x[:, a:a + tile], x[:, b:b + tile].transpose(1, 2), dt)
+
+    total = torch.zeros(B, dtype=dt, device=left.device)
     for a in range(0, T, tile):
-        la, ra = left[:, a:a + tile], right[:, a:a + tile]
         for b in range(a, T, tile):
-            lb, rb = left[:, b:b + tile], right[:, b:b + tile]
-            if shared is not None and input_side == "left":
-                left_gram, right_gram = shared.get(a, b, la, lb), wide_matmul(ra, rb.transpose(1, 2), dt)
-            elif shared is not None:
-                left_gram, right_gram = wide_matmul(la, lb.transpose(1, 2), dt), shared.get(a, b, ra, rb)
-            else:
-                left_gram, right_gram = wide_matmul(la, lb.transpose(1, 2), dt), wide_matmul(ra, rb.transpose(1, 2), dt)
-            block = (left_gram * right_gram).sum((1, 2))
+            block = (tile_gram("left", left, a, b) * tile_gram("right", right, a, b)).sum((1, 2))
             total += block if a == b else 2 * block
     return total
 
