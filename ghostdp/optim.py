@@ -27,6 +27,12 @@ def _wide_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum().double()
 
 
+def _delegated(name: str) -> property:
+    """An attribute read from and written to the wrapped optimizer (so LR schedulers see its state)."""
+    return property(lambda self: getattr(self.original_optimizer, name),
+                    lambda self, value: setattr(self.original_optimizer, name, value))
+
+
 class PrivacyStepError(RuntimeError):
     """The training loop did something that would make this step's privacy guarantee wrong."""
 
@@ -78,29 +84,9 @@ class DPOptimizer(torch.optim.Optimizer):
         controller.pass_observers.append(self._on_norm_pass)
 
     # ------------------------------------------------------- the wrapped optimizer's surface
-    @property
-    def param_groups(self):
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.original_optimizer.defaults = value
+    param_groups = _delegated("param_groups")
+    state = _delegated("state")
+    defaults = _delegated("defaults")
 
     def state_dict(self):
         return self.original_optimizer.state_dict()
@@ -205,25 +191,26 @@ class DPOptimizer(torch.optim.Optimizer):
         std = self.noise_multiplier * self.max_grad_norm
         params = self.params
         distributed = self.world_size > 1 and bool(params)
-        clipped_fingerprint = self._fingerprint() if distributed else None
+        clipped_fingerprint = self._fingerprint(params) if distributed else None
+        divisor = self.expected_batch_size if self.loss_reduction == "mean" else 1.0
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if distributed:
                 p.grad.mul_(self.world_size)
-            divisor = self.expected_batch_size if self.loss_reduction == "mean" else 1.0
             if std > 0:
                 self.random_source.add_gaussian_(p.grad, std, divisor)
             elif divisor != 1.0:
                 p.grad.div_(divisor)
         if distributed:
-            self._check_ranks_agree(clipped_fingerprint, self._fingerprint())
+            self._check_ranks_agree(clipped_fingerprint, self._fingerprint(params))
 
-    def _fingerprint(self) -> torch.Tensor:
+    @staticmethod
+    def _fingerprint(params) -> torch.Tensor:
         """Two float64 numbers that summarise every p.grad: sum_k (k + 1) sum(g_k), and sum_k |g_k|."""
-        device = self.params[0].device
+        device = params[0].device
         weighted, norms = [], []
-        for k, p in enumerate(self.params):
+        for k, p in enumerate(params):
             if p.grad is not None:
                 weighted.append(((k + 1) * _wide_sum(p.grad)).to(device))
                 norms.append(torch.linalg.vector_norm(p.grad).double().to(device))

@@ -32,7 +32,6 @@ def interleaved_times(args) -> dict:
     template = build_model(args).to(device=device, dtype=dtype).train()
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
     labels = torch.randint(0, 2, (args.batch,), device=device)
-    args.mode = None
     steps = {mode: make_step(mode, copy.deepcopy(template), args, (ids, labels)) for mode in args.modes}
     times = {mode: [] for mode in args.modes}
     for round_ in range(args.warmup + args.rounds):

@@ -361,17 +361,18 @@ class InputGrams:
     def __init__(self):
         self._key = None
         self._tensor = None  # held, so that no other tensor can take its address while it is the key
+        self._dtype = None
         self._tiles = {}
 
     def tiles(self, x: torch.Tensor, dt, tile) -> "InputGrams":
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, tile)
         if x.numel() == 0 or key != self._key:
-            self._key, self._tensor, self._tiles = key, x, {}
+            self._key, self._tensor, self._dtype, self._tiles = key, x, dt, {}
         return self
 
     def get(self, a, b, xa, xb):
         if (a, b) not in self._tiles:
-            self._tiles[(a, b)] = wide_matmul(xa, xb.transpose(1, 2), self._key[6])
+            self._tiles[(a, b)] = wide_matmul(xa, xb.transpose(1, 2), self._dtype)
         return self._tiles[(a, b)]
 
 
