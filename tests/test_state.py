@@ -126,12 +126,22 @@ def test_parameter_read_outside_its_module_is_refused():
         controller.loss(model(torch.randn(3, 4)).sum(1)).backward()
 
 
-def test_trainable_tensor_outside_the_model_is_refused():
+def test_trainable_tensor_outside_the_model_is_clipped_nowhere_and_cannot_be_stepped():
+    # A tensor that requires grad but is not a model parameter (peft's enable_input_require_grads makes
+    # the embeddings' output one) is never stepped by the DP optimizer, so the controller lets it be;
+    # an optimizer over it is refused.
     lin = nn.Linear(3, 3)
     temperature = nn.Parameter(torch.tensor(2.0))
-    controller = ghostdp.GhostClipping(lin, 1.0)
-    with pytest.raises(RuntimeError, match="not a parameter of the model"):
-        controller.loss((lin(torch.randn(4, 3)) * temperature).sum(1)).backward()
+    engine = ghostdp.PrivacyEngine(seed=0)
+    with pytest.raises(ValueError, match="not the model's|not parameters of the model|model"):
+        engine.make_private(module=lin, optimizer=torch.optim.SGD([temperature, *lin.parameters()], lr=0.1),
+                            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+                                torch.randn(8, 3), torch.randn(8, 3)), batch_size=4),
+                            criterion=nn.MSELoss(), noise_multiplier=1.0, max_grad_norm=1.0)
+    controller = ghostdp.GhostClipping(nn.Linear(3, 3), 1.0)
+    x = torch.randn(4, 3, requires_grad=True)
+    controller.loss((controller.module(x) * temperature).sum(1)).backward()
+    assert controller.module.weight.grad is not None and controller.last_norms.shape == (4,)
 
 
 def test_output_without_batch_dimension_is_refused():
@@ -146,7 +156,7 @@ def test_output_without_batch_dimension_is_refused():
     model = PositionsFirst()
     controller = ghostdp.GhostClipping(model, 1.0)
     out = model(torch.arange(5).unsqueeze(0), torch.randn(4, 5, 3))
-    with pytest.raises(RuntimeError, match="batch dimension"):
+    with pytest.raises(RuntimeError, match="no dimension of size 4 that could hold the examples"):
         controller.loss(out.pow(2).sum((1, 2))).backward()
 
 

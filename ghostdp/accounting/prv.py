@@ -96,22 +96,29 @@ class PLD:
         return result
 
     def epsilon(self, delta: float) -> float:
-        """The smallest eps with delta(eps) <= delta (an upper bound on the true one)."""
+        """The smallest eps with delta(eps) <= delta (an upper bound on the true one).
+
+        For eps in [l_{j-1}, l_j): delta(eps) = fixed + SP[j] - e^eps SQ[j], with the suffix sums
+        SP[j] = sum_{k>=j} p_k and SQ[j] = sum_{k>=j} p_k e^{-l_k}. The products e^eps SQ are formed in
+        log space, so losses of any size (far beyond exp's range of about 700) are exact.
+        """
         fixed = self.inf_mass + self.slack
         if fixed >= delta:
             return math.inf
         losses = self.h * (self.offset + np.arange(self.pmf.shape[0]))
-        # Suffix sums: for eps in [l_{j-1}, l_j), delta(eps) = fixed + SP[j] - e^eps SQ[j].
         sp = np.cumsum(self.pmf[::-1])[::-1]
-        sq = np.cumsum((self.pmf * np.exp(-np.clip(losses, -700, 700)))[::-1])[::-1]
+        with np.errstate(divide="ignore"):
+            log_terms = np.log(self.pmf) - losses
+        log_sq = np.logaddexp.accumulate(log_terms[::-1])[::-1]          # log SQ[j]
+        log_sq_next = np.append(log_sq[1:], -np.inf)
         sp_next = np.append(sp[1:], 0.0)
-        sq_next = np.append(sq[1:], 0.0)
-        at_grid = fixed + sp_next - np.exp(np.clip(losses, -700, 700)) * sq_next  # delta(l_j)
+        at_grid = fixed + sp_next - np.exp(losses + log_sq_next)           # delta(l_j); exponent <= 0
         j = int(np.argmax(at_grid <= delta))  # first grid point that meets delta (the last one always does)
-        eps = math.log((fixed + sp[j] - delta) / sq[j]) if sq[j] > 0 else losses[j]
+        remaining = fixed + sp[j] - delta
+        eps = math.log(remaining) - log_sq[j] if remaining > 0 and log_sq[j] > -np.inf else losses[j]
         if j > 0:
             eps = max(eps, losses[j - 1])
-        return min(eps, losses[j])
+        return float(min(eps, losses[j]))
 
 
 def _log_mix_ratio(x, sigma, q):
@@ -194,16 +201,34 @@ def _composed(history, h, direction, delta_scale) -> PLD:
     return total
 
 
+# Largest grid (points) of one step's privacy loss: a wider loss range (tiny sigma, q near 1) would take
+# gigabytes to compose; the accountant then uses the RDP bound instead.
+MAX_STEP_POINTS = 1 << 22
+
+
+def _step_points(sigma, q, h):
+    z = -float(special.ndtri(TAIL))
+    r_lo, r_hi = _log_mix_ratio(np.array([-sigma * z, 1 + sigma * z]), sigma, q)
+    return (r_hi - r_lo) / h
+
+
 def prv_epsilon(history, delta, h=1e-4):
-    return max(_composed(history, h, d, delta).epsilon(delta) for d in ("remove", "add"))
+    """The PLD epsilon, or inf where the loss range is too wide to discretise (see MAX_STEP_POINTS)."""
+    if any(_step_points(sigma, q, h) > MAX_STEP_POINTS for sigma, q, _ in history):
+        return math.inf
+    try:
+        return max(_composed(history, h, d, delta).epsilon(delta) for d in ("remove", "add"))
+    except MemoryError:
+        return math.inf
 
 
 class PRVAccountant(Accountant):
     """Tight numerical accountant (privacy loss distributions, both adjacency directions).
 
     Its epsilon is an upper bound that is usually within 1e-3 of the exact one. For very small
-    delta the FFT round-off bound (about 1e-8 on long runs) makes it loose; it then returns the
-    RDP bound where that is smaller (both are valid upper bounds, so their minimum is one too).
+    delta the FFT round-off bound (about 1e-8 on long runs) makes it loose, and for a very wide loss
+    range (tiny sigma, q near 1) it is not computed; it then returns the RDP bound where that is
+    smaller (both are valid upper bounds, so their minimum is one too).
     ``value_interval`` is the grid spacing of the privacy loss (smaller: tighter and slower).
     """
 

@@ -1,16 +1,19 @@
-"""Graph audit: every gradient path into a trainable leaf must belong to a hooked module call.
+"""Graph audit, every step: every gradient path into a trainable parameter must belong to a recorded call.
 
-A parameter read outside its module's forward (``self.emb.weight`` used directly
-by a parent, a stray ``nn.Parameter`` in the loss) gets gradient that no norm
-rule saw, so its clipping would be silently wrong. The audit walks the autograd
-graph of the per-example losses once, collects every edge into an
-AccumulateGrad node of a leaf that requires grad, and checks that each lies in
-the region of some recorded module call (from that call's outputs down to its
-inputs). It runs on the first step and again whenever the pattern of uses changes.
+A parameter read outside its module's forward (``self.emb.weight`` used directly by a parent, on
+every step or only for some inputs) gets gradient that no norm rule saw, so its clipping would be
+silently wrong. Each step, one walk of the loss's autograd graph collects every edge into the
+gradient accumulator of a trainable model parameter and the recorded module calls (the probe
+nodes); each edge must lie in the region of a call of the module owning that parameter (from the
+call's outputs down to its inputs). Tensors that require grad but are not model parameters (an
+input made to require grad by ``enable_input_require_grads``) are never stepped, so they are no
+concern. The walk visits each node once: about 0.2 ms for a 12-layer BERT's ~950 nodes on a CPU.
 """
 from __future__ import annotations
 
 from .probe import ProbeIdentity
+
+_PROBE_NODE = ProbeIdentity._backward_cls
 
 
 def _walk(roots, stop=frozenset()):
@@ -30,28 +33,34 @@ def _walk(roots, stop=frozenset()):
                 stack.append(nxt)
 
 
-def _leaf(node):
-    return getattr(node, "variable", None) if type(node).__name__ == "AccumulateGrad" else None
+def _parameter(node, parameters: dict):
+    """The trainable model parameter whose gradient accumulator ``node`` is, if any."""
+    variable = getattr(node, "variable", None)
+    return parameters.get(id(variable)) if variable is not None else None
 
 
-def unattributed_leaves(loss_node, ignore=()):
-    """Trainable leaves (other than `ignore`) with gradient edges outside every recorded module call."""
-    ignore = {id(t) for t in ignore}
-    all_edges = {}
-    uses = []
+def audit_graph(loss_node, parameters: dict):
+    """(stray parameters, recorded calls) of the graph below ``loss_node``.
+
+    ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
+    outside every recorded call of its module.
+    """
+    edges = {}
+    calls = {}
     for node, idx, nxt in _walk([loss_node]):
-        leaf = _leaf(nxt)
-        if leaf is not None and id(leaf) not in ignore:
-            all_edges[(node, idx)] = leaf
-        if isinstance(nxt, ProbeIdentity._backward_cls) and getattr(nxt, "use", None) is not None:
-            uses.append(nxt.use)
+        param = _parameter(nxt, parameters)
+        if param is not None:
+            edges[(node, idx)] = param
+        elif isinstance(nxt, _PROBE_NODE):
+            call = getattr(nxt, "use", None)
+            if call is not None:
+                calls[id(call)] = call
     attributed = set()
-    for use in {id(u): u for u in uses}.values():
-        own = {id(p) for p in use.params.values()}
-        roots = [e.node for e in use.edges]
-        for node, idx, nxt in _walk(roots, stop=use.input_nodes):
-            leaf = _leaf(nxt)
-            if leaf is not None and id(leaf) in own:
+    for call in calls.values():
+        own = {id(p) for p in call.params.values()}
+        for node, idx, nxt in _walk([e.node for e in call.edges], stop=call.input_nodes):
+            param = _parameter(nxt, parameters)
+            if param is not None and id(param) in own:
                 attributed.add((node, idx))
-    missing = {id(leaf): leaf for key, leaf in all_edges.items() if key not in attributed}
-    return list(missing.values())
+    stray = {id(p): p for key, p in edges.items() if key not in attributed}
+    return list(stray.values()), list(calls.values())

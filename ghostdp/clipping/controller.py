@@ -13,6 +13,7 @@ and call ``backward()`` as usual:
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import defaultdict
 
 import torch
@@ -20,15 +21,36 @@ from torch.autograd.graph import get_gradient_edge
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..norms.factors import InputGrams, combined_sq_norm
+from ..norms.factors import InputGrams, acc_dtype, combined_sq_norm
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
-from ..norms.registry import find_norm_rule, rule_parameters
+from ..norms.registry import lookup_rule
 from .. import validate
-from .audit import unattributed_leaves
+from . import layout
+from .audit import audit_graph
 from .modes import clipping_mode, new_factor_store
 from .probe import add_probe
 
 CLIP_EPS = 1e-6
+# An example whose gradient terms are so large against its clipped contribution that float rounding of
+# the terms could move the sum by more than this fraction of C is refused (or skipped): see
+# clip_coefficients.
+ROUNDING_TOLERANCE = 1e-4
+
+# model -> its controller, while attached: a second attachment would clip and hook everything twice.
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
+
+
+class ImpreciseExampleError(FloatingPointError):
+    """Some examples' gradients cannot be summed with the others within float precision."""
+
+    def __init__(self, indices):
+        self.indices = indices
+        super().__init__(
+            f"examples {indices} of this batch have gradient terms so large (e.g. token contributions "
+            "that cancel, such as x and -x scaled by 1e12) that float rounding in the batch's sums could "
+            "erase other examples' gradients and move the update by more than the clipping norm allows. "
+            "Fix the data (normalise or bound the inputs), or pass nonfinite='skip' to drop such "
+            "examples from the step.")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -45,25 +67,34 @@ class NonFiniteLossError(FloatingPointError):
 class Use:
     """One call of one hooked module in a forward pass, alive as long as its graph."""
 
-    __slots__ = ("controller", "name", "module", "rule", "params", "inputs", "input_nodes", "edges",
-                 "batch_dims", "expanded", "grads", "fired", "eager", "done")
+    __slots__ = ("controller", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
+                 "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done")
 
-    def __init__(self, controller, name, module, rule, params):
-        self.controller, self.name, self.module, self.rule, self.params = controller, name, module, rule, params
+    def __init__(self, controller, name, module, entry, params):
+        self.controller, self.name, self.module, self.params = controller, name, module, params
+        self.rule = entry.rule if entry is not None else None
+        self.tokenwise = entry is not None and entry.tokenwise
         self.inputs, self.edges, self.batch_dims, self.expanded, self.grads = (), [], [], [], []
+        self.shapes, self.layouts, self.projections = [], None, None
         self.input_nodes = frozenset()
         self.fired = self.done = False
         self.eager = {}
 
     def __del__(self):
-        if not self.fired:
+        # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
+        if not getattr(self, "fired", True):
             self.controller._forget(self)
 
 
 class _Pass:
-    def __init__(self, batch_size):
+    """One backward of the DP loss towards the probes: the norm pass, or the layout proof before it."""
+
+    def __init__(self, batch_size, proving=False):
         self.batch_size = batch_size
+        self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.sq = None
+        self.mass = None                  # (B,) sum over layers of sum_t |G_t| |A_t| (see clip_coefficients)
+        self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several uses
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
         self.uses = []
@@ -72,6 +103,15 @@ class _Pass:
     def add(self, sq):
         sq = sq.double()
         self.sq = sq if self.sq is None else self.sq + sq
+
+    def add_mass(self, factor):
+        mass = factor.token_mass()
+        if mass is None:
+            return
+        self.mass = mass.double() if self.mass is None else self.mass + mass.double()
+        dtype = factor.sum_dtype()
+        if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
+            self.mass_dtype = dtype
 
 
 def check_max_grad_norm(value):
@@ -85,6 +125,14 @@ def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
     if device not in leaves:
         leaves[device] = torch.zeros(0, device=device, requires_grad=True)
     return leaves[device]
+
+
+def _attached_controller(module):
+    for m in module.modules():
+        controller = _ATTACHED.get(m)
+        if controller is not None and controller._handles:
+            return m, controller
+    return None, None
 
 
 def _leading_dim(args, kwargs):
@@ -112,6 +160,13 @@ class GhostClipping:
             raise TypeError(f"GhostClipping needs a torch.nn.Module, got {type(module).__name__}")
         if nonfinite not in ("error", "skip"):
             raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        attached, _ = _attached_controller(module)
+        if attached is not None:
+            where = "this model" if attached is module else f"its submodule {type(attached).__name__}"
+            raise RuntimeError(
+                f"{where} already has ghostdp hooks from an earlier make_private / GhostClipping (e.g. a "
+                "notebook cell run twice); a second set would record and clip every layer twice. Fix: call "
+                "detach() on the earlier controller (engine.controller.detach()) first, or build a fresh model.")
         if check_model:
             validate.check(module)
         self.mode = clipping_mode(clipping)
@@ -131,7 +186,11 @@ class GhostClipping:
         self._in_fallback = False
         self._batch_hint = None
         self._kept = new_factor_store()
-        self._audited_pattern = None
+        self._mass = None
+        self._proof_v = None
+        self._layouts = {}  # (module, shape signature) -> proven layout of each output (see layout.py)
+        self._proof_generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
+        self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None
         # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
@@ -145,11 +204,12 @@ class GhostClipping:
         self.next_loss_is_padding = False
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
         for name, m in hooked_modules(module):
-            rule = None if isinstance(m, OPAQUE_MODULES) else find_norm_rule(m)
-            if rule is not None and not set(owned_parameters(m)) <= rule_parameters(rule):
-                rule = None  # a subclass with parameters of its own: its forward differs, use the fallback
-            self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, rule),
+            entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
+            if entry is not None and not set(owned_parameters(m)) <= entry.params:
+                entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
+            self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
                                                          with_kwargs=True))
+        _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
     @property
@@ -166,6 +226,8 @@ class GhostClipping:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if _ATTACHED.get(self.module) is self:
+            del _ATTACHED[self.module]
 
     # ----------------------------------------------------------------- forward
     def _recording(self, module) -> bool:
@@ -182,7 +244,7 @@ class GhostClipping:
     def _probe(self, device):
         return _zero_size_leaf(self._probes, device)
 
-    def _on_forward(self, name, rule, module, args, kwargs, output):
+    def _on_forward(self, name, entry, module, args, kwargs, output):
         if not self._recording(module):
             return None
         params = {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
@@ -198,9 +260,10 @@ class GhostClipping:
                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
         if not slots:
             return None
-        if rule is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
-            rule = None
-        use = Use(self, name, module, rule, params)
+        if entry is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
+            entry = None
+        rule = entry.rule if entry is not None else None
+        use = Use(self, name, module, entry, params)
         if rule is None and len(slots) > 1:
             # Its fallback runs after pass 1 has gone below it, through the module's own graph.
             self._graph_needed_after_pass1 = True
@@ -216,6 +279,7 @@ class GhostClipping:
             if expanded:
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
             use.expanded.append(expanded)
+            use.shapes.append(tuple(t.shape))
             new_flat[i] = add_probe(t, self._probe(t.device), use, slot, known_forward=rule is not None)
         use.grads = [None] * len(slots)
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -239,6 +303,10 @@ class GhostClipping:
         return self._pass is not None and not self._in_fallback
 
     def _receive(self, use, slot, grad):
+        if self._pass.proving:
+            if use.projections is not None:
+                use.projections[slot] = self._project(grad, slot, use)
+            return
         use.grads[slot] = grad
         if not use.fired:
             use.fired = True
@@ -258,16 +326,93 @@ class GhostClipping:
             "loss, so it would not be clipped. Fix: build every loss you backpropagate through this model "
             "with GhostClipping.loss / the DP criterion, or call detach() on the controller first.")
 
-    def _compute(self, use):
+    # ----------------------------------------------------------------- batch layout (layout.py)
+    def _project(self, grad, slot, use):
+        dt = acc_dtype(grad)
+        w = layout.projection_vector(grad.shape[-1] if grad.dim() else 1, dt, grad.device, self._proof_generator)
+        return w, layout.project(grad, w)
+
+    def _assign_layouts(self, calls, batch_size):
+        """Each call's proven layouts; the calls whose shape signature is new get ``projections`` to fill."""
+        unproven = []
+        for use in calls:
+            key = (id(use.module), layout.signature(use.shapes, batch_size))
+            use.layouts = self._layouts.get(key)
+            if use.layouts is None:
+                use.projections = [None] * len(use.shapes)
+                unproven.append(use)
+        return unproven
+
+    def _prove_layouts(self, per_example_losses, probes):
+        """The backward with a random cotangent v of the layout proof; pass 1 then compares (``_resolve``)."""
+        B = per_example_losses.shape[0]
+        v = torch.randn(B, generator=self._proof_generator, dtype=torch.float64).to(per_example_losses)
+        self._proof_v = v.double()  # as rounded to the losses' dtype
+        self._pass = _Pass(B, proving=True)
+        try:
+            with record_function("ghostdp.layout_proof"):
+                torch.autograd.grad(per_example_losses, probes, v, retain_graph=True, allow_unused=True)
+        finally:
+            self._pass = None
+
+    def _resolve(self, use):
+        """Pass 1 has G_1 = use.grads; keep the first candidate layout per output that the proof confirms."""
         B = self._pass.batch_size
-        for g, d in zip(use.grads, use.batch_dims):
-            if g is not None and (g.dim() <= d or g.shape[d] != B):
+        found = []
+        for slot, (g, projected) in enumerate(zip(use.grads, use.projections)):
+            if g is None or projected is None:
+                found.append(("dim", use.batch_dims[slot]))
+                continue
+            w, projected_v = projected
+            projected_1 = layout.project(g, w)
+            v = self._proof_v.to(device=w.device, dtype=w.dtype)
+            options = layout.candidates(tuple(g.shape), B, use.tokenwise, use.batch_dims[slot])
+            chosen = next((c for c in options if layout.holds(c, projected_v, projected_1, v, g.dtype)), None)
+            if chosen is None:
+                self._refuse_layout(use, g, B, options)
+            found.append(chosen)
+        use.layouts, use.projections = tuple(found), None
+        self._layouts[(id(use.module), layout.signature(use.shapes, B))] = use.layouts
+
+    def _refuse_layout(self, use, g, B, options):
+        kind = type(use.module).__name__
+        if not options:
+            problem = f"has no dimension of size {B} that could hold the examples"
+        else:
+            problem = "mixes several examples in each of its candidate batch dimensions"
+        raise RuntimeError(
+            f"module '{use.name}' ({kind}) produced an output of shape {tuple(g.shape)} whose gradient "
+            f"{problem} (there are {B} per-example losses), so ghostdp cannot bound each example's gradient. "
+            "ghostdp proves from gradients which dim holds the examples, instead of guessing from sizes. "
+            "Fixes: use batch-first layers (nn.TransformerEncoderLayer(..., batch_first=True), "
+            "nn.MultiheadAttention(..., batch_first=True)); call the model itself (not a submodule) so that "
+            "the batch is known; freeze parameters shared by the whole batch (e.g. a relative position bias "
+            "computed once for all examples: requires_grad_(False)); or register a norm rule for this module.")
+
+    def _batch_first(self, use):
+        """The call's inputs and output grads with the examples on dim 0, per its proven layout."""
+        B = self._pass.batch_size
+        for slot, (g, d) in enumerate(zip(use.grads, use.batch_dims)):
+            if g is not None and use.layouts[slot] == ("dim", d) and (g.dim() <= d or g.shape[d] != B):
                 raise RuntimeError(
                     f"module '{use.name}' ({type(use.module).__name__}) produced an output of shape "
                     f"{tuple(g.shape)} whose batch dimension {d} does not match the {B} per-example losses. "
-                    "ghostdp needs every trainable layer's output to be batch-first (one row per example). "
                     "Fix: call the model itself (not a submodule) so ghostdp sees the batch size, or "
                     "register a norm rule for this module.")
+        if use.layouts is None:
+            raise RuntimeError(f"internal error: the call of module '{use.name}' was not audited this step")
+        if use.rule is None or use.layouts[0] == layout.BATCH_FIRST:
+            return
+        shape = tuple(use.grads[0].shape)
+        use.inputs = tuple(layout.to_batch_first(use.layouts[0], x, shape, B) for x in use.inputs)
+        use.grads = [layout.to_batch_first(use.layouts[0], use.grads[0], shape, B)]
+
+    # ----------------------------------------------------------------- norms
+    def _compute(self, use):
+        B = self._pass.batch_size
+        if use.projections is not None:
+            self._resolve(use)
+        self._batch_first(use)
         with record_function(f"ghostdp.norms.{type(use.module).__name__}"):  # profiling/layers.py reads these
             factors = {}
             if use.rule is not None:
@@ -280,6 +425,7 @@ class GhostClipping:
                 finally:
                     self._in_fallback = False
             for n, f in factors.items():
+                self._pass.add_mass(f)
                 if self.mode.keeps_factors:
                     self._pass.kept[use.params[n]].append(f)
                 if use.eager[n]:
@@ -296,26 +442,27 @@ class GhostClipping:
             self._pass.add(combined_sq_norm(factors))
 
     def _audit(self, per_example_losses):
-        pattern = frozenset((id(p), n) for p, n in self._live.items())
-        if pattern == self._audited_pattern:
-            return
-        stray = unattributed_leaves(per_example_losses.grad_fn, ignore=self._probes.values())
-        if stray and not self._live:
+        """This step's graph: refuse a stray parameter; return the recorded calls."""
+        trainable = {k: p for k, p in self._parameters.items() if p.requires_grad}
+        stray, calls = audit_graph(per_example_losses.grad_fn, trainable)
+        replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
+        if replaced:  # parameters swapped in after attaching: audit them too, from now on
+            self._parameters.update(replaced)
+            stray, calls = audit_graph(per_example_losses.grad_fn, {**trainable, **replaced})
+        if stray and not calls and not self._live:
             raise RuntimeError(
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
                 "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
                 "Fix: call model.train() before the forward of a training step.")
         if stray:
             names = {id(p): n for n, p in self.module.named_parameters()}
-            described = ", ".join(
-                f"'{names[id(leaf)]}'" if id(leaf) in names else f"a tensor of shape {tuple(leaf.shape)} "
-                "that is not a parameter of the model" for leaf in stray)
+            described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in stray)
             raise RuntimeError(
-                f"gradient reaches {described} outside the forward of the module that owns it (e.g. a "
-                "parent reads child.weight directly, or a trainable tensor enters the loss), so ghostdp "
-                "cannot bound its per-example norm. Fix: call the owning module instead of reading its "
-                "parameter, freeze the tensor, or register a norm rule for the parent module.")
-        self._audited_pattern = pattern
+                f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
+                "it (e.g. a parent reads child.weight directly, on every step or only for some inputs), so "
+                "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
+                "its parameter, freeze the parameter, or register a norm rule for the parent module.")
+        return calls
 
     def per_example_norms(self, per_example_losses: torch.Tensor) -> torch.Tensor:
         """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64."""
@@ -327,12 +474,15 @@ class GhostClipping:
         if self._pass is not None:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
+        self._mass = None
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
-        self._audit(per_example_losses)
+        calls = self._audit(per_example_losses)
+        probes = list(self._probes.values())
+        if probes and self._assign_layouts(calls, B):
+            self._prove_layouts(per_example_losses, probes)
         self._pass = _Pass(B)
         try:
-            probes = list(self._probes.values())
             with record_function("ghostdp.pass1"):
                 if probes:
                     # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
@@ -342,6 +492,7 @@ class GhostClipping:
                 with record_function("ghostdp.norms.shared_parameters"):
                     self._finish()
             sq, self._kept = self._pass.sq, self._pass.kept
+            self._mass = (self._pass.mass, self._pass.mass_dtype)
         finally:
             self._pass = None
         if sq is None:
@@ -349,20 +500,41 @@ class GhostClipping:
         return sq.clamp(min=0).sqrt()
 
     def clip_coefficients(self, per_example_losses: torch.Tensor) -> torch.Tensor:
-        """Pass 1 and c_i = min(1, C / (n_i + 1e-6)); non-finite examples raise or get c_i = 0."""
+        """Pass 1 and c_i = min(1, C / (n_i + 1e-6)); non-finite or imprecise examples raise or get c_i = 0.
+
+        Imprecise: the batch's clipped sum adds every example's terms (for a Linear layer, the rows
+        G_t A_t^T of all tokens) in one float accumulation, whose rounding error grows with the terms'
+        magnitude, not with their sum. An example whose terms are huge but cancel (tokens x and -x
+        scaled by 1e12: gradient 0, not clipped) can round away the other examples' gradients. Its
+        mass m_i = sum over layers and tokens of |G_t| |A_t| bounds what it puts into those sums, so
+        an example with u * c_i * m_i > ROUNDING_TOLERANCE * C (u: unit round-off of the sums'
+        dtype) is refused, or skipped with nonfinite="skip".
+        """
         for observe in self.pass_observers:
             observe(per_example_losses)
         norms = self.per_example_norms(per_example_losses)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
         coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+        imprecise = self._imprecise(coeffs)
+        if imprecise is not None:
+            bad = bad | imprecise
         if bad.any():
             indices = bad.nonzero().flatten().tolist()
             if self.nonfinite == "error":
                 self._kept = new_factor_store()
+                if imprecise is not None and imprecise.any():
+                    raise ImpreciseExampleError(imprecise.nonzero().flatten().tolist())
                 raise NonFiniteLossError(indices, "loss or gradient norm")
             coeffs = torch.where(bad, torch.zeros_like(coeffs), coeffs)
         self.last_norms, self.last_coefficients = norms, coeffs
         return coeffs
+
+    def _imprecise(self, coeffs):
+        mass, dtype = self._mass if self._mass is not None else (None, None)
+        if mass is None:
+            return None
+        unit_roundoff = torch.finfo(dtype).eps / 2
+        return (unit_roundoff * coeffs * mass.to(coeffs.device)) > ROUNDING_TOLERANCE * self.max_grad_norm
 
     def grad_of_losses(self, coefficients, grad_output, losses):
         """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode

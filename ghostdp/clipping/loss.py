@@ -93,17 +93,25 @@ def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: t
         raise ValueError(f"the labels have batch size {target.shape[0]} but the model output has "
                          f"{output.shape[0]}; they must match (one label row per example).")
     B = output.shape[0]
-    elementwise = copy.copy(criterion)
-    elementwise.reduction = "none"
     index_target = not target.is_floating_point() and isinstance(
         criterion, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+    if target.is_floating_point() and output.dim() != target.dim():
+        # Broadcasting aligns trailing dims: (B, 1) against (B,) gives (B, B), every example's loss
+        # then averaging over all the others' labels, and one example moves every loss.
+        raise ValueError(
+            f"criterion {type(criterion).__name__} got an output of shape {tuple(output.shape)} and a target "
+            f"of shape {tuple(target.shape)}; broadcasting them would mix examples (each per-example loss "
+            "would read other examples' targets). Fix: give both the same shape, e.g. "
+            "target.view_as(output) or output.squeeze(-1).")
+    elementwise = copy.copy(criterion)
+    elementwise.reduction = "none"
     if index_target and output.dim() >= 3 and output.shape[:-1] == target.shape:
         raw = elementwise(output.reshape(-1, output.shape[-1]), target.reshape(-1)).reshape(target.shape)
     else:
         raw = elementwise(output, target)
     if raw.dim() == 1 and raw.shape[0] == B:  # one element per example: its loss as torch computes it
         return raw
-    if raw.shape[0] != B:
+    if raw.dim() == 0 or raw.shape[0] != B:
         raise ValueError(f"criterion {type(criterion).__name__} with reduction='none' returned shape "
                          f"{tuple(raw.shape)}, which has no batch dimension of size {B}")
     raw = raw.reshape(B, -1)

@@ -5,8 +5,10 @@ every hooked output through ``ProbeIdentity``. Autograd therefore computes
 exactly the activation gradients on the way to those outputs, and no weight
 gradient (no weight is an input of that ``autograd.grad`` call).
 
-The identity marks its input dirty instead of returning a view or a copy, so a
-later in-place op (``ReLU(inplace=True)``) stays legal and memory is unchanged.
+For a module with a norm rule (whose forward is known) the identity marks its input
+dirty instead of returning a view or a copy, so a later in-place op
+(``ReLU(inplace=True)``) stays legal and memory is unchanged. The output of any other
+module (the fallback's) is copied: its producer may have saved it for its own backward.
 A Linear layer on a (B, T, d) input returns a view of its (B*T, p) matmul result:
 there the probe goes on that result and the view is taken again after it, so no
 copy is made either. Where the output was saved by its own producer (tanh,
@@ -63,9 +65,13 @@ class ProbeIdentity(torch.autograd.Function):
 def add_probe(out: torch.Tensor, probe: torch.Tensor, use, slot: int, known_forward: bool) -> torch.Tensor:
     """``out`` with the probe attached. ``known_forward``: the module is one whose forward a norm rule
     knows (Linear, Conv1D, ...), so nothing inside it saved the base of a view output."""
+    if not known_forward:
+        # Any producer may have saved its output for its backward, under any name (cuDNN's and
+        # mkldnn's RNNs, a custom autograd.Function): marking it dirty would break that backward.
+        return ProbeIdentity.apply(out, probe, use, slot, False, None)
     if can_mark_dirty(out):
         return ProbeIdentity.apply(out, probe, use, slot, True, None)
-    base = _reshaped_base(out) if known_forward else None
+    base = _reshaped_base(out)
     if base is not None:
         return ProbeIdentity.apply(base, probe, use, slot, True, out.shape).view(out.shape)
     return ProbeIdentity.apply(out, probe, use, slot, False, None)

@@ -12,7 +12,10 @@ one parameter implicitly, and can give
 - ``merge`` / ``dot``: the pieces needed when one parameter is used several
   times in a step (tied weights, a module called twice);
 - ``weighted_sum(c)``: sum_i c_i g_i, the clipped sum of book-keeping mode,
-  formed without per-example gradients where the factor allows.
+  formed without per-example gradients where the factor allows;
+- ``token_mass()``: (B,) sum over an example's terms (tokens) of |term|, which bounds what the
+  example adds to the batch's float accumulations (its rounding), or None where the clipped
+  sum adds the example's gradient as one finished term.
 
 Memory is bounded by ``ELEMENT_BUDGET``: no temporary built here holds more
 than that many elements (beyond one example's worth when a single example is
@@ -113,6 +116,13 @@ class PerExampleGrad:
     def materialize(self, lo: int, hi: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def token_mass(self) -> torch.Tensor | None:
+        return None
+
+    def sum_dtype(self) -> torch.dtype:
+        """The dtype in which the batch's clipped sum of this gradient accumulates."""
+        return torch.float32
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """sum_i weights_i g_i, of param_shape; by default through materialised chunks."""
         total = None
@@ -178,10 +188,21 @@ class OuterProduct(PerExampleGrad):
         self.param_shape = torch.Size(param_shape)
         self.input_side = input_side
 
+    def token_mass(self) -> torch.Tensor:
+        # sum_t |L_t| |R_t| >= the entrywise sum of |L_t R_t^T| over tokens (Cauchy-Schwarz).
+        dt = acc_dtype(self.left, self.right)
+        return (torch.linalg.vector_norm(self.left, dim=-1, dtype=dt)
+                * torch.linalg.vector_norm(self.right, dim=-1, dtype=dt)).sum(1)
+
+    def sum_dtype(self):
+        return acc_dtype(self.left, self.right)
+
     def sq_norm(self, grams=None) -> torch.Tensor:
         B, T, m = self.left.shape
         n = self.right.shape[-1]
         dt = acc_dtype(self.left, self.right)
+        if T == 0:  # no tokens: a zero gradient
+            return torch.zeros(B, dtype=dt, device=self.left.device)
         if T == 1:  # ||g_i||^2 = ||l_i||^2 ||r_i||^2 for a rank-one gradient
             return self.left.to(dt).pow(2).sum((1, 2)) * self.right.to(dt).pow(2).sum((1, 2))
         tile = gram_tile(B, T, self.left.device.type)
@@ -259,6 +280,13 @@ class EmbeddingGather(PerExampleGrad):
             grads = torch.where(self._valid()[lo:hi].unsqueeze(-1), grads, 0)
         return grads
 
+    def token_mass(self):
+        norms = torch.linalg.vector_norm(self.grads, dim=-1, dtype=acc_dtype(self.grads))  # (B, T)
+        return torch.where(self._valid(), norms, 0).sum(1)
+
+    def sum_dtype(self):
+        return acc_dtype(self.grads)
+
     def sq_norm(self, grams=None):
         B, T, H = self.grads.shape
         example = torch.arange(B, device=self.ids.device).repeat_interleave(T)
@@ -317,6 +345,13 @@ class Blocks(PerExampleGrad):
 
     def sq_norm(self, grams=None):
         return sum(b.sq_norm() for b in self.blocks)
+
+    def token_mass(self):
+        masses = [b.token_mass() for b in self.blocks]
+        return None if any(m is None for m in masses) else sum(masses)
+
+    def sum_dtype(self):
+        return self.blocks[0].sum_dtype()
 
     def materialize(self, lo, hi):
         return torch.cat([b.materialize(lo, hi) for b in self.blocks], self.dim).reshape(hi - lo, *self.param_shape)

@@ -1,4 +1,8 @@
-"""Linear layers: torch.nn.Linear and transformers' Conv1D (GPT-2)."""
+"""Linear layers: torch.nn.Linear and transformers' Conv1D (GPT-2).
+
+For y = x W^T + b (Linear) or y = x W + b (Conv1D) on (B, T, d) inputs, example i's gradients are
+g_W = G_i^T A_i (Conv1D: A_i^T G_i) and g_b = sum_t G_it; the weight's is kept as an OuterProduct.
+"""
 from __future__ import annotations
 
 import torch
@@ -13,31 +17,28 @@ def _flatten_tokens(inputs: torch.Tensor, output_grad: torch.Tensor):
     return inputs.reshape(B, -1, inputs.shape[-1]), output_grad.reshape(B, -1, output_grad.shape[-1])
 
 
-@register_norm_rule(torch.nn.Linear)
-def linear_rule(module, inputs, output_grad, trainable):
-    A, G = _flatten_tokens(inputs[0], output_grad)
+def _linear_factors(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+                    trainable: set[str], weight_is_out_by_in: bool) -> dict:
+    A, G = _flatten_tokens(inputs[0], output_grad)  # (B, T, d), (B, T, p)
     out = {}
     if "weight" in trainable:
-        out["weight"] = OuterProduct(G, A, module.weight.shape, input_side="right")  # g_i = G_i^T A_i
+        if weight_is_out_by_in:
+            out["weight"] = OuterProduct(G, A, module.weight.shape, input_side="right")  # g_i = G_i^T A_i
+        else:
+            out["weight"] = OuterProduct(A, G, module.weight.shape, input_side="left")   # g_i = A_i^T G_i
     if "bias" in trainable:
         out["bias"] = Instantiated(G.sum(1))
     return out
 
 
-def conv1d_transformers_rule(module, inputs, output_grad, trainable):
-    """transformers' Conv1D computes x @ W + b with W of shape (in, out): g_i = A_i^T G_i."""
-    A, G = _flatten_tokens(inputs[0], output_grad)
-    out = {}
-    if "weight" in trainable:
-        out["weight"] = OuterProduct(A, G, module.weight.shape, input_side="left")
-    if "bias" in trainable:
-        out["bias"] = Instantiated(G.sum(1))
-    return out
+@register_norm_rule(torch.nn.Linear, tokenwise=True)
+def linear_rule(module: torch.nn.Linear, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+                trainable: set[str]) -> dict:
+    return _linear_factors(module, inputs, output_grad, trainable, weight_is_out_by_in=True)
 
 
-try:  # transformers is a dependency, but keep the core importable without it.
-    from transformers.pytorch_utils import Conv1D as _HFConv1D
-except ImportError:  # pragma: no cover
-    _HFConv1D = None
-if _HFConv1D is not None:
-    register_norm_rule(_HFConv1D, conv1d_transformers_rule)
+@register_norm_rule("transformers.pytorch_utils.Conv1D", tokenwise=True)
+def conv1d_transformers_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+                             trainable: set[str]) -> dict:
+    """transformers' Conv1D computes x @ W + b with W of shape (in, out)."""
+    return _linear_factors(module, inputs, output_grad, trainable, weight_is_out_by_in=False)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .factors import Instantiated, acc_dtype
-from .registry import register_norm_rule
+from .registry import qualified_name, register_norm_rule
 
 
 def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias")):
@@ -26,7 +26,7 @@ def _leading_dims(x, n_normalized):
     return tuple(range(1, x.dim() - n_normalized))
 
 
-@register_norm_rule(torch.nn.LayerNorm)
+@register_norm_rule(torch.nn.LayerNorm, tokenwise=True)
 def layer_norm_rule(module, inputs, output_grad, trainable):
     dt = acc_dtype(inputs[0], output_grad)
     x, G = inputs[0].to(dt), output_grad.to(dt)
@@ -34,7 +34,7 @@ def layer_norm_rule(module, inputs, output_grad, trainable):
     return _affine_grads(xhat, G, trainable, _leading_dims(x, len(module.normalized_shape)))
 
 
-@register_norm_rule(torch.nn.RMSNorm)
+@register_norm_rule(torch.nn.RMSNorm, tokenwise=True)
 def rms_norm_rule(module, inputs, output_grad, trainable):
     dt = acc_dtype(inputs[0], output_grad)
     x, G = inputs[0].to(dt), output_grad.to(dt)
@@ -54,8 +54,8 @@ def group_norm_rule(module, inputs, output_grad, trainable):
 
 
 def _hf_style(module):
-    """The cast style of the registered class nearest in the MRO (subclasses keep their rule)."""
-    return next(_HF_RMS_STYLE[c] for c in type(module).__mro__ if c in _HF_RMS_STYLE)
+    """The cast style of the registered class nearest in the MRO."""
+    return next(_HF_RMS_STYLE[qualified_name(c)] for c in type(module).__mro__ if qualified_name(c) in _HF_RMS_STYLE)
 
 
 def _hf_xhat(module, x, style):
@@ -86,26 +86,13 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
 
 
 # Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight;
-# the style says where it casts.
+# the style says where it casts. Registered by name: importing ghostdp imports no modeling file.
 TRANSFORMERS_RMS_NORMS = [
     ("llama", "LlamaRMSNorm", "llama"), ("mistral", "MistralRMSNorm", "llama"), ("qwen2", "Qwen2RMSNorm", "llama"),
     ("qwen3", "Qwen3RMSNorm", "llama"), ("phi3", "Phi3RMSNorm", "llama"), ("gemma", "GemmaRMSNorm", "gemma"),
     ("gemma2", "Gemma2RMSNorm", "gemma"), ("t5", "T5LayerNorm", "t5"),
 ]
-_HF_RMS_STYLE = {}
-
-
-def _register_transformers_rms_norms():
-    import importlib
-    for family, name, style in TRANSFORMERS_RMS_NORMS:
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:  # an older or slimmer transformers: those classes fall back
-            continue
-        cls = getattr(module, name, None)
-        if cls is not None:
-            _HF_RMS_STYLE[cls] = style
-            register_norm_rule(cls, transformers_rms_norm_rule, params=("weight",))
-
-
-_register_transformers_rms_norms()
+_HF_RMS_STYLE = {f"transformers.models.{family}.modeling_{family}.{name}": style
+                 for family, name, style in TRANSFORMERS_RMS_NORMS}
+for _name in _HF_RMS_STYLE:
+    register_norm_rule(_name, transformers_rms_norm_rule, params=("weight",), tokenwise=True)

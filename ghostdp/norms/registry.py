@@ -1,4 +1,4 @@
-"""The one registry of norm rules, keyed by module class and found by ``isinstance``.
+"""The one registry of norm rules, keyed by module class and found through the MRO.
 
 A rule is a function ``rule(module, inputs, output_grad, trainable) -> {name: PerExampleGrad}``:
 ``inputs`` are the positional tensors the module was called with (batch first),
@@ -6,44 +6,78 @@ A rule is a function ``rule(module, inputs, output_grad, trainable) -> {name: Pe
 ``trainable`` the names of the module's own parameters that require grad now.
 Modules whose class has no rule and that own trainable parameters are handled
 by the fallback (``ghostdp.norms.fallback``).
+
+A rule is trusted for a subclass only while the subclass computes what the rule
+assumes: a subclass that overrides ``forward`` (transformers' scaled embeddings,
+ConvNext's channels-first LayerNorm) or owns other parameters has no rule until
+one is registered for it, and goes to the exact fallback.
+
+Third-party classes are registered by their qualified name ("package.module.Class"),
+so that ``import ghostdp`` imports none of their modules.
+
+>>> @register_norm_rule(MyScaledLinear, params=("weight",))        # doctest: +SKIP
+... def my_rule(module, inputs, output_grad, trainable):
+...     return {"weight": OuterProduct(output_grad * module.scale, inputs[0], module.weight.shape)}
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict
 
 import torch
 
 Rule = Callable[..., Dict[str, "PerExampleGrad"]]
 
-_RULES: dict[type, Rule] = {}
-_RULE_PARAMETERS: dict[Rule, frozenset] = {}
+
+@dataclass(frozen=True)
+class RuleEntry:
+    rule: Rule
+    params: frozenset   # the parameters the rule covers
+    tokenwise: bool     # the module maps each position of (..., features) alone: any leading dim may be the batch
+    owner: type | str   # the registered class (or its qualified name) whose forward the rule knows
 
 
-def register_norm_rule(module_class: type, rule: Rule | None = None, params=("weight", "bias")):
-    """Register ``rule`` for ``module_class`` and its subclasses; usable as a decorator.
+_RULES: dict[type | str, RuleEntry] = {}
 
-    ``params`` names the parameters the rule covers. A module that owns any other
-    parameter (a subclass that adds one, so its forward differs) goes to the fallback.
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_norm_rule(module_class: type | str, rule: Rule | None = None, params=("weight", "bias"),
+                       tokenwise: bool = False):
+    """Register ``rule`` for ``module_class`` and its subclasses that keep its ``forward``; usable as a decorator.
+
+    ``module_class`` is a ``torch.nn.Module`` subclass or the qualified name of one ("pkg.module.Class").
+    ``params`` names the parameters the rule covers: a module owning any other parameter goes to the
+    fallback. ``tokenwise``: the module acts on each leading position alone (Linear, Embedding,
+    LayerNorm), so its batch may be a later leading dim (sequence-first) or flattened into rows.
     """
-    if not (isinstance(module_class, type) and issubclass(module_class, torch.nn.Module)):
+    if isinstance(module_class, str):
+        if "." not in module_class:
+            raise ValueError(f"register_norm_rule needs a qualified class name such as "
+                             f"'package.module.Class', got {module_class!r}")
+    elif not (isinstance(module_class, type) and issubclass(module_class, torch.nn.Module)):
         raise TypeError(f"register_norm_rule needs a torch.nn.Module subclass, got {module_class!r}")
 
     def add(fn):
-        _RULES[module_class] = fn
-        _RULE_PARAMETERS[fn] = frozenset(params)
+        _RULES[module_class] = RuleEntry(fn, frozenset(params), tokenwise, module_class)
         return fn
 
     return add(rule) if rule is not None else add
 
 
-def find_norm_rule(module: torch.nn.Module) -> Rule | None:
-    """The rule of the most specific registered class in the module's MRO, or None."""
+def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
+    """The entry of the most specific registered class in the module's MRO, if the module's class
+    still runs that class's forward; None otherwise."""
     for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
+        entry = _RULES.get(cls) or _RULES.get(qualified_name(cls))
+        if entry is not None:
+            return entry if type(module).forward is cls.forward else None
     return None
 
 
-def rule_parameters(rule: Rule) -> frozenset:
-    """Names of the parameters ``rule`` covers."""
-    return _RULE_PARAMETERS[rule]
+def find_norm_rule(module: torch.nn.Module) -> Rule | None:
+    """The rule that applies to ``module`` (see ``lookup_rule``), or None."""
+    entry = lookup_rule(module)
+    return entry.rule if entry is not None else None
