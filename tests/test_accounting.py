@@ -178,3 +178,29 @@ def test_bad_calibration_arguments_are_refused():
         get_noise_multiplier(target_epsilon=0, target_delta=1e-5, sample_rate=0.1, steps=10)
     with pytest.raises(ValueError, match="accountant"):
         get_noise_multiplier(target_epsilon=1, target_delta=1e-5, sample_rate=0.1, steps=10, accountant="gdp")
+
+
+def test_prv_epsilon_beyond_700_is_exact_not_capped():
+    # q = 1: n Gaussian steps of noise sigma are one Gaussian mechanism with mu = sqrt(n) / sigma, whose
+    # delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu) has a closed form (Balle & Wang 2018).
+    import math
+    from scipy import optimize, stats
+    steps = 1200
+    mu = math.sqrt(steps)
+
+    def delta_of(eps):
+        return stats.norm.cdf(mu / 2 - eps / mu) - math.exp(eps + stats.norm.logcdf(-mu / 2 - eps / mu))
+
+    truth = optimize.brentq(lambda e: delta_of(e) - 1e-5, 1, 10 * mu * mu)
+    assert truth > 700
+    acc = PRVAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=1.0, num_steps=steps)
+    eps = acc.get_epsilon(1e-5)
+    assert truth <= eps <= truth + 0.05
+
+
+def test_prv_with_a_loss_range_too_wide_to_discretise_falls_back_to_rdp():
+    acc, rdp = PRVAccountant(), RDPAccountant()
+    for a in (acc, rdp):
+        a.step(noise_multiplier=0.02, sample_rate=1.0, num_steps=3)
+    assert acc.get_epsilon(1e-5) == rdp.get_epsilon(1e-5) > 700

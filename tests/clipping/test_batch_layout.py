@@ -1,0 +1,102 @@
+"""Which dim holds the examples is proven from gradients (ghostdp/clipping/layout.py), not guessed from sizes."""
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from conftest import assert_exact
+
+
+def _exact(model, x, batch_dim, B):
+    """x holds B examples along batch_dim; each example's loss is the sum of squares of its outputs."""
+    def losses_of(out, n):
+        return out.movedim(batch_dim, 0).reshape(n, -1).pow(2).sum(1)
+
+    def batch_losses():
+        return losses_of(model(x), B)
+
+    def example_loss(i):
+        return losses_of(model(x.narrow(batch_dim, i, 1)), 1).sum()
+
+    return assert_exact(model, batch_losses, example_loss, B)
+
+
+@pytest.mark.parametrize("T", [4, 6])
+def test_linear_on_a_sequence_first_input_is_exact_also_when_length_equals_batch(T):
+    B = 4
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.LayerNorm(5), nn.Linear(5, 2))
+    _exact(model, torch.randn(T, B, 3), batch_dim=1, B=B)
+
+
+@pytest.mark.parametrize("T", [3, 5])
+def test_transformer_encoder_layer_sequence_first_is_exact_also_when_length_equals_batch(T):
+    B = 3
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=12, dropout=0.0, batch_first=False)
+    _exact(layer, torch.randn(T, B, 8), batch_dim=1, B=B)
+
+
+def test_flattened_batch_rows_in_blocks_are_exact():
+    B, T = 3, 5
+
+    class Flattening(nn.Module):  # as OPT's decoder: (B, T, d) -> (B*T, d) through the MLP
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc, self.out = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            shape = h.shape
+            h = self.fc(h.reshape(-1, shape[-1])).relu().reshape(shape)
+            return self.out(h)
+
+    _exact(Flattening(), torch.randint(0, 11, (B, T)), batch_dim=0, B=B)
+
+
+def test_an_output_shared_by_the_whole_batch_is_refused_even_when_its_size_equals_the_batch():
+    B = 4
+
+    class Hyper(nn.Module):  # K learned queries projected once and used by every example
+        def __init__(self):
+            super().__init__()
+            self.queries = nn.Embedding(B, 3)
+            self.proj = nn.Linear(3, 3)
+
+        def forward(self, x):
+            q = self.proj(self.queries.weight.detach())  # (K, 3) with K == B: no example in it
+            return x @ q.T
+
+    model = Hyper()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="mixes several examples"):
+        controller.loss(model(torch.randn(B, 3)).pow(2).sum(1)).backward()
+
+
+def test_a_proven_layout_is_reused_and_a_new_shape_signature_is_proven_again():
+    model = nn.Linear(3, 2)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    proofs = []
+    original = controller._prove_layouts
+    controller._prove_layouts = lambda *a: (proofs.append(1), original(*a))
+    for x in (torch.randn(4, 5, 3), torch.randn(4, 6, 3), torch.randn(4, 4, 3)):
+        controller.loss(model(x).pow(2).sum((1, 2))).backward()
+        model.zero_grad()
+    # (4, 5, 3) and (4, 6, 3) share a signature (only dim 0 equals B); (4, 4, 3) has a second candidate.
+    assert len(proofs) == 2
+
+
+@pytest.mark.parametrize("T", [5, 3])
+def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T):
+    B = 3
+
+    class SeqFirstCustom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):  # (T, B, 4): the fallback assumes dim 0
+            return x * self.w
+
+    model = SeqFirstCustom()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="batch_first=True"):
+        controller.loss(model(torch.randn(T, B, 4)).pow(2).sum((0, 2))).backward()

@@ -1,0 +1,123 @@
+"""A rule applies to a subclass only while the subclass keeps the ruled class's forward."""
+import ast
+import importlib
+import pathlib
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import ghostdp
+from ghostdp.norms.embedding import SCALED_EMBEDDINGS, SCALED_EMBEDDINGS_CASTING, cast_scaled_embedding_rule
+from ghostdp.norms.registry import _RULES, find_norm_rule, lookup_rule
+from conftest import assert_exact
+
+B = 3
+
+
+class DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_subclass_overriding_forward_goes_to_the_fallback_and_is_exact():
+    model = nn.Sequential(DoubledLinear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert find_norm_rule(model[0]) is None and find_norm_rule(model[2]) is not None
+    x = torch.randn(B, 3)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+
+
+def _tiny_text_inputs(vocab, T=6):
+    ids = torch.randint(3, vocab, (B, T))
+    return ids
+
+
+def _lm_exact(model, ids, rtol=1e-9):
+    model.train()
+    ce = nn.CrossEntropyLoss()
+
+    def losses(sl):
+        out = model(input_ids=ids[sl], decoder_input_ids=ids[sl]) if model.config.is_encoder_decoder \
+            else model(input_ids=ids[sl])
+        return ghostdp.per_example_loss(ce, out.logits[:, :-1], ids[sl][:, 1:])
+
+    return assert_exact(model, lambda: losses(slice(None)), lambda i: losses(slice(i, i + 1)).sum(), B, rtol)
+
+
+def test_gemma_scaled_embedding_has_its_own_exact_rule():
+    cfg = transformers.GemmaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=16)
+    model = transformers.GemmaForCausalLM(cfg)
+    assert lookup_rule(model.model.embed_tokens).rule is cast_scaled_embedding_rule
+    # Gemma's RMSNorm computes in float32 inside a float64 model (see test_models' Llama note).
+    _lm_exact(model, _tiny_text_inputs(40), rtol=1e-6)
+
+
+def test_bart_with_scaled_and_trainable_learned_position_embeddings_is_exact():
+    cfg = transformers.BartConfig(vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                                  decoder_ffn_dim=24, max_position_embeddings=16, scale_embedding=True,
+                                  dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    model = transformers.BartForConditionalGeneration(cfg)
+    embed_positions = model.model.encoder.embed_positions
+    assert find_norm_rule(embed_positions) is None  # its forward builds positions: the fallback's
+    _lm_exact(model, _tiny_text_inputs(40))
+
+
+def test_convnext_channels_first_layer_norm_goes_to_the_fallback_and_is_exact():
+    cfg = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2,
+                                      image_size=8, num_labels=3)
+    model = transformers.ConvNextForImageClassification(cfg)
+    norms = [m for m in model.modules() if type(m).__name__ == "ConvNextLayerNorm"]
+    assert norms and all(find_norm_rule(m) is None for m in norms)
+    # Feature-map width 8 == channel count 8: the case that was silently wrong.
+    x = torch.randn(B, 3, 16, 16)
+    labels = torch.tensor([0, 1, 2])
+    ce = nn.CrossEntropyLoss(reduction="none")
+    assert_exact(model, lambda: ce(model(x).logits, labels),
+                 lambda i: ce(model(x[i:i + 1]).logits, labels[i:i + 1]).sum(), B)
+
+
+RULED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+RULED_NAMES = {f"nn.{c.__name__}" for c in RULED}
+SCALED_BODIES = {"return super().forward(input_ids) * self.embed_scale": False,
+                 "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)": True}
+
+
+def _overriding_subclasses():
+    """(qualified name, forward source) of every transformers model class deriving from a ruled torch
+    class and defining forward, read from the source (importing them all would take minutes)."""
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    found = {}
+    for path in root.glob("*/modeling_*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b) in RULED_NAMES for b in node.bases):
+                forward = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "forward"),
+                               None)
+                if forward is not None:
+                    body = [s for s in forward.body
+                            if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                    name = f"transformers.models.{path.parent.name}.{path.stem}.{node.name}"
+                    found[name] = " ; ".join(ast.unparse(s) for s in body)
+    return found
+
+
+def test_every_transformers_subclass_that_overrides_forward_is_ruled_only_if_its_forward_was_checked():
+    found = _overriding_subclasses()
+    assert len(found) > 50  # the scan sees transformers' model classes
+    registered = {k for k in _RULES if isinstance(k, str) and k.startswith("transformers.models.")}
+    for name in registered & set(found):
+        cast = name.split(".", 2)[2] in SCALED_EMBEDDINGS_CASTING
+        assert name.split(".", 2)[2] in SCALED_EMBEDDINGS_CASTING + SCALED_EMBEDDINGS, name
+        assert found[name] in SCALED_BODIES and SCALED_BODIES[found[name]] == cast, (name, found[name])
+    for name in set(SCALED_EMBEDDINGS_CASTING + SCALED_EMBEDDINGS):
+        assert f"transformers.models.{name}" in found, f"{name} is registered but not in this transformers"
+    # Everything else that overrides forward finds no rule: check a sample by importing it.
+    unregistered = sorted(set(found) - registered)
+    for name in unregistered[:: max(1, len(unregistered) // 12)]:
+        module_name, cls_name = name.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        assert lookup_rule(cls.__new__(cls)) is None, name
