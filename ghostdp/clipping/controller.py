@@ -97,6 +97,7 @@ class _Pass:
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several uses
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
+        self.exact = new_factor_store()   # two passes: the fallback's factors (see _exact_grad)
         self.uses = []
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
 
@@ -187,6 +188,8 @@ class GhostClipping:
         self._batch_hint = None
         self._kept = new_factor_store()
         self._mass = None
+        self._replacements = {}  # parameter -> its exact clipped sum for this pass 2 (see _exact_grad)
+        self._exact_hooks = {}
         self._proof_v = None
         self._layouts = {}  # (module, shape signature) -> proven layout of each output (see layout.py)
         self._proof_generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
@@ -225,7 +228,7 @@ class GhostClipping:
         """Remove every hook; the model is as before attaching."""
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._exact_hooks = [], {}
         if _ATTACHED.get(self.module) is self:
             del _ATTACHED[self.module]
 
@@ -428,6 +431,8 @@ class GhostClipping:
                 self._pass.add_mass(f)
                 if self.mode.keeps_factors:
                     self._pass.kept[use.params[n]].append(f)
+                elif n in missing:  # two passes: see _exact_grad
+                    self._pass.exact[use.params[n]].append(f)
                 if use.eager[n]:
                     self._pass.add(f.sq_norm(self._pass.grams))
                 else:
@@ -440,6 +445,9 @@ class GhostClipping:
                 self._compute(use)
         for factors in self._pass.pending.values():
             self._pass.add(combined_sq_norm(factors))
+        for param in self._pass.exact:
+            if param in self._pass.pending:  # also used by a ruled module: every use's factor
+                self._pass.exact[param] = list(self._pass.pending[param])
 
     def _audit(self, per_example_losses):
         """This step's graph: refuse a stray parameter; return the recorded calls."""
@@ -475,6 +483,7 @@ class GhostClipping:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
         self._mass = None
+        self._replacements = {}
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls = self._audit(per_example_losses)
@@ -491,7 +500,8 @@ class GhostClipping:
                                         retain_graph=retain, allow_unused=True)
                 with record_function("ghostdp.norms.shared_parameters"):
                     self._finish()
-            sq, self._kept = self._pass.sq, self._pass.kept
+            sq = self._pass.sq
+            self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.mass, self._pass.mass_dtype)
         finally:
             self._pass = None
@@ -541,7 +551,22 @@ class GhostClipping:
         has written the clipped sum into p.grad itself."""
         kept, self._kept = self._kept, new_factor_store()
         with record_function("ghostdp.clipped_sum"):
+            if not self.mode.keeps_factors and kept:
+                weights = coefficients * grad_output.to(coefficients.dtype)
+                self._replacements = {p: sum(f.weighted_sum(weights) for f in factors) for p, factors in kept.items()}
+                for p in kept:
+                    if p not in self._exact_hooks:
+                        self._exact_hooks[p] = p.register_hook(functools.partial(self._exact_grad, p))
+                        self._handles.append(self._exact_hooks[p])
             return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
+
+    def _exact_grad(self, param, grad):
+        """Pass 2's gradient of a parameter the fallback instantiated, replaced by sum_i c_i g_i of its
+        per-example gradients from pass 1. Autograd forms the same sum in one accumulation over all
+        examples' terms, where one example's huge, cancelling terms can round the others away (its
+        own gradient, formed alone in pass 1, has no such effect); the replacement is exact."""
+        replacement = self._replacements.pop(param, None)
+        return grad if replacement is None else replacement.to(grad.dtype).reshape(grad.shape)
 
     # ----------------------------------------------------------------- losses
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):

@@ -1,0 +1,344 @@
+"""Sensitivity audit: one example moves the clipped sum by at most C, on a zoo of architectures.
+
+For each architecture, in float64 and float32, in both clipping modes, with and without physical
+chunks (two backward calls into one p.grad), and noise 0: the clipped sum of a batch D is compared
+with that of a neighbouring batch: D plus one example, ordinary or adversarial (huge inputs, the
+label of highest loss, tokens that cancel), must move it by at most C (1 + 1e-6); D with one example
+replaced by an adversarial one (a removal and an addition) by at most 2C (1 + 1e-6). Both bounds get the float rounding of the other examples' sum (which the two
+batches accumulate in different orders): 1e-12 (float64) or 1e-5 (float32) of the sums' norms.
+Examples whose gradient cannot be formed precisely are skipped (nonfinite="skip"), which is
+what a user who accepts adversarial data runs. In float64 the clipped sum also equals the
+per-example autograd loop (conftest.assert_exact, both modes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import ghostdp
+from conftest import assert_exact
+
+B = 4  # examples in D; T == B where a layer is sequence-first
+T = 4
+V = 40
+CE = nn.CrossEntropyLoss()
+QUIET = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@dataclass
+class Arch:
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, torch.Generator], dict]       # n examples
+    losses: Callable[[nn.Module, dict], torch.Tensor]   # (n,) per-example losses
+    batch_dims: dict = field(default_factory=dict)      # key -> its batch dim (default 0)
+    continuous: str | None = None                       # float input to make adversarial
+    sequence: bool = False                              # continuous input is (…, T, d): tokens can cancel
+    rtol: float = 1e-9
+
+
+def _take(arch, batch, idx):
+    return {k: v.index_select(arch.batch_dims.get(k, 0), torch.as_tensor(idx)) for k, v in batch.items()}
+
+
+def _cat(arch, a, b):
+    return {k: torch.cat([a[k], b[k]], arch.batch_dims.get(k, 0)) for k in a}
+
+
+def _n(arch, batch):
+    k = next(iter(batch))
+    return batch[k].shape[arch.batch_dims.get(k, 0)]
+
+
+# ----------------------------------------------------------------------------- text models
+def _text(n, g, with_labels=True, classes=3):
+    ids = torch.randint(3, V, (n, T), generator=g)
+    mask = torch.ones(n, T, dtype=torch.long)
+    mask[0, -1] = 0  # one padded position
+    out = dict(input_ids=ids, attention_mask=mask)
+    if with_labels:
+        out["labels"] = torch.randint(0, classes, (n,), generator=g)
+    return out
+
+
+def _classify(model, b):
+    return ghostdp.per_example_loss(CE, model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                    b["labels"])
+
+
+def _lm(model, b):
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    return ghostdp.per_example_loss(CE, logits[:, :-1], b["input_ids"][:, 1:])
+
+
+def _seq2seq(model, b):
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                   decoder_input_ids=b["input_ids"]).logits
+    return ghostdp.per_example_loss(CE, logits[:, :-1], b["input_ids"][:, 1:])
+
+
+def _bert():
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, num_labels=3, **QUIET))
+
+
+def _lora_bert():
+    import peft
+    model = peft.get_peft_model(_bert(), peft.LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value"],
+                                                         lora_dropout=0.0))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.5)
+    return model
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, tie_word_embeddings=True))
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16))
+
+
+def _gemma():
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=16))
+
+
+def _opt():
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, ffn_dim=24, num_attention_heads=2,
+        max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0, layerdrop=0.0))
+
+
+def _bart():
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=16,
+        scale_embedding=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+
+
+def _t5():
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
+        dropout_rate=0.0))
+    # The relative position bias is computed once for the whole batch: no example owns its gradient, so
+    # ghostdp refuses it trainable (test below); frozen, as here, T5 trains privately.
+    for n, p in model.named_parameters():
+        if "relative_attention_bias" in n:
+            p.requires_grad_(False)
+    return model
+
+
+# ----------------------------------------------------------------------------- continuous-input models
+def _images(n, g, size=8):
+    return dict(x=torch.randn(n, 3, size, size, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
+
+
+def _logits_of(model, b):
+    out = model(b["x"])
+    return ghostdp.per_example_loss(CE, getattr(out, "logits", out), b["labels"])
+
+
+def _vit():
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, **QUIET))
+
+
+def _convnext():
+    return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2, image_size=16,
+        num_labels=3))
+
+
+def _cnn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 3))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell, batch_first):
+        super().__init__()
+        self.rnn = cell(5, 6, batch_first=batch_first)
+        self.head = nn.Linear(6, 3)
+        self.batch_first = batch_first
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1] if self.batch_first else out[-1])
+
+
+class Encoder(nn.Module):
+    def __init__(self, batch_first):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+        self.batch_first = batch_first
+
+    def forward(self, x):
+        h = self.layer(x)
+        return self.head(h.mean(1 if self.batch_first else 0))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h, _ = self.attn(x, x, x)
+        return self.head(h.mean(1))
+
+
+class CalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.lin(torch.tanh(self.lin(x))).mean(1))
+
+
+def _tokens(n, g, d, seq_first=False):
+    x = torch.randn(T, n, d, generator=g) if seq_first else torch.randn(n, T, d, generator=g)
+    return dict(x=x, labels=torch.randint(0, 3, (n,), generator=g))
+
+
+SEQ_FIRST = dict(x=1)
+
+ZOO = [
+    Arch("bert", _bert, _text, _classify),
+    Arch("lora-bert", _lora_bert, _text, _classify),
+    Arch("gpt2-tied", _gpt2, lambda n, g: _text(n, g, False), _lm),
+    Arch("llama", _llama, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),  # float32 RMSNorm casts
+    Arch("gemma", _gemma, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
+    Arch("opt", _opt, lambda n, g: _text(n, g, False), _lm),
+    Arch("bart", _bart, lambda n, g: _text(n, g, False), _seq2seq),
+    Arch("t5", _t5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
+    Arch("vit", _vit, _images, _logits_of, continuous="x"),
+    Arch("convnext", _convnext, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
+    Arch("cnn-groupnorm", _cnn, _images, _logits_of, continuous="x"),
+    Arch("lstm", lambda: Recurrent(nn.LSTM, True), lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
+         sequence=True),
+    Arch("lstm-seq-first", lambda: Recurrent(nn.LSTM, False), lambda n, g: _tokens(n, g, 5, True), _logits_of,
+         SEQ_FIRST, "x", True),
+    Arch("gru", lambda: Recurrent(nn.GRU, True), lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
+         sequence=True),
+    Arch("gru-seq-first", lambda: Recurrent(nn.GRU, False), lambda n, g: _tokens(n, g, 5, True), _logits_of,
+         SEQ_FIRST, "x", True),
+    Arch("encoder-layer", lambda: Encoder(True), lambda n, g: _tokens(n, g, 8), _logits_of, continuous="x",
+         sequence=True),
+    Arch("encoder-layer-seq-first", lambda: Encoder(False), lambda n, g: _tokens(n, g, 8, True), _logits_of,
+         SEQ_FIRST, "x", True),
+    Arch("multihead-attention", Attention, lambda n, g: _tokens(n, g, 8), _logits_of, continuous="x",
+         sequence=True),
+    Arch("module-called-twice", CalledTwice, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
+         sequence=True),
+]
+
+
+def _adversaries(arch, model, one):
+    """Adversarial replacements of the one-example batch ``one``."""
+    out = []
+    if "labels" in one:  # the label of highest loss
+        with torch.no_grad():
+            losses = [float(arch.losses(model, {**one, "labels": torch.full_like(one["labels"], k)})) for k in range(3)]
+        out.append({**one, "labels": torch.full_like(one["labels"], max(range(3), key=losses.__getitem__))})
+    if "input_ids" in one:  # another text whose tokens all repeat one id
+        out.append({**one, "input_ids": torch.full_like(one["input_ids"], V - 1)})
+    if arch.continuous is not None:
+        x = one[arch.continuous]
+        out.append({**one, arch.continuous: x * 1e4})
+        if arch.sequence:  # tokens that cancel: (M v, -M v, M v, -M v)
+            d = arch.batch_dims.get(arch.continuous, 0)
+            tokens = x.movedim(d, 0).clone()  # (1, T, dim)
+            v = tokens[0, 0]
+            signs = torch.tensor([1.0, -1.0] * (tokens.shape[1] // 2), dtype=x.dtype)
+            tokens[0] = 1e8 * signs[:, None] * v
+            out.append({**one, arch.continuous: tokens.movedim(0, d)})
+    return out
+
+
+def _clipped_sum(arch, model, batch, C, clipping, chunks):
+    controller = ghostdp.GhostClipping(model, C, clipping=clipping, nonfinite="skip")
+    try:
+        model.zero_grad(set_to_none=True)
+        n = _n(arch, batch)
+        bounds = [0, n] if chunks == 1 else [0, n // 2, n]
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = _take(arch, batch, list(range(lo, hi)))
+            controller.loss(arch.losses(model, part), reduction="sum").backward()
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
+                          for p in model.parameters() if p.requires_grad])
+    finally:
+        controller.detach()
+        model.zero_grad(set_to_none=True)
+
+
+def _cast(batch, dtype):
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("arch", ZOO, ids=[a.name for a in ZOO])
+def test_one_example_moves_the_clipped_sum_by_at_most_C(arch):
+    g = torch.Generator().manual_seed(0)
+    base = arch.build().double().train()
+    D = arch.batch(B, g)
+    extra = arch.batch(1, g)
+    probe = ghostdp.GhostClipping(base, 1.0)
+    norms = probe.per_example_norms(arch.losses(base, D))
+    probe.detach()
+    C = float(norms.median())  # about half the examples are clipped
+    for dtype, rounding in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        model = base.to(dtype)
+        d = _cast(D, dtype)
+        # (batch, bound in units of C): adding one example moves the sum by <= C; replacing one
+        # (remove one, add another) by <= 2C.
+        neighbours = [(_cat(arch, d, _cast(extra, dtype)), 1)]
+        for adversary in _adversaries(arch, model, _take(arch, d, [0])):
+            neighbours.append((_cat(arch, d, adversary), 1))
+            neighbours.append((_cat(arch, adversary, _take(arch, d, list(range(1, B)))), 2))
+        for clipping in ("ghost", "bookkeeping"):
+            for chunks in (1, 2):
+                s = _clipped_sum(arch, model, d, C, clipping, chunks)
+                assert torch.isfinite(s).all()
+                for other, units in neighbours:
+                    s2 = _clipped_sum(arch, model, other, C, clipping, chunks)
+                    moved = float((s2 - s).norm())
+                    bound = units * C * (1 + 1e-6) + rounding * float(s.norm() + s2.norm())
+                    assert moved <= bound, f"{arch.name} {dtype} {clipping} chunks={chunks}: {moved / C:.6f} C"
+    base.double()
+
+
+@pytest.mark.parametrize("arch", ZOO, ids=[a.name for a in ZOO])
+def test_the_clipped_sum_equals_the_per_example_loop(arch):
+    g = torch.Generator().manual_seed(1)
+    model = arch.build().double().train()
+    D = arch.batch(B, g)
+    assert_exact(model, lambda: arch.losses(model, D),
+                 lambda i: arch.losses(model, _take(arch, D, [i])).sum(), B, rtol=arch.rtol)
+
+
+def test_t5_with_a_trainable_relative_position_bias_is_refused_with_the_fix():
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
+        dropout_rate=0.0))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    b = _text(3, torch.Generator().manual_seed(0), False)
+    with pytest.raises(RuntimeError, match="relative_attention_bias.*requires_grad_\\(False\\)"):
+        controller.loss(_seq2seq(model, b)).backward()
