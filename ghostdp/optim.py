@@ -79,6 +79,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._param_names = {p: n for n, p in controller.module.named_parameters()}
         self._check_params_belong_to_model()
         self._mid_logical_batch = False   # the last step() was skipped: more chunks follow
+        # Whether the last step() updated the parameters (False while the chunks of a logical batch
+        # run): step an LR scheduler only when it is True.
+        self.last_step_taken = False
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
         controller.passes = []
         controller.pass_observers.append(self._on_norm_pass)
@@ -279,6 +282,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.pre_step():
+        self.last_step_taken = self.pre_step()
+        if self.last_step_taken:
             self.original_optimizer.step()
         return loss

@@ -385,3 +385,31 @@ def test_secure_mode_cannot_be_seeded():
         PrivacyEngine(secure_mode=True, seed=3)
     with pytest.raises(ValueError, match="noise_generator"):
         private(engine=PrivacyEngine(secure_mode=True), noise_generator=torch.Generator())
+
+
+def test_a_loop_steps_an_empty_batch_without_a_forward_and_says_which_steps_were_taken():
+    import transformers
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        max_position_embeddings=16, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    data = torch.utils.data.TensorDataset(torch.randint(1, 30, (40, 6)), torch.randint(0, 2, (40,)))
+    engine = PrivacyEngine(seed=2)
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=2),
+        criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=1.0, max_physical_batch_size=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    empty = taken = skipped = 0
+    for ids, labels in loader:  # the README's loop
+        opt.zero_grad()
+        if len(labels):  # a model never sees a batch of 0 rows; the step still adds noise and is accounted
+            crit(model(input_ids=ids).logits, labels).backward()
+        else:
+            empty += 1
+        opt.step()
+        if opt.last_step_taken:
+            scheduler.step()
+            taken += 1
+        else:
+            skipped += 1  # an earlier physical chunk of a logical batch
+    assert empty > 0 and skipped > 0 and taken == engine.accountant.steps == len(loader.batch_sampler)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** taken)

@@ -186,3 +186,26 @@ def test_model_is_not_wrapped_and_detach_restores_it():
     controller.detach()
     model(torch.randn(2, 4)).sum().backward()  # no hook left: an ordinary backward works
     assert all(p.grad is not None for _, p in trainable(model))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_one_truthful_message_in_both_modes_of_torch(use_reentrant):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 4, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
+    controller = ghostdp.GhostClipping(model, 1.0)
+    out = checkpoint(model, x, use_reentrant=use_reentrant)
+    with pytest.raises(NotImplementedError, match="non-reentrant checkpointing works only where the norm pass needs no recomputed"):
+        controller.loss(out.pow(2).sum(1)).backward()
+
+
+def test_transformers_gradient_checkpointing_is_refused_with_the_same_message():
+    import transformers
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        max_position_embeddings=16, num_labels=2))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    logits = model(input_ids=torch.randint(1, 30, (3, 5))).logits
+    with pytest.raises(NotImplementedError, match="gradient_checkpointing_disable"):
+        controller.loss(logits.pow(2).sum(1)).backward()

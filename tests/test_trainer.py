@@ -1,6 +1,7 @@
 """DPTrainer inside transformers' own training loop: exact steps, epsilon in the logs, budget, resume."""
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -173,11 +174,76 @@ def test_unsupported_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="padding-free"):
         DPTrainer(model=bert(), args=args(tmp_path), train_dataset=Examples(), dp_args=dp,
                   data_collator=DataCollatorWithFlattening())
-    with pytest.warns(UserWarning, match="max_grad_norm=1.0 is turned off"):
-        trainer = DPTrainer(model=bert(), args=args(tmp_path, max_grad_norm=1.0), train_dataset=Examples(),
-                            dp_args=dp)
-    assert trainer.args.max_grad_norm == 0
+    user_args = args(tmp_path, max_grad_norm=2.0)
+    with pytest.warns(UserWarning, match="max_grad_norm=2.0 is not used"):
+        trainer = DPTrainer(model=bert(), args=user_args, train_dataset=Examples(), dp_args=dp)
+    assert trainer.args.max_grad_norm == 0 and user_args.max_grad_norm == 2.0  # the user's object is unchanged
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TrainingArguments' default max_grad_norm (1.0): nothing to warn about
+        defaults = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        trainer = DPTrainer(model=bert(), args=defaults, train_dataset=Examples(), dp_args=dp)
+    assert trainer.args.max_grad_norm == 0 and defaults.max_grad_norm == 1.0
     with pytest.raises(ValueError, match="exactly one"):
         DPArguments(target_epsilon=3.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="loss"):
         DPArguments(noise_multiplier=1.0, loss="masked_lm")
+
+
+def test_logged_loss_is_the_mean_per_example_loss_and_empty_batches_step_without_a_forward(tmp_path):
+    model = bert()
+    seen = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                seen.append(logs["loss"])
+
+    data = Examples()
+    trainer = DPTrainer(model=model, args=args(tmp_path, per_device_train_batch_size=2, max_steps=12,
+                                               learning_rate=0.0),
+                        train_dataset=data, dp_args=DPArguments(noise_multiplier=0.0, seed=3),
+                        callbacks=[Losses()])
+    forwards, sizes, batches = [], [], []
+    model.register_forward_pre_hook(lambda m, a, kw: forwards.append(1), with_kwargs=True)
+    original_step = trainer.training_step
+
+    def counting_step(model, inputs, num_items_in_batch=None):
+        sizes.append(len(inputs["labels"]))
+        batches.append({k: v.clone() for k, v in inputs.items()})
+        return original_step(model, inputs, num_items_in_batch)
+
+    trainer.training_step = counting_step
+    trainer.train()
+    assert trainer.accountant.steps == 12 and len(sizes) == 12
+    # At q = 2/24 (seed 3) some logical batches are empty: they step (noise, accounting), no forward.
+    assert 0 in sizes and len(forwards) == sum(1 for n in sizes if n > 0)
+    expected = []
+    with torch.no_grad():  # learning rate 0: the model of every step is the initial one
+        for batch in batches:
+            if len(batch["labels"]) == 0:
+                expected.append(0.0)
+                continue
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            expected.append(float(torch.nn.functional.cross_entropy(logits, batch["labels"])))
+    assert seen == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_the_privacy_state_is_inside_each_checkpoint_before_rotation(tmp_path):
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
+                                                save_total_limit=1),
+                        train_dataset=Examples(), dp_args=DPArguments(noise_multiplier=1.0, seed=0))
+    written = []
+    original = trainer._save_rng_state
+
+    def spy(output_dir):
+        original(output_dir)
+        # By the time the Trainer could rotate, the state file already sits in the new checkpoint.
+        written.append(os.path.exists(os.path.join(output_dir, "ghostdp_state.pt")))
+
+    trainer._save_rng_state = spy
+    trainer.train()
+    assert written == [True, True, True]
+    kept = [d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]
+    assert kept == ["checkpoint-3"] and os.path.exists(tmp_path / "checkpoint-3" / "ghostdp_state.pt")
+    assert not any(name.endswith(".partial") for name in os.listdir(tmp_path / "checkpoint-3"))

@@ -36,6 +36,14 @@ CLIP_EPS = 1e-6
 # clip_coefficients.
 ROUNDING_TOLERANCE = 1e-4
 
+CHECKPOINTING_UNSUPPORTED = (
+    "Activation (gradient) checkpointing is not supported yet: non-reentrant checkpointing works only where "
+    "the norm pass needs no recomputed activation (e.g. checkpointed blocks that are frozen); it is refused "
+    "when it recomputes inside the norm pass, and reentrant checkpointing (use_reentrant=True) is always "
+    "refused (it hides its region's graph until its own backward). Fix: turn it off "
+    "(model.gradient_checkpointing_disable(), TrainingArguments(gradient_checkpointing=False), or no "
+    "torch.utils.checkpoint around trainable layers).")
+
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
 
@@ -254,10 +262,8 @@ class GhostClipping:
         if not params:
             return None
         if self._pass is not None:
-            raise NotImplementedError(
-                f"module '{name}' ran a forward during ghostdp's norm pass, as activation (gradient) "
-                "checkpointing does; ghostdp does not support checkpointing yet. Fix: turn it off "
-                "(e.g. model.gradient_checkpointing_disable()).")
+            raise NotImplementedError(f"module '{name}' ran a forward during ghostdp's norm pass. "
+                                      + CHECKPOINTING_UNSUPPORTED)
         flat, spec = tree_flatten(output)
         slots = [i for i, t in enumerate(flat)
                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
@@ -354,9 +360,18 @@ class GhostClipping:
         self._pass = _Pass(B, proving=True)
         try:
             with record_function("ghostdp.layout_proof"):
-                torch.autograd.grad(per_example_losses, probes, v, retain_graph=True, allow_unused=True)
+                self._backward_to_probes(per_example_losses, probes, v, True)
         finally:
             self._pass = None
+
+    @staticmethod
+    def _backward_to_probes(losses, probes, cotangent, retain):
+        try:
+            torch.autograd.grad(losses, probes, cotangent, retain_graph=retain, allow_unused=True)
+        except RuntimeError as error:
+            if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
+                raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
+            raise
 
     def _resolve(self, use):
         """Pass 1 has G_1 = use.grads; keep the first candidate layout per output that the proof confirms."""
@@ -452,11 +467,13 @@ class GhostClipping:
     def _audit(self, per_example_losses):
         """This step's graph: refuse a stray parameter; return the recorded calls."""
         trainable = {k: p for k, p in self._parameters.items() if p.requires_grad}
-        stray, calls = audit_graph(per_example_losses.grad_fn, trainable)
+        stray, calls, reentrant_checkpoint = audit_graph(per_example_losses.grad_fn, trainable)
+        if reentrant_checkpoint:
+            raise NotImplementedError(CHECKPOINTING_UNSUPPORTED)
         replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
         if replaced:  # parameters swapped in after attaching: audit them too, from now on
             self._parameters.update(replaced)
-            stray, calls = audit_graph(per_example_losses.grad_fn, {**trainable, **replaced})
+            stray, calls, _ = audit_graph(per_example_losses.grad_fn, {**trainable, **replaced})
         if stray and not calls and not self._live:
             raise RuntimeError(
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
@@ -496,8 +513,8 @@ class GhostClipping:
                 if probes:
                     # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
                     retain = self.mode.continues_backward or self._graph_needed_after_pass1
-                    torch.autograd.grad(per_example_losses, probes, torch.ones_like(per_example_losses),
-                                        retain_graph=retain, allow_unused=True)
+                    self._backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses),
+                                             retain)
                 with record_function("ghostdp.norms.shared_parameters"):
                     self._finish()
             sq = self._pass.sq
@@ -572,8 +589,8 @@ class GhostClipping:
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):
         """The training loss for per-example losses (B,): an ordinary tensor whose backward runs both passes.
 
-        Its value is sum_i L_i / expected_batch_size ("mean"; default divisor: B) or sum_i L_i ("sum").
-        Whatever the reduction, backward() leaves the clipped SUM sum_i c_i g_i in p.grad
+        Its value is the mean of the B losses ("mean") or their sum ("sum"): what ``loss.item()`` should
+        show. Whatever the reduction, backward() leaves the clipped SUM sum_i c_i g_i in p.grad
         (times the gradient flowing into this loss, 1 for a plain backward()); the DP optimizer
         adds the noise and divides by the expected batch size.
         """

@@ -7,8 +7,10 @@ import torch
 
 
 class ClippedLoss(torch.autograd.Function):
-    """value = sum_i L_i / divisor; backward runs pass 1, then returns c_i * grad_output for L_i
-    (pass 2 follows) or, in book-keeping mode, writes the clipped sums itself.
+    """value = sum_i L_i / divisor (the mean or the sum of this chunk's losses, what a user reads from
+    ``loss.item()``); backward ignores the value: it runs pass 1, then returns c_i * grad_output for
+    L_i (pass 2 follows) or, in book-keeping mode, writes the clipped sums itself. p.grad receives
+    the clipped SUM either way; the DP optimizer divides by the expected batch size.
 
     ``graph_input`` is what the outer backward continues into: the losses themselves (two-pass),
     or a zero-size anchor leaf (book-keeping), so that autograd never walks the model's graph a
@@ -53,9 +55,7 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
         # times 0 has gradient exactly 0 and norm 0, so it adds nothing to the clipped sum.
         controller.next_loss_is_padding = False
         per_example_losses, examples = per_example_losses * 0.0, 0
-    divisor = 1.0
-    if reduction == "mean":
-        divisor = float(expected_batch_size if expected_batch_size is not None else max(1, examples))
+    divisor = float(max(1, per_example_losses.shape[0])) if reduction == "mean" else 1.0
     graph_input = per_example_losses if controller.mode.continues_backward else controller.anchor(
         per_example_losses.device)
     return ClippedLoss.apply(graph_input, (per_example_losses,), controller, divisor, examples)
@@ -127,8 +127,10 @@ def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: t
 class DPCriterion(torch.nn.Module):
     """``criterion(output, target)`` -> the DP loss of ``GhostClipping.loss``.
 
-    The wrapped criterion's reduction decides the value: "mean" (or "batchmean")
-    divides the sum of per-example losses by the expected batch size, "sum" does not.
+    The wrapped criterion's reduction decides the value: "mean" (or "batchmean") is the mean of
+    the per-example losses of the batch it is called on, "sum" their sum. Either way backward()
+    leaves the clipped sum in p.grad. ``expected_batch_size`` is accepted for compatibility and
+    changes nothing: the DP optimizer divides by the expected batch size.
     """
 
     def __init__(self, criterion: torch.nn.Module, controller, expected_batch_size=None):

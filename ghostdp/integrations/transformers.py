@@ -12,6 +12,7 @@ physical chunks than the largest draw run zero-weight padding chunks so DDP stay
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.data.data_collator import DataCollatorWithFlattening
 
 from ..accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
@@ -125,6 +126,7 @@ class DPTrainerMixin:
         super().__init__(*args, **kwargs)
         self.dp_args = dp_args
         self._refuse_unsupported()
+        self._private_training_arguments()
         self.accountant = make_accountant(dp_args.accountant)
         self.random_source = RandomSource(secure=dp_args.secure_mode, seed=dp_args.seed)
         if distributed_rank_and_size()[1] > 1:
@@ -157,12 +159,20 @@ class DPTrainerMixin:
                                                                                  "padding_free", False):
             raise ValueError("packing / padding-free collators merge examples into one row, so a row is no "
                              "longer one example; use a padding collator.")
-        if args.max_grad_norm:
-            warnings.warn(f"TrainingArguments.max_grad_norm={args.max_grad_norm} is turned off: DP-SGD clips each "
+
+    def _private_training_arguments(self):
+        """A copy of the user's TrainingArguments with what DP-SGD needs (the user's object is unchanged):
+        no clipping of the noisy batch gradient, and no skipping of batches on resume (the private loader
+        resumes from its own saved position)."""
+        args = copy.copy(self.args)
+        default = TrainingArguments.__dataclass_fields__["max_grad_norm"].default
+        if args.max_grad_norm and args.max_grad_norm != default:
+            warnings.warn(f"TrainingArguments.max_grad_norm={args.max_grad_norm} is not used: DP-SGD clips each "
                           "example's gradient (DPArguments.max_grad_norm); clipping the noisy batch gradient "
                           "again would only distort it.")
-            args.max_grad_norm = 0.0
-        args.ignore_data_skip = True  # the private loader resumes from its own saved position
+        args.max_grad_norm = 0.0
+        args.ignore_data_skip = True
+        self.args = args
 
     # ------------------------------------------------------------------ data and optimizer
     def get_train_dataloader(self):
@@ -248,12 +258,13 @@ class DPTrainerMixin:
         largest = _largest_across_ranks(count, self.args.device)
         size = self.dp_args.max_physical_batch_size or max(1, largest)
         num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
-        total = torch.zeros((), device=self.args.device)
+        total = torch.zeros((), device=self.args.device)  # sum of the per-example losses of this rank's batch
         for start in range(0, math.ceil(largest / size) * size, size):
             chunk = {k: (v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                      for k, v in inputs.items()}
             chunk_labels = labels[start:start + size]
-            if chunk_labels.shape[0] == 0:
+            padding = chunk_labels.shape[0] == 0
+            if padding:
                 chunk = self._prepare_inputs(dict(self._padding_row))
                 chunk_labels = _pop_labels(chunk)
                 self.controller.next_loss_is_padding = True
@@ -265,9 +276,11 @@ class DPTrainerMixin:
                                      f"({chunk_labels.shape[0]},), one loss per example")
                 loss = self.controller.loss(losses, "mean", self.expected_batch_size)
             self.accelerator.backward(loss)
-            total += loss.detach().to(total.device)
+            if not padding:
+                total += losses.detach().sum().to(total.device)
         self.dp_optimizer.pre_step(logical_batch_size=count)  # noise once, before the Trainer's grad_norm
-        return total
+        # The Trainer logs this: the mean per-example loss of the examples this rank saw (0 for none).
+        return total / max(1, count)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and torch.is_grad_enabled():
@@ -291,11 +304,15 @@ class DPTrainerMixin:
         return dict(run_state(self.accountant, self.random_source, self._train_loader),
                     noise_multiplier=self.noise_multiplier)
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+    def _save_rng_state(self, output_dir):
+        # Inside the checkpoint folder, before the Trainer rotates older checkpoints away: a kill after
+        # rotation must not leave only checkpoints without the privacy state. Written to a temporary
+        # name and renamed, so a kill mid-write leaves no truncated state file.
+        super()._save_rng_state(output_dir)
         if self.args.should_save:
-            torch.save(self._state(), os.path.join(folder, STATE_FILE))
+            partial = os.path.join(output_dir, STATE_FILE + ".partial")
+            torch.save(self._state(), partial)
+            os.replace(partial, os.path.join(output_dir, STATE_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
