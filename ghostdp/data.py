@@ -214,6 +214,11 @@ class DPDataLoader(DataLoader):
         self.tracker = tracker or BatchTracker()
         self.controller = controller  # told which chunks are padding (set by make_private)
         self.logical_batches = logical_batches
+        # Each iterator draws its workers' base seed from this generator, not from torch's global one,
+        # so that starting an epoch does not shift the model's dropout masks: a run resumed from a
+        # checkpoint then replays them exactly once the global RNG state is restored.
+        if loader_kwargs.get("generator") is None:
+            loader_kwargs["generator"] = torch.Generator().manual_seed(0)
         super().__init__(dataset, batch_sampler=ChunkedBatchSampler(logical_batches, max_physical_batch_size,
                                                                     self.tracker, pad_ranks),
                          collate_fn=EmptyBatchCollate(collate_fn, dataset), **loader_kwargs)

@@ -48,6 +48,19 @@ def restore_streams(state: dict, random_source, data_loader) -> None:
         data_loader.load_state_dict(state["data_loader"])
 
 
+def _global_rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_global_rng(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class PrivacyEngine:
     """DP-SGD with ghost clipping, Opacus-style.
 
@@ -188,8 +201,9 @@ class PrivacyEngine:
         return self.accountant.get_epsilon(delta)
 
     def state_dict(self) -> dict:
-        """Accountant history, sampler position and random state: save with the model and optimizer."""
-        return run_state(self.accountant, self.random_source, self.data_loader)
+        """Accountant history, sampler position and random state (the noise and sampling streams, and
+        torch's global RNG, which draws dropout masks): save with the model and optimizer."""
+        return dict(run_state(self.accountant, self.random_source, self.data_loader), torch_rng=_global_rng_state())
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved run; before make_private the sampler and noise parts wait until it is called."""
@@ -203,4 +217,6 @@ class PrivacyEngine:
         if state is None:
             return
         restore_streams(state, self.random_source, self.data_loader)
+        if "torch_rng" in state:
+            _restore_global_rng(state["torch_rng"])
         self._pending_state = None

@@ -13,9 +13,10 @@ from ghostdp import NonFiniteLossError, PrivacyEngine, PrivacyStepError
 N, D, K = 40, 6, 3
 
 
-def make_model():
+def make_model(dropout=0.0):
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.Tanh(), torch.nn.Linear(8, K))
+    return torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(8, K))
 
 
 def make_data(n=N):
@@ -136,9 +137,10 @@ def test_empty_logical_batches_still_add_noise_and_count():
         torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12)
 
 
-def test_save_and_resume_gives_the_same_trajectory_and_epsilon():
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_save_and_resume_gives_the_same_trajectory_and_epsilon(dropout):
     def build(seed):
-        model = make_model()
+        model = make_model(dropout)
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         return private(model=model, optimizer=opt, seed=seed, max_physical_batch_size=3)
 
@@ -151,8 +153,9 @@ def test_save_and_resume_gives_the_same_trajectory_and_epsilon():
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "engine": engine.state_dict()})
 
     new_engine = PrivacyEngine(seed=999)
+    torch.manual_seed(12345)  # whatever the new process did with the global RNG: the saved state wins
     new_engine.load_state_dict(saved["engine"])  # before make_private: applied when it runs
-    model = make_model()
+    model = make_model(dropout)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     _, model, opt, crit, loader = private(model=model, optimizer=opt, engine=new_engine, max_physical_batch_size=3)
     model.load_state_dict(saved["model"])

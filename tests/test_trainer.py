@@ -32,11 +32,11 @@ class Examples(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
 
 
-def bert():
+def bert(dropout=0.0):
     torch.manual_seed(0)
     return BertForSequenceClassification(BertConfig(
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=16, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        max_position_embeddings=16, num_labels=2, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
 
 
 def gpt2_lora():
@@ -138,21 +138,34 @@ def test_target_epsilon_is_met_over_the_planned_steps(tmp_path):
     assert trainer.accountant.steps == 6 and 0.99 * 5.0 <= trainer.epsilon() <= 5.0
 
 
-def test_resume_from_checkpoint_keeps_epsilon_and_the_trajectory(tmp_path):
-    dp = DPArguments(noise_multiplier=1.0, seed=5)
-    straight = bert()
-    DPTrainer(model=straight, args=args(tmp_path / "a", max_steps=4), train_dataset=Examples(), dp_args=dp).train()
+class Epochs(TrainerCallback):
+    def __init__(self):
+        self.logged = []
 
-    first = bert()
-    DPTrainer(model=first, args=args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.logged.append(logs["epoch"])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_from_checkpoint_keeps_epsilon_the_trajectory_and_the_epoch(tmp_path, dropout):
+    # 3 steps per epoch; the checkpoint at step 5 is in the middle of the second epoch.
+    dp = DPArguments(noise_multiplier=1.0, seed=5)
+    straight, straight_epochs = bert(dropout), Epochs()
+    DPTrainer(model=straight, args=args(tmp_path / "a", max_steps=8), train_dataset=Examples(), dp_args=dp,
+              callbacks=[straight_epochs]).train()
+
+    first = bert(dropout)
+    DPTrainer(model=first, args=args(tmp_path / "b", max_steps=8, save_strategy="steps", save_steps=5),
               train_dataset=Examples(), dp_args=dp).train()
-    resumed_model = bert()
-    trainer = DPTrainer(model=resumed_model, args=args(tmp_path / "b", max_steps=4), train_dataset=Examples(),
-                        dp_args=DPArguments(noise_multiplier=1.0, seed=99))
-    trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
-    assert trainer.accountant.steps == 4
+    resumed_model, resumed_epochs = bert(dropout), Epochs()
+    trainer = DPTrainer(model=resumed_model, args=args(tmp_path / "b", max_steps=8), train_dataset=Examples(),
+                        dp_args=DPArguments(noise_multiplier=1.0, seed=99), callbacks=[resumed_epochs])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-5"))
+    assert trainer.accountant.steps == 8
     for p, q in zip(resumed_model.parameters(), straight.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert resumed_epochs.logged == pytest.approx(straight_epochs.logged[5:]) == [2.0, 7 / 3, 8 / 3]
 
 
 def test_evaluate_and_save_are_those_of_a_plain_trainer(tmp_path):

@@ -106,12 +106,17 @@ def _largest_across_ranks(count: int, device) -> int:
 
 
 class _EpsilonBudget(TrainerCallback):
-    """Stops training before the step that would take epsilon above max_epsilon."""
+    """Stops training before the step that would take epsilon above max_epsilon; keeps the epoch exact."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        # One step is one logical batch: the epoch is exact from the step count, also after a resume in
+        # the middle of an epoch (where the Trainer, which does not skip batches of the private loader,
+        # would count the resumed epoch's steps from its start).
+        if self.trainer.steps_per_epoch:
+            state.epoch = state.global_step / self.trainer.steps_per_epoch
         if self.trainer.allowed_steps is not None and self.trainer.accountant.steps >= self.trainer.allowed_steps:
             control.should_training_stop = True
         return control
@@ -135,6 +140,7 @@ class DPTrainerMixin:
         self.noise_multiplier = dp_args.noise_multiplier
         self.dp_optimizer = None
         self.allowed_steps = None
+        self.steps_per_epoch = None
         self._train_loader = None
         self._pending_state = None
         self._epsilon_cache = (None, None)
@@ -196,6 +202,7 @@ class DPTrainerMixin:
         sample_rate = min(1.0, logical / n)
         steps_per_epoch = max(1, math.ceil(n / logical))
         self.sample_rate, self.expected_batch_size = sample_rate, sample_rate * n
+        self.steps_per_epoch = steps_per_epoch
         sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source)
         # One batch per logical batch; training_step splits it and keeps the ranks' chunk counts equal.
         loader = DPDataLoader(dataset, sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
