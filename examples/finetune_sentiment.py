@@ -26,7 +26,8 @@ import time
 
 import torch
 from torch import nn
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, PrinterCallback, Trainer, TrainerCallback,
+                          TrainingArguments)
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 DATA_FILE = os.path.join("data", "hutto_ICWSM_2014", "movieReviewSnippets_GroundTruth.txt")
@@ -130,7 +131,7 @@ def train_once(name, model, train, test, args, epsilon, out_dir):
                   lr_scheduler_type="constant", weight_decay=0.0, report_to=[], save_strategy="no",
                   eval_strategy="steps", eval_steps=max(1, steps_per_epoch * args.epochs // 8),
                   logging_steps=max(1, steps_per_epoch // 2), max_grad_norm=0.0, use_cpu=not torch.cuda.is_available(),
-                  dataloader_pin_memory=False, disable_tqdm=args.quiet, seed=args.seed)
+                  dataloader_pin_memory=False, disable_tqdm=True, seed=args.seed)
     targs = TrainingArguments(**common)
     kwargs = dict(model=model, args=targs, train_dataset=train, eval_dataset=test, data_collator=pad_features,
                   compute_metrics=accuracy_metric)
@@ -141,6 +142,10 @@ def train_once(name, model, train, test, args, epsilon, out_dir):
                                                 max_grad_norm=args.max_grad_norm,
                                                 max_physical_batch_size=args.physical_batch_size, seed=args.seed),
                             **kwargs)
+    # One progress bar per run (the Trainer's own would nest a bar per evaluation and print every log).
+    trainer.remove_callback(PrinterCallback)
+    if not args.quiet:
+        trainer.add_callback(OneProgressBar(name))
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -154,21 +159,61 @@ def train_once(name, model, train, test, args, epsilon, out_dir):
             "history": trainer.state.log_history}
 
 
+class OneProgressBar(TrainerCallback):
+    """A single tqdm bar over the run's steps, showing the last test accuracy and epsilon."""
+
+    def __init__(self, name):
+        self.name, self.bar, self.shown = name, None, {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from tqdm.auto import tqdm
+        self.bar = tqdm(total=state.max_steps, desc=f"{self.name:>12}", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "eval_accuracy" in logs:
+            self.shown["accuracy"] = f"{logs['eval_accuracy']:.3f}"
+        if "epsilon" in logs:
+            self.shown["epsilon"] = f"{logs['epsilon']:.2f}"
+        self.bar.set_postfix(self.shown)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
+
+
 def plot(results, path):
+    """Left: test accuracy against the epsilon spent so far, with the non-private run as a line, so the
+    cost of privacy reads as a vertical gap. Right: the final accuracy of every run, gaps labelled."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (acc_ax, eps_ax) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (curve_ax, bar_ax) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    baseline = next((r["accuracy"] for r in results if math.isinf(r["epsilon"])), None)
     for r in results:
-        evals = [(h["step"], h["eval_accuracy"]) for h in r["history"] if "eval_accuracy" in h]
-        if evals:
-            acc_ax.plot(*zip(*evals), marker="o", label=r["name"])
-        eps = [(h["step"], h["epsilon"]) for h in r["history"] if "epsilon" in h]
-        if eps:
-            eps_ax.plot(*zip(*eps), label=r["name"])
-    acc_ax.set(xlabel="step", ylabel="test accuracy", title="accuracy")
-    eps_ax.set(xlabel="step", ylabel="epsilon (delta 1e-5)", title="privacy spent")
-    acc_ax.legend(), eps_ax.legend()
+        if math.isinf(r["epsilon"]):
+            continue
+        points = [(h["epsilon"], h["eval_accuracy"]) for h in r["history"] if "eval_accuracy" in h and "epsilon" in h]
+        if points:
+            curve_ax.plot(*zip(*points), marker="o", label=f"DP, target {r['name']}")
+    if baseline is not None:
+        curve_ax.axhline(baseline, color="black", linestyle="--", label=f"no DP: {baseline:.1%}")
+    curve_ax.axhline(0.5, color="grey", linestyle=":", label="chance")
+    curve_ax.set(xlabel="epsilon spent so far (delta 1e-5)", ylabel="test accuracy", ylim=(0.45, 1.0),
+                 title="accuracy against privacy spent")
+    curve_ax.legend(loc="lower right")
+    names = [r["name"] for r in results]
+    accuracies = [r["accuracy"] for r in results]
+    bars = bar_ax.bar(names, accuracies, color=["tab:blue" if not math.isinf(r["epsilon"]) else "black"
+                                                for r in results])
+    for bar, r in zip(bars, results):
+        label = f"{r['accuracy']:.1%}"
+        if baseline is not None and not math.isinf(r["epsilon"]):
+            label += f"\n{100 * (r['accuracy'] - baseline):+.1f} pts"
+        bar_ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    bar_ax.set(ylim=(0.45, 1.0), ylabel="final test accuracy", title="cost of privacy")
+    bar_ax.axhline(0.5, color="grey", linestyle=":")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")

@@ -132,7 +132,8 @@ def trainer(noise):
     trained = DPTrainer(model=model, args=args, train_dataset=Examples(), dp_args=dp)
     trained.train()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "epsilon": trained.epsilon(),
-            "expected_batch_size": trained.expected_batch_size, "steps": trained.accountant.steps}
+            "expected_batch_size": trained.expected_batch_size, "steps": trained.accountant.steps,
+            "world_size": dist.get_world_size()}
 
 
 def main(scenario, out):

@@ -19,11 +19,22 @@ WORLD = 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch(scenario, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-               os.path.join(HERE, "distributed_worker.py"), scenario, str(tmp_path)]
+# The README's command for K processes on CPU with accelerate: `accelerate launch --cpu --num_processes K`
+# starts one process (accelerate's simple launcher); --multi_gpu starts K through torchrun, and
+# ACCELERATE_USE_CPU=1 makes each one use the CPU and gloo.
+ACCELERATE_ON_CPU = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={WORLD}",
+                     "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
+
+
+def launch(scenario, tmp_path, launcher="torchrun"):
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+        env = {}
+    else:
+        command, env = [sys.executable, *ACCELERATE_ON_CPU], {"ACCELERATE_USE_CPU": "1"}
+    command += [os.path.join(HERE, "distributed_worker.py"), scenario, str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
@@ -36,6 +47,11 @@ def engine_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     return launch("trainer", tmp_path_factory.mktemp("trainer"))
+
+
+@pytest.fixture(scope="module")
+def accelerate_trainer_runs(tmp_path_factory):
+    return launch("trainer", tmp_path_factory.mktemp("accelerate"), launcher="accelerate")
 
 
 def draws(seed, n, rate, steps, step):
@@ -116,8 +132,10 @@ def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error,
         assert rank["refusals"][case][0] == error and match in rank["refusals"][case][1]
 
 
-def test_dp_trainer_under_torchrun_equals_one_process_on_the_union(trainer_runs):
-    ranks = [r["exact"] for r in trainer_runs]
+@pytest.mark.parametrize("runs", ["trainer_runs", "accelerate_trainer_runs"])
+def test_dp_trainer_under_torchrun_or_accelerate_equals_one_process_on_the_union(runs, request):
+    ranks = [r["exact"] for r in request.getfixturevalue(runs)]
+    assert all(r["world_size"] == WORLD for r in ranks)
     data, model = Examples(), bert()
     per_rank, n = 3, len(data)
     rate = per_rank * WORLD / n
