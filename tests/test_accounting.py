@@ -204,3 +204,10 @@ def test_prv_with_a_loss_range_too_wide_to_discretise_falls_back_to_rdp():
     for a in (acc, rdp):
         a.step(noise_multiplier=0.02, sample_rate=1.0, num_steps=3)
     assert acc.get_epsilon(1e-5) == rdp.get_epsilon(1e-5) > 700
+
+
+def test_calibration_for_a_target_above_700_returns_a_noise_that_meets_it():
+    sigma = get_noise_multiplier(target_epsilon=1000.0, target_delta=1e-5, sample_rate=0.5, steps=10)
+    acc = PRVAccountant()
+    acc.step(noise_multiplier=sigma, sample_rate=0.5, num_steps=10)
+    assert 0.99 * 1000 <= acc.get_epsilon(1e-5) <= 1000

@@ -203,7 +203,7 @@ def _composed(history, h, direction, delta_scale) -> PLD:
 
 # Largest grid (points) of one step's privacy loss: a wider loss range (tiny sigma, q near 1) would take
 # gigabytes to compose; the accountant then uses the RDP bound instead.
-MAX_STEP_POINTS = 1 << 22
+MAX_STEP_POINTS = 1 << 20
 
 
 def _step_points(sigma, q, h):
