@@ -58,3 +58,19 @@ def test_step_ratio_says_when_opacus_is_missing(monkeypatch):
     monkeypatch.setattr(step_ratio, "available", lambda mode: not mode.startswith("opacus"))
     with pytest.raises(SystemExit, match="opacus is not installed"):
         step_ratio.main(TINY + ["--modes", "opacus-ghost"])
+
+
+def test_overhead_benchmark_reports_ratios_ops_and_per_layer_cost_for_both_embedding_settings(tmp_path, capsys):
+    from profiling import overhead
+    out = tmp_path / "overhead.json"
+    results = overhead.main(["--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "64", "--rounds", "2",
+                             "--warmup", "1", "--json", str(out)])
+    assert set(results) == {"trainable", "frozen"}
+    for rows in results.values():
+        assert set(rows) == {"plain", "ghost", "bookkeeping"}
+        assert rows["plain"]["ratio"] == 1.0 and rows["plain"]["hooked_layers"] > 0
+        assert all(r["aten_ops"] > rows["plain"]["aten_ops"] > 0 for m, r in rows.items() if m != "plain")
+        assert all(math.isfinite(r["ms_per_layer"]) for r in rows.values())
+    assert rows["plain"]["hooked_layers"] < results["trainable"]["plain"]["hooked_layers"]  # frozen embeddings
+    assert json.loads(out.read_text())["frozen"]["ghost"]["aten_ops"] == results["frozen"]["ghost"]["aten_ops"]
+    assert "ms/layer" in capsys.readouterr().out

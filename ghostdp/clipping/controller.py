@@ -101,7 +101,7 @@ class _Pass:
         self.batch_size = batch_size
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.sq = None
-        self.mass = None                  # (B,) sum over layers of sum_t |G_t| |A_t| (see clip_coefficients)
+        self.masses = []                  # per layer, (B,) bounds of sum_t |G_t| |A_t| (see clip_coefficients)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several uses
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
@@ -117,10 +117,18 @@ class _Pass:
         mass = factor.token_mass()
         if mass is None:
             return
-        self.mass = mass.double() if self.mass is None else self.mass + mass.double()
+        self.masses.append(mass)
         dtype = factor.sum_dtype()
         if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
             self.mass_dtype = dtype
+
+    def total_mass(self):
+        """(B,) sum over layers of the examples' token masses, or None if no layer has one."""
+        if not self.masses:
+            return None
+        dtypes = {m.dtype for m in self.masses}
+        masses = self.masses if len(dtypes) == 1 else [m.double() for m in self.masses]
+        return torch.stack(masses).sum(0)
 
 
 def check_max_grad_norm(value):
@@ -200,6 +208,7 @@ class GhostClipping:
         self._exact_hooks = {}
         self._proof_v = None
         self._layouts = {}  # (module, shape signature) -> proven layout of each output (see layout.py)
+        self._layouts_by_shapes = {}  # (module, exact shapes, B) -> the same, found without a signature
         self._proof_generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
@@ -345,8 +354,12 @@ class GhostClipping:
         """Each call's proven layouts; the calls whose shape signature is new get ``projections`` to fill."""
         unproven = []
         for use in calls:
-            key = (id(use.module), layout.signature(use.shapes, batch_size))
-            use.layouts = self._layouts.get(key)
+            shapes_key = (id(use.module), tuple(use.shapes), batch_size)
+            use.layouts = self._layouts_by_shapes.get(shapes_key)
+            if use.layouts is None:
+                use.layouts = self._layouts.get((id(use.module), layout.signature(use.shapes, batch_size)))
+                if use.layouts is not None:
+                    self._layouts_by_shapes[shapes_key] = use.layouts
             if use.layouts is None:
                 use.projections = [None] * len(use.shapes)
                 unproven.append(use)
@@ -519,7 +532,7 @@ class GhostClipping:
                     self._finish()
             sq = self._pass.sq
             self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
-            self._mass = (self._pass.mass, self._pass.mass_dtype)
+            self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
         finally:
             self._pass = None
         if sq is None:

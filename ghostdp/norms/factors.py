@@ -13,9 +13,9 @@ one parameter implicitly, and can give
   times in a step (tied weights, a module called twice);
 - ``weighted_sum(c)``: sum_i c_i g_i, the clipped sum of book-keeping mode,
   formed without per-example gradients where the factor allows;
-- ``token_mass()``: (B,) sum over an example's terms (tokens) of |term|, which bounds what the
-  example adds to the batch's float accumulations (its rounding), or None where the clipped
-  sum adds the example's gradient as one finished term.
+- ``token_mass()``: (B,) an upper bound of the sum over an example's terms (tokens) of |term|,
+  which bounds what the example adds to the batch's float accumulations (their rounding), or
+  None where nothing in the example can cancel (one term, or a finished per-example gradient).
 
 Memory is bounded by ``ELEMENT_BUDGET``: no temporary built here holds more
 than that many elements (beyond one example's worth when a single example is
@@ -188,11 +188,14 @@ class OuterProduct(PerExampleGrad):
         self.param_shape = torch.Size(param_shape)
         self.input_side = input_side
 
-    def token_mass(self) -> torch.Tensor:
-        # sum_t |L_t| |R_t| >= the entrywise sum of |L_t R_t^T| over tokens (Cauchy-Schwarz).
+    def token_mass(self) -> torch.Tensor | None:
+        # sum_t |L_t| |R_t| <= |L|_F |R|_F (Cauchy-Schwarz), which bounds the entrywise sum of the terms
+        # |L_t R_t^T| over tokens. One token (T = 1): the gradient is the term, nothing can cancel.
+        if self.left.shape[1] <= 1:
+            return None
         dt = acc_dtype(self.left, self.right)
-        return (torch.linalg.vector_norm(self.left, dim=-1, dtype=dt)
-                * torch.linalg.vector_norm(self.right, dim=-1, dtype=dt)).sum(1)
+        return (torch.linalg.vector_norm(self.left, dim=(1, 2), dtype=dt)
+                * torch.linalg.vector_norm(self.right, dim=(1, 2), dtype=dt))
 
     def sum_dtype(self):
         return acc_dtype(self.left, self.right)
@@ -281,8 +284,9 @@ class EmbeddingGather(PerExampleGrad):
         return grads
 
     def token_mass(self):
-        norms = torch.linalg.vector_norm(self.grads, dim=-1, dtype=acc_dtype(self.grads))  # (B, T)
-        return torch.where(self._valid(), norms, 0).sum(1)
+        # sum_t |G_t| <= sqrt(T) |G|_F over the example's non-padding positions.
+        grads = self.grads if self.padding_idx is None else self._grads()
+        return torch.linalg.vector_norm(grads, dim=(1, 2), dtype=acc_dtype(self.grads)) * math.sqrt(grads.shape[1])
 
     def sum_dtype(self):
         return acc_dtype(self.grads)

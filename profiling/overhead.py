@@ -1,0 +1,139 @@
+"""Host overhead of a private step, measured on the CPU: the stand-in for a host-bound GPU step.
+
+    python -m profiling.overhead                         # 12-layer BERT, H=64, 4 heads, B=2, T=8, 1 thread
+    python -m profiling.overhead --rounds 30 --modes plain ghost bookkeeping opacus-ghost
+
+A BERT so small that its arithmetic vanishes spends its step in Python and in dispatching ATen
+ops, as a BERT-base step on an H100 does at small batch (../shared/measurements: the GPU idles 87%
+of a ghost step at B=32), and it ranks the libraries as that GPU does. For each embedding setting
+(trainable, frozen) the modes' steps are built in one process and interleaved round by round
+(profiling.step_ratio), and the table gives:
+- the median over rounds of each round's step time / plain step time;
+- ATen ops dispatched per step (counted below autograd, forward and backward, noise and optimizer);
+- extra host time per hooked layer: (median step - median plain step) / layers with trainable
+  parameters, the cost the GPU issue counts at about 1 ms per layer.
+Timings are the shared machine's: compare the ratios of one run, never seconds across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+from profiling.bench import MODES, available, build_model, make_step
+from profiling.step_ratio import median
+
+
+def count_aten_ops(step) -> int:
+    """ATen operators one call of ``step`` dispatches (each op once, at the backend level)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        step()
+    return Counter.count
+
+
+def hooked_layers(model) -> int:
+    from ghostdp.norms.fallback import hooked_modules
+    return sum(1 for _, m in hooked_modules(model) if any(p.requires_grad for p in m.parameters(recurse=False)))
+
+
+def measure(args, freeze_embeddings: bool) -> dict:
+    """{mode: {"ratio", "median_ms", "aten_ops", "ms_per_layer"}} for one embedding setting."""
+    import time
+
+    import torch
+    torch.manual_seed(0)
+    args = copy.copy(args)
+    args.freeze_embeddings = freeze_embeddings
+    template = build_model(args).train()
+    layers = hooked_layers(template)
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq))
+    labels = torch.randint(0, 2, (args.batch,))
+    steps = {}
+    for mode in args.modes:
+        try:
+            steps[mode] = make_step(mode, copy.deepcopy(template), args, (ids, labels))
+            steps[mode]()
+        except Exception as error:  # a mode that cannot run this model is reported, not hidden
+            steps.pop(mode, None)
+            print(f"  {mode}: {type(error).__name__}: {str(error)[:120]}")
+    ops = {mode: count_aten_ops(step) for mode, step in steps.items()}
+    times = {mode: [] for mode in steps}
+    for round_ in range(args.warmup + args.rounds):
+        for mode, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_ >= args.warmup:
+                times[mode].append(time.perf_counter() - start)
+    plain = times["plain"]
+    rows = {}
+    for mode, ts in times.items():
+        rows[mode] = {"ratio": median([t / p for t, p in zip(ts, plain)]), "median_ms": 1e3 * median(ts),
+                      "aten_ops": ops[mode],
+                      "ms_per_layer": 1e3 * (median(ts) - median(plain)) / max(1, layers)}
+    rows["plain"]["hooked_layers"] = layers
+    return rows
+
+
+def report(name, rows):
+    layers = rows["plain"]["hooked_layers"]
+    print(f"\n{name} ({layers} layers with trainable parameters)")
+    print(f"{'mode':<14}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}")
+    for mode, r in rows.items():
+        print(f"{mode:<14}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}{r['aten_ops']:>10}"
+              f"{r['aten_ops'] / rows['plain']['aten_ops']:>9.2f}x{r['ms_per_layer']:>10.3f}")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora"])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--modes", nargs="+", default=["plain", "ghost", "bookkeeping"], choices=MODES)
+    p.add_argument("--embeddings", nargs="+", default=["trainable", "frozen"], choices=["trainable", "frozen"])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    args = p.parse_args(argv)
+    args.device, args.dtype = "cpu", "fp32"
+    if "plain" not in args.modes:
+        args.modes.insert(0, "plain")
+    return args
+
+
+def main(argv=None):
+    import torch
+    args = parse(argv)
+    missing = [m for m in args.modes if not available(m)]
+    if missing:
+        raise SystemExit(f"{missing}: opacus is not installed (pip install 'ghostdp[compare]')")
+    torch.set_num_threads(args.threads)
+    print(f"{args.model} L={args.layers} H={args.hidden} heads={args.heads} B={args.batch} T={args.seq}, "
+          f"{args.threads} thread(s), {args.rounds} interleaved rounds")
+    results = {}
+    for setting in args.embeddings:
+        results[setting] = measure(args, freeze_embeddings=setting == "frozen")
+        report(f"embeddings {setting}", results[setting])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
