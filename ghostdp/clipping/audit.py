@@ -11,6 +11,9 @@ concern. The walk visits each node once: about 0.2 ms for a 12-layer BERT's ~950
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch.utils.checkpoint import CheckpointFunction
 
 from .probe import ProbeIdentity
@@ -19,9 +22,20 @@ _PROBE_NODE = ProbeIdentity._backward_cls
 _REENTRANT_CHECKPOINT_NODE = CheckpointFunction._backward_cls
 
 
-def _walk(roots, stop=frozenset()):
-    """Yield (node, input_index, next_node) for every edge below roots, not entering `stop` nodes."""
+@functools.cache
+def _accumulate_grad_type() -> type:
+    with torch.enable_grad():  # first called inside a backward, where grad mode is off
+        leaf = torch.zeros(1, requires_grad=True)
+        return type(leaf.view(1).grad_fn.next_functions[0][0])
+
+
+def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), on_node=None):
+    """{(node, input index): parameter} for every edge below ``roots`` into the gradient accumulator
+    of one of ``parameters`` (id -> parameter), not entering ``stop`` nodes; ``on_node(node)`` is called
+    for every other node reached. One visit per node, no generator: this runs every step."""
+    edges = {}
     seen = set()
+    accumulator = _accumulate_grad_type()
     stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
@@ -29,17 +43,18 @@ def _walk(roots, stop=frozenset()):
             continue
         seen.add(node)
         for idx, (nxt, _) in enumerate(node.next_functions):
-            if nxt is None:
+            if nxt is None or nxt in seen:
                 continue
-            yield node, idx, nxt
-            if nxt not in stop and nxt not in seen:
+            if type(nxt) is accumulator:  # a leaf's gradient accumulator: nothing below it
+                param = parameters.get(id(nxt.variable))
+                if param is not None:
+                    edges[(node, idx)] = param
+                continue
+            if on_node is not None:
+                on_node(nxt)
+            if nxt not in stop:
                 stack.append(nxt)
-
-
-def _parameter(node, parameters: dict):
-    """The trainable model parameter whose gradient accumulator ``node`` is, if any."""
-    variable = getattr(node, "variable", None)
-    return parameters.get(id(variable)) if variable is not None else None
+    return edges
 
 
 def audit_graph(loss_node, parameters: dict):
@@ -50,25 +65,21 @@ def audit_graph(loss_node, parameters: dict):
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
     use_reentrant=True) hides its region's graph until its own backward recomputes it.
     """
-    edges = {}
     calls = {}
-    reentrant_checkpoint = False
-    for node, idx, nxt in _walk([loss_node]):
-        param = _parameter(nxt, parameters)
-        if param is not None:
-            edges[(node, idx)] = param
-        elif isinstance(nxt, _PROBE_NODE):
-            call = getattr(nxt, "use", None)
+    reentrant = []
+
+    def on_node(node):
+        if isinstance(node, _PROBE_NODE):
+            call = getattr(node, "use", None)
             if call is not None:
                 calls[id(call)] = call
-        elif isinstance(nxt, _REENTRANT_CHECKPOINT_NODE):
-            reentrant_checkpoint = True
+        elif isinstance(node, _REENTRANT_CHECKPOINT_NODE):
+            reentrant.append(node)
+
+    edges = _edges_into_parameters([loss_node], parameters, on_node=on_node)
     attributed = set()
     for call in calls.values():
-        own = {id(p) for p in call.params.values()}
-        for node, idx, nxt in _walk([e.node for e in call.edges], stop=call.input_nodes):
-            param = _parameter(nxt, parameters)
-            if param is not None and id(param) in own:
-                attributed.add((node, idx))
+        own = {id(p): p for p in call.params.values()}
+        attributed.update(_edges_into_parameters([e.node for e in call.edges], own, stop=call.input_nodes))
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
-    return list(stray.values()), list(calls.values()), reentrant_checkpoint
+    return list(stray.values()), list(calls.values()), bool(reentrant)

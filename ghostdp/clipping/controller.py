@@ -100,7 +100,7 @@ class _Pass:
     def __init__(self, batch_size, proving=False):
         self.batch_size = batch_size
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
-        self.sq = None
+        self.sq_parts = []                # per layer, (B,) squared norms
         self.masses = []                  # per layer, (B,) bounds of sum_t |G_t| |A_t| (see clip_coefficients)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several uses
@@ -110,8 +110,16 @@ class _Pass:
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
 
     def add(self, sq):
-        sq = sq.double()
-        self.sq = sq if self.sq is None else self.sq + sq
+        self.sq_parts.append(sq)
+
+    def total_sq(self):
+        """(B,) float64 sum of the squared norms of all layers, or None."""
+        if not self.sq_parts:
+            return None
+        parts = self.sq_parts
+        if len({p.dtype for p in parts}) > 1:
+            parts = [p.double() for p in parts]
+        return torch.stack(parts).sum(0).double()
 
     def add_mass(self, factor):
         mass = factor.token_mass()
@@ -223,12 +231,15 @@ class GhostClipping:
         # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
         self.next_loss_is_padding = False
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
+        self._plain_owners = weakref.WeakSet()  # modules whose owned parameters are their _parameters
         for name, m in hooked_modules(module):
             entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
             if entry is not None and not set(owned_parameters(m)) <= entry.params:
                 entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
             self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
                                                          with_kwargs=True))
+            if set(owned_parameters(m)) == set(m._parameters):
+                self._plain_owners.add(m)
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
@@ -267,13 +278,16 @@ class GhostClipping:
     def _on_forward(self, name, entry, module, args, kwargs, output):
         if not self._recording(module):
             return None
-        params = {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
+        params = self._trainable_owned(module)
         if not params:
             return None
         if self._pass is not None:
             raise NotImplementedError(f"module '{name}' ran a forward during ghostdp's norm pass. "
                                       + CHECKPOINTING_UNSUPPORTED)
-        flat, spec = tree_flatten(output)
+        if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
+            flat, spec = [output], None
+        else:
+            flat, spec = tree_flatten(output)
         slots = [i for i, t in enumerate(flat)
                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
         if not slots:
@@ -300,7 +314,10 @@ class GhostClipping:
             use.shapes.append(tuple(t.shape))
             new_flat[i] = add_probe(t, self._probe(t.device), use, slot, known_forward=rule is not None)
         use.grads = [None] * len(slots)
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            inputs = list(args)
+        else:
+            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         use.input_nodes = frozenset(get_gradient_edge(a).node for a in inputs if a.requires_grad)
         if rule is not None:
             if use.expanded[0]:
@@ -308,7 +325,14 @@ class GhostClipping:
             use.inputs = tuple(inputs)
         for p in params.values():
             self._live[p] += 1
-        return tree_unflatten(new_flat, spec)
+        return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _trainable_owned(self, module) -> dict:
+        """The module's own parameters that require grad now (read at every forward: freezing after
+        attaching works), from its parameter dict directly where it owns no parameter containers."""
+        if module in self._plain_owners:
+            return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        return {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
 
     def _forget(self, use):
         for p in use.params.values():
@@ -530,7 +554,7 @@ class GhostClipping:
                                              retain)
                 with record_function("ghostdp.norms.shared_parameters"):
                     self._finish()
-            sq = self._pass.sq
+            sq = self._pass.total_sq()
             self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
         finally:
