@@ -1,6 +1,6 @@
 """ghostdp: differentially private training with ghost clipping."""
 from . import accounting, norms, validate
-from .clipping import DPCriterion, GhostClipping, NonFiniteLossError, per_example_loss
+from .clipping import DPCriterion, GhostClipping, ImpreciseExampleError, NonFiniteLossError, per_example_loss
 from .engine import PrivacyEngine
 from .norms import register_norm_rule
 from .optim import DPOptimizer, PrivacyStepError
@@ -8,4 +8,4 @@ from .optim import DPOptimizer, PrivacyStepError
 __version__ = "0.1.0"
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivacyStepError", "GhostClipping", "DPCriterion",
-           "NonFiniteLossError", "per_example_loss", "register_norm_rule", "accounting", "norms", "validate"]
+           "NonFiniteLossError", "ImpreciseExampleError", "per_example_loss", "register_norm_rule", "accounting", "norms", "validate"]

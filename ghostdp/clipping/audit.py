@@ -70,7 +70,7 @@ def audit_graph(loss_node, parameters: dict):
 
     def on_node(node):
         if isinstance(node, _PROBE_NODE):
-            call = getattr(node, "use", None)
+            call = getattr(node, "call", None)
             if call is not None:
                 calls[id(call)] = call
         elif isinstance(node, _REENTRANT_CHECKPOINT_NODE):

@@ -21,20 +21,18 @@ from torch.autograd.graph import get_gradient_edge
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..norms.factors import InputGrams, acc_dtype, combined_sq_norm
+from ..norms.factors import combined_sq_norm
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
 from .. import validate
-from . import layout
 from .audit import audit_graph
+from .layout import LayoutProver
 from .modes import clipping_mode, new_factor_store
+from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
 from .probe import add_probe
+from .records import ModuleCall, NormPass
 
 CLIP_EPS = 1e-6
-# An example whose gradient terms are so large against its clipped contribution that float rounding of
-# the terms could move the sum by more than this fraction of C is refused (or skipped): see
-# clip_coefficients.
-ROUNDING_TOLERANCE = 1e-4
 
 CHECKPOINTING_UNSUPPORTED = (
     "Activation (gradient) checkpointing is not supported yet: non-reentrant checkpointing works only where "
@@ -48,19 +46,6 @@ CHECKPOINTING_UNSUPPORTED = (
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
 
 
-class ImpreciseExampleError(FloatingPointError):
-    """Some examples' gradients cannot be summed with the others within float precision."""
-
-    def __init__(self, indices):
-        self.indices = indices
-        super().__init__(
-            f"examples {indices} of this batch have gradient terms so large (e.g. token contributions "
-            "that cancel, such as x and -x scaled by 1e12) that float rounding in the batch's sums could "
-            "erase other examples' gradients and move the update by more than the clipping norm allows. "
-            "Fix the data (normalise or bound the inputs), or pass nonfinite='skip' to drop such "
-            "examples from the step.")
-
-
 class NonFiniteLossError(FloatingPointError):
     """Some examples have a NaN or infinite loss or gradient norm."""
 
@@ -72,73 +57,6 @@ class NonFiniteLossError(FloatingPointError):
             "nonfinite='skip' to drop such examples from the step.")
 
 
-class Use:
-    """One call of one hooked module in a forward pass, alive as long as its graph."""
-
-    __slots__ = ("controller", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
-                 "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done")
-
-    def __init__(self, controller, name, module, entry, params):
-        self.controller, self.name, self.module, self.params = controller, name, module, params
-        self.rule = entry.rule if entry is not None else None
-        self.tokenwise = entry is not None and entry.tokenwise
-        self.inputs, self.edges, self.batch_dims, self.expanded, self.grads = (), [], [], [], []
-        self.shapes, self.layouts, self.projections = [], None, None
-        self.input_nodes = frozenset()
-        self.fired = self.done = False
-        self.eager = {}
-
-    def __del__(self):
-        # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
-        if not getattr(self, "fired", True):
-            self.controller._forget(self)
-
-
-class _Pass:
-    """One backward of the DP loss towards the probes: the norm pass, or the layout proof before it."""
-
-    def __init__(self, batch_size, proving=False):
-        self.batch_size = batch_size
-        self.proving = proving            # collect projections of G for the layout proof, compute nothing
-        self.sq_parts = []                # per layer, (B,) squared norms
-        self.masses = []                  # per layer, (B,) bounds of sum_t |G_t| |A_t| (see clip_coefficients)
-        self.mass_dtype = None
-        self.pending = defaultdict(list)  # parameter -> factors of its several uses
-        self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
-        self.exact = new_factor_store()   # two passes: the fallback's factors (see _exact_grad)
-        self.uses = []
-        self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
-
-    def add(self, sq):
-        self.sq_parts.append(sq)
-
-    def total_sq(self):
-        """(B,) float64 sum of the squared norms of all layers, or None."""
-        if not self.sq_parts:
-            return None
-        parts = self.sq_parts
-        if len({p.dtype for p in parts}) > 1:
-            parts = [p.double() for p in parts]
-        return torch.stack(parts).sum(0).double()
-
-    def add_mass(self, factor):
-        mass = factor.token_mass()
-        if mass is None:
-            return
-        self.masses.append(mass)
-        dtype = factor.sum_dtype()
-        if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
-            self.mass_dtype = dtype
-
-    def total_mass(self):
-        """(B,) sum over layers of the examples' token masses, or None if no layer has one."""
-        if not self.masses:
-            return None
-        dtypes = {m.dtype for m in self.masses}
-        masses = self.masses if len(dtypes) == 1 else [m.double() for m in self.masses]
-        return torch.stack(masses).sum(0)
-
-
 def check_max_grad_norm(value):
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value != value \
             or value == float("inf"):
@@ -146,10 +64,19 @@ def check_max_grad_norm(value):
 
 
 def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
-    """The leaf of ``leaves`` for this device, made on first use: an empty tensor that requires grad."""
+    """The leaf of ``leaves`` for this device, made on first call: an empty tensor that requires grad."""
     if device not in leaves:
         leaves[device] = torch.zeros(0, device=device, requires_grad=True)
     return leaves[device]
+
+
+def _backward_to_probes(losses, probes, cotangent, retain):
+    try:
+        torch.autograd.grad(losses, probes, cotangent, retain_graph=retain, allow_unused=True)
+    except RuntimeError as error:
+        if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
+            raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
+        raise
 
 
 def _attached_controller(module):
@@ -199,7 +126,7 @@ class GhostClipping:
                 and torch.distributed.get_world_size() > 1:
             raise NotImplementedError(
                 "clipping='bookkeeping' writes the clipped sum into p.grad without a second backward, so DDP's "
-                "gradient all-reduce never runs; with several processes use clipping='ghost'.")
+                "gradient all-reduce never runs; with several processes call clipping='ghost'.")
         self.module = module
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
@@ -212,12 +139,8 @@ class GhostClipping:
         self._batch_hint = None
         self._kept = new_factor_store()
         self._mass = None
-        self._replacements = {}  # parameter -> its exact clipped sum for this pass 2 (see _exact_grad)
-        self._exact_hooks = {}
-        self._proof_v = None
-        self._layouts = {}  # (module, shape signature) -> proven layout of each output (see layout.py)
-        self._layouts_by_shapes = {}  # (module, exact shapes, B) -> the same, found without a signature
-        self._proof_generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
+        self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
+        self._layouts = LayoutProver()
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None
@@ -235,7 +158,7 @@ class GhostClipping:
         for name, m in hooked_modules(module):
             entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
             if entry is not None and not set(owned_parameters(m)) <= entry.params:
-                entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
+                entry = None  # a subclass with parameters of its own: its forward differs, call the fallback
             self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
                                                          with_kwargs=True))
             if set(owned_parameters(m)) == set(m._parameters):
@@ -256,7 +179,8 @@ class GhostClipping:
         """Remove every hook; the model is as before attaching."""
         for h in self._handles:
             h.remove()
-        self._handles, self._exact_hooks = [], {}
+        self._handles = []
+        self._exact_sums.remove()
         if _ATTACHED.get(self.module) is self:
             del _ATTACHED[self.module]
 
@@ -295,34 +219,34 @@ class GhostClipping:
         if entry is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
             entry = None
         rule = entry.rule if entry is not None else None
-        use = Use(self, name, module, entry, params)
+        call = ModuleCall(self, name, module, entry, params)
         if rule is None and len(slots) > 1:
             # Its fallback runs after pass 1 has gone below it, through the module's own graph.
             self._graph_needed_after_pass1 = True
-        use.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
         B = self._batch_hint
         new_flat = list(flat)
-        for slot, (i, dim) in enumerate(zip(slots, use.batch_dims)):
+        for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
             t = flat[i]
-            use.edges.append(get_gradient_edge(t))
+            call.edges.append(get_gradient_edge(t))
             # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
             # batch here so that its output grad stays per example.
             expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
             if expanded:
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
-            use.expanded.append(expanded)
-            use.shapes.append(tuple(t.shape))
-            new_flat[i] = add_probe(t, self._probe(t.device), use, slot, known_forward=rule is not None)
-        use.grads = [None] * len(slots)
+            call.expanded.append(expanded)
+            call.shapes.append(tuple(t.shape))
+            new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None)
+        call.grads = [None] * len(slots)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        use.input_nodes = frozenset(get_gradient_edge(a).node for a in inputs if a.requires_grad)
+        call.input_nodes = frozenset(get_gradient_edge(a).node for a in inputs if a.requires_grad)
         if rule is not None:
-            if use.expanded[0]:
+            if call.expanded[0]:
                 inputs = [a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in inputs]
-            use.inputs = tuple(inputs)
+            call.inputs = tuple(inputs)
         for p in params.values():
             self._live[p] += 1
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
@@ -334,8 +258,8 @@ class GhostClipping:
             return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
         return {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
 
-    def _forget(self, use):
-        for p in use.params.values():
+    def _forget(self, call):
+        for p in call.params.values():
             self._live[p] -= 1
             if self._live[p] <= 0:
                 del self._live[p]
@@ -344,161 +268,67 @@ class GhostClipping:
     def _receives_output_grads(self) -> bool:
         return self._pass is not None and not self._in_fallback
 
-    def _receive(self, use, slot, grad):
+    def _receive(self, call, slot, grad):
         if self._pass.proving:
-            if use.projections is not None:
-                use.projections[slot] = self._project(grad, slot, use)
+            if call.projections is not None:
+                call.projections[slot] = self._layouts.project(grad)
             return
-        use.grads[slot] = grad
-        if not use.fired:
-            use.fired = True
-            self._pass.uses.append(use)
-            # A parameter with a single live use can be reduced to its norm now and its G freed;
+        call.grads[slot] = grad
+        if not call.fired:
+            call.fired = True
+            self._pass.calls.append(call)
+            # A parameter with a single live call can be reduced to its norm now and its G freed;
             # one with several uses waits for all of them (cross terms).
-            use.eager = {n: self._live[p] == 1 and p not in self._pass.pending for n, p in use.params.items()}
-            self._forget(use)
-        if len(use.grads) == 1:
-            self._compute(use)
+            call.eager = {n: self._live[p] == 1 and p not in self._pass.pending for n, p in call.params.items()}
+            self._forget(call)
+        if len(call.grads) == 1:
+            self._compute(call)
 
-    def _check_pass_two(self, use):
-        if self._in_fallback or use.fired:
+    def _refuse_if_not_from_dp_loss(self, call):
+        if self._in_fallback or call.fired:
             return
         raise RuntimeError(
-            f"a gradient reached module '{use.name}' through a backward that did not start from a ghostdp "
+            f"a gradient reached module '{call.name}' through a backward that did not start from a ghostdp "
             "loss, so it would not be clipped. Fix: build every loss you backpropagate through this model "
             "with GhostClipping.loss / the DP criterion, or call detach() on the controller first.")
 
-    # ----------------------------------------------------------------- batch layout (layout.py)
-    def _project(self, grad, slot, use):
-        dt = acc_dtype(grad)
-        w = layout.projection_vector(grad.shape[-1] if grad.dim() else 1, dt, grad.device, self._proof_generator)
-        return w, layout.project(grad, w)
-
-    def _assign_layouts(self, calls, batch_size):
-        """Each call's proven layouts; the calls whose shape signature is new get ``projections`` to fill."""
-        unproven = []
-        for use in calls:
-            shapes_key = (id(use.module), tuple(use.shapes), batch_size)
-            use.layouts = self._layouts_by_shapes.get(shapes_key)
-            if use.layouts is None:
-                use.layouts = self._layouts.get((id(use.module), layout.signature(use.shapes, batch_size)))
-                if use.layouts is not None:
-                    self._layouts_by_shapes[shapes_key] = use.layouts
-            if use.layouts is None:
-                use.projections = [None] * len(use.shapes)
-                unproven.append(use)
-        return unproven
-
-    def _prove_layouts(self, per_example_losses, probes):
-        """The backward with a random cotangent v of the layout proof; pass 1 then compares (``_resolve``)."""
-        B = per_example_losses.shape[0]
-        v = torch.randn(B, generator=self._proof_generator, dtype=torch.float64).to(per_example_losses)
-        self._proof_v = v.double()  # as rounded to the losses' dtype
-        self._pass = _Pass(B, proving=True)
-        try:
-            with record_function("ghostdp.layout_proof"):
-                self._backward_to_probes(per_example_losses, probes, v, True)
-        finally:
-            self._pass = None
-
-    @staticmethod
-    def _backward_to_probes(losses, probes, cotangent, retain):
-        try:
-            torch.autograd.grad(losses, probes, cotangent, retain_graph=retain, allow_unused=True)
-        except RuntimeError as error:
-            if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
-                raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
-            raise
-
-    def _resolve(self, use):
-        """Pass 1 has G_1 = use.grads; keep the first candidate layout per output that the proof confirms."""
-        B = self._pass.batch_size
-        found = []
-        for slot, (g, projected) in enumerate(zip(use.grads, use.projections)):
-            if g is None or projected is None:
-                found.append(("dim", use.batch_dims[slot]))
-                continue
-            w, projected_v = projected
-            projected_1 = layout.project(g, w)
-            v = self._proof_v.to(device=w.device, dtype=w.dtype)
-            options = layout.candidates(tuple(g.shape), B, use.tokenwise, use.batch_dims[slot])
-            chosen = next((c for c in options if layout.holds(c, projected_v, projected_1, v, g.dtype)), None)
-            if chosen is None:
-                self._refuse_layout(use, g, B, options)
-            found.append(chosen)
-        use.layouts, use.projections = tuple(found), None
-        self._layouts[(id(use.module), layout.signature(use.shapes, B))] = use.layouts
-
-    def _refuse_layout(self, use, g, B, options):
-        kind = type(use.module).__name__
-        if not options:
-            problem = f"has no dimension of size {B} that could hold the examples"
-        else:
-            problem = "mixes several examples in each of its candidate batch dimensions"
-        raise RuntimeError(
-            f"module '{use.name}' ({kind}) produced an output of shape {tuple(g.shape)} whose gradient "
-            f"{problem} (there are {B} per-example losses), so ghostdp cannot bound each example's gradient. "
-            "ghostdp proves from gradients which dim holds the examples, instead of guessing from sizes. "
-            "Fixes: use batch-first layers (nn.TransformerEncoderLayer(..., batch_first=True), "
-            "nn.MultiheadAttention(..., batch_first=True)); call the model itself (not a submodule) so that "
-            "the batch is known; freeze parameters shared by the whole batch (e.g. a relative position bias "
-            "computed once for all examples: requires_grad_(False)); or register a norm rule for this module.")
-
-    def _batch_first(self, use):
-        """The call's inputs and output grads with the examples on dim 0, per its proven layout."""
-        B = self._pass.batch_size
-        for slot, (g, d) in enumerate(zip(use.grads, use.batch_dims)):
-            if g is not None and use.layouts[slot] == ("dim", d) and (g.dim() <= d or g.shape[d] != B):
-                raise RuntimeError(
-                    f"module '{use.name}' ({type(use.module).__name__}) produced an output of shape "
-                    f"{tuple(g.shape)} whose batch dimension {d} does not match the {B} per-example losses. "
-                    "Fix: call the model itself (not a submodule) so ghostdp sees the batch size, or "
-                    "register a norm rule for this module.")
-        if use.layouts is None:
-            raise RuntimeError(f"internal error: the call of module '{use.name}' was not audited this step")
-        if use.rule is None or use.layouts[0] == layout.BATCH_FIRST:
-            return
-        shape = tuple(use.grads[0].shape)
-        use.inputs = tuple(layout.to_batch_first(use.layouts[0], x, shape, B) for x in use.inputs)
-        use.grads = [layout.to_batch_first(use.layouts[0], use.grads[0], shape, B)]
-
     # ----------------------------------------------------------------- norms
-    def _compute(self, use):
+    def _compute(self, call):
         B = self._pass.batch_size
-        if use.projections is not None:
-            self._resolve(use)
-        self._batch_first(use)
-        with record_function(f"ghostdp.norms.{type(use.module).__name__}"):  # profiling/layers.py reads these
+        if call.projections is not None:
+            self._layouts.resolve(call, B)
+        self._layouts.batch_first(call, B)
+        with record_function(f"ghostdp.norms.{type(call.module).__name__}"):  # profiling/layers.py reads these
             factors = {}
-            if use.rule is not None:
-                factors = use.rule(use.module, use.inputs, use.grads[0], set(use.params))
-            missing = {n: p for n, p in use.params.items() if n not in factors}
+            if call.rule is not None:
+                factors = call.rule(call.module, call.inputs, call.grads[0], set(call.params))
+            missing = {n: p for n, p in call.params.items() if n not in factors}
             if missing:
                 self._in_fallback = True
                 try:
-                    factors.update(fallback_grads(missing, use.edges, use.grads, use.batch_dims, use.expanded, B))
+                    factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
                 finally:
                     self._in_fallback = False
             for n, f in factors.items():
                 self._pass.add_mass(f)
                 if self.mode.keeps_factors:
-                    self._pass.kept[use.params[n]].append(f)
-                elif n in missing:  # two passes: see _exact_grad
-                    self._pass.exact[use.params[n]].append(f)
-                if use.eager[n]:
+                    self._pass.kept[call.params[n]].append(f)
+                elif n in missing:  # two passes: see precision.ExactSums
+                    self._pass.exact[call.params[n]].append(f)
+                if call.eager[n]:
                     self._pass.add(f.sq_norm(self._pass.grams))
                 else:
-                    self._pass.pending[use.params[n]].append(f)
-        use.inputs, use.edges, use.grads, use.done = (), [], [], True
+                    self._pass.pending[call.params[n]].append(f)
+        call.inputs, call.edges, call.grads, call.done = (), [], [], True
 
     def _finish(self):
-        for use in self._pass.uses:
-            if not use.done:
-                self._compute(use)
+        for call in self._pass.calls:
+            if not call.done:
+                self._compute(call)
         for factors in self._pass.pending.values():
             self._pass.add(combined_sq_norm(factors))
         for param in self._pass.exact:
-            if param in self._pass.pending:  # also used by a ruled module: every use's factor
+            if param in self._pass.pending:  # also used by a ruled module: every call's factor
                 self._pass.exact[param] = list(self._pass.pending[param])
 
     def _audit(self, per_example_losses):
@@ -526,6 +356,15 @@ class GhostClipping:
                 "its parameter, freeze the parameter, or register a norm rule for the parent module.")
         return calls
 
+    def _prove_layouts(self, per_example_losses, probes):
+        """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
+        self._pass = NormPass(per_example_losses.shape[0], proving=True)
+        try:
+            with record_function("ghostdp.layout_proof"):
+                _backward_to_probes(per_example_losses, probes, self._layouts.cotangent(per_example_losses), True)
+        finally:
+            self._pass = None
+
     def per_example_norms(self, per_example_losses: torch.Tensor) -> torch.Tensor:
         """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64."""
         if per_example_losses.dim() != 1:
@@ -537,21 +376,20 @@ class GhostClipping:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
         self._mass = None
-        self._replacements = {}
+        self._exact_sums.clear()
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls = self._audit(per_example_losses)
         probes = list(self._probes.values())
-        if probes and self._assign_layouts(calls, B):
+        if probes and self._layouts.assign(calls, B):
             self._prove_layouts(per_example_losses, probes)
-        self._pass = _Pass(B)
+        self._pass = NormPass(B)
         try:
             with record_function("ghostdp.pass1"):
                 if probes:
                     # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
                     retain = self.mode.continues_backward or self._graph_needed_after_pass1
-                    self._backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses),
-                                             retain)
+                    _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses), retain)
                 with record_function("ghostdp.norms.shared_parameters"):
                     self._finish()
             sq = self._pass.total_sq()
@@ -564,22 +402,14 @@ class GhostClipping:
         return sq.clamp(min=0).sqrt()
 
     def clip_coefficients(self, per_example_losses: torch.Tensor) -> torch.Tensor:
-        """Pass 1 and c_i = min(1, C / (n_i + 1e-6)); non-finite or imprecise examples raise or get c_i = 0.
-
-        Imprecise: the batch's clipped sum adds every example's terms (for a Linear layer, the rows
-        G_t A_t^T of all tokens) in one float accumulation, whose rounding error grows with the terms'
-        magnitude, not with their sum. An example whose terms are huge but cancel (tokens x and -x
-        scaled by 1e12: gradient 0, not clipped) can round away the other examples' gradients. Its
-        mass m_i = sum over layers and tokens of |G_t| |A_t| bounds what it puts into those sums, so
-        an example with u * c_i * m_i > ROUNDING_TOLERANCE * C (u: unit round-off of the sums'
-        dtype) is refused, or skipped with nonfinite="skip".
-        """
+        """Pass 1 and c_i = min(1, C / (n_i + 1e-6)). Examples with a non-finite loss or norm, or whose
+        gradient terms could round the others away (precision.py), raise or get c_i = 0."""
         for observe in self.pass_observers:
             observe(per_example_losses)
         norms = self.per_example_norms(per_example_losses)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
         coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
-        imprecise = self._imprecise(coeffs)
+        imprecise = imprecise_examples(coeffs, *(self._mass or (None, None)), self.max_grad_norm)
         if imprecise is not None:
             bad = bad | imprecise
         if bad.any():
@@ -593,34 +423,14 @@ class GhostClipping:
         self.last_norms, self.last_coefficients = norms, coeffs
         return coeffs
 
-    def _imprecise(self, coeffs):
-        mass, dtype = self._mass if self._mass is not None else (None, None)
-        if mass is None:
-            return None
-        unit_roundoff = torch.finfo(dtype).eps / 2
-        return (unit_roundoff * coeffs * mass.to(coeffs.device)) > ROUNDING_TOLERANCE * self.max_grad_norm
-
     def grad_of_losses(self, coefficients, grad_output, losses):
         """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode
         has written the clipped sum into p.grad itself."""
         kept, self._kept = self._kept, new_factor_store()
         with record_function("ghostdp.clipped_sum"):
             if not self.mode.keeps_factors and kept:
-                weights = coefficients * grad_output.to(coefficients.dtype)
-                self._replacements = {p: sum(f.weighted_sum(weights) for f in factors) for p, factors in kept.items()}
-                for p in kept:
-                    if p not in self._exact_hooks:
-                        self._exact_hooks[p] = p.register_hook(functools.partial(self._exact_grad, p))
-                        self._handles.append(self._exact_hooks[p])
+                self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
             return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
-
-    def _exact_grad(self, param, grad):
-        """Pass 2's gradient of a parameter the fallback instantiated, replaced by sum_i c_i g_i of its
-        per-example gradients from pass 1. Autograd forms the same sum in one accumulation over all
-        examples' terms, where one example's huge, cancelling terms can round the others away (its
-        own gradient, formed alone in pass 1, has no such effect); the replacement is exact."""
-        replacement = self._replacements.pop(param, None)
-        return grad if replacement is None else replacement.to(grad.dtype).reshape(grad.shape)
 
     # ----------------------------------------------------------------- losses
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):

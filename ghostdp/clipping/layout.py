@@ -84,3 +84,93 @@ def to_batch_first(layout, tensor: torch.Tensor, output_shape, batch_size: int) 
     if tensor.dim() <= d or tuple(tensor.shape[:d + 1]) != tuple(output_shape[:d + 1]):
         return tensor
     return tensor.movedim(d, 0)
+
+
+class LayoutProver:
+    """The proven layouts of a controller's module calls, and the proof of new ones.
+
+    Per step: ``assign`` gives every recorded call its layouts from earlier proofs, and returns the
+    calls whose shape signature is new. For those, the controller runs one backward with the
+    cotangent ``cotangent(losses)``, during which ``project`` keeps each output grad's projection;
+    pass 1 then calls ``resolve`` with the ordinary output grads.
+    """
+
+    def __init__(self):
+        self.proven = {}      # (module id, shape signature) -> layout of each output
+        self.by_shapes = {}   # (module id, exact shapes, B) -> the same, found without a signature
+        self.generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
+        self.v = None
+
+    def assign(self, calls, batch_size: int) -> list:
+        unproven = []
+        for call in calls:
+            shapes_key = (id(call.module), tuple(call.shapes), batch_size)
+            call.layouts = self.by_shapes.get(shapes_key)
+            if call.layouts is None:
+                call.layouts = self.proven.get((id(call.module), signature(call.shapes, batch_size)))
+                if call.layouts is not None:
+                    self.by_shapes[shapes_key] = call.layouts
+            if call.layouts is None:
+                call.projections = [None] * len(call.shapes)
+                unproven.append(call)
+        return unproven
+
+    def cotangent(self, losses: torch.Tensor) -> torch.Tensor:
+        v = torch.randn(losses.shape[0], generator=self.generator, dtype=torch.float64).to(losses)
+        self.v = v.double()  # as rounded to the losses' dtype
+        return v
+
+    def project(self, grad: torch.Tensor):
+        dt = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        w = projection_vector(grad.shape[-1] if grad.dim() else 1, dt, grad.device, self.generator)
+        return w, project(grad, w)
+
+    def resolve(self, call, batch_size: int) -> None:
+        """call.grads hold G_1: keep the first candidate layout per output that the proof confirms."""
+        found = []
+        for slot, (g, projected) in enumerate(zip(call.grads, call.projections)):
+            if g is None or projected is None:
+                found.append(("dim", call.batch_dims[slot]))
+                continue
+            w, projected_v = projected
+            v = self.v.to(device=w.device, dtype=w.dtype)
+            options = candidates(tuple(g.shape), batch_size, call.tokenwise, call.batch_dims[slot])
+            chosen = next((c for c in options if holds(c, projected_v, project(g, w), v, g.dtype)), None)
+            if chosen is None:
+                refuse(call, g, batch_size, options)
+            found.append(chosen)
+        call.layouts, call.projections = tuple(found), None
+        self.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
+
+    @staticmethod
+    def batch_first(call, batch_size: int) -> None:
+        """The call's inputs and output grads with the examples on dim 0, per its proven layout."""
+        if call.layouts is None:
+            raise RuntimeError(f"internal error: the call of module '{call.name}' was not audited this step")
+        for slot, (g, d) in enumerate(zip(call.grads, call.batch_dims)):
+            if g is not None and call.layouts[slot] == ("dim", d) and (g.dim() <= d or g.shape[d] != batch_size):
+                raise RuntimeError(
+                    f"module '{call.name}' ({type(call.module).__name__}) produced an output of shape "
+                    f"{tuple(g.shape)} whose batch dimension {d} does not match the {batch_size} per-example "
+                    "losses. Fix: call the model itself (not a submodule) so ghostdp sees the batch size, or "
+                    "register a norm rule for this module.")
+        if call.rule is None or call.layouts[0] == BATCH_FIRST:
+            return
+        shape = tuple(call.grads[0].shape)
+        call.inputs = tuple(to_batch_first(call.layouts[0], x, shape, batch_size) for x in call.inputs)
+        call.grads = [to_batch_first(call.layouts[0], call.grads[0], shape, batch_size)]
+
+
+def refuse(call, g, batch_size, options):
+    if not options:
+        problem = f"has no dimension of size {batch_size} that could hold the examples"
+    else:
+        problem = "mixes several examples in each of its candidate batch dimensions"
+    raise RuntimeError(
+        f"module '{call.name}' ({type(call.module).__name__}) produced an output of shape {tuple(g.shape)} whose "
+        f"gradient {problem} (there are {batch_size} per-example losses), so ghostdp cannot bound each example's "
+        "gradient. ghostdp proves from gradients which dim holds the examples, instead of guessing from sizes. "
+        "Fixes: use batch-first layers (nn.TransformerEncoderLayer(..., batch_first=True), "
+        "nn.MultiheadAttention(..., batch_first=True)); call the model itself (not a submodule) so that "
+        "the batch is known; freeze parameters shared by the whole batch (e.g. a relative position bias "
+        "computed once for all examples: requires_grad_(False)); or register a norm rule for this module.")

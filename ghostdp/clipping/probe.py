@@ -36,8 +36,8 @@ def _reshaped_base(t: torch.Tensor):
 
 class ProbeIdentity(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, probe, use, slot, in_place, output_shape):
-        ctx.use, ctx.slot, ctx.output_shape = use, slot, output_shape
+    def forward(ctx, out, probe, call, slot, in_place, output_shape):
+        ctx.call, ctx.slot, ctx.output_shape = call, slot, output_shape
         ctx.probe_meta = (probe.device, probe.dtype)
         # No zeros for a missing gradient: after book-keeping's pass 1 nothing flows further back,
         # and zeros would run a whole useless backward.
@@ -51,27 +51,27 @@ class ProbeIdentity(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return None, None, None, None, None, None
-        use = ctx.use
-        if use.controller._receives_output_grads():
+        call = ctx.call
+        if call.controller._receives_output_grads():
             shaped = grad if ctx.output_shape is None else grad.view(ctx.output_shape)
-            use.controller._receive(use, ctx.slot, shaped)
+            call.controller._receive(call, ctx.slot, shaped)
             device, dtype = ctx.probe_meta
             return grad, torch.zeros(0, device=device, dtype=dtype), None, None, None, None
         if grad.numel():  # a gradient with no rows (an empty batch) carries no example
-            use.controller._check_pass_two(use)
+            call.controller._refuse_if_not_from_dp_loss(call)
         return grad, None, None, None, None, None
 
 
-def add_probe(out: torch.Tensor, probe: torch.Tensor, use, slot: int, known_forward: bool) -> torch.Tensor:
+def add_probe(out: torch.Tensor, probe: torch.Tensor, call, slot: int, known_forward: bool) -> torch.Tensor:
     """``out`` with the probe attached. ``known_forward``: the module is one whose forward a norm rule
     knows (Linear, Conv1D, ...), so nothing inside it saved the base of a view output."""
     if not known_forward:
         # Any producer may have saved its output for its backward, under any name (cuDNN's and
         # mkldnn's RNNs, a custom autograd.Function): marking it dirty would break that backward.
-        return ProbeIdentity.apply(out, probe, use, slot, False, None)
+        return ProbeIdentity.apply(out, probe, call, slot, False, None)
     if can_mark_dirty(out):
-        return ProbeIdentity.apply(out, probe, use, slot, True, None)
+        return ProbeIdentity.apply(out, probe, call, slot, True, None)
     base = _reshaped_base(out)
     if base is not None:
-        return ProbeIdentity.apply(base, probe, use, slot, True, out.shape).view(out.shape)
-    return ProbeIdentity.apply(out, probe, use, slot, False, None)
+        return ProbeIdentity.apply(base, probe, call, slot, True, out.shape).view(out.shape)
+    return ProbeIdentity.apply(out, probe, call, slot, False, None)
