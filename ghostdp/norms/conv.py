@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .factors import Blocks, Instantiated, OuterProduct
+from .factors import Blocks, Instantiated, OuterProduct, acc_dtype, summed_positions_mass
 from .registry import register_norm_rule
 
 
@@ -62,7 +62,7 @@ def conv_rule(module, inputs, output_grad, trainable):
                                    (co, ci)) for j in range(g)]
             out["weight"] = Blocks(blocks, module.weight.shape, dim=1)
     if "bias" in trainable:
-        out["bias"] = Instantiated(G.sum(2))
+        out["bias"] = Instantiated(G.sum(2), mass=summed_positions_mass(G.transpose(1, 2), G.shape[2], acc_dtype(G)))
     return out
 
 

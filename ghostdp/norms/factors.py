@@ -94,6 +94,14 @@ def prefers_gram(T: int, m: int, n: int, tile: int | None = None) -> bool:
     return gram_fraction(T, tile or T) * T * (m + n) <= m * n
 
 
+def summed_positions_mass(terms: torch.Tensor, positions: int, dtype) -> torch.Tensor | None:
+    """A token mass for a per-example gradient summed over ``positions`` terms (B, positions, ...):
+    sum_t |term_t| <= sqrt(positions) |terms|_F. None for one position (nothing to cancel)."""
+    if positions <= 1:
+        return None
+    return torch.linalg.vector_norm(terms, dim=tuple(range(1, terms.dim())), dtype=dtype) * math.sqrt(positions)
+
+
 def _example_chunks(batch: int, per_example: int):
     step = max(1, ELEMENT_BUDGET // max(1, per_example))
     for lo in range(0, batch, step):
@@ -147,12 +155,23 @@ class PerExampleGrad:
 
 
 class Instantiated(PerExampleGrad):
-    """Explicit per-example gradients (B, *param_shape): small parameters (biases, norms)."""
+    """Explicit per-example gradients (B, *param_shape): small parameters (biases, norms).
 
-    def __init__(self, grads: torch.Tensor):
+    ``mass``: the token mass of the sum over positions the rule formed them by (see ``token_mass``),
+    None for a single position or a gradient formed per example.
+    """
+
+    def __init__(self, grads: torch.Tensor, mass: torch.Tensor | None = None):
         self.grads = grads
         self.batch_size = grads.shape[0]
         self.param_shape = grads.shape[1:]
+        self.mass = mass
+
+    def token_mass(self):
+        return self.mass
+
+    def sum_dtype(self):
+        return acc_dtype(self.grads)
 
     def sq_norm(self, grams=None) -> torch.Tensor:
         g = self.grads.reshape(self.batch_size, -1)
@@ -180,10 +199,11 @@ class OuterProduct(PerExampleGrad):
     Gram other layers reading the same tensor can share (query, key and value).
     """
 
-    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape, input_side=None):
+    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape, input_side=None, known_norms=None):
         assert left.shape[:2] == right.shape[:2], (left.shape, right.shape)
         assert input_side in (None, "left", "right"), input_side
         self.left, self.right = left, right
+        self.known_norms = known_norms or {}  # side -> (B,) Frobenius norms the rule already formed
         self.batch_size = left.shape[0]
         self.param_shape = torch.Size(param_shape)
         self.input_side = input_side
@@ -194,8 +214,10 @@ class OuterProduct(PerExampleGrad):
         if self.left.shape[1] <= 1:
             return None
         dt = acc_dtype(self.left, self.right)
-        return (torch.linalg.vector_norm(self.left, dim=(1, 2), dtype=dt)
-                * torch.linalg.vector_norm(self.right, dim=(1, 2), dtype=dt))
+        left, right = (self.known_norms.get(side) for side in ("left", "right"))
+        left = torch.linalg.vector_norm(self.left, dim=(1, 2), dtype=dt) if left is None else left
+        right = torch.linalg.vector_norm(self.right, dim=(1, 2), dtype=dt) if right is None else right
+        return left * right
 
     def sum_dtype(self):
         return acc_dtype(self.left, self.right)

@@ -5,19 +5,27 @@ xhat is recomputed from the saved input in float32 or better.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from .factors import Instantiated, acc_dtype
+from .factors import Instantiated, acc_dtype, summed_positions_mass
 from .registry import qualified_name, register_norm_rule
 
 
 def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias")):
+    """Per-example sums over the positions ``reduce_dims`` of G * xhat (weight) and G (bias), each with the
+    token mass of that sum (precision.py)."""
+    positions = math.prod(G.shape[d] for d in reduce_dims)
     out = {}
     if names[0] in trainable:
-        out[names[0]] = Instantiated((G * xhat).sum(reduce_dims) if reduce_dims else G * xhat)
+        terms = G * xhat
+        out[names[0]] = Instantiated(terms.sum(reduce_dims) if reduce_dims else terms,
+                                     mass=summed_positions_mass(terms, positions, acc_dtype(terms)))
     if names[1] in trainable:
-        out[names[1]] = Instantiated(G.sum(reduce_dims) if reduce_dims else G)
+        out[names[1]] = Instantiated(G.sum(reduce_dims) if reduce_dims else G,
+                                     mass=summed_positions_mass(G, positions, acc_dtype(G)))
     return out
 
 
@@ -81,7 +89,7 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
     dt = acc_dtype(inputs[0], output_grad)
     if style == "gemma":  # the model itself forms this weight gradient in float32
         grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
-        return {n: Instantiated(f.grads.to(dt)) for n, f in grads.items()}
+        return {n: Instantiated(f.grads.to(dt), f.mass) for n, f in grads.items()}
     return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
 
 

@@ -52,3 +52,27 @@ def test_ordinary_examples_are_not_flagged():
     x = torch.randn(32, 64, 4, dtype=torch.float32) * 100
     controller.loss(model(x)).backward()
     assert bool((controller.last_coefficients > 0).all())
+
+
+class WeightedTokens(nn.Module):
+    """loss_i = sum_t s_it <lin(x_it), w>: token weights s reach the output grads G, not the inputs A."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x, s):
+        return (s[..., None] * self.norm(self.lin(x)) * torch.tensor([1.0, -2.0, 0.5], dtype=x.dtype)).sum((1, 2))
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_cancelling_huge_output_grads_on_zero_inputs_are_refused(clipping):
+    # A = 0 and G_t = (M, -M) * w: the weight's terms vanish, the bias's and LayerNorm's cancel.
+    torch.manual_seed(2)
+    model = WeightedTokens().float()
+    x, s = torch.randn(16, 2, 4), torch.ones(16, 2)
+    x[5], s[5] = 0.0, torch.tensor([1e9, -1e9])
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
+        controller.loss(model(x.float(), s.float()), reduction="sum").backward()
