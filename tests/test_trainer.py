@@ -1,6 +1,5 @@
 """DPTrainer inside transformers' own training loop: exact steps, epsilon in the logs, budget, resume."""
 import copy
-import math
 import os
 
 import pytest

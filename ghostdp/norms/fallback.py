@@ -16,7 +16,6 @@ import warnings
 import torch
 
 from .factors import ELEMENT_BUDGET, Instantiated
-from .registry import find_norm_rule
 
 # Classes whose fallback covers every parameter below them, because their
 # forward uses children's parameters without calling the children.
@@ -101,10 +100,6 @@ def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size)
         for n, g in zip(names, res):
             chunks[n].append(g if g is not None else params[n].new_zeros((hi - lo,) + params[n].shape))
     return {n: Instantiated(torch.cat(chunks[n])) for n in names}
-
-
-def has_rule(module) -> bool:
-    return find_norm_rule(module) is not None and not isinstance(module, OPAQUE_MODULES)
 
 
 __all__ = ["owned_parameters", "hooked_modules", "fallback_grads", "output_batch_dims", "OPAQUE_MODULES"]

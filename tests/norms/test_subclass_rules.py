@@ -3,7 +3,6 @@ import ast
 import importlib
 import pathlib
 
-import pytest
 import torch
 import transformers
 from torch import nn
