@@ -64,7 +64,7 @@ def check_max_grad_norm(value):
 
 
 def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
-    """The leaf of ``leaves`` for this device, made on first call: an empty tensor that requires grad."""
+    """The leaf of ``leaves`` for this device, made on first use: an empty tensor that requires grad."""
     if device not in leaves:
         leaves[device] = torch.zeros(0, device=device, requires_grad=True)
     return leaves[device]
@@ -126,7 +126,7 @@ class GhostClipping:
                 and torch.distributed.get_world_size() > 1:
             raise NotImplementedError(
                 "clipping='bookkeeping' writes the clipped sum into p.grad without a second backward, so DDP's "
-                "gradient all-reduce never runs; with several processes call clipping='ghost'.")
+                "gradient all-reduce never runs; with several processes use clipping='ghost'.")
         self.module = module
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
@@ -158,10 +158,10 @@ class GhostClipping:
         for name, m in hooked_modules(module):
             entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
             if entry is not None and not set(owned_parameters(m)) <= entry.params:
-                entry = None  # a subclass with parameters of its own: its forward differs, call the fallback
+                entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
             self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
                                                          with_kwargs=True))
-            if set(owned_parameters(m)) == set(m._parameters):
+            if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(m)
         _ATTACHED[module] = self
 
@@ -277,7 +277,7 @@ class GhostClipping:
         if not call.fired:
             call.fired = True
             self._pass.calls.append(call)
-            # A parameter with a single live call can be reduced to its norm now and its G freed;
+            # A parameter with a single live use can be reduced to its norm now and its G freed;
             # one with several uses waits for all of them (cross terms).
             call.eager = {n: self._live[p] == 1 and p not in self._pass.pending for n, p in call.params.items()}
             self._forget(call)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..norms.factors import acc_dtype
+
 # |G_v - v ⊙ G_1| <= tolerance * scale: the two backward passes round differently.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}  # float64 models may compute parts in float32 (Llama RMSNorm)
 TOLERANCE_16_BIT = 5e-2
@@ -121,8 +123,7 @@ class LayoutProver:
         return v
 
     def project(self, grad: torch.Tensor):
-        dt = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        w = projection_vector(grad.shape[-1] if grad.dim() else 1, dt, grad.device, self.generator)
+        w = projection_vector(grad.shape[-1] if grad.dim() else 1, acc_dtype(grad), grad.device, self.generator)
         return w, project(grad, w)
 
     def resolve(self, call, batch_size: int) -> None:

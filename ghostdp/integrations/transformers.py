@@ -105,7 +105,7 @@ def _largest_across_ranks(count: int, device) -> int:
     return int(largest.item())
 
 
-class _EpsilonBudget(TrainerCallback):
+class _PrivateRunCallback(TrainerCallback):
     """Stops training before the step that would take epsilon above max_epsilon; keeps the epoch exact."""
 
     def __init__(self, trainer):
@@ -144,7 +144,7 @@ class DPTrainerMixin:
         self._train_loader = None
         self._pending_state = None
         self._epsilon_cache = (None, None)
-        self.add_callback(_EpsilonBudget(self))
+        self.add_callback(_PrivateRunCallback(self))
 
     # ------------------------------------------------------------------ what is refused
     def _refuse_unsupported(self):
