@@ -7,7 +7,7 @@ from scipy import integrate, optimize
 from scipy.stats import norm
 
 from ghostdp.accounting import PRVAccountant, RDPAccountant, get_noise_multiplier
-from ghostdp.accounting.prv import prv_epsilon
+from ghostdp.accounting.prv import _composed, prv_epsilon
 from ghostdp.accounting.rdp import rdp_sampled_gaussian
 
 
@@ -120,13 +120,42 @@ def test_prv_is_below_rdp(sigma, q, steps):
     assert prv_epsilon([[sigma, q, steps]], 1e-5) < rdp.get_epsilon(1e-5)
 
 
+@pytest.mark.parametrize("sigma,steps", [(5.0, 100), (30.0, 1000)])
+@pytest.mark.parametrize("delta", [1e-8, 1e-10])
+def test_prv_at_small_delta_is_tight_and_never_optimistic(sigma, steps, delta):
+    # Float64 round-off alone would take 0.05 (or all) of delta here; long double keeps it tight.
+    exact = gaussian_epsilon(math.sqrt(steps) / sigma, delta)
+    assert exact <= prv_epsilon([[sigma, 1.0, steps]], delta) <= exact + 1e-3
+
+
+def test_prv_at_small_delta_on_a_long_subsampled_run_is_far_below_rdp():
+    # The case: the float64 round-off bound (1e-8) used to leave only RDP's 0.86 at delta = 1e-8;
+    # dp_accounting's PLD gives 0.065. Smaller delta costs more epsilon, never less.
+    history = [[1.0, 1e-4, 10000]]
+    rdp = RDPAccountant()
+    rdp.step(noise_multiplier=1.0, sample_rate=1e-4, num_steps=10000)
+    got = prv_epsilon(history, 1e-8)
+    assert prv_epsilon(history, 1e-7) < got < prv_epsilon(history, 1e-9) < 0.1 * rdp.get_epsilon(1e-8)
+    assert got <= 0.0655
+
+
+def test_prv_in_long_double_agrees_with_float64_where_both_are_tight():
+    history = [[1.0, 0.01, 2000]]
+    for direction in ("remove", "add"):
+        plain = _composed(history, 1e-4, direction, 1e-5)
+        extended = _composed(history, 1e-4, direction, 1e-5, np.longdouble)
+        assert plain.fixed < 1e-2 * 1e-5 and extended.fixed <= plain.fixed
+        # Same grid, same truncations: only the smaller round-off bound (a smaller fixed delta) differs.
+        assert plain.epsilon(1e-5) - 1e-4 <= extended.epsilon(1e-5) <= plain.epsilon(1e-5)
+
+
 def test_prv_accountant_falls_back_to_rdp_where_that_is_smaller():
-    # At delta = 1e-10 the FFT round-off bound dominates the numerical composition on this run.
+    # At delta = 1e-14 even the long double round-off bound dominates the numerical composition.
     acc, rdp = PRVAccountant(), RDPAccountant()
     for a in (acc, rdp):
         a.step(noise_multiplier=0.8, sample_rate=0.004, num_steps=50000)
-    assert prv_epsilon(acc.history, 1e-10) == math.inf
-    assert acc.get_epsilon(1e-10) == rdp.get_epsilon(1e-10) < math.inf
+    assert prv_epsilon(acc.history, 1e-14) == math.inf
+    assert acc.get_epsilon(1e-14) == rdp.get_epsilon(1e-14) < math.inf
 
 
 # ------------------------------------------------------------------ calibration and state
