@@ -7,6 +7,19 @@ import ghostdp
 RTOL = 1e-9
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="device of the tests that take the `device` fixture (the sensitivity audit), e.g. cuda")
+
+
+@pytest.fixture
+def device(request):
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda was given, but torch.cuda.is_available() is False")
+    return device
+
+
 @pytest.fixture(autouse=True)
 def float64_and_seed():
     previous = torch.get_default_dtype()

@@ -100,3 +100,71 @@ def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T)
     controller = ghostdp.GhostClipping(model, 1.0)
     with pytest.raises(RuntimeError, match="batch_first=True"):
         controller.loss(model(torch.randn(T, B, 4)).pow(2).sum((0, 2))).backward()
+
+
+class _Backward(torch.autograd.Function):
+    """Identity forward; backward applies ``change`` to the output grad (a GPU effect or a leak)."""
+
+    @staticmethod
+    def forward(ctx, x, change):
+        ctx.change = change
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.change(g), None
+
+
+def _with_backward(change):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = nn.Linear(6, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.outer(_Backward.apply(torch.tanh(self.inner(x)), change))
+
+    return Model()
+
+
+def _backward_once(model, x):
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.loss(model(x).pow(2).sum((1, 2))).backward()
+    return controller
+
+
+def test_reduction_order_noise_of_a_gpu_passes_the_proof():
+    # Non-deterministic GPU reductions (atomics, split-K) give each backward its own last bits: noise
+    # of 1e-3 relative in a float32 grad must not refuse a layer whose examples stay apart.
+    torch.set_default_dtype(torch.float32)
+    model = _with_backward(lambda g: g * (1 + 1e-3 * torch.randn_like(g)))
+    assert _backward_once(model, torch.randn(8, 5, 6)).last_norms.shape == (8,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_small_leak_between_examples_is_refused(dtype):
+    # 0.1% of the batch's summed grad reaches every example (as a batch statistic would): the
+    # power-of-two cotangents amplify it up to 2^12 times, far beyond the reduction-order allowance.
+    torch.set_default_dtype(dtype)
+    model = _with_backward(lambda g: g + 1e-3 * g.sum(0, keepdim=True))
+    with pytest.raises(RuntimeError, match="module 'inner'.*mixes several examples"):
+        _backward_once(model, torch.randn(8, 5, 6))
+
+
+def test_bfloat16_bert_passes_the_proof_and_its_norms_match_float64():
+    # Before power-of-two cotangents the bf16 rounding of G_v against v * G_1 refused BERT's layers.
+    import transformers
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(config)
+    ids, labels = torch.randint(0, 50, (8, 12)), torch.randint(0, 2, (8,))
+    norms = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        model.to(dtype)
+        controller = ghostdp.GhostClipping(model, 1.0)
+        logits = model(input_ids=ids).logits.float()
+        controller.loss(ghostdp.per_example_loss(nn.CrossEntropyLoss(), logits, labels)).backward()
+        norms[dtype] = controller.last_norms.double()
+        controller.detach()
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(norms[torch.bfloat16], norms[torch.float64], rtol=5e-2, atol=0)

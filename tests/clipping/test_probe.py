@@ -45,17 +45,18 @@ def test_a_custom_function_that_saves_its_output_keeps_working_and_is_exact():
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_float32_lstm_on_cpu_runs_in_both_layouts(batch_first):
-    # mkldnn's LSTM saves its output for backward (the probe used to mark it dirty).
+def test_float32_lstm_runs_in_both_layouts(batch_first, device):
+    # mkldnn's LSTM (CPU) and cuDNN's (--device cuda) save their output for backward (the probe
+    # used to mark it dirty).
     torch.set_default_dtype(torch.float32)
     B, T = 3, 4
-    lstm = nn.LSTM(5, 6, batch_first=batch_first)
-    head = nn.Linear(6, 1)
+    lstm = nn.LSTM(5, 6, batch_first=batch_first).to(device)
+    head = nn.Linear(6, 1).to(device)
     model = nn.ModuleDict(dict(lstm=lstm, head=head))
     import ghostdp
     controller = ghostdp.GhostClipping(model, 1.0)
     x = torch.randn(B, T, 5) if batch_first else torch.randn(T, B, 5)
-    out, _ = lstm(x)
+    out, _ = lstm(x.to(device))
     last = out[:, -1] if batch_first else out[-1]
     controller.loss(head(last).pow(2).sum(1)).backward()
     assert controller.last_norms.shape == (B,) and lstm.weight_ih_l0.grad is not None

@@ -43,7 +43,8 @@ class Arch:
 
 
 def _take(arch, batch, idx):
-    return {k: v.index_select(arch.batch_dims.get(k, 0), torch.as_tensor(idx)) for k, v in batch.items()}
+    return {k: v.index_select(arch.batch_dims.get(k, 0), torch.as_tensor(idx, device=v.device))
+            for k, v in batch.items()}
 
 
 def _cat(arch, a, b):
@@ -268,7 +269,7 @@ def _adversaries(arch, model, one):
             d = arch.batch_dims.get(arch.continuous, 0)
             tokens = x.movedim(d, 0).clone()  # (1, T, dim)
             v = tokens[0, 0]
-            signs = torch.tensor([1.0, -1.0] * (tokens.shape[1] // 2), dtype=x.dtype)
+            signs = torch.tensor([1.0, -1.0] * (tokens.shape[1] // 2), dtype=x.dtype, device=x.device)
             tokens[0] = 1e8 * signs[:, None] * v
             out.append({**one, arch.continuous: tokens.movedim(0, d)})
     return out
@@ -294,12 +295,17 @@ def _cast(batch, dtype):
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
+def _to(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 @pytest.mark.parametrize("arch", ZOO, ids=[a.name for a in ZOO])
-def test_one_example_moves_the_clipped_sum_by_at_most_C(arch):
+def test_one_example_moves_the_clipped_sum_by_at_most_C(arch, device):
+    # pytest tests/privacy --device cuda runs it on a GPU (cuDNN RNNs, cuBLAS rounding).
     g = torch.Generator().manual_seed(0)
-    base = arch.build().double().train()
-    D = arch.batch(B, g)
-    extra = arch.batch(1, g)
+    base = arch.build().double().train().to(device)
+    D = _to(arch.batch(B, g), device)
+    extra = _to(arch.batch(1, g), device)
     probe = ghostdp.GhostClipping(base, 1.0)
     norms = probe.per_example_norms(arch.losses(base, D))
     probe.detach()
