@@ -199,12 +199,13 @@ class DPOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if distributed:
-                p.grad.mul_(self.world_size)
-            if std > 0:
-                self.random_source.add_gaussian_(p.grad, std, divisor)
-            elif divisor != 1.0:
-                p.grad.div_(divisor)
+        grads = [p.grad for p in params]
+        if distributed:
+            torch._foreach_mul_(grads, self.world_size)
+        if std > 0:  # one noise stream over all gradients, in parameter order (randomness.py)
+            self.random_source.add_gaussian_(grads, std, divisor)
+        elif divisor != 1.0:
+            torch._foreach_div_(grads, divisor)
         if distributed:
             self._check_ranks_agree(clipped_fingerprint, self._fingerprint(params))
 

@@ -125,37 +125,71 @@ class RandomSource:
                             device=tensor.device, dtype=dtype)
 
     @torch.no_grad()
-    def add_gaussian_(self, tensor: torch.Tensor, std: float, divisor: float = 1.0) -> None:
-        """tensor <- (tensor + N(0, std^2) noise) / divisor, the noise drawn in float32 or wider.
+    def add_gaussian_(self, tensors, std: float, divisor: float = 1.0) -> None:
+        """Each tensor <- (tensor + N(0, std^2) noise) / divisor, the noise drawn in float32 or wider.
 
-        Draws go block by block through reused scratch buffers: a fresh model-sized noise
-        tensor each step costs as much again in page faults on CPU. A tensor of at most one
-        block (NOISE_BLOCK elements on CPU, ACCELERATOR_NOISE_BLOCK elsewhere, where each block
-        costs kernel launches) gets exactly the values of ``gaussian_like``. On CPU, without a
-        user-supplied generator, the blocks of a larger tensor are drawn by CPU_NOISE_STREAMS
-        threads, block j from sub-stream j mod CPU_NOISE_STREAMS: one CPU generator is serial,
-        and the fixed assignment keeps the draws independent of the number of threads.
+        ``tensors``: one tensor or a sequence (a model's gradients). Tensors that share a device and
+        a noise dtype draw their noise as one stream over their concatenation, in order, and take it
+        with one foreach add per block: a few kernel launches per step instead of several per tensor.
+        The draws go block by block through reused scratch buffers (a fresh model-sized noise tensor
+        each step costs as much again in page faults on CPU): NOISE_BLOCK elements on CPU,
+        ACCELERATOR_NOISE_BLOCK elsewhere. A concatenation of at most one block gets exactly the
+        values of ``gaussian_like`` of its size. On CPU, without a user-supplied generator, the blocks
+        of a larger one are drawn by CPU_NOISE_STREAMS threads, block j from sub-stream j mod
+        CPU_NOISE_STREAMS: one CPU generator is serial, and the fixed assignment keeps the draws
+        independent of the number of threads. secure_mode draws the concatenation from OS entropy.
         """
-        dtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
-        if self.secure or not tensor.is_contiguous():
-            tensor.add_(self.gaussian_like(tensor, std).to(tensor.dtype))
-            if divisor != 1.0:
-                tensor.div_(divisor)
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        groups = {}
+        for t in tensors:
+            if not t.is_contiguous():  # rare (p.grad is contiguous): its own draw, then copied back
+                flat = t.contiguous()
+                self.add_gaussian_([flat], std, divisor)
+                t.copy_(flat)
+                continue
+            dtype = t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+            groups.setdefault((t.device, dtype), []).append(t.view(-1))
+        for (device, dtype), flats in groups.items():
+            self._add_to_concatenation(flats, device, dtype, std, divisor)
+
+    def _add_to_concatenation(self, flats, device, dtype, std, divisor):
+        sizes = [f.numel() for f in flats]
+        total = sum(sizes)
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + n)
+
+        def add_block(noise, lo):
+            """Adds noise (the concatenation's elements lo .. lo + len(noise)) to the tensors it covers."""
+            hi = lo + noise.numel()
+            targets, sources = [], []
+            for flat, start, n in zip(flats, starts, sizes):
+                a, b = max(lo, start), min(hi, start + n)
+                if a < b:
+                    targets.append(flat[a - start:b - start] if b - a < n else flat)
+                    sources.append(noise[a - lo:b - lo])
+            torch._foreach_add_(targets, sources)
+            if divisor != 1.0:  # while the block is in cache: one pass over the tensors, not two
+                torch._foreach_div_(targets, divisor)
+
+        if self.secure:
+            block = ACCELERATOR_NOISE_BLOCK
+            for lo in range(0, total, block):
+                n = min(block, total - lo)
+                add_block(torch.from_numpy(secure_normal(n) * std).to(device=device, dtype=dtype), lo)
             return
-        flat = tensor.view(-1)
-        cpu = tensor.device.type == "cpu"
+        cpu = device.type == "cpu"
         block_size = NOISE_BLOCK if cpu else ACCELERATOR_NOISE_BLOCK
-        parallel = cpu and flat.numel() > block_size and not self._user_generator
+        parallel = cpu and total > block_size and not self._user_generator
         streams = CPU_NOISE_STREAMS if parallel else 1
-        generators = [self._generator(tensor.device, k) for k in range(streams)]
+        generators = [self._generator(device, k) for k in range(streams)]
 
         def fill(stream):
-            scratch = self._scratch_buffer(tensor.device, dtype, stream, min(flat.numel(), block_size))
-            for lo in range(stream * block_size, flat.numel(), streams * block_size):
-                hi = min(flat.numel(), lo + block_size)
-                block = flat[lo:hi].add_(scratch[:hi - lo].normal_(0.0, std, generator=generators[stream]))
-                if divisor != 1.0:
-                    block.div_(divisor)  # while the block is in cache: one pass over the tensor, not two
+            scratch = self._scratch_buffer(device, dtype, stream, min(total, block_size))
+            for lo in range(stream * block_size, total, streams * block_size):
+                n = min(block_size, total - lo)
+                add_block(scratch[:n].normal_(0.0, std, generator=generators[stream]), lo)
 
         if not parallel:
             fill(0)

@@ -29,6 +29,8 @@ def build_model(args):
     from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
                               GPT2ForSequenceClassification)
     torch.manual_seed(0)
+    if args.model.startswith("llama"):
+        return _llama_lora(args)
     if args.model.startswith("bert"):
         config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                             num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
@@ -51,6 +53,28 @@ def build_model(args):
             if "embeddings" in name or ".wte." in name or ".wpe." in name:
                 p.requires_grad_(False)
     return model
+
+
+def _llama_lora(args):
+    """A Llama-architecture classifier (GQA: heads // 8 key-value heads) with LoRA r=16 on q/k/v/o."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=(11 * args.hidden) // 4,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=max(1, args.heads // 8), max_position_embeddings=max(512, args.seq),
+                         num_labels=2, pad_token_id=0)
+    model = LlamaForSequenceClassification(config)
+    return get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                            lora_dropout=0.0, modules_to_save=["score"]))
+
+
+# Weights and compute: "amp" keeps float32 weights and runs forward and loss under bf16 autocast.
+WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "amp": "float32"}
+
+
+def weight_dtype(args):
+    import torch
+    return getattr(torch, WEIGHT_DTYPES[args.dtype])
 
 
 def make_step(mode, model, args, batch):
@@ -77,9 +101,14 @@ def make_step(mode, model, args, batch):
         model, optimizer = made[0], made[1]
         criterion = made[2] if grad_sample_mode == "ghost" else criterion
 
+    autocast = getattr(args, "dtype", "fp32") == "amp"
+    device_type = ids.device.type
+
     def step():
         optimizer.zero_grad(set_to_none=True)
-        criterion(model(input_ids=ids).logits.float(), labels).backward()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            loss = criterion(model(input_ids=ids).logits.float(), labels)
+        loss.backward()
         optimizer.step()
     return step
 
@@ -97,8 +126,7 @@ def measure(args) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = build_model(args).to(device=device, dtype=dtype).train()
+    model = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
     labels = torch.randint(0, 2, (args.batch,), device=device)
     step = make_step(args.mode, model, args, (ids, labels))
@@ -215,7 +243,7 @@ def plot(results, modes, batches, budget, out):
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model options shared by bench and layers (defaults: the issue's BERT L=2, H=256, T=128)."""
-    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora"])
+    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora", "llama-lora"])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -232,7 +260,8 @@ def parse(argv=None):
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES),
+                   help="amp: float32 weights, forward and loss under bf16 autocast")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--budget-mb", type=float, default=None, help="find each mode's largest batch within this")
     p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")

@@ -15,7 +15,7 @@ import argparse
 import copy
 import time
 
-from profiling.bench import MODES, add_model_arguments, available, build_model, make_step
+from profiling.bench import MODES, WEIGHT_DTYPES, add_model_arguments, available, build_model, make_step, weight_dtype
 
 
 def median(values):
@@ -28,8 +28,7 @@ def interleaved_times(args) -> dict:
     import torch
     torch.manual_seed(0)
     device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    template = build_model(args).to(device=device, dtype=dtype).train()
+    template = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
     labels = torch.randint(0, 2, (args.batch,), device=device)
     steps = {mode: make_step(mode, copy.deepcopy(template), args, (ids, labels)) for mode in args.modes}
@@ -65,7 +64,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--modes", nargs="+", default=["plain", "ghost", "bookkeeping"], choices=MODES,
                    help="opacus-ghost and opacus-hooks need opacus and, on BERT, --freeze-embeddings")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES))
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)

@@ -73,10 +73,10 @@ def reference_run(batches, sigma, C, lr, expected_batch, noise_seed):
             c = min(1.0, C / (float(norm) + 1e-6))
             for t, g in zip(total, grads):
                 t += c * g
-        with torch.no_grad():
-            for p, t in zip(params, total):
-                noise = torch.normal(0.0, sigma * C, size=p.shape, generator=gen, dtype=p.dtype)
-                p -= lr * (t + noise) / expected_batch
+        with torch.no_grad():  # one noise draw over all parameters, in order
+            noise = torch.normal(0.0, sigma * C, size=(sum(p.numel() for p in params),), generator=gen)
+            for p, t, n in zip(params, total, noise.split([p.numel() for p in params])):
+                p -= lr * (t + n.view(p.shape).to(p.dtype)) / expected_batch
     return model
 
 

@@ -74,3 +74,24 @@ def test_overhead_benchmark_reports_ratios_ops_and_per_layer_cost_for_both_embed
     assert rows["plain"]["hooked_layers"] < results["trainable"]["plain"]["hooked_layers"]  # frozen embeddings
     assert json.loads(out.read_text())["frozen"]["ghost"]["aten_ops"] == results["frozen"]["ghost"]["aten_ops"]
     assert "ms/layer" in capsys.readouterr().out
+
+
+def test_the_gpu_suite_runs_every_row_scaled_down_and_writes_json_and_plot(tmp_path, capsys):
+    from profiling import suite
+    results = suite.main(["--tiny", "--rounds", "1", "--warmup", "1", "--modes", "plain", "ghost", "bookkeeping",
+                          "--out", str(tmp_path)])
+    assert list(results) == [name for name, _ in suite.ROWS]
+    for name, row in results.items():
+        for mode in ("plain", "ghost", "bookkeeping"):
+            assert "error" not in row[mode], (name, mode, row[mode])
+            assert row[mode]["ms"] > 0 and row[mode]["ratio"] > 0
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert saved["tiny"] and set(saved["results"]) == set(results)
+    assert (tmp_path / "suite.png").stat().st_size > 0
+    assert "Llama-shaped" in capsys.readouterr().out
+
+
+def test_bench_runs_fp32_weights_under_bf16_autocast(tmp_path):
+    results = bench.main(TINY + ["--batches", "2", "--steps", "2", "--warmup", "1", "--modes", "plain", "ghost",
+                                 "bookkeeping", "--dtype", "amp", "--out", str(tmp_path)])
+    assert all("error" not in results[mode][2] for mode in ("plain", "ghost", "bookkeeping")), results

@@ -49,3 +49,27 @@ def test_the_divisor_applies_to_gradient_and_noise_alike():
         undivided = tensor.clone()
         RandomSource(seed=5).add_gaussian_(undivided, 2.0)
         assert torch.equal(divided, undivided / 8.0)
+
+
+def test_several_tensors_draw_one_stream_over_their_concatenation():
+    # Sizes that cross block boundaries; the float64 tensor is a group of its own (another dtype),
+    # drawn after the float32 group from the same generator.
+    sizes = [7, NOISE_BLOCK - 3, 2 * NOISE_BLOCK + 11, 1, 3 * NOISE_BLOCK]
+    tensors = [torch.linspace(-1, 1, n, dtype=torch.float32) for n in sizes]
+    wide = torch.ones(5, 4, dtype=torch.float64)
+    got = [t.clone() for t in tensors] + [wide.clone()]
+    RandomSource(seed=3).add_gaussian_(got, 0.5, divisor=4.0)
+    reference = RandomSource(seed=3)
+    concatenation, alone = torch.cat(tensors), wide.clone()
+    reference.add_gaussian_(concatenation, 0.5, divisor=4.0)
+    reference.add_gaussian_(alone, 0.5, divisor=4.0)
+    assert torch.equal(torch.cat(got[:-1]), concatenation)
+    assert torch.equal(got[-1], alone) and not torch.equal(alone, wide / 4.0)
+
+
+def test_secure_noise_reaches_every_tensor_once_with_the_right_variance():
+    tensors = [torch.zeros(300, 100), torch.zeros(20_000)]
+    RandomSource(secure=True).add_gaussian_(tensors, 2.0)
+    for t in tensors:
+        assert abs(float(t.std()) / 2.0 - 1) < 0.05 and abs(float(t.mean())) < 0.1
+    assert not torch.equal(tensors[0].flatten()[:20_000], tensors[1])
