@@ -12,7 +12,7 @@ G_v[rows of e] = v_e G_1[rows of e]. If a row also holds example j's gradient, t
 2^-SPREAD .. 2^SPREAD: scaling by a power of two is exact in floating point (bf16, TF32 and float16
 as well), so a layer that keeps examples apart gives the same bits in both passes, up to the order
 of non-deterministic GPU reductions; and a leak from j into e shows amplified by |v_j / v_e| (up to
-2^(2 SPREAD)). Both sides are compared per example (l2 over its rows) after projecting the feature
+2^(2 SPREAD)), so the allowance for reduction order (TOLERANCE) can be generous. Both sides are compared per example (l2 over its rows) after projecting the feature
 dim onto a random vector w. The proof runs when a layer's shape signature (which dims equal B) is
 new, and its result is kept for that signature.
 """
@@ -23,10 +23,14 @@ import torch
 from ..norms.factors import acc_dtype
 
 # Per example, |G_v - v_e G_1| <= TOLERANCE * |v_e G_1| (l2 over the example's rows). With power-of-two
-# cotangents only non-deterministic reduction order (GPU atomics, split-K) separates the two passes; a
-# float32 grad may come from bf16 ops upstream (autocast), so every dtype but float64 gets 16-bit room.
-TOLERANCE = {torch.float64: 1e-6}  # float64 models may compute parts in float32 (Llama RMSNorm)
-TOLERANCE_OTHER = 5e-2
+# cotangents only the order of non-deterministic GPU reductions (atomics in attention backward, split-K)
+# separates the two passes: measured up to 0.22 of an example's norm in bf16 (BERT-base, T=512, H100),
+# 0 on CPU and at T=128. A wrong layout mixes every example into each row: the example of smallest |v|
+# (2^-SPREAD) then shows a ratio of the order of 2^(2 SPREAD), and a leak of a fraction l from the example
+# of largest |v| shows as l * 2^(2 SPREAD): refused from l of about 2.4e-4 in 16/32-bit, 2.4e-8 in float64.
+# A float32 grad may come from bf16 ops upstream (autocast), so float32 gets the 16-bit allowance.
+TOLERANCE = {torch.float64: 1e-4}  # float64 models may compute parts in float32 (Llama RMSNorm)
+TOLERANCE_OTHER = 1.0
 SPREAD = 6
 
 BATCH_FIRST = ("dim", 0)
@@ -83,7 +87,9 @@ def holds(layout, projected_v: torch.Tensor, projected_1: torch.Tensor, v: torch
     got, expected = torch.where(finite, got, 0), torch.where(finite, expected, 0)
     residual = (got - expected).norm(dim=1)
     signal = expected.norm(dim=1)
-    floor = 1e-3 * signal.max()  # rows that are zero in one pass and a reordered cancellation in the other
+    # For an example whose rows are zero in one pass and a reordered cancellation in the other: a floor
+    # of 1e-3 of the largest example's unscaled norm, scaled by the example's own |v_e|.
+    floor = 1e-3 * (signal / v.abs()).max() * v.abs()
     return bool((residual <= TOLERANCE.get(dtype, TOLERANCE_OTHER) * signal + floor).all())
 
 
