@@ -244,11 +244,18 @@ class DPOptimizer(torch.optim.Optimizer):
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return
-        # A NaN or inf anywhere makes a tensor's sum non-finite: one cheap reduction per tensor.
-        finite = torch.isfinite(torch.stack([_wide_sum(p.grad).to(params[0].device) for p in params]))
-        if not bool(finite.all()):
-            names = [self._param_names.get(p, f"shape {tuple(p.shape)}")
-                     for p, ok in zip(params, finite.tolist()) if not ok]
+        # A NaN or inf anywhere makes a tensor's 2-norm non-finite: one foreach reduction over all
+        # gradients. A finite gradient above ~1e19 (float32) overflows its norm, so a non-finite norm is
+        # confirmed element by element before it is reported.
+        grads = [p.grad for p in params]
+        norms = torch._foreach_norm(grads)
+        if len({n.device for n in norms}) > 1:
+            norms = [n.to(params[0].device) for n in norms]
+        if not bool(torch.isfinite(torch.stack(norms)).all()):
+            bad = [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
+            if not bad:
+                return
+            names = [self._param_names.get(p, f"shape {tuple(p.shape)}") for p in bad]
             raise FloatingPointError(
                 f"the clipped gradient of {names[:5]} is NaN or infinite. With nonfinite='skip' an example's "
                 "clip coefficient is 0, but NaN or inf activations still reach p.grad (0 * nan = nan); find "

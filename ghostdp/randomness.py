@@ -11,6 +11,7 @@ uses). This is much slower than the default, and its draws cannot be replayed.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import secrets
@@ -164,7 +165,10 @@ class RandomSource:
             """Adds noise (the concatenation's elements lo .. lo + len(noise)) to the tensors it covers."""
             hi = lo + noise.numel()
             targets, sources = [], []
-            for flat, start, n in zip(flats, starts, sizes):
+            for k in range(bisect.bisect_right(starts, lo) - 1, len(flats)):
+                flat, start, n = flats[k], starts[k], sizes[k]
+                if start >= hi:
+                    break
                 a, b = max(lo, start), min(hi, start + n)
                 if a < b:
                     targets.append(flat[a - start:b - start] if b - a < n else flat)

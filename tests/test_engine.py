@@ -278,6 +278,17 @@ def test_nan_activations_are_refused_at_step_even_when_skipping():
         opt.step()
 
 
+def test_a_finite_gradient_whose_norm_overflows_is_not_called_nan():
+    # The check reduces each gradient to its 2-norm, which overflows float32 above ~1e19.
+    torch.set_default_dtype(torch.float32)
+    _, model, opt, crit, loader = private(model=torch.nn.Linear(D, K), noise_multiplier=0.0, poisson_sampling=False)
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    model.weight.grad[0, 0] = 1e30
+    opt.step()
+    assert torch.isfinite(model.weight).all()
+
+
 def test_optimizer_over_other_parameters_is_refused():
     model, other = make_model(), make_model()
     with pytest.raises(ValueError, match="not parameters of the private model"):

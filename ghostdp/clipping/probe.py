@@ -34,6 +34,17 @@ def _reshaped_base(t: torch.Tensor):
     return base
 
 
+_EMPTY = {}
+
+
+def _empty_grad(device, dtype) -> torch.Tensor:
+    """The probe's gradient: zero-size, so one shared tensor per device and dtype serves every call."""
+    key = (device, dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.zeros(0, device=device, dtype=dtype)
+    return _EMPTY[key]
+
+
 class ProbeIdentity(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, probe, call, slot, in_place, output_shape):
@@ -55,8 +66,7 @@ class ProbeIdentity(torch.autograd.Function):
         if call.controller._receives_output_grads():
             shaped = grad if ctx.output_shape is None else grad.view(ctx.output_shape)
             call.controller._receive(call, ctx.slot, shaped)
-            device, dtype = ctx.probe_meta
-            return grad, torch.zeros(0, device=device, dtype=dtype), None, None, None, None
+            return grad, _empty_grad(*ctx.probe_meta), None, None, None, None
         if grad.numel():  # a gradient with no rows (an empty batch) carries no example
             call.controller._refuse_if_not_from_dp_loss(call)
         return grad, None, None, None, None, None

@@ -175,7 +175,8 @@ class Instantiated(PerExampleGrad):
 
     def sq_norm(self, grams=None) -> torch.Tensor:
         g = self.grads.reshape(self.batch_size, -1)
-        return g.to(acc_dtype(g)).pow(2).sum(1)
+        g = g.to(acc_dtype(g))
+        return torch.linalg.vecdot(g, g)
 
     def materialize(self, lo, hi):
         return self.grads[lo:hi].to(acc_dtype(self.grads))
@@ -233,6 +234,8 @@ class OuterProduct(PerExampleGrad):
         tile = gram_tile(B, T, self.left.device.type)
         if prefers_gram(T, m, n, tile):
             shared = grams if self.input_side is not None else None
+            if tile >= T:  # one tile: the two Grams and one batched dot product
+                return _whole_gram_sq_norm(self.left, self.right, dt, shared, self.input_side)
             return gram_sq_norm(self.left, self.right, dt, tile, shared, self.input_side)
         return super().sq_norm()
 
@@ -393,6 +396,15 @@ class Blocks(PerExampleGrad):
         return None
 
 
+def _whole_gram_sq_norm(left, right, dt, grams=None, input_side=None):
+    """gram_sq_norm with a single tile: <L_i L_i^T, R_i R_i^T> as one batched dot product."""
+    def gram(side, x):
+        if grams is not None and side == input_side:
+            return grams.whole(x, dt)
+        return wide_matmul(x, x.transpose(1, 2), dt)
+    return torch.linalg.vecdot(gram("left", left).flatten(1), gram("right", right).flatten(1))
+
+
 def gram_sq_norm(left, right, dt, tile, grams=None, input_side=None):
     """||L_i^T R_i||^2 = sum_{t,s} (L_i L_i^T)_{ts} (R_i R_i^T)_{ts} per example, over (t, s) tiles with
     s >= t: both Grams are symmetric, so a tile off the diagonal counts twice. With ``grams``, the
@@ -430,6 +442,14 @@ class InputGrams:
         if x.numel() == 0 or key != self._key:
             self._key, self._tensor, self._dtype, self._tiles = key, x, dt, {}
         return self
+
+    def whole(self, x: torch.Tensor, dt) -> torch.Tensor:
+        """The whole Gram X_i X_i^T (one tile), formed once per input tensor."""
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt)
+        if key != self._key or x.numel() == 0:
+            self._key, self._tensor, self._dtype = key, x, dt
+            self._tiles = {None: wide_matmul(x, x.transpose(1, 2), dt)}
+        return self._tiles[None]
 
     def get(self, a, b, xa, xb):
         if (a, b) not in self._tiles:
