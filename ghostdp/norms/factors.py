@@ -209,6 +209,22 @@ class OuterProduct(PerExampleGrad):
         self.param_shape = torch.Size(param_shape)
         self.input_side = input_side
 
+    @property
+    def operand_dtype(self):
+        """The 16-bit dtype of one side where the other is wider, else None. A 16-bit output grad
+        next to a float32 input means the layer multiplied in 16 bits (autocast casts its input), so
+        the wider side is cast to it: Grams and clipped sums then run on tensor cores as the layer's
+        own matmul did, and equal what autograd forms from the cast input."""
+        a, b = self.left.dtype, self.right.dtype
+        if a == b:
+            return None
+        return a if a in (torch.float16, torch.bfloat16) else b if b in (torch.float16, torch.bfloat16) else None
+
+    def operands(self, lo=0, hi=None):
+        cast = self.operand_dtype
+        left, right = self.left[lo:hi], self.right[lo:hi]
+        return (left, right) if cast is None else (left.to(cast), right.to(cast))
+
     def token_mass(self) -> torch.Tensor | None:
         # sum_t |L_t| |R_t| <= |L|_F |R|_F (Cauchy-Schwarz), which bounds the entrywise sum of the terms
         # |L_t R_t^T| over tokens. One token (T = 1): the gradient is the term, nothing can cancel.
@@ -235,13 +251,14 @@ class OuterProduct(PerExampleGrad):
         if prefers_gram(T, m, n, tile):
             shared = grams if self.input_side is not None else None
             if tile >= T:  # one tile: the two Grams and one batched dot product
-                return _whole_gram_sq_norm(self.left, self.right, dt, shared, self.input_side)
-            return gram_sq_norm(self.left, self.right, dt, tile, shared, self.input_side)
+                return _whole_gram_sq_norm(self.left, self.right, dt, shared, self.input_side, self.operand_dtype)
+            return gram_sq_norm(*self.operands(), dt, tile, shared, self.input_side)
         return super().sq_norm()
 
     def materialize(self, lo, hi):
         dt = acc_dtype(self.left, self.right)
-        g = wide_matmul(self.left[lo:hi].transpose(1, 2), self.right[lo:hi], dt)
+        left, right = self.operands(lo, hi)
+        g = wide_matmul(left.transpose(1, 2), right, dt)
         return g.reshape(hi - lo, *self.param_shape)
 
     def weighted_sum(self, weights):
@@ -249,7 +266,7 @@ class OuterProduct(PerExampleGrad):
         # a weight gradient, with the weights applied to the narrower of the two.
         dt = acc_dtype(self.left, self.right)
         w = weights.to(dt)[:, None, None]
-        left, right = self.left, self.right
+        left, right = self.operands()
         # On the 16-bit tensor-core path c_i L_i is rounded to 16 bits, as pass 2 of the two-pass mode
         # rounds c_i G_i; elsewhere it stays in dt.
         scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
@@ -396,11 +413,13 @@ class Blocks(PerExampleGrad):
         return None
 
 
-def _whole_gram_sq_norm(left, right, dt, grams=None, input_side=None):
-    """gram_sq_norm with a single tile: <L_i L_i^T, R_i R_i^T> as one batched dot product."""
+def _whole_gram_sq_norm(left, right, dt, grams=None, input_side=None, operand_dtype=None):
+    """gram_sq_norm with a single tile: <L_i L_i^T, R_i R_i^T> as one batched dot product; each side
+    cast to ``operand_dtype`` first where given (OuterProduct.operand_dtype)."""
     def gram(side, x):
         if grams is not None and side == input_side:
-            return grams.whole(x, dt)
+            return grams.whole(x, dt, operand_dtype)
+        x = x if operand_dtype is None else x.to(operand_dtype)
         return wide_matmul(x, x.transpose(1, 2), dt)
     return torch.linalg.vecdot(gram("left", left).flatten(1), gram("right", right).flatten(1))
 
@@ -443,12 +462,14 @@ class InputGrams:
             self._key, self._tensor, self._dtype, self._tiles = key, x, dt, {}
         return self
 
-    def whole(self, x: torch.Tensor, dt) -> torch.Tensor:
-        """The whole Gram X_i X_i^T (one tile), formed once per input tensor."""
-        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt)
+    def whole(self, x: torch.Tensor, dt, operand_dtype=None) -> torch.Tensor:
+        """The whole Gram X_i X_i^T (one tile), formed once per input tensor (from x cast to
+        ``operand_dtype`` where given; the cache is keyed by x itself)."""
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, operand_dtype)
         if key != self._key or x.numel() == 0:
             self._key, self._tensor, self._dtype = key, x, dt
-            self._tiles = {None: wide_matmul(x, x.transpose(1, 2), dt)}
+            operand = x if operand_dtype is None else x.to(operand_dtype)
+            self._tiles = {None: wide_matmul(operand, operand.transpose(1, 2), dt)}
         return self._tiles[None]
 
     def get(self, a, b, xa, xb):

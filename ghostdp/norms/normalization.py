@@ -1,7 +1,10 @@
 """LayerNorm, GroupNorm, RMSNorm: per-example gradients are (B, d), so instantiate them.
 
 For y = w * xhat + b:  dL/dw_i = sum over positions of G * xhat,  dL/db_i = sum of G.
-xhat is recomputed from the saved input in float32 or better.
+xhat is recomputed from the saved input. float32 and float64 inputs are used as they are;
+16-bit inputs are read in their own dtype (no float32 copies of x, G, xhat and G * xhat, each as
+large as the layer's activations): xhat and G * xhat are formed in 16 bits, and the sums over
+positions and the norms accumulate in float32 inside the reductions.
 """
 from __future__ import annotations
 
@@ -13,19 +16,31 @@ import torch.nn.functional as F
 from .factors import Instantiated, acc_dtype, summed_positions_mass
 from .registry import qualified_name, register_norm_rule
 
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def _working(x, G):
+    """x and G as the rule reads them: as they are where either is 16-bit (the reductions accumulate in
+    float32), else both in the accumulation dtype."""
+    if x.dtype in SIXTEEN_BIT or G.dtype in SIXTEEN_BIT:
+        return x, G
+    dt = acc_dtype(x, G)
+    return x.to(dt), G.to(dt)
+
 
 def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias")):
     """Per-example sums over the positions ``reduce_dims`` of G * xhat (weight) and G (bias), each with the
-    token mass of that sum (precision.py)."""
+    token mass of that sum (precision.py); sums and masses accumulate in float32 or better."""
     positions = math.prod(G.shape[d] for d in reduce_dims)
+    dt = acc_dtype(xhat, G)
     out = {}
     if names[0] in trainable:
         terms = G * xhat
-        out[names[0]] = Instantiated(terms.sum(reduce_dims) if reduce_dims else terms,
-                                     mass=summed_positions_mass(terms, positions, acc_dtype(terms)))
+        out[names[0]] = Instantiated(terms.sum(reduce_dims, dtype=dt) if reduce_dims else terms.to(dt),
+                                     mass=summed_positions_mass(terms, positions, dt))
     if names[1] in trainable:
-        out[names[1]] = Instantiated(G.sum(reduce_dims) if reduce_dims else G,
-                                     mass=summed_positions_mass(G, positions, acc_dtype(G)))
+        out[names[1]] = Instantiated(G.sum(reduce_dims, dtype=dt) if reduce_dims else G.to(dt),
+                                     mass=summed_positions_mass(G, positions, dt))
     return out
 
 
@@ -36,26 +51,25 @@ def _leading_dims(x, n_normalized):
 
 @register_norm_rule(torch.nn.LayerNorm, tokenwise=True)
 def layer_norm_rule(module, inputs, output_grad, trainable):
-    dt = acc_dtype(inputs[0], output_grad)
-    x, G = inputs[0].to(dt), output_grad.to(dt)
+    x, G = _working(inputs[0], output_grad)
     xhat = F.layer_norm(x, module.normalized_shape, eps=module.eps)  # (x - mean) / sqrt(var + eps), fused
     return _affine_grads(xhat, G, trainable, _leading_dims(x, len(module.normalized_shape)))
 
 
 @register_norm_rule(torch.nn.RMSNorm, tokenwise=True)
 def rms_norm_rule(module, inputs, output_grad, trainable):
-    dt = acc_dtype(inputs[0], output_grad)
-    x, G = inputs[0].to(dt), output_grad.to(dt)
+    x, G = _working(inputs[0], output_grad)
     dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
     eps = module.eps if module.eps is not None else torch.finfo(inputs[0].dtype).eps
-    xhat = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    mean_square = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=acc_dtype(x)).square() / math.prod(
+        x.shape[d] for d in dims)
+    xhat = x * torch.rsqrt(mean_square + eps).to(x.dtype)
     return _affine_grads(xhat, G, trainable, _leading_dims(x, len(dims)))
 
 
 @register_norm_rule(torch.nn.GroupNorm)
 def group_norm_rule(module, inputs, output_grad, trainable):
-    dt = acc_dtype(inputs[0], output_grad)
-    x, G = inputs[0].to(dt), output_grad.to(dt)
+    x, G = _working(inputs[0], output_grad)
     xhat = F.group_norm(x, module.num_groups, eps=module.eps)
     spatial = tuple(range(2, x.dim()))
     return _affine_grads(xhat, G, trainable, spatial)

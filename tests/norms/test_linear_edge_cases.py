@@ -24,3 +24,23 @@ def test_a_zero_length_sequence_next_to_ordinary_tokens_adds_nothing():
     lin.zero_grad()
     controller.loss(lin(x).sum((1, 2)), reduction="sum").backward()
     torch.testing.assert_close(with_empty, controller.last_norms)
+
+
+def test_a_16_bit_output_grad_with_a_float32_input_is_multiplied_as_autocast_did():
+    # Under autocast a Linear casts its float32 input to bf16 for the matmul, so its output grad G is
+    # bf16 and autograd's weight gradient is G^T bf16(A). The factor casts A as well: its Gram, its
+    # per-example gradient and its clipped sum are those of bf16(A), in one dtype (tensor cores on a GPU).
+    from ghostdp.norms.factors import InputGrams, OuterProduct
+    B, T, d, p = 3, 5, 7, 4
+    A = torch.randn(B, T, d, dtype=torch.float32) * (1 + 1e-3 * torch.randn(B, T, d, dtype=torch.float32))
+    G = torch.randn(B, T, p, dtype=torch.bfloat16)
+    factor = OuterProduct(G, A, (p, d), input_side="right")
+    assert factor.operand_dtype == torch.bfloat16
+    exact = torch.einsum("btp,btd->bpd", G.double(), A.bfloat16().double())  # autograd's, in float64
+    assert not torch.allclose(exact, torch.einsum("btp,btd->bpd", G.double(), A.double()), rtol=1e-4)
+    for grams in (None, InputGrams()):
+        torch.testing.assert_close(factor.sq_norm(grams).double(), exact.pow(2).sum((1, 2)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(factor.materialize(0, B).double(), exact, rtol=1e-5, atol=1e-6)
+    c = torch.tensor([0.5, 1.0, 0.25], dtype=torch.float64)
+    torch.testing.assert_close(factor.weighted_sum(c).double(), torch.einsum("b,bpd->pd", c, exact),
+                               rtol=1e-2, atol=1e-2)  # c_i L_i rounded to bf16, as pass 2 rounds c_i G_i
