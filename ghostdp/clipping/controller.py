@@ -18,7 +18,7 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -90,6 +90,16 @@ def _attached_controller(module):
     return None, None
 
 
+def _edge(t: torch.Tensor) -> GradientEdge:
+    """t's gradient edge. For the output of a C++ op this is (grad_fn, output_nr); get_gradient_edge
+    would also make an ownership token (an extra view op) for a Python Function's output, and find
+    the accumulator of a leaf."""
+    node = t.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):
+        return get_gradient_edge(t)
+    return GradientEdge(node, t.output_nr)
+
+
 def _leading_dim(args, kwargs):
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -136,7 +146,7 @@ class GhostClipping:
         self._probes = {}
         self._anchors = {}
         self._graph_needed_after_pass1 = False
-        self._live = defaultdict(int)  # parameter -> recorded, not yet consumed uses
+        self._live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
         self._pass = None
         self._in_fallback = False
         self._batch_hint = None
@@ -157,7 +167,7 @@ class GhostClipping:
         # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
         self.next_loss_is_padding = False
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
-        self._plain_owners = weakref.WeakSet()  # modules whose owned parameters are their _parameters
+        self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
         for name, m in hooked_modules(module):
             entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
             if entry is not None and not set(owned_parameters(m)) <= entry.params:
@@ -165,7 +175,7 @@ class GhostClipping:
             self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
                                                          with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
-                self._plain_owners.add(m)
+                self._plain_owners.add(id(m))
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
@@ -231,7 +241,7 @@ class GhostClipping:
         new_flat = list(flat)
         for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
             t = flat[i]
-            call.edges.append(get_gradient_edge(t))
+            call.edges.append(_edge(t))
             # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
             # batch here so that its output grad stays per example.
             expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
@@ -245,27 +255,30 @@ class GhostClipping:
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        call.input_nodes = frozenset(get_gradient_edge(a).node for a in inputs if a.requires_grad)
+        # The nodes that bound the call's region below (the audit stops there); a leaf input has
+        # only its gradient accumulator below, where the audit stops anyway.
+        call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
         if rule is not None:
             if call.expanded[0]:
                 inputs = [a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in inputs]
             call.inputs = tuple(inputs)
         for p in params.values():
-            self._live[p] += 1
+            self._live[id(p)] += 1
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after
         attaching works), from its parameter dict directly where it owns no parameter containers."""
-        if module in self._plain_owners:
+        if id(module) in self._plain_owners:
             return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
         return {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
 
     def _forget(self, call):
         for p in call.params.values():
-            self._live[p] -= 1
-            if self._live[p] <= 0:
-                del self._live[p]
+            key = id(p)
+            self._live[key] -= 1
+            if self._live[key] <= 0:
+                del self._live[key]
 
     # ----------------------------------------------------------------- pass 1
     def _receives_output_grads(self) -> bool:
@@ -282,7 +295,7 @@ class GhostClipping:
             self._pass.calls.append(call)
             # A parameter with a single live use can be reduced to its norm now and its G freed;
             # one with several uses waits for all of them (cross terms).
-            call.eager = {n: self._live[p] == 1 and p not in self._pass.pending for n, p in call.params.items()}
+            call.eager = {n: self._live[id(p)] == 1 and p not in self._pass.pending for n, p in call.params.items()}
             self._forget(call)
         if len(call.grads) == 1:
             self._compute(call)

@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import torch
 
-from ..norms.factors import InputGrams
+from ..norms.factors import InputGrams, SqrtProduct
 from .modes import new_factor_store
 
 
@@ -45,6 +45,7 @@ class NormPass:
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.sq_parts = []                # per layer, (B,) squared norms
         self.masses = []                  # per layer, (B,) bounds of sum_t |G_t| |A_t| (precision.py)
+        self.root_masses = []             # per layer, such bounds as SqrtProduct(a, b): sqrt(a b)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several calls
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
@@ -65,18 +66,33 @@ class NormPass:
         return torch.stack(parts).sum(0).double()
 
     def add_mass(self, factor):
-        mass = factor.token_mass()
+        mass = factor.token_mass(self.grams)
         if mass is None:
             return
-        self.masses.append(mass)
+        if isinstance(mass, SqrtProduct):
+            self.root_masses.append(mass)
+        else:
+            self.masses.append(mass)
         dtype = factor.sum_dtype()
         if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
             self.mass_dtype = dtype
 
     def total_mass(self):
         """(B,) sum over layers of the examples' token masses, or None if no layer has one."""
-        if not self.masses:
+        masses = list(self.masses)
+        # sqrt(a b) of every such layer in one expression per kind of b: (B,) tensors, or numbers.
+        by_tensor = [m for m in self.root_masses if isinstance(m.b, torch.Tensor)]
+        by_number = [m for m in self.root_masses if not isinstance(m.b, torch.Tensor)]
+        if by_tensor:
+            a = torch.stack([m.a for m in by_tensor]).double()
+            b = torch.stack([m.b for m in by_tensor]).double()
+            masses.append((a * b).clamp(min=0).sqrt().sum(0))
+        if by_number:
+            a = torch.stack([m.a for m in by_number]).double()
+            b = torch.tensor([float(m.b) for m in by_number], dtype=torch.float64, device=a.device)[:, None]
+            masses.append((a * b).clamp(min=0).sqrt().sum(0))
+        if not masses:
             return None
-        dtypes = {m.dtype for m in self.masses}
-        masses = self.masses if len(dtypes) == 1 else [m.double() for m in self.masses]
+        dtypes = {m.dtype for m in masses}
+        masses = masses if len(dtypes) == 1 else [m.double() for m in masses]
         return torch.stack(masses).sum(0)

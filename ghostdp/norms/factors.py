@@ -13,9 +13,11 @@ one parameter implicitly, and can give
   times in a step (tied weights, a module called twice);
 - ``weighted_sum(c)``: sum_i c_i g_i, the clipped sum of book-keeping mode,
   formed without per-example gradients where the factor allows;
-- ``token_mass()``: (B,) an upper bound of the sum over an example's terms (tokens) of |term|,
-  which bounds what the example adds to the batch's float accumulations (their rounding), or
-  None where nothing in the example can cancel (one term, or a finished per-example gradient).
+- ``token_mass(grams=None)``: (B,) an upper bound of the sum over an example's terms (tokens) of
+  |term|, which bounds what the example adds to the batch's float accumulations (their rounding),
+  or None where nothing in the example can cancel (one term, or a finished per-example gradient);
+  a ``SqrtProduct`` where it is sqrt(a b) of per-example Gram traces, which the norm pass forms
+  for all layers at once.
 
 Memory is bounded by ``ELEMENT_BUDGET``: no temporary built here holds more
 than that many elements (beyond one example's worth when a single example is
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -102,6 +106,18 @@ def summed_positions_mass(terms: torch.Tensor, positions: int, dtype) -> torch.T
     return torch.linalg.vector_norm(terms, dim=tuple(range(1, terms.dim())), dtype=dtype) * math.sqrt(positions)
 
 
+class SqrtProduct(NamedTuple):
+    """A token mass sqrt(a * b), a a (B,) tensor and b a (B,) tensor or a number: the norm pass stacks
+    every layer's a and b and forms the roots in one expression instead of two small ops per layer."""
+    a: torch.Tensor
+    b: "torch.Tensor | float"
+
+
+def _trace(gram: torch.Tensor) -> torch.Tensor:
+    """(B,) traces of (B, T, T) Grams: sum_t |X_t|^2 = |X_i|_F^2."""
+    return torch.diagonal(gram, 0, 1, 2).sum(-1)
+
+
 def _example_chunks(batch: int, per_example: int):
     step = max(1, ELEMENT_BUDGET // max(1, per_example))
     for lo in range(0, batch, step):
@@ -124,7 +140,7 @@ class PerExampleGrad:
     def materialize(self, lo: int, hi: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def token_mass(self) -> torch.Tensor | None:
+    def token_mass(self, grams=None) -> torch.Tensor | SqrtProduct | None:
         return None
 
     def sum_dtype(self) -> torch.dtype:
@@ -167,7 +183,7 @@ class Instantiated(PerExampleGrad):
         self.param_shape = grads.shape[1:]
         self.mass = mass
 
-    def token_mass(self):
+    def token_mass(self, grams=None):
         return self.mass
 
     def sum_dtype(self):
@@ -191,6 +207,50 @@ class Instantiated(PerExampleGrad):
         return None
 
 
+class SummedTokens(Instantiated):
+    """g_i = sum_t G_it (a Linear's bias), formed on first use. Its squared norm |sum_t G_t|^2 is the
+    sum of the Gram G_i G_i^T and its token mass sqrt(T) |G_i|_F a root of that Gram's trace, where the
+    weight's norm has just formed that Gram (the pass's cache); otherwise from the sum itself."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens  # (B, T, p)
+        self.batch_size = tokens.shape[0]
+        self.param_shape = tokens.shape[2:]
+        self._grads = None
+
+    @property
+    def grads(self):
+        if self._grads is None:
+            self._grads = self.tokens.sum(1, dtype=acc_dtype(self.tokens))
+        return self._grads
+
+    @property
+    def mass(self):
+        T = self.tokens.shape[1]
+        return summed_positions_mass(self.tokens, T, acc_dtype(self.tokens))
+
+    def _cached(self, grams):
+        """(dt, operand dtype) under which the weight's norm kept the tokens' Gram, or None."""
+        if grams is None or self.tokens.shape[1] <= 1:
+            return None
+        dt = acc_dtype(self.tokens)
+        for operand_dtype in (None, self.tokens.dtype):  # cast to their own dtype (autocast) or not
+            if grams.cached_key(self.tokens, dt, operand_dtype) is not None:
+                return dt, operand_dtype
+        return None
+
+    def token_mass(self, grams=None):
+        T = self.tokens.shape[1]
+        if T <= 1:
+            return None
+        cached = self._cached(grams)
+        return SqrtProduct(grams.whole_trace(self.tokens, *cached), float(T)) if cached else self.mass
+
+    def sq_norm(self, grams=None):
+        cached = self._cached(grams)
+        return grams.whole(self.tokens, *cached).sum((1, 2)) if cached else super().sq_norm()
+
+
 class OuterProduct(PerExampleGrad):
     """g_i = left_i^T right_i with left (B, T, m) and right (B, T, n), reshaped to param_shape.
 
@@ -200,11 +260,10 @@ class OuterProduct(PerExampleGrad):
     Gram other layers reading the same tensor can share (query, key and value).
     """
 
-    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape, input_side=None, known_norms=None):
+    def __init__(self, left: torch.Tensor, right: torch.Tensor, param_shape, input_side=None):
         assert left.shape[:2] == right.shape[:2], (left.shape, right.shape)
         assert input_side in (None, "left", "right"), input_side
         self.left, self.right = left, right
-        self.known_norms = known_norms or {}  # side -> (B,) Frobenius norms the rule already formed
         self.batch_size = left.shape[0]
         self.param_shape = torch.Size(param_shape)
         self.input_side = input_side
@@ -225,16 +284,26 @@ class OuterProduct(PerExampleGrad):
         left, right = self.left[lo:hi], self.right[lo:hi]
         return (left, right) if cast is None else (left.to(cast), right.to(cast))
 
-    def token_mass(self) -> torch.Tensor | None:
+    def _whole_grams(self, grams) -> bool:
+        """Whether the norm takes the one-tile Gram path with the pass's Gram cache (see sq_norm)."""
+        B, T, m = self.left.shape
+        return grams is not None and T > 1 and gram_tile(B, T, self.left.device.type) >= T \
+            and prefers_gram(T, m, self.right.shape[-1], T)
+
+    def _gram(self, grams, x):
+        return grams.whole(x, acc_dtype(self.left, self.right), self.operand_dtype)
+
+    def token_mass(self, grams=None):
         # sum_t |L_t| |R_t| <= |L|_F |R|_F (Cauchy-Schwarz), which bounds the entrywise sum of the terms
         # |L_t R_t^T| over tokens. One token (T = 1): the gradient is the term, nothing can cancel.
         if self.left.shape[1] <= 1:
             return None
+        if self._whole_grams(grams):  # |X|_F^2 is the trace of the Gram that sq_norm uses anyway
+            dt, cast = acc_dtype(self.left, self.right), self.operand_dtype
+            return SqrtProduct(grams.whole_trace(self.left, dt, cast), grams.whole_trace(self.right, dt, cast))
         dt = acc_dtype(self.left, self.right)
-        left, right = (self.known_norms.get(side) for side in ("left", "right"))
-        left = torch.linalg.vector_norm(self.left, dim=(1, 2), dtype=dt) if left is None else left
-        right = torch.linalg.vector_norm(self.right, dim=(1, 2), dtype=dt) if right is None else right
-        return left * right
+        return (torch.linalg.vector_norm(self.left, dim=(1, 2), dtype=dt)
+                * torch.linalg.vector_norm(self.right, dim=(1, 2), dtype=dt))
 
     def sum_dtype(self):
         return acc_dtype(self.left, self.right)
@@ -247,11 +316,12 @@ class OuterProduct(PerExampleGrad):
             return torch.zeros(B, dtype=dt, device=self.left.device)
         if T == 1:  # ||g_i||^2 = ||l_i||^2 ||r_i||^2 for a rank-one gradient
             return self.left.to(dt).pow(2).sum((1, 2)) * self.right.to(dt).pow(2).sum((1, 2))
+        if self._whole_grams(grams):  # one tile: the two Grams (cached) and one batched dot product
+            return torch.linalg.vecdot(self._gram(grams, self.left).flatten(1),
+                                       self._gram(grams, self.right).flatten(1))
         tile = gram_tile(B, T, self.left.device.type)
         if prefers_gram(T, m, n, tile):
             shared = grams if self.input_side is not None else None
-            if tile >= T:  # one tile: the two Grams and one batched dot product
-                return _whole_gram_sq_norm(self.left, self.right, dt, shared, self.input_side, self.operand_dtype)
             return gram_sq_norm(*self.operands(), dt, tile, shared, self.input_side)
         return super().sq_norm()
 
@@ -325,7 +395,7 @@ class EmbeddingGather(PerExampleGrad):
             grads = torch.where(self._valid()[lo:hi].unsqueeze(-1), grads, 0)
         return grads
 
-    def token_mass(self):
+    def token_mass(self, grams=None):
         # sum_t |G_t| <= sqrt(T) |G|_F over the example's non-padding positions.
         grads = self.grads if self.padding_idx is None else self._grads()
         return torch.linalg.vector_norm(grads, dim=(1, 2), dtype=acc_dtype(self.grads)) * math.sqrt(grads.shape[1])
@@ -392,7 +462,7 @@ class Blocks(PerExampleGrad):
     def sq_norm(self, grams=None):
         return sum(b.sq_norm() for b in self.blocks)
 
-    def token_mass(self):
+    def token_mass(self, grams=None):
         masses = [b.token_mass() for b in self.blocks]
         return None if any(m is None for m in masses) else sum(masses)
 
@@ -411,17 +481,6 @@ class Blocks(PerExampleGrad):
             if all(m is not None for m in merged):
                 return Blocks(merged, self.param_shape, self.dim)
         return None
-
-
-def _whole_gram_sq_norm(left, right, dt, grams=None, input_side=None, operand_dtype=None):
-    """gram_sq_norm with a single tile: <L_i L_i^T, R_i R_i^T> as one batched dot product; each side
-    cast to ``operand_dtype`` first where given (OuterProduct.operand_dtype)."""
-    def gram(side, x):
-        if grams is not None and side == input_side:
-            return grams.whole(x, dt, operand_dtype)
-        x = x if operand_dtype is None else x.to(operand_dtype)
-        return wide_matmul(x, x.transpose(1, 2), dt)
-    return torch.linalg.vecdot(gram("left", left).flatten(1), gram("right", right).flatten(1))
 
 
 def gram_sq_norm(left, right, dt, tile, grams=None, input_side=None):
@@ -444,17 +503,26 @@ def gram_sq_norm(left, right, dt, tile, grams=None, input_side=None):
     return total
 
 
+def _owner(x: torch.Tensor) -> torch.Tensor:
+    return x if x._base is None else x._base
+
+
 class InputGrams:
-    """The Gram tiles X_i X_i^T of the last layer input seen in a norm pass, for the next layer that
-    reads the same tensor: a transformer's query, key and value projections share one input, whose
-    Gram is then formed once instead of three times. One input is kept at a time (the three run
-    back to back in the backward), so the memory is one Gram's."""
+    """The Grams X_i X_i^T a norm pass formed last, for the next factor that reads the same tensor:
+    a transformer's query, key and value projections share one input, whose Gram is then formed
+    once instead of three times, and a Linear's weight and bias share its output grad's Gram (the
+    bias norm |sum_t G_t|^2 is that Gram's sum, the token masses are traces). Whole Grams (one tile)
+    are kept for the last three tensors used, tiles for the last tensor: the layers run back to back
+    in the backward, so the memory is about three Grams; tensors are held weakly."""
+
+    WHOLE = 3  # a shared input, and the output grads of the layer before and of this one
 
     def __init__(self):
         self._key = None
         self._tensor = None  # held, so that no other tensor can take its address while it is the key
         self._dtype = None
         self._tiles = {}
+        self._whole = {}     # key -> (tensor, Gram), the newest last
 
     def tiles(self, x: torch.Tensor, dt, tile) -> "InputGrams":
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, tile)
@@ -462,15 +530,41 @@ class InputGrams:
             self._key, self._tensor, self._dtype, self._tiles = key, x, dt, {}
         return self
 
+    @staticmethod
+    def _whole_key(x, dt, operand_dtype):
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, operand_dtype)
+
     def whole(self, x: torch.Tensor, dt, operand_dtype=None) -> torch.Tensor:
-        """The whole Gram X_i X_i^T (one tile), formed once per input tensor (from x cast to
+        """The whole Gram X_i X_i^T (one tile) in dt, formed once per tensor (from x cast to
         ``operand_dtype`` where given; the cache is keyed by x itself)."""
-        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, operand_dtype)
-        if key != self._key or x.numel() == 0:
-            self._key, self._tensor, self._dtype = key, x, dt
+        return self._entry(x, dt, operand_dtype)[1]
+
+    def whole_trace(self, x: torch.Tensor, dt, operand_dtype=None) -> torch.Tensor:
+        """(B,) traces of ``whole(x, ...)``: |X_i|_F^2, formed once with the Gram."""
+        entry = self._entry(x, dt, operand_dtype)
+        if entry[2] is None:
+            entry[2] = _trace(entry[1])
+        return entry[2]
+
+    def _entry(self, x, dt, operand_dtype):
+        key = self._whole_key(x, dt, operand_dtype)
+        entry = self._whole.pop(key, None) if x.numel() else None
+        if entry is None or entry[0]() is not _owner(x):
             operand = x if operand_dtype is None else x.to(operand_dtype)
-            self._tiles = {None: wide_matmul(operand, operand.transpose(1, 2), dt)}
-        return self._tiles[None]
+            # A weak reference to the tensor that owns x's memory (views of one input share its Gram):
+            # the Gram must not keep an output grad alive, and a dead tensor's address may be reused by
+            # a new one with equal shape and version, which must not find this Gram.
+            entry = [weakref.ref(_owner(x)), wide_matmul(operand, operand.transpose(1, 2), dt), None]
+        self._whole[key] = entry
+        while len(self._whole) > self.WHOLE:
+            self._whole.pop(next(iter(self._whole)))
+        return entry
+
+    def cached_key(self, x: torch.Tensor, dt, operand_dtype=None):
+        """The cache key under which x's whole Gram is kept, or None (nothing is formed)."""
+        key = self._whole_key(x, dt, operand_dtype)
+        entry = self._whole.get(key) if x.numel() else None
+        return key if entry is not None and entry[0]() is _owner(x) else None
 
     def get(self, a, b, xa, xb):
         if (a, b) not in self._tiles:

@@ -5,12 +5,9 @@ g_W = G_i^T A_i (Conv1D: A_i^T G_i) and g_b = sum_t G_it; the weight's is kept a
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-from .factors import Instantiated, OuterProduct, acc_dtype
+from .factors import OuterProduct, SummedTokens
 from .registry import register_norm_rule
 
 
@@ -23,17 +20,14 @@ def _flatten_tokens(inputs: torch.Tensor, output_grad: torch.Tensor):
 def _linear_factors(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                     trainable: set[str], weight_is_out_by_in: bool) -> dict:
     A, G = _flatten_tokens(inputs[0], output_grad)  # (B, T, d), (B, T, p)
-    T = G.shape[1]
-    # |G_i|_F, shared by both token masses (the weight's and the bias's): see precision.py.
-    g_norm = torch.linalg.vector_norm(G, dim=(1, 2), dtype=acc_dtype(G)) if T > 1 else None
     out = {}
     if "weight" in trainable:
         if weight_is_out_by_in:  # g_i = G_i^T A_i
-            out["weight"] = OuterProduct(G, A, module.weight.shape, input_side="right", known_norms={"left": g_norm})
+            out["weight"] = OuterProduct(G, A, module.weight.shape, input_side="right")
         else:                    # g_i = A_i^T G_i
-            out["weight"] = OuterProduct(A, G, module.weight.shape, input_side="left", known_norms={"right": g_norm})
-    if "bias" in trainable:
-        out["bias"] = Instantiated(G.sum(1), mass=None if g_norm is None else g_norm * math.sqrt(T))
+            out["weight"] = OuterProduct(A, G, module.weight.shape, input_side="left")
+    if "bias" in trainable:  # after the weight: its norm and mass reuse the Gram of G the weight forms
+        out["bias"] = SummedTokens(G)
     return out
 
 
