@@ -70,18 +70,19 @@ def _tensor_core_path(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> bool
 
 
 # Fewest rows of a Gram tile worth splitting T into (below, one tile): small matrix products lose
-# more speed than the skipped lower tiles save. Measured on CPU (profiling/layers.py); the GPU value
-# is a guess to check there.
+# more speed than the skipped lower tiles save. Measured on CPU (profiling/layers.py). Elsewhere T is
+# never split for speed, only to stay within ELEMENT_BUDGET: on an H100 the Gram of a BERT layer is
+# launch- and memory-bound, not FLOP-bound (B=32, T=512, 768x768 in bf16: one whole Gram 0.11 ms,
+# while two tiles of 256 rows took the rule to 0.48 ms).
 MIN_SPLIT_TILE = {"cpu": 64}
-MIN_SPLIT_TILE_OTHER = 256
 
 
 def gram_tile(B: int, T: int, device_type: str) -> int:
-    """Rows per tile of the Gram computation: within ELEMENT_BUDGET, and about T/2 once T allows
+    """Rows per tile of the Gram computation: within ELEMENT_BUDGET, and on CPU about T/2 once T allows
     tiles of MIN_SPLIT_TILE rows or more, since only the tiles on or above the diagonal are formed."""
     budget = max(1, int(math.sqrt(ELEMENT_BUDGET / (2 * B))))
-    smallest = MIN_SPLIT_TILE.get(device_type, MIN_SPLIT_TILE_OTHER)
-    split = T if T < 2 * smallest else max(smallest, -(-T // 2))
+    smallest = MIN_SPLIT_TILE.get(device_type)
+    split = T if smallest is None or T < 2 * smallest else max(smallest, -(-T // 2))
     return max(1, min(budget, split))
 
 

@@ -44,3 +44,13 @@ def test_a_16_bit_output_grad_with_a_float32_input_is_multiplied_as_autocast_did
     c = torch.tensor([0.5, 1.0, 0.25], dtype=torch.float64)
     torch.testing.assert_close(factor.weighted_sum(c).double(), torch.einsum("b,bpd->pd", c, exact),
                                rtol=1e-2, atol=1e-2)  # c_i L_i rounded to bf16, as pass 2 rounds c_i G_i
+
+
+def test_gram_tiles_split_long_sequences_on_cpu_only_and_every_device_stays_within_the_budget():
+    from ghostdp.norms.factors import ELEMENT_BUDGET, gram_tile
+    assert gram_tile(32, 512, "cuda") == 512           # one whole Gram: launch-bound, not FLOP-bound there
+    assert gram_tile(32, 512, "cpu") == 256            # CPU: the tiles on and above the diagonal, 3/4 of it
+    assert gram_tile(32, 100, "cpu") == 100
+    for device in ("cpu", "cuda"):
+        tile = gram_tile(4096, 4096, device)
+        assert tile < 4096 and 2 * 4096 * tile * tile <= ELEMENT_BUDGET
