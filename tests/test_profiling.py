@@ -95,3 +95,29 @@ def test_bench_runs_fp32_weights_under_bf16_autocast(tmp_path):
     results = bench.main(TINY + ["--batches", "2", "--steps", "2", "--warmup", "1", "--modes", "plain", "ghost",
                                  "bookkeeping", "--dtype", "amp", "--out", str(tmp_path)])
     assert all("error" not in results[mode][2] for mode in ("plain", "ghost", "bookkeeping")), results
+
+
+def test_layer_breakdown_parts_add_up_to_the_step():
+    args = layers.argparse.Namespace(model="bert", layers=1, hidden=32, heads=2, vocab=64, seq=8, device="cpu",
+                                     freeze_embeddings=False, batch=2, steps=2, warmup=1)
+    runs = layers.breakdown(args)
+    for mode, t in runs.items():
+        assert all(t[k] > 0 for k in ("step.forward", "step.backward", "step.optimizer")), (mode, t)
+        if mode == "plain":
+            continue
+        norms = sum(v for k, v in t.items() if k.startswith("ghostdp.norms."))
+        pass1 = t["ghostdp.pass1"]
+        assert 0 < norms <= pass1 <= t["step.backward"], (mode, t)  # nested regions: parts within the whole
+        if mode == "bookkeeping":
+            assert t["ghostdp.clipped_sum"] <= t["step.backward"] - pass1
+
+
+def test_gpu_time_goes_to_the_regions_around_each_kernel_launch_on_any_thread():
+    # The main thread's step.backward range holds autograd's device thread, which launches the
+    # backward's kernels and runs ghostdp.pass1: attribution is by launch time, not by parent op.
+    regions = [("step.forward", 0.0, 9.0), ("step.backward", 10.0, 100.0), ("ghostdp.pass1", 20.0, 50.0),
+               ("ghostdp.norms.Linear", 30.0, 40.0), ("step.optimizer", 101.0, 110.0)]
+    launches = [(1.0, 2.0), (25.0, 5.0), (35.0, 1.5), (60.0, 7.0), (105.0, 0.5), (150.0, 9.0)]
+    totals = layers.device_time_by_region(regions, launches)
+    assert totals == {"step.forward": 2.0, "step.backward": 13.5, "ghostdp.pass1": 6.5,
+                      "ghostdp.norms.Linear": 1.5, "step.optimizer": 0.5}
