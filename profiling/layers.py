@@ -3,9 +3,11 @@
     python -m profiling.layers                      # BERT L=2 H=256, B=16, T=128, CPU
     python -m profiling.layers --device cuda --hidden 768 --layers 12
 
-Part 1 profiles one ghost and one book-keeping step (torch.profiler; the controller marks its
-regions with record_function) next to a plain step: forward, pass 1 split into the norm rules by
-module type and the backward itself, pass 2 or the book-keeping clipped sums, optimizer step.
+Part 1 times one ghost and one book-keeping step next to a plain step: forward, pass 1 split into
+the norm rules by module type and the backward itself, pass 2 or the book-keeping clipped sums,
+optimizer step. The controller's regions are timed through its ``region_timer``: on a GPU by CUDA
+events on the stream (the device's own clock; the regions of a step add up to it), elsewhere by
+the host clock.
 
 Part 2 times the two ways of a Linear layer's per-example squared norms at several (T, d, p):
 Gram <A_i A_i^T, G_i G_i^T>, O(T^2 (d + p)), and instantiation ||G_i^T A_i||^2, O(T d p), and
@@ -14,94 +16,93 @@ reports which one the rule's cost model picks and which one was faster.
 from __future__ import annotations
 
 import argparse
-import bisect
+import contextlib
 import time
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from profiling.bench import add_model_arguments, build_model
 
 
+class RegionTimer:
+    """Times named regions with events on the device's stream (CUDA events on a GPU, the host clock
+    elsewhere): the time the device spends from the region's first queued work to its last, idle
+    gaps included, so the step's top-level regions add up to its device time. Set as a controller's
+    ``region_timer``, it also times pass 1, each norm rule and the clipped sums."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.spans = defaultdict(list)  # name -> [(start, end)]
+
+    def _event(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        start = self._event()
+        try:
+            yield
+        finally:
+            self.spans[name].append((start, self._event()))
+
+    def totals_ms(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {n: sum(a.elapsed_time(b) for a, b in spans) for n, spans in self.spans.items()}
+        return {n: 1e3 * sum(b - a for a, b in spans) for n, spans in self.spans.items()}
+
+
 def profiled_step(args, mode):
+    """{region: ms per step} of ``args.steps`` steps of ``mode``, timed by a RegionTimer."""
     import ghostdp
-    model = build_model(args).to(args.device, getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[
-        getattr(args, "dtype", "fp32")])).train()
+    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[getattr(args, "dtype", "fp32")])
+    model = build_model(args).to(args.device, dtype).train()
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=args.device)
     labels = torch.randint(0, 2, (args.batch,), device=args.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3)
+    timer = RegionTimer(args.device)
     if mode == "plain":
         def loss():
             return F.cross_entropy(model(input_ids=ids).logits.float(), labels)
     else:
         controller = ghostdp.GhostClipping(model, 1.0, clipping=mode)
         criterion = controller.criterion(torch.nn.CrossEntropyLoss())
+        controller.region_timer = timer
 
         def loss():
             return criterion(model(input_ids=ids).logits.float(), labels)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with record_function("step.forward"):
+        with timer("step.forward"):
             value = loss()
-        with record_function("step.backward"):
+        with timer("step.backward"):
             value.backward()
-        with record_function("step.optimizer"):
+        with timer("step.optimizer"):
             optimizer.step()
 
     for _ in range(args.warmup):
         step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            step()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-    events = prof.events()
-    regions = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name.startswith(REGIONS)]
     if args.device == "cuda":
-        # Kernel time, attributed to the regions whose host interval contains the launching op: the
-        # backward's ops run on autograd's device thread, outside the main thread's step.backward
-        # range, so attribution goes by time, not by the parent chain. (A region's own
-        # device_time_total counts no kernels: it once read ghost at 1.02x plain and pass 2 < 0.)
-        launches = [(e.time_range.start, sum(k.duration for k in e.kernels)) for e in events if e.kernels]
-        totals = device_time_by_region(regions, launches)
-    else:
-        totals = defaultdict(float)
-        for name, start, end in regions:
-            totals[name] += end - start
-    return {name: value / 1e3 / args.steps for name, value in totals.items()}
-
-
-REGIONS = ("step.", "ghostdp.")
-
-
-def device_time_by_region(regions, launches) -> dict:
-    """{region name: summed duration of the kernels launched inside it} (microseconds).
-
-    ``regions``: (name, host start, host end) of every profiled range, nested or not, any thread;
-    ``launches``: (host start of the launching op, duration of its kernels). A kernel counts in every
-    range around its launch, so nested ranges add up like host times (pass 1 within the backward)."""
-    totals = defaultdict(float)
-    ordered = sorted(launches)
-    starts = [t for t, _ in ordered]
-    prefix = [0.0]
-    for _, duration in ordered:
-        prefix.append(prefix[-1] + duration)
-    for name, start, end in regions:
-        lo, hi = bisect.bisect_left(starts, start), bisect.bisect_right(starts, end)
-        totals[name] += prefix[hi] - prefix[lo]
-    return totals
+        torch.cuda.synchronize()
+    timer.spans.clear()
+    for _ in range(args.steps):
+        step()
+    return {name: value / args.steps for name, value in timer.totals_ms().items()}
 
 
 def breakdown(args):
     runs = {mode: profiled_step(args, mode) for mode in ("plain", "ghost", "bookkeeping")}
     plain_step = sum(runs["plain"][k] for k in ("step.forward", "step.backward", "step.optimizer"))
-    what = ("GPU kernel time, by the region that launched each kernel" if args.device == "cuda"
-            else "host time of each region")
+    what = ("GPU time between CUDA events around each region" if args.device == "cuda"
+            else "time of each region")
     print(f"Part 1: one step, ms of {what} (mean of {args.steps} profiled steps after {args.warmup} "
           "warm-up steps)")
     for mode, t in runs.items():
@@ -125,9 +126,6 @@ def breakdown(args):
                 print(f"    clipped sums (c*G)^T A    {clipped:8.1f}")
                 print(f"    rest                      {t['step.backward'] - pass1 - clipped:8.1f}")
         print(f"  optimizer step              {t['step.optimizer']:8.1f}")
-    if args.device == "cuda":
-        print("\n(kernel time only: a host-bound step's wall time also holds the GPU's idle time, which "
-              "profiling.step_ratio and profiling.suite measure)")
     return runs
 
 

@@ -164,6 +164,10 @@ class GhostClipping:
         # last took them (None: nobody listens); and callables run before each norm pass.
         self.passes: list[tuple[int, float]] | None = None
         self.pass_observers: list = []
+        # name -> context manager entered around each marked region (pass 1, each norm rule, the
+        # clipped sums); None: a torch.profiler range while a profiler runs, else nothing.
+        # profiling/layers.py sets one that records CUDA events, to time the regions on the device.
+        self.region_timer = None
         # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
         self.next_loss_is_padding = False
         self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
@@ -196,6 +200,11 @@ class GhostClipping:
         self._exact_sums.remove()
         if _ATTACHED.get(self.module) is self:
             del _ATTACHED[self.module]
+
+    def _region(self, name: str):
+        if self.region_timer is not None:
+            return self.region_timer(name)
+        return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
 
     # ----------------------------------------------------------------- forward
     def _recording(self, module) -> bool:
@@ -314,10 +323,7 @@ class GhostClipping:
         if call.projections is not None:
             self._layouts.resolve(call, B)
         self._layouts.batch_first(call, B)
-        # profiling/layers.py reads these marks; outside a profiler they would only cost host time.
-        mark = record_function(f"ghostdp.norms.{type(call.module).__name__}") if _profiler_enabled() \
-            else contextlib.nullcontext()
-        with mark:
+        with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
             factors = {}
             if call.rule is not None:
                 factors = call.rule(call.module, call.inputs, call.grads[0], set(call.params))
@@ -379,7 +385,7 @@ class GhostClipping:
         """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
         self._pass = NormPass(per_example_losses.shape[0], proving=True)
         try:
-            with record_function("ghostdp.layout_proof"):
+            with self._region("ghostdp.layout_proof"):
                 _backward_to_probes(per_example_losses, probes, self._layouts.cotangent(per_example_losses), True)
         finally:
             self._pass = None
@@ -404,12 +410,12 @@ class GhostClipping:
             self._prove_layouts(per_example_losses, probes)
         self._pass = NormPass(B)
         try:
-            with record_function("ghostdp.pass1"):
+            with self._region("ghostdp.pass1"):
                 if probes:
                     # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
                     retain = self.mode.continues_backward or self._graph_needed_after_pass1
                     _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses), retain)
-                with record_function("ghostdp.norms.shared_parameters"):
+                with self._region("ghostdp.norms.shared_parameters"):
                     self._finish()
             sq = self._pass.total_sq()
             self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
@@ -446,7 +452,7 @@ class GhostClipping:
         """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode
         has written the clipped sum into p.grad itself."""
         kept, self._kept = self._kept, new_factor_store()
-        with record_function("ghostdp.clipped_sum"):
+        with self._region("ghostdp.clipped_sum"):
             if not self.mode.keeps_factors and kept:
                 self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
             return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
