@@ -116,8 +116,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------- checks
     def _check_params_belong_to_model(self):
-        model_params = set(self.controller.module.parameters())
-        foreign = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p not in model_params]
+        model_params = {id(p) for p in self.controller.module.parameters()}  # ids: no Python Tensor.__hash__
+        foreign = [tuple(p.shape) for group in self.param_groups for p in group["params"]
+                   if id(p) not in model_params]
         if foreign:
             raise ValueError(
                 f"{len(foreign)} of the optimizer's parameters (shapes {foreign[:5]}) are not parameters of the "
