@@ -12,6 +12,9 @@ the host clock.
 Part 2 times the two ways of a Linear layer's per-example squared norms at several (T, d, p):
 Gram <A_i A_i^T, G_i G_i^T>, O(T^2 (d + p)), and instantiation ||G_i^T A_i||^2, O(T d p), and
 reports which one the rule's cost model picks and which one was faster.
+
+Part 3 times the LayerNorm and Linear rules against their floors (the layer's own backward; a
+bare Gram and instantiation) at BERT-base shapes, in the model's dtype.
 """
 from __future__ import annotations
 
@@ -173,6 +176,74 @@ def gram_versus_instantiate(args, grid=GRID):
     return rows
 
 
+def device_ms(fn, device: str, repeats: int = 20) -> float:
+    """Mean ms per call of ``fn`` over ``repeats`` back-to-back calls: CUDA events on a GPU (the
+    device's clock; host-bound calls show their host time), the host clock elsewhere."""
+    for _ in range(3):
+        fn()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / repeats
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return 1e3 * (time.perf_counter() - begin) / repeats
+
+
+RULE_POINTS = [(256, 128, 768), (32, 512, 768)]
+
+
+def rules_against_floors(args, points=RULE_POINTS) -> list:
+    """[(B, T, d, LayerNorm rule, its layer's backward, Linear rule, bare Gram, instantiation)] in ms.
+
+    The LayerNorm rule (weight and bias norms and token masses) against the layer's own backward;
+    the Linear rule (d x d, weight and bias, as pass 1 runs it: masses, then norms, sharing the
+    pass's Gram cache) against a bare Gram (two batched products and one product-sum) and against
+    instantiation. In the model's dtype (--dtype)."""
+    from ghostdp.norms.factors import InputGrams, wide_matmul
+    from ghostdp.norms.linear import linear_rule
+    from ghostdp.norms.normalization import layer_norm_rule
+    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.dtype])
+    print(f"\nPart 3: norm rules against their floors, ms per call ({args.dtype} on {args.device})")
+    print(f"{'B':>5}{'T':>5}{'d':>6}{'LN rule':>9}{'LN bwd':>8}{'Linear rule':>13}{'bare Gram':>11}"
+          f"{'instantiate':>13}")
+    rows = []
+    for B, T, d in points:
+        ln = torch.nn.LayerNorm(d).to(args.device, dtype)
+        lin = torch.nn.Linear(d, d).to(args.device, dtype)
+        x = torch.randn(B, T, d, device=args.device, dtype=dtype, requires_grad=True)
+        G = torch.randn(B, T, d, device=args.device, dtype=dtype)
+        y = ln(x)
+        A = x.detach()
+        both = {"weight", "bias"}
+
+        def rule_of(rule, module):
+            def run():
+                grams = InputGrams()
+                return [(f.token_mass(grams), f.sq_norm(grams)) for f in rule(module, (A,), G, both).values()]
+            return run
+
+        def bare():
+            aa, gg = wide_matmul(A, A.transpose(1, 2), torch.float32), wide_matmul(G, G.transpose(1, 2), torch.float32)
+            return (aa * gg).sum((1, 2))
+
+        row = (B, T, d,
+               device_ms(rule_of(layer_norm_rule, ln), args.device),
+               device_ms(lambda: torch.autograd.grad(y, [x, ln.weight, ln.bias], G, retain_graph=True), args.device),
+               device_ms(rule_of(linear_rule, lin), args.device),
+               device_ms(bare, args.device),
+               device_ms(lambda: wide_matmul(G.transpose(1, 2), A, torch.float32).pow(2).sum((1, 2)), args.device))
+        rows.append(row)
+        print(f"{B:>5}{T:>5}{d:>6}" + "".join(f"{v:>{w}.3f}" for v, w in zip(row[3:], (9, 8, 13, 11, 13))))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
@@ -183,12 +254,15 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--skip-breakdown", action="store_true")
     p.add_argument("--skip-gram", action="store_true")
+    p.add_argument("--skip-rules", action="store_true")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if not args.skip_breakdown:
         breakdown(args)
     if not args.skip_gram:
         gram_versus_instantiate(args)
+    if not args.skip_rules:
+        rules_against_floors(args)
 
 
 if __name__ == "__main__":

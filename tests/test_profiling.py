@@ -35,7 +35,7 @@ def test_the_budget_search_finds_the_largest_batch_that_fits(monkeypatch):
 
 
 def test_layer_breakdown_and_gram_choice_run(capsys):
-    layers.main(TINY + ["--batch", "2", "--steps", "1", "--warmup", "1", "--skip-gram"])
+    layers.main(TINY + ["--batch", "2", "--steps", "1", "--warmup", "1", "--skip-gram", "--skip-rules"])
     args = layers.argparse.Namespace(batch=2, device="cpu", repeats=1)
     rows = layers.gram_versus_instantiate(args, grid=[(4, 8, 8), (64, 4, 4), (128, 256, 256)])
     assert [r[5] for r in rows] == ["gram", "instantiate", "gram"] == [
@@ -125,3 +125,10 @@ def test_region_timer_times_the_controllers_regions_without_a_profiler():
     totals = timer.totals_ms()
     assert {"step", "ghostdp.pass1", "ghostdp.norms.Linear", "ghostdp.norms.LayerNorm"} <= set(totals)
     assert totals["ghostdp.norms.Linear"] + totals["ghostdp.norms.LayerNorm"] <= totals["ghostdp.pass1"] <= totals["step"]
+
+
+def test_rules_against_their_floors_run_and_report_every_time(capsys):
+    args = layers.argparse.Namespace(device="cpu", dtype="fp32")
+    rows = layers.rules_against_floors(args, points=[(2, 8, 16), (2, 4, 8)])
+    assert len(rows) == 2 and all(len(r) == 8 and all(v > 0 for v in r[3:]) for r in rows)
+    assert "LN rule" in capsys.readouterr().out
