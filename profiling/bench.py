@@ -121,6 +121,26 @@ def resident_mb(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def reset_peak(device) -> float:
+    """Starts a peak-memory reading: CUDA peak allocated, or the process's peak resident set (Linux:
+    /proc/self/clear_refs resets it); returns the base the peak is read against."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM (peak RSS) to the current RSS
+    return resident_mb("VmRSS")
+
+
+def peak_mb_since(device, base) -> float:
+    import torch
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return resident_mb("VmHWM") - base
+
+
 def measure(args) -> dict:
     import torch
     torch.manual_seed(0)
@@ -131,14 +151,7 @@ def measure(args) -> dict:
     labels = torch.randint(0, 2, (args.batch,), device=device)
     step = make_step(args.mode, model, args, (ids, labels))
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # resets VmHWM (peak RSS) to the current RSS
-        base = resident_mb("VmRSS")
+    base = reset_peak(device)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -146,7 +159,7 @@ def measure(args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if cuda else resident_mb("VmHWM") - base
+    peak = peak_mb_since(device, base)
     warm = sorted(times[args.warmup:])
     return {"median_ms": 1e3 * warm[len(warm) // 2], "peak_mb": peak}
 

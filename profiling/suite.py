@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from profiling.bench import available, build_model, make_step, resident_mb, weight_dtype
+from profiling.bench import available, build_model, make_step, peak_mb_since, reset_peak, weight_dtype
 from profiling.step_ratio import median
 
 BERT = dict(model="bert", layers=12, hidden=768, heads=12, vocab=30522, seq=128, dtype="bf16")
@@ -53,21 +53,12 @@ def row_settings(settings: dict, tiny: bool, device: str) -> argparse.Namespace:
 def _working_set(step, device) -> tuple[float, float]:
     """(seconds, MB above the memory before the step) of one synchronised step."""
     import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # resets VmHWM (peak RSS) to the current RSS
-        base = resident_mb("VmRSS")
+    base = reset_peak(device)
     start = time.perf_counter()
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if device.type == "cuda" else resident_mb("VmHWM") - base
-    return seconds, peak
+    return time.perf_counter() - start, peak_mb_since(device, base)
 
 
 def measure_row(args, modes, rounds, warmup) -> dict:
