@@ -12,9 +12,10 @@ G_v[rows of e] = v_e G_1[rows of e]. If a row also holds example j's gradient, t
 2^-SPREAD .. 2^SPREAD: scaling by a power of two is exact in floating point (bf16, TF32 and float16
 as well), so a layer that keeps examples apart gives the same bits in both passes, up to the order
 of non-deterministic GPU reductions; and a leak from j into e shows amplified by |v_j / v_e| (up to
-2^(2 SPREAD)), so the allowance for reduction order (TOLERANCE) can be generous. Both sides are compared per example (l2 over its rows) after projecting the feature
-dim onto a random vector w. The proof runs when a layer's shape signature (which dims equal B) is
-new, and its result is kept for that signature.
+2^(2 SPREAD)), so the allowance for reduction order (TOLERANCE) can be generous. Both sides are
+compared per example (l2 over its rows) after projecting the feature dim onto a random vector w.
+The proof runs when a layer's shape signature (which dims equal B) is new, and its result is kept
+for that signature.
 """
 from __future__ import annotations
 
@@ -63,14 +64,6 @@ def project(grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if grad.dim() == 0:
         return grad.reshape(1).to(w.dtype) * w[:1]
     return torch.matmul(grad.to(w.dtype), w)
-
-
-def per_row(v: torch.Tensor, layout, shape) -> torch.Tensor:
-    """v laid out as the examples are in a tensor of ``shape`` (a projected output), for broadcasting."""
-    if layout[0] == "rows":
-        return v.repeat_interleave(shape[0] // v.shape[0]).reshape((shape[0],) + (1,) * (len(shape) - 1))
-    d = layout[1]
-    return v.reshape((1,) * d + (v.shape[0],) + (1,) * (len(shape) - d - 1))
 
 
 def per_example(layout, projected: torch.Tensor, batch_size: int) -> torch.Tensor:
