@@ -141,7 +141,12 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _examples_of_this_step(self):
         passes, self.controller.passes = self.controller.passes, []
-        bad_scales = sorted({s for _, s in passes if s != 1.0})
+        # One host sync for all of the step's backward calls, at the step rather than inside each backward.
+        scales = [s.reshape(()).double() for _, s in passes]
+        if len({s.device for s in scales}) > 1:
+            scales = [s.cpu() for s in scales]
+        scales = torch.stack(scales).tolist() if scales else []
+        bad_scales = sorted({s for s in scales if s != 1.0})
         if bad_scales:
             raise PrivacyStepError(
                 f"the DP loss was backpropagated with an incoming gradient of {bad_scales[0]} instead of 1 (the "

@@ -162,7 +162,7 @@ class GhostClipping:
         self.last_loss_scale = None
         # One (number of examples, incoming gradient) per DP-loss backward since the DP optimizer
         # last took them (None: nobody listens); and callables run before each norm pass.
-        self.passes: list[tuple[int, float]] | None = None
+        self.passes: list[tuple[int, torch.Tensor]] | None = None
         self.pass_observers: list = []
         # name -> context manager entered around each marked region (pass 1, each norm rule, the
         # clipped sums); None: a torch.profiler range while a profiler runs, else nothing.

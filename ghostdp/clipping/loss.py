@@ -34,8 +34,8 @@ class ClippedLoss(torch.autograd.Function):
         ctx.consumed = True
         coeffs = ctx.controller.clip_coefficients(ctx.losses)
         ctx.controller.last_loss_scale = grad_output.detach()
-        if ctx.controller.passes is not None:
-            ctx.controller.passes.append((ctx.examples, float(grad_output)))
+        if ctx.controller.passes is not None:  # the scale stays a tensor: no host sync mid-backward
+            ctx.controller.passes.append((ctx.examples, grad_output.detach()))
         return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses), None, None, None, None
 
 
