@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 
+from ..norms.factors import PerExampleGrad
+
 
 class TwoPass:
     name = "ghost"
@@ -31,10 +33,20 @@ class BookKeeping:
     @torch.no_grad()
     def grad_of_losses(self, kept, coefficients, grad_output, losses):
         weights = coefficients * grad_output.to(coefficients.dtype)
+        in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
+
+        def weighted_sum(factor):
+            if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
+                return factor.weighted_sum(weights)
+            dt = factor.sum_dtype()
+            if dt not in in_dtype:
+                in_dtype[dt] = weights.to(dt)
+            return factor.weighted_sum(in_dtype[dt])
+
         for param, factors in kept.items():
-            clipped = factors[0].weighted_sum(weights)
+            clipped = weighted_sum(factors[0])
             for factor in factors[1:]:  # further uses of the same parameter (tied weights)
-                clipped = clipped + factor.weighted_sum(weights)
+                clipped = clipped + weighted_sum(factor)
             clipped = clipped.to(param.dtype)
             if param.grad is None:
                 param.grad = clipped

@@ -200,7 +200,7 @@ class Instantiated(PerExampleGrad):
 
     def weighted_sum(self, weights):
         g = self.grads.to(acc_dtype(self.grads))
-        return torch.tensordot(weights.to(g.dtype), g, dims=1)
+        return torch.matmul(weights.to(g.dtype), g.reshape(self.batch_size, -1)).reshape(self.param_shape)
 
     def merge(self, other):
         if isinstance(other, Instantiated):
