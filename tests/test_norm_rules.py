@@ -292,6 +292,25 @@ def test_layers_reading_one_input_share_its_gram(monkeypatch):
     assert len(input_grams) == 1  # one Gram of x for the three layers
 
 
+def test_whole_grams_are_shared_by_views_and_never_found_by_another_tensor():
+    grams = factors.InputGrams()
+    x = torch.randn(2, 5, 3)
+    first = grams.whole(x.view(2, 5, 3), torch.float64)
+    assert grams.whole(x.reshape(2, 5, 3), torch.float64) is first       # views of one owner: shared
+    assert grams.cached_key(x, torch.float64) is not None
+    assert grams.cached_key(x.clone(), torch.float64) is None            # equal values, another tensor
+    del first
+    data_ptr = x.data_ptr()
+    del x  # its memory may go to the next tensor of that size: a weak reference tells them apart
+    y = torch.randn(2, 5, 3)
+    assert grams.cached_key(y, torch.float64) is None, (data_ptr == y.data_ptr())
+    x = torch.randn(2, 5, 3)
+    x.mul_(1.0)  # a new version: formed again
+    before = grams.whole(x, torch.float64)
+    x.mul_(2.0)
+    assert grams.whole(x, torch.float64) is not before
+
+
 def test_input_grams_are_reused_only_for_the_same_unchanged_tensor():
     grams = factors.InputGrams()
     x = torch.randn(2, 5, 3)

@@ -523,7 +523,7 @@ class InputGrams:
         self._tensor = None  # held, so that no other tensor can take its address while it is the key
         self._dtype = None
         self._tiles = {}
-        self._whole = {}     # key -> (tensor, Gram), the newest last
+        self._whole = {}     # key -> [weak reference to x's owner, Gram, trace or None], the newest last
 
     def tiles(self, x: torch.Tensor, dt, tile) -> "InputGrams":
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, tile)
