@@ -54,3 +54,12 @@ def test_gram_tiles_split_long_sequences_on_cpu_only_and_every_device_stays_with
     for device in ("cpu", "cuda"):
         tile = gram_tile(4096, 4096, device)
         assert tile < 4096 and 2 * 4096 * tile * tile <= ELEMENT_BUDGET
+
+
+def test_scaling_a_16_bit_factor_rounds_once_without_a_wide_copy():
+    from ghostdp.norms.factors import _scaled
+    x = torch.randn(4, 6, 8, dtype=torch.bfloat16)
+    w = torch.rand(4, 1, 1, dtype=torch.float32)
+    got = _scaled(x, w, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (x.float() * w).bfloat16())
+    assert torch.equal(_scaled(x, w, torch.float32), x.float() * w)
