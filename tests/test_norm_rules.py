@@ -358,3 +358,18 @@ def test_16_bit_normalisation_rules_read_their_inputs_in_their_own_dtype(layer, 
     for n, f in factors.items():
         assert f.grads.dtype == torch.float32 and norms[n].dtype == torch.float32
         torch.testing.assert_close(norms[n].double(), reference[n].sq_norm(), rtol=3e-2, atol=0)
+
+
+def test_a_16_bit_embeddings_clipped_sum_is_written_in_its_dtype_from_float32_row_sums():
+    # Book-keeping writes a bf16 table's clipped sum without a float32 copy of the whole table: the rows
+    # of each id are summed in float32, then rounded once, as the dense float32 sum would be.
+    ids = torch.randint(0, 50, (4, 7))
+    ids[0, :3] = 5  # an id repeated within an example and across examples
+    ids[1, 0] = 5
+    grads = torch.randn(4, 7, 6, dtype=torch.bfloat16)
+    factor = factors.EmbeddingGather(ids, grads, 50, padding_idx=0)
+    weights = torch.tensor([0.5, 1.0, 0.25, 0.75], dtype=torch.float32)
+    dense = factor.weighted_sum(weights)
+    compact = factor.weighted_sum(weights, out_dtype=torch.bfloat16)
+    assert dense.dtype == torch.float32 and compact.dtype == torch.bfloat16
+    assert torch.equal(compact, dense.to(torch.bfloat16))

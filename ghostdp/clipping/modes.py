@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-from ..norms.factors import PerExampleGrad
+from ..norms.factors import EmbeddingGather, PerExampleGrad
 
 
 class TwoPass:
@@ -35,18 +35,21 @@ class BookKeeping:
         weights = coefficients * grad_output.to(coefficients.dtype)
         in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
 
-        def weighted_sum(factor):
+        def weighted_sum(factor, **options):
             if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
-                return factor.weighted_sum(weights)
+                return factor.weighted_sum(weights, **options)
             dt = factor.sum_dtype()
             if dt not in in_dtype:
                 in_dtype[dt] = weights.to(dt)
-            return factor.weighted_sum(in_dtype[dt])
+            return factor.weighted_sum(in_dtype[dt], **options)
 
         for param, factors in kept.items():
-            clipped = weighted_sum(factors[0])
-            for factor in factors[1:]:  # further uses of the same parameter (tied weights)
-                clipped = clipped + weighted_sum(factor)
+            if len(factors) == 1 and isinstance(factors[0], EmbeddingGather):
+                clipped = weighted_sum(factors[0], out_dtype=param.dtype)  # no wide copy of a 16-bit table
+            else:
+                clipped = weighted_sum(factors[0])
+                for factor in factors[1:]:  # further uses of the same parameter (tied weights)
+                    clipped = clipped + weighted_sum(factor)
             clipped = clipped.to(param.dtype)
             if param.grad is None:
                 param.grad = clipped
