@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from profiling.bench import add_model_arguments, build_model
+from profiling.bench import add_model_arguments, build_model, weight_dtype
 
 
 class RegionTimer:
@@ -64,7 +64,7 @@ class RegionTimer:
 def profiled_step(args, mode):
     """{region: ms per step} of ``args.steps`` steps of ``mode``, timed by a RegionTimer."""
     import ghostdp
-    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[getattr(args, "dtype", "fp32")])
+    dtype = weight_dtype(args)
     model = build_model(args).to(args.device, dtype).train()
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=args.device)
     labels = torch.randint(0, 2, (args.batch,), device=args.device)
@@ -209,7 +209,7 @@ def rules_against_floors(args, points=RULE_POINTS) -> list:
     from ghostdp.norms.factors import InputGrams, wide_matmul
     from ghostdp.norms.linear import linear_rule
     from ghostdp.norms.normalization import layer_norm_rule
-    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.dtype])
+    dtype = weight_dtype(args)
     print(f"\nPart 3: norm rules against their floors, ms per call ({args.dtype} on {args.device})")
     print(f"{'B':>5}{'T':>5}{'d':>6}{'LN rule':>9}{'LN bwd':>8}{'Linear rule':>13}{'bare Gram':>11}"
           f"{'instantiate':>13}")

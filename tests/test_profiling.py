@@ -99,7 +99,7 @@ def test_bench_runs_fp32_weights_under_bf16_autocast(tmp_path):
 
 def test_layer_breakdown_parts_add_up_to_the_step():
     args = layers.argparse.Namespace(model="bert", layers=1, hidden=32, heads=2, vocab=64, seq=8, device="cpu",
-                                     freeze_embeddings=False, batch=2, steps=2, warmup=1)
+                                     freeze_embeddings=False, batch=2, steps=2, warmup=1, dtype="fp32")
     runs = layers.breakdown(args)
     for mode, t in runs.items():
         assert all(t[k] > 0 for k in ("step.forward", "step.backward", "step.optimizer")), (mode, t)
