@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .randomness import RandomSource
+from .schedules import SamplingPlan
 
 
 def distributed_rank_and_size():
@@ -37,11 +38,13 @@ class PoissonBatchSampler(Sampler):
     Batch sizes vary and may be 0. With several processes each rank draws from its own shard
     (indices rank, rank + world_size, ...), so the union over ranks is one Poisson sample of
     the whole dataset. An epoch is ``steps_per_epoch`` draws. Draws are keyed by
-    (seed, rank, epoch, batch): the sampler resumes exactly from its ``state_dict``.
+    (seed, rank, epoch, batch): the sampler resumes exactly from its ``state_dict``. A
+    ``batch_size_schedule`` (schedules.py) gives each epoch its own rate and number of draws,
+    starting from ``sample_rate``.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps_per_epoch: int, *, source: RandomSource,
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, batch_size_schedule=None):
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"Poisson sampling needs a dataset with at least one example, got {num_samples!r}")
         if not 0 < sample_rate <= 1:
@@ -54,17 +57,21 @@ class PoissonBatchSampler(Sampler):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}")
         self.num_samples, self.sample_rate, self.steps_per_epoch = num_samples, sample_rate, steps_per_epoch
+        self.plan = SamplingPlan(sample_rate, steps_per_epoch, num_samples, batch_size_schedule)
         self.source = source
         self.shard = np.arange(self.rank, num_samples, self.world_size)
         self.epoch, self.next_batch = 0, 0
 
     def __len__(self):
-        return self.steps_per_epoch
+        return self.plan.at(self.epoch)[1]  # draws of the current epoch
+
+    def rate_at(self, epoch: int) -> float:
+        return self.plan.at(epoch)[0]
 
     def _kept(self, rank: int, epoch: int, batch: int) -> np.ndarray:
         """Which examples of ``rank``'s shard (indices rank, rank + world_size, ...) this draw keeps."""
         shard_size = len(range(rank, self.num_samples, self.world_size))
-        return self.source.sampling_uniform(shard_size, (rank, epoch, batch)) < self.sample_rate
+        return self.source.sampling_uniform(shard_size, (rank, epoch, batch)) < self.rate_at(epoch)
 
     def draw(self, epoch: int, batch: int) -> list[int]:
         return self.shard[self._kept(self.rank, epoch, batch)].tolist()
@@ -78,7 +85,7 @@ class PoissonBatchSampler(Sampler):
     def with_positions(self):
         """Yields ((epoch, batch), indices) from the current position to the end of the epoch."""
         epoch = self.epoch
-        for batch in range(self.next_batch, self.steps_per_epoch):
+        for batch in range(self.next_batch, self.plan.at(epoch)[1]):
             self.next_batch = batch + 1
             yield (epoch, batch), self.draw(epoch, batch)
         if self.epoch == epoch:
@@ -86,7 +93,7 @@ class PoissonBatchSampler(Sampler):
 
     def position_after(self, position) -> tuple:
         epoch, batch = position
-        return (epoch + 1, 0) if batch + 1 >= self.steps_per_epoch else (epoch, batch + 1)
+        return (epoch + 1, 0) if batch + 1 >= self.plan.at(epoch)[1] else (epoch, batch + 1)
 
     def __iter__(self):
         for _, indices in self.with_positions():
@@ -108,6 +115,8 @@ class Chunk:
     logical_size: int   # examples in the whole logical batch
     position: tuple     # (epoch, batch) of the logical batch in its sampler, or None
     padding: bool = False  # a stand-in row (weight 0) that keeps the ranks' chunk counts equal
+    sample_rate: float | None = None    # q of the draw (Poisson sampling), recorded by the accountant
+    expected_size: float | None = None  # q * N over all ranks: the divisor of the noisy sum
 
     @property
     def is_last(self) -> bool:
@@ -150,11 +159,14 @@ class ChunkedBatchSampler(Sampler):
         return len(self.logical)  # the number of logical batches (= optimizer steps) per epoch
 
     def __iter__(self):
-        if isinstance(self.logical, PoissonBatchSampler):
+        poisson = isinstance(self.logical, PoissonBatchSampler)
+        if poisson:
             batches = self.logical.with_positions()
         else:
             batches = ((None, indices) for indices in self.logical)
         for position, indices in batches:
+            rate = self.logical.rate_at(position[0]) if poisson else None
+            expected = rate * self.logical.num_samples if poisson else None
             indices = list(indices)
             distributed = self.pad_ranks and position is not None and self.logical.world_size > 1
             largest = max(self.logical.sizes_on_all_ranks(*position)) if distributed else len(indices)
@@ -165,7 +177,8 @@ class ChunkedBatchSampler(Sampler):
             for index in range(count):
                 rows = indices[index * size:(index + 1) * size]
                 padding = distributed and not rows
-                self.tracker.pending.append(Chunk(logical_id, index, count, len(indices), position, padding))
+                self.tracker.pending.append(Chunk(logical_id, index, count, len(indices), position, padding,
+                                                  rate, expected))
                 yield [0] if padding else rows
 
 

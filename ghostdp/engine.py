@@ -13,6 +13,7 @@ from .clipping.modes import clipping_mode
 from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
 from .optim import DPOptimizer
 from .randomness import RandomSource
+from .schedules import SamplingPlan
 
 _LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
                     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device")
@@ -33,19 +34,33 @@ def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
     return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
 
 
-def run_state(accountant, random_source, data_loader) -> dict:
+def _check_batch_size_schedule(schedule, data_loader, poisson_sampling) -> None:
+    if schedule is None:
+        return
+    if not poisson_sampling:
+        raise ValueError("a batch_size_schedule draws each epoch's batches at its own sample rate, which needs "
+                         "poisson_sampling=True")
+    if not data_loader.batch_size:
+        raise ValueError("a batch_size_schedule scales the data loader's batch_size; give the loader one")
+
+
+def run_state(accountant, random_source, data_loader, optimizer) -> dict:
     """What a resumed run needs besides model and optimizer: accountant history, random streams,
-    loader position (shared by PrivacyEngine and DPTrainer checkpoints)."""
+    loader position, noise multiplier and its schedule (shared by PrivacyEngine and DPTrainer
+    checkpoints)."""
     return {"accountant": accountant.state_dict(), "random": random_source.state_dict(),
-            "data_loader": data_loader.state_dict() if data_loader is not None else {}}
+            "data_loader": data_loader.state_dict() if data_loader is not None else {},
+            "noise": optimizer.noise_state() if optimizer is not None else None}
 
 
-def restore_streams(state: dict, random_source, data_loader) -> None:
-    """The random streams and loader position of ``run_state`` (the accountant is restored on its own,
-    at once, while these wait until the loader exists)."""
+def restore_streams(state: dict, random_source, data_loader, optimizer) -> None:
+    """The random streams, loader position and noise of ``run_state`` (the accountant is restored on
+    its own, at once, while these wait until the loader and optimizer exist)."""
     random_source.load_state_dict(state["random"])
     if data_loader is not None:
         data_loader.load_state_dict(state["data_loader"])
+    if optimizer is not None and state.get("noise") is not None:
+        optimizer.load_noise_state(state["noise"])
 
 
 def _global_rng_state() -> dict:
@@ -85,7 +100,8 @@ class PrivacyEngine:
                      criterion: torch.nn.Module | None = None, noise_multiplier: float, max_grad_norm: float,
                      poisson_sampling: bool = True, clipping: str = "ghost",
                      max_physical_batch_size: int | None = None, loss_reduction: str = "mean",
-                     nonfinite: str = "error", noise_generator: torch.Generator | None = None):
+                     nonfinite: str = "error", noise_generator: torch.Generator | None = None,
+                     batch_size_schedule=None):
         """Returns (module, optimizer, criterion, data_loader), ready for an ordinary training loop.
 
         The module is the same object with hooks attached. The criterion (built from the one
@@ -100,6 +116,11 @@ class PrivacyEngine:
         samples its own shard, all ranks share rank 0's seed so that they add one identical noise
         draw, and the model must run forward through DistributedDataParallel (before or after this
         call). clipping="bookkeeping" and secure_mode are single-process only.
+
+        ``batch_size_schedule`` (ghostdp.schedules: StepBatchSize, LambdaBatchSize) changes the
+        expected logical batch size epoch by epoch, from the loader's batch_size; each step is
+        accounted with the rate its batch was drawn with. Noise schedules are built on the
+        returned optimizer (ghostdp.schedules.ExponentialNoise(optimizer, gamma=...)).
         """
         check_noise_multiplier(noise_multiplier)
         check_max_grad_norm(max_grad_norm)
@@ -124,7 +145,7 @@ class PrivacyEngine:
             self.random_source.agree_across_ranks(seed_given=self._seed is not None)
 
         loader, sample_rate, expected_batch_size, tracker, fixed = self._private_loader(
-            data_loader, poisson_sampling, max_physical_batch_size)
+            data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule)
         controller = GhostClipping(module, max_grad_norm, nonfinite=nonfinite, clipping=clipping)
         try:
             dp_optimizer = DPOptimizer(
@@ -143,7 +164,7 @@ class PrivacyEngine:
         self._apply_pending_state()
         return module, dp_optimizer, dp_criterion, loader
 
-    def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size):
+    def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule=None):
         if not isinstance(data_loader, DataLoader):
             if poisson_sampling or max_physical_batch_size is not None:
                 raise TypeError(f"data_loader is a {type(data_loader).__name__}; Poisson sampling and physical "
@@ -161,6 +182,7 @@ class PrivacyEngine:
                 "torch DistributedSampler; otherwise every process trains on the same examples and the sample "
                 "rate (and epsilon) would be wrong. Use Poisson sampling (each rank draws from its own shard).")
         sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, world_size)
+        _check_batch_size_schedule(batch_size_schedule, data_loader, poisson_sampling)
         expected_batch_size = sample_rate * n
         settings = {k: getattr(data_loader, k) for k in _LOADER_SETTINGS if hasattr(data_loader, k)}
         if settings.get("num_workers", 0) == 0:
@@ -170,7 +192,8 @@ class PrivacyEngine:
         if poisson_sampling:
             if data_loader.drop_last:
                 warnings.warn("drop_last is ignored with Poisson sampling: batches have random sizes")
-            logical = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source)
+            logical = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source,
+                                          batch_size_schedule=batch_size_schedule)
             fixed = None
         else:
             logical = data_loader.batch_sampler
@@ -189,12 +212,16 @@ class PrivacyEngine:
             raise ValueError("make_private_with_epsilon chooses noise_multiplier; do not pass one")
         if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
             raise TypeError("make_private_with_epsilon needs a torch DataLoader over a dataset with len()")
-        sample_rate, _, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
-        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                     sample_rate=sample_rate, steps=epochs * steps_per_epoch,
+        sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
+        schedule = kwargs.get("batch_size_schedule")
+        _check_batch_size_schedule(schedule, data_loader, kwargs.get("poisson_sampling", True))
+        plan = SamplingPlan(sample_rate, steps_per_epoch, n, schedule).steps(epochs)
+        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, plan=plan,
                                      accountant=self.accountant.mechanism)
-        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader, criterion=criterion,
-                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+        private = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                    criterion=criterion, noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+        self.optimizer.calibrated_epsilon = target_epsilon
+        return private
 
     # ------------------------------------------------------------------ privacy spent, state
     def get_epsilon(self, delta: float) -> float:
@@ -203,7 +230,8 @@ class PrivacyEngine:
     def state_dict(self) -> dict:
         """Accountant history, sampler position and random state (the noise and sampling streams, and
         torch's global RNG, which draws dropout masks): save with the model and optimizer."""
-        return dict(run_state(self.accountant, self.random_source, self.data_loader), torch_rng=_global_rng_state())
+        return dict(run_state(self.accountant, self.random_source, self.data_loader, self.optimizer),
+                    torch_rng=_global_rng_state())
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved run; before make_private the sampler and noise parts wait until it is called."""
@@ -216,7 +244,7 @@ class PrivacyEngine:
         state = self._pending_state
         if state is None:
             return
-        restore_streams(state, self.random_source, self.data_loader)
+        restore_streams(state, self.random_source, self.data_loader, self.optimizer)
         if "torch_rng" in state:
             _restore_global_rng(state["torch_rng"])
         self._pending_state = None

@@ -83,6 +83,9 @@ class DPOptimizer(torch.optim.Optimizer):
         # run): step an LR scheduler only when it is True.
         self.last_step_taken = False
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
+        self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
+        self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
+        self._pending_scheduler_state = None
         controller.passes = []
         controller.pass_observers.append(self._on_norm_pass)
 
@@ -113,6 +116,30 @@ class DPOptimizer(torch.optim.Optimizer):
     @property
     def max_grad_norm(self) -> float:
         return self.controller.max_grad_norm
+
+    # ------------------------------------------------------- noise multiplier and its schedule
+    def noise_state(self) -> dict:
+        """The noise multiplier and the state of its scheduler, for a checkpoint."""
+        scheduler = self.noise_scheduler.state_dict() if self.noise_scheduler is not None else None
+        return {"noise_multiplier": self.noise_multiplier, "scheduler": scheduler}
+
+    def load_noise_state(self, state: dict) -> None:
+        """Restore ``noise_state()``; a scheduler's state waits for the scheduler if none is built yet."""
+        self.noise_multiplier = float(state["noise_multiplier"])
+        scheduler = state.get("scheduler")
+        if scheduler is None:
+            if self.noise_scheduler is not None:
+                raise ValueError("this checkpoint was saved without a noise scheduler, but this optimizer has "
+                                 "one; resume with the same set-up")
+            return
+        if self.noise_scheduler is not None:
+            self.noise_scheduler.load_state_dict(scheduler)
+        else:
+            self._pending_scheduler_state = scheduler
+
+    def pop_pending_scheduler_state(self):
+        state, self._pending_scheduler_state = self._pending_scheduler_state, None
+        return state
 
     # ------------------------------------------------------- checks
     def _check_params_belong_to_model(self):
@@ -192,16 +219,20 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def add_noise(self):
+    def add_noise(self, expected_batch_size: float | None = None):
         """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero.
 
         With several processes p.grad is first multiplied by the world size (DDP averaged it).
+        ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
         """
         std = self.noise_multiplier * self.max_grad_norm
         params = self.params
         distributed = self.world_size > 1 and bool(params)
         clipped_fingerprint = self._fingerprint(params) if distributed else None
-        divisor = self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        if self.loss_reduction == "sum":
+            divisor = 1.0
+        else:
+            divisor = self.expected_batch_size if expected_batch_size is None else expected_batch_size
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -284,9 +315,12 @@ class DPOptimizer(torch.optim.Optimizer):
             self.tracker.take_yielded()
         if backward_calls:
             self._check_finite()
-        self.add_noise()
+        # The rate this batch was drawn with (a batch-size schedule gives each epoch its own).
+        drawn = chunks[-1] if chunks and chunks[-1].sample_rate is not None else None
+        sample_rate = drawn.sample_rate if drawn is not None else self.sample_rate
+        self.add_noise(drawn.expected_size if drawn is not None else None)
         if self.accountant is not None:
-            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
         self._mid_logical_batch = False
         self._expect_fresh_grads = True
         return True

@@ -86,30 +86,43 @@ def _single_step_delta(eps, sigma, q, direction):
     return norm.cdf(x / sigma) - math.exp(eps) * (1 - mix_sf(x))
 
 
-def _two_step_delta(eps, sigma, q, direction):
-    # delta_2(eps) = E_{x ~ P}[delta_1(eps - L(x))]: one step integrated over the other.
+def _two_step_delta(eps, first, second, direction):
+    # delta_2(eps) = E_{x ~ P}[delta_1(eps - L(x))]: the second step integrated over the first.
+    (s1, q1), (s2, q2) = first, second
     def loss(x):
-        r = np.logaddexp(math.log1p(-q), math.log(q) + (2 * x - 1) / (2 * sigma ** 2))
+        r = np.logaddexp(math.log1p(-q1), math.log(q1) + (2 * x - 1) / (2 * s1 ** 2))
         return r if direction == "remove" else -r
     def density(x):
         if direction == "remove":
-            return (1 - q) * norm.pdf(x, scale=sigma) + q * norm.pdf(x, loc=1, scale=sigma)
-        return norm.pdf(x, scale=sigma)
-    value, _ = integrate.quad(lambda x: density(x) * _single_step_delta(eps - loss(x), sigma, q, direction),
-                              -14 * sigma, 14 * sigma + 1, epsabs=1e-14, epsrel=1e-10, limit=1000)
+            return (1 - q1) * norm.pdf(x, scale=s1) + q1 * norm.pdf(x, loc=1, scale=s1)
+        return norm.pdf(x, scale=s1)
+    value, _ = integrate.quad(lambda x: density(x) * _single_step_delta(eps - loss(x), s2, q2, direction),
+                              -14 * s1, 14 * s1 + 1, epsabs=1e-14, epsrel=1e-10, limit=1000)
     return value
+
+
+def _brute_force_epsilon(steps, delta):
+    if len(steps) == 1:
+        curve = lambda e: max(_single_step_delta(e, *steps[0], d) for d in ("remove", "add"))
+    else:
+        curve = lambda e: max(_two_step_delta(e, steps[0], steps[1], d) for d in ("remove", "add"))
+    return optimize.brentq(lambda e: curve(e) - delta, 0.0, 30.0, xtol=1e-9)
 
 
 @pytest.mark.parametrize("sigma,q,steps", [(0.9, 0.1, 1), (0.9, 0.1, 2), (1.2, 0.3, 2)])
 def test_prv_against_brute_force_composition(sigma, q, steps):
-    delta = 1e-5
-    if steps == 1:
-        curve = lambda e: max(_single_step_delta(e, sigma, q, d) for d in ("remove", "add"))
-    else:
-        curve = lambda e: max(_two_step_delta(e, sigma, q, d) for d in ("remove", "add"))
-    exact = optimize.brentq(lambda e: curve(e) - delta, 0.0, 30.0, xtol=1e-9)
-    got = prv_epsilon([[sigma, q, steps]], delta)
+    exact = _brute_force_epsilon([(sigma, q)] * steps, 1e-5)
+    got = prv_epsilon([[sigma, q, steps]], 1e-5)
     assert exact <= got <= exact + 2e-3
+
+
+@pytest.mark.parametrize("first,second", [((0.9, 0.1), (1.3, 0.3)), ((1.5, 0.5), (0.8, 0.05))])
+def test_prv_of_two_different_steps_against_brute_force(first, second):
+    # Heterogeneous steps (noise and batch-size schedules): composed in either order, tight and safe.
+    exact = _brute_force_epsilon([first, second], 1e-5)
+    for history in ([[*first, 1], [*second, 1]], [[*second, 1], [*first, 1]]):
+        got = prv_epsilon(history, 1e-5)
+        assert exact <= got <= exact + 2e-3
 
 
 @pytest.mark.parametrize("sigma,q,steps", [(1.0, 0.01, 10000), (0.8, 0.004, 50000), (2.0, 0.1, 500),

@@ -259,3 +259,68 @@ def test_the_privacy_state_is_inside_each_checkpoint_before_rotation(tmp_path):
     kept = [d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]
     assert kept == ["checkpoint-3"] and os.path.exists(tmp_path / "checkpoint-3" / "ghostdp_state.pt")
     assert not any(name.endswith(".partial") for name in os.listdir(tmp_path / "checkpoint-3"))
+
+
+def test_noise_and_batch_size_schedules_run_epoch_by_epoch_in_the_trainer(tmp_path):
+    import functools
+    from ghostdp.schedules import ExponentialNoise, StepBatchSize
+    # 24 examples, batch 4 -> 8 -> 16: epochs of 6, 3 and 2 steps, the noise halved after each epoch.
+    dp = DPArguments(noise_multiplier=1.0, seed=3, accountant="rdp",
+                     noise_scheduler=functools.partial(ExponentialNoise, gamma=0.5),
+                     batch_size_schedule=StepBatchSize(step_size=1, gamma=2.0))
+    epochs = Epochs()
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, per_device_train_batch_size=4, max_steps=-1,
+                                                 num_train_epochs=3), train_dataset=Examples(), dp_args=dp,
+                        callbacks=[epochs])
+    trainer.train()
+    assert trainer.accountant.history == [[1.0, 1 / 6, 6], [0.5, 1 / 3, 3], [0.25, 2 / 3, 2]]
+    assert trainer.state.global_step == 11
+    assert epochs.logged == pytest.approx([k / 6 for k in range(1, 7)] + [1 + k / 3 for k in range(1, 4)]
+                                          + [2.5, 3.0])
+
+
+def test_schedules_resume_mid_run_in_the_trainer(tmp_path):
+    import functools
+    from ghostdp.schedules import ExponentialNoise, StepBatchSize
+
+    def dp(seed):
+        return DPArguments(noise_multiplier=1.0, seed=seed, accountant="rdp",
+                           noise_scheduler=functools.partial(ExponentialNoise, gamma=0.5),
+                           batch_size_schedule=StepBatchSize(step_size=1, gamma=2.0))
+    run = dict(per_device_train_batch_size=4, max_steps=-1, num_train_epochs=3)
+    straight = bert()
+    reference = DPTrainer(model=straight, args=args(tmp_path / "a", **run), train_dataset=Examples(), dp_args=dp(5))
+    reference.train()
+    DPTrainer(model=bert(), args=args(tmp_path / "b", save_strategy="steps", save_steps=7, **run),
+              train_dataset=Examples(), dp_args=dp(5)).train()
+    resumed = bert()
+    trainer = DPTrainer(model=resumed, args=args(tmp_path / "b", **run), train_dataset=Examples(), dp_args=dp(77))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-7"))  # inside the second epoch
+    assert trainer.accountant.history == reference.accountant.history
+    assert trainer.dp_optimizer.noise_scheduler.last_epoch == 3
+    for p, q in zip(resumed.parameters(), straight.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_target_and_budget_hold_over_schedules_in_the_trainer(tmp_path):
+    import functools
+    from ghostdp.schedules import ExponentialNoise, StepBatchSize
+    growing = StepBatchSize(step_size=1, gamma=2.0)
+    run = dict(per_device_train_batch_size=4, max_steps=-1, num_train_epochs=3)
+    trainer = DPTrainer(model=bert(), args=args(tmp_path / "a", **run), train_dataset=Examples(),
+                        dp_args=DPArguments(target_epsilon=4.0, seed=1, accountant="rdp", batch_size_schedule=growing))
+    trainer.train()
+    assert trainer.accountant.steps == 11 and 0.99 * 4.0 <= trainer.epsilon() <= 4.0
+    # A decaying noise: the budget is re-planned at every change of the noise and still holds.
+    trainer = DPTrainer(model=bert(), args=args(tmp_path / "b", **run), train_dataset=Examples(),
+                        dp_args=DPArguments(noise_multiplier=1.5, max_epsilon=4.0, seed=1, accountant="rdp",
+                                            noise_scheduler=functools.partial(ExponentialNoise, gamma=0.7),
+                                            batch_size_schedule=growing))
+    trainer.train()
+    steps = trainer.accountant.steps
+    assert 6 < steps < 11 and trainer.epsilon() <= 4.0
+    assert trainer.accountant.history[-1][0] == pytest.approx(1.5 * 0.7)  # stopped in the second epoch
+    # The next step, at the noise and rate it would have had, would have exceeded the budget.
+    rate = trainer.plan.at(int(trainer.plan.epoch_of_step(steps)))[0]
+    trainer.accountant.step(noise_multiplier=trainer.dp_optimizer.noise_multiplier, sample_rate=rate)
+    assert trainer.accountant.get_epsilon(1e-5) > 4.0

@@ -30,6 +30,7 @@ from ..data import DPDataLoader, PoissonBatchSampler, collective_device, distrib
 from ..engine import restore_streams, run_state
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
+from ..schedules import BatchSizeSchedule, SamplingPlan
 
 STATE_FILE = "ghostdp_state.pt"
 LOSS_KINDS = ("sequence_classification", "token_classification", "causal_lm")
@@ -47,6 +48,10 @@ class DPArguments:
     same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
     ``max_epsilon`` stops training before the step that would exceed it. ``clipping`` is "ghost"
     (two passes) or "bookkeeping" (one backward, more memory; one process only).
+    ``noise_scheduler`` builds a noise scheduler on the DP optimizer (e.g.
+    ``functools.partial(ghostdp.schedules.ExponentialNoise, gamma=0.9)``), stepped at the end of every
+    epoch; ``batch_size_schedule`` (ghostdp.schedules.StepBatchSize, ...) scales the expected batch
+    per_device_train_batch_size epoch by epoch. Every step is accounted with its own noise and rate.
     """
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
@@ -59,6 +64,8 @@ class DPArguments:
     clipping: str = "ghost"
     secure_mode: bool = False
     seed: int | None = None
+    noise_scheduler: Callable | None = None
+    batch_size_schedule: BatchSizeSchedule | None = None
 
     def __post_init__(self):
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -73,6 +80,12 @@ class DPArguments:
         clipping_mode(self.clipping)
         if not callable(self.loss) and self.loss not in LOSS_KINDS:
             raise ValueError(f"loss must be one of {LOSS_KINDS} or a callable, got {self.loss!r}")
+        if self.noise_scheduler is not None and not callable(self.noise_scheduler):
+            raise TypeError("noise_scheduler must build a scheduler from the DP optimizer, e.g. "
+                            "functools.partial(ghostdp.schedules.ExponentialNoise, gamma=0.9)")
+        if self.batch_size_schedule is not None and not isinstance(self.batch_size_schedule, BatchSizeSchedule):
+            raise TypeError(f"batch_size_schedule must be a ghostdp.schedules.BatchSizeSchedule, got "
+                            f"{type(self.batch_size_schedule).__name__}")
 
 
 def per_example_losses(kind, outputs, labels, num_labels=None) -> torch.Tensor:
@@ -106,7 +119,8 @@ def _largest_across_ranks(count: int, device) -> int:
 
 
 class _PrivateRunCallback(TrainerCallback):
-    """Stops training before the step that would take epsilon above max_epsilon; keeps the epoch exact."""
+    """Stops training before the step that would take epsilon above max_epsilon; keeps the epoch exact;
+    steps the noise scheduler at the end of every epoch."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -115,9 +129,16 @@ class _PrivateRunCallback(TrainerCallback):
         # One step is one logical batch: the epoch is exact from the step count, also after a resume in
         # the middle of an epoch (where the Trainer, which does not skip batches of the private loader,
         # would count the resumed epoch's steps from its start).
-        if self.trainer.steps_per_epoch:
-            state.epoch = state.global_step / self.trainer.steps_per_epoch
-        if self.trainer.allowed_steps is not None and self.trainer.accountant.steps >= self.trainer.allowed_steps:
+        trainer = self.trainer
+        if trainer.plan is not None:
+            state.epoch = trainer.plan.epoch_of_step(state.global_step)
+            steps = trainer.accountant.steps
+            scheduler = trainer.dp_optimizer.noise_scheduler if trainer.dp_optimizer is not None else None
+            if scheduler is not None and steps and \
+                    int(trainer.plan.epoch_of_step(steps)) > int(trainer.plan.epoch_of_step(steps - 1)):
+                scheduler.step()
+                trainer._limit_epsilon()
+        if trainer.allowed_steps is not None and trainer.accountant.steps >= trainer.allowed_steps:
             control.should_training_stop = True
         return control
 
@@ -140,9 +161,10 @@ class DPTrainerMixin:
         self.noise_multiplier = dp_args.noise_multiplier
         self.dp_optimizer = None
         self.allowed_steps = None
-        self.steps_per_epoch = None
+        self.plan = None  # (sample rate, steps) of every epoch
         self._train_loader = None
         self._pending_state = None
+        self._pending_noise = None
         self._epsilon_cache = (None, None)
         self.add_callback(_PrivateRunCallback(self))
 
@@ -202,46 +224,77 @@ class DPTrainerMixin:
         sample_rate = min(1.0, logical / n)
         steps_per_epoch = max(1, math.ceil(n / logical))
         self.sample_rate, self.expected_batch_size = sample_rate, sample_rate * n
-        self.steps_per_epoch = steps_per_epoch
-        sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source)
+        schedule = self.dp_args.batch_size_schedule
+        self.plan = SamplingPlan(sample_rate, steps_per_epoch, n, schedule)
+        sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source,
+                                      batch_size_schedule=schedule)
         # One batch per logical batch; training_step splits it and keeps the ranks' chunk counts equal.
         loader = DPDataLoader(dataset, sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
                               pin_memory=self.args.dataloader_pin_memory, pad_ranks=False)
         self._train_loader = loader
         self._padding_row = loader.collate_fn([dataset[0]])  # stand-in for padding chunks (several processes)
-        self._calibrate(steps_per_epoch)
+        self._calibrate()
         self._apply_pending_state()
         return loader
 
-    def _planned_steps(self, steps_per_epoch):
+    def _planned_runs(self) -> list[tuple[float, int]]:
+        """(sample rate, steps) of the whole planned run, epoch by epoch."""
         if self.args.max_steps and self.args.max_steps > 0:
-            return self.args.max_steps
-        return max(1, math.ceil(self.args.num_train_epochs * steps_per_epoch))
+            runs, left, epoch = [], self.args.max_steps, 0
+            while left > 0:
+                rate, steps = self.plan.at(epoch)
+                runs.append((rate, min(steps, left)))
+                left, epoch = left - steps, epoch + 1
+            return runs
+        return self.plan.steps(self.args.num_train_epochs)
 
-    def _calibrate(self, steps_per_epoch):
+    def _calibrate(self):
         dp = self.dp_args
-        steps = self._planned_steps(steps_per_epoch)
+        runs = self._planned_runs()
         if dp.target_epsilon is not None:
             self.noise_multiplier = get_noise_multiplier(
-                target_epsilon=dp.target_epsilon, target_delta=dp.target_delta, sample_rate=self.sample_rate,
-                steps=steps, accountant=dp.accountant)
-        if dp.max_epsilon is not None:
-            self.allowed_steps = self._steps_within(dp.max_epsilon, steps)
+                target_epsilon=dp.target_epsilon, target_delta=dp.target_delta, plan=runs, accountant=dp.accountant)
+        self._limit_epsilon()
 
-    def _steps_within(self, max_epsilon, planned):
-        """The largest step count whose epsilon stays <= max_epsilon (searched up to the plan)."""
+    def set_initial_training_values(self, args, dataloader):
+        """With a batch-size schedule the epochs differ in length: the Trainer runs the planned steps in
+        the planned epochs, each Trainer epoch one epoch of the private loader."""
+        values = super().set_initial_training_values(args, dataloader)
+        if self.dp_args.batch_size_schedule is None:
+            return values
+        if not isinstance(values, tuple) or len(values) != 7:
+            raise NotImplementedError("DPArguments.batch_size_schedule needs transformers' Trainer."
+                                      "set_initial_training_values of transformers >= 4.57 (7 values)")
+        _, _, examples, samples, total_batch, _, _ = values
+        runs = self._planned_runs()
+        longest = max(steps for _, steps in runs)
+        return len(runs), longest, examples, samples, total_batch, longest, sum(steps for _, steps in runs)
+
+    def _steps_within(self, max_epsilon, runs, noise_multiplier):
+        """The step count (from the start) after which one more step of the planned run would take epsilon
+        above max_epsilon, at the current noise multiplier; None if the whole plan stays within it."""
+        done = self.accountant.steps
+        rates = [rate for rate, steps in runs for _ in range(steps)][done:]
+
         def eps(steps):
             acc = make_accountant(self.dp_args.accountant)
             acc.history = [list(h) for h in self.accountant.history]
-            acc.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate, num_steps=steps)
+            for rate in rates[:steps]:
+                acc.step(noise_multiplier=noise_multiplier, sample_rate=rate)
             return acc.get_epsilon(self.dp_args.target_delta)
-        if eps(planned) <= max_epsilon:
+        if eps(len(rates)) <= max_epsilon:
             return None
-        low, high = 0, planned  # eps(low) <= max_epsilon < eps(high)
+        low, high = 0, len(rates)  # eps(low) <= max_epsilon < eps(high)
         while high - low > 1:
             mid = (low + high) // 2
             low, high = (mid, high) if eps(mid) <= max_epsilon else (low, mid)
-        return self.accountant.steps + low
+        return done + low
+
+    def _limit_epsilon(self):
+        """Where training must stop to keep epsilon <= max_epsilon; redone when the noise changes."""
+        if self.dp_args.max_epsilon is not None:
+            noise = self.dp_optimizer.noise_multiplier if self.dp_optimizer is not None else self.noise_multiplier
+            self.allowed_steps = self._steps_within(self.dp_args.max_epsilon, self._planned_runs(), noise)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -252,6 +305,15 @@ class DPTrainerMixin:
                 optimizer, controller=self.controller, noise_multiplier=self.noise_multiplier,
                 expected_batch_size=self.expected_batch_size, sample_rate=self.sample_rate,
                 accountant=self.accountant, random_source=self.random_source, tracker=self._train_loader.tracker)
+            if self._pending_noise is not None:
+                self.dp_optimizer.load_noise_state(self._pending_noise)
+                self._pending_noise = None
+            if self.dp_args.noise_scheduler is not None:
+                scheduler = self.dp_args.noise_scheduler(self.dp_optimizer)
+                if self.dp_optimizer.noise_scheduler is not scheduler:
+                    raise TypeError("DPArguments.noise_scheduler must return a ghostdp.schedules.NoiseScheduler "
+                                    "built on the optimizer it is given")
+            self._limit_epsilon()  # at the noise multiplier of this run (resumed, scheduled)
         return optimizer
 
     # ------------------------------------------------------------------ the private step
@@ -308,8 +370,7 @@ class DPTrainerMixin:
         return super().log(logs, *args, **kwargs)
 
     def _state(self):
-        return dict(run_state(self.accountant, self.random_source, self._train_loader),
-                    noise_multiplier=self.noise_multiplier)
+        return run_state(self.accountant, self.random_source, self._train_loader, self.dp_optimizer)
 
     def _save_rng_state(self, output_dir):
         # Inside the checkpoint folder, before the Trainer rotates older checkpoints away: a kill after
@@ -335,8 +396,10 @@ class DPTrainerMixin:
         state = self._pending_state
         if state is None:
             return
-        restore_streams(state, self.random_source, self._train_loader)
-        self.noise_multiplier = state["noise_multiplier"]
+        restore_streams(state, self.random_source, self._train_loader, None)
+        # The optimizer is built later (create_optimizer): its noise multiplier and scheduler wait.
+        self._pending_noise = state["noise"]
+        self.noise_multiplier = state["noise"]["noise_multiplier"]
         self._pending_state = None
 
 
