@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from .accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
+from .clipping.adaptive import AdaptiveClipNorm
 from .clipping.modes import clipping_mode
 from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
 from .optim import DPOptimizer
@@ -94,8 +95,22 @@ class PrivacyEngine:
         self.optimizer = None
         self.data_loader = None
         self._pending_state = None
+        self._prepared = None  # what private_data_loader() built, for make_private
 
     # ------------------------------------------------------------------ make_private
+    def private_data_loader(self, data_loader, *, poisson_sampling: bool = True,
+                            max_physical_batch_size: int | None = None, batch_size_schedule=None):
+        """The private loader alone, for frameworks that ask for the data before the optimizer exists
+        (Lightning): give the loader returned here to ``make_private`` as its data_loader later, with
+        the same sampling arguments. Calling it again returns the same loader (its position kept)."""
+        if self._prepared is not None:
+            return self._prepared[0]
+        if distributed_rank_and_size()[1] > 1:
+            self.random_source.agree_across_ranks(seed_given=self._seed is not None)
+        self._prepared = self._private_loader(data_loader, poisson_sampling, max_physical_batch_size,
+                                              batch_size_schedule)
+        return self._prepared[0]
+
     def make_private(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader,
                      criterion: torch.nn.Module | None = None, noise_multiplier: float, max_grad_norm: float,
                      poisson_sampling: bool = True, clipping: str = "ghost",
@@ -117,13 +132,23 @@ class PrivacyEngine:
         draw, and the model must run forward through DistributedDataParallel (before or after this
         call). clipping="bookkeeping" and secure_mode are single-process only.
 
+        ``max_grad_norm``: the clipping norm C; a list [C_1, ..., C_K], one per param group of the
+        optimizer (per-group clipping, clipping="bookkeeping"; the noise is calibrated to
+        sqrt(sum_k C_k^2)); or an ``AdaptiveClipNorm`` (C follows a quantile of the norms).
+
         ``batch_size_schedule`` (ghostdp.schedules: StepBatchSize, LambdaBatchSize) changes the
         expected logical batch size epoch by epoch, from the loader's batch_size; each step is
         accounted with the rate its batch was drawn with. Noise schedules are built on the
         returned optimizer (ghostdp.schedules.ExponentialNoise(optimizer, gamma=...)).
         """
         check_noise_multiplier(noise_multiplier)
-        check_max_grad_norm(max_grad_norm)
+        adaptive, parameter_groups = None, None
+        if isinstance(max_grad_norm, AdaptiveClipNorm):
+            adaptive, max_grad_norm = max_grad_norm, max_grad_norm.norm
+        elif isinstance(max_grad_norm, (list, tuple)):  # per-group: one norm per param group
+            parameter_groups = [group["params"] for group in optimizer.param_groups]
+        else:
+            check_max_grad_norm(max_grad_norm)
         clipping_mode(clipping)  # a clear error for an unknown mode before anything is built
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -144,15 +169,19 @@ class PrivacyEngine:
         if distributed_rank_and_size()[1] > 1:
             self.random_source.agree_across_ranks(seed_given=self._seed is not None)
 
-        loader, sample_rate, expected_batch_size, tracker, fixed = self._private_loader(
-            data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule)
-        controller = GhostClipping(module, max_grad_norm, nonfinite=nonfinite, clipping=clipping)
+        if self._prepared is not None and data_loader is self._prepared[0]:  # from private_data_loader()
+            loader, sample_rate, expected_batch_size, tracker, fixed = self._prepared
+        else:
+            loader, sample_rate, expected_batch_size, tracker, fixed = self._private_loader(
+                data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule)
+        controller = GhostClipping(module, max_grad_norm, nonfinite=nonfinite, clipping=clipping,
+                                   parameter_groups=parameter_groups)
         try:
             dp_optimizer = DPOptimizer(
                 optimizer, controller=controller, noise_multiplier=float(noise_multiplier),
                 expected_batch_size=expected_batch_size, sample_rate=sample_rate, accountant=self.accountant,
                 random_source=self.random_source, tracker=tracker, fixed_batch_size=fixed,
-                loss_reduction=loss_reduction)
+                loss_reduction=loss_reduction, adaptive_clipping=adaptive)
         except Exception:
             controller.detach()
             raise

@@ -51,12 +51,14 @@ class DPOptimizer(torch.optim.Optimizer):
         tracker: the BatchTracker of a DPDataLoader, or None when the loop uses its own loader;
             ``fixed_batch_size`` then bounds the examples of one step.
         loss_reduction: "mean" divides by expected_batch_size; "sum" does not.
+        adaptive_clipping: a clipping.adaptive.AdaptiveClipNorm that moves the controller's C after
+            every step (its noisy count is accounted within ``noise_multiplier``), or None.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, controller, noise_multiplier: float,
                  expected_batch_size: float, sample_rate: float, accountant, random_source,
                  tracker: BatchTracker | None = None, fixed_batch_size: int | None = None,
-                 loss_reduction: str = "mean"):
+                 loss_reduction: str = "mean", adaptive_clipping=None):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("this optimizer is already a DPOptimizer; pass the original optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -76,6 +78,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.fixed_batch_size = fixed_batch_size
         self.loss_reduction = loss_reduction
         self.world_size = distributed_rank_and_size()[1]
+        self.adaptive_clipping = adaptive_clipping
+        if adaptive_clipping is not None:
+            if controller.group_norms is not None:
+                raise ValueError("adaptive clipping moves one clipping norm; it cannot be combined with "
+                                 "per-group clipping norms")
+            adaptive_clipping.bind(self.expected_batch_size)
+            adaptive_clipping.gradient_noise_multiplier(noise_multiplier)  # refuses a count noise too small
+            controller.max_grad_norm = adaptive_clipping.norm
+            controller.count_unclipped = True
         self._param_names = {p: n for n, p in controller.module.named_parameters()}
         self._check_params_belong_to_model()
         self._mid_logical_batch = False   # the last step() was skipped: more chunks follow
@@ -101,6 +112,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group):
+        if self.controller.group_norms is not None:
+            raise ValueError("per-group clipping fixed one clipping norm per param group when attaching; a new "
+                             "group would have none. Build the optimizer with all its groups before make_private.")
         self.original_optimizer.add_param_group(param_group)
         self._check_params_belong_to_model()
 
@@ -119,13 +133,22 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------- noise multiplier and its schedule
     def noise_state(self) -> dict:
-        """The noise multiplier and the state of its scheduler, for a checkpoint."""
+        """The noise multiplier, the state of its scheduler and of adaptive clipping, for a checkpoint."""
         scheduler = self.noise_scheduler.state_dict() if self.noise_scheduler is not None else None
-        return {"noise_multiplier": self.noise_multiplier, "scheduler": scheduler}
+        adaptive = self.adaptive_clipping.state_dict() if self.adaptive_clipping is not None else None
+        return {"noise_multiplier": self.noise_multiplier, "scheduler": scheduler, "adaptive_clipping": adaptive}
 
     def load_noise_state(self, state: dict) -> None:
         """Restore ``noise_state()``; a scheduler's state waits for the scheduler if none is built yet."""
         self.noise_multiplier = float(state["noise_multiplier"])
+        adaptive = state.get("adaptive_clipping")
+        if (adaptive is None) != (self.adaptive_clipping is None):
+            raise ValueError("this checkpoint was saved with" + (" " if adaptive else "out ") + "adaptive clipping "
+                             "but this optimizer has" + (" no" if adaptive else "") + " adaptive clipping; resume "
+                             "with the same max_grad_norm set-up")
+        if adaptive is not None:
+            self.adaptive_clipping.load_state_dict(adaptive)
+            self.controller.max_grad_norm = self.adaptive_clipping.norm
         scheduler = state.get("scheduler")
         if scheduler is None:
             if self.noise_scheduler is not None:
@@ -167,12 +190,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 "(or model.zero_grad()) after each optimizer.step().")
 
     def _examples_of_this_step(self):
+        """(examples clipped, backward calls, unclipped examples or None) of this step's DP-loss backwards."""
         passes, self.controller.passes = self.controller.passes, []
-        # One host sync for all of the step's backward calls, at the step rather than inside each backward.
-        scales = [s.reshape(()).double() for _, s in passes]
-        if len({s.device for s in scales}) > 1:
-            scales = [s.cpu() for s in scales]
-        scales = torch.stack(scales).tolist() if scales else []
+        # One host sync for all of the step's backward calls, at the step rather than inside each backward:
+        # their loss scales and, for adaptive clipping, their counts of unclipped examples.
+        values = [s.reshape(()).double() for _, s, _ in passes]
+        values += [u.reshape(()).double() for _, _, u in passes if u is not None]
+        if len({v.device for v in values}) > 1:
+            values = [v.cpu() for v in values]
+        values = torch.stack(values).tolist() if values else []
+        scales, counts = values[:len(passes)], values[len(passes):]
         bad_scales = sorted({s for s in scales if s != 1.0})
         if bad_scales:
             raise PrivacyStepError(
@@ -180,7 +207,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 "loss was scaled before backward(): a GradScaler, or a division by gradient_accumulation_steps). "
                 "The noise is calibrated to the unscaled clipped sum, so call backward() on the loss itself; "
                 "split large batches with max_physical_batch_size instead of scaling.")
-        return sum(n for n, _ in passes), len(passes)
+        unclipped = sum(counts) if self.adaptive_clipping is not None else None
+        return sum(n for n, _, _ in passes), len(passes), unclipped
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
         # The examples this step must have clipped: given by the caller (DPTrainer runs the logical
@@ -225,7 +253,10 @@ class DPOptimizer(torch.optim.Optimizer):
         With several processes p.grad is first multiplied by the world size (DDP averaged it).
         ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
         """
-        std = self.noise_multiplier * self.max_grad_norm
+        sigma = self.noise_multiplier
+        if self.adaptive_clipping is not None:  # part of the budget goes to the unclipped count
+            sigma = self.adaptive_clipping.gradient_noise_multiplier(sigma)
+        std = sigma * self.max_grad_norm
         params = self.params
         distributed = self.world_size > 1 and bool(params)
         clipped_fingerprint = self._fingerprint(params) if distributed else None
@@ -258,6 +289,15 @@ class DPOptimizer(torch.optim.Optimizer):
         if not weighted:
             return torch.zeros(2, dtype=torch.float64, device=device)
         return torch.stack([torch.stack(weighted).sum(), torch.stack(norms).sum()])
+
+    def _summed_over_ranks(self, unclipped: float, examples: int) -> tuple[float, int]:
+        if self.world_size == 1:
+            return unclipped, examples
+        import torch.distributed as dist
+        device = self.params[0].device if self.params else torch.device("cpu")
+        both = torch.tensor([unclipped, examples], dtype=torch.float64, device=collective_device(device))
+        dist.all_reduce(both)
+        return float(both[0]), int(both[1])
 
     def _check_ranks_agree(self, clipped, noisy):
         import torch.distributed as dist
@@ -309,7 +349,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._mid_logical_batch = True
             return False
         self._check_params_belong_to_model()
-        examples, backward_calls = self._examples_of_this_step()
+        examples, backward_calls, unclipped = self._examples_of_this_step()
         self._check_batch(chunks, examples, backward_calls, logical_batch_size)
         if self.tracker is not None:
             self.tracker.take_yielded()
@@ -318,7 +358,12 @@ class DPOptimizer(torch.optim.Optimizer):
         # The rate this batch was drawn with (a batch-size schedule gives each epoch its own).
         drawn = chunks[-1] if chunks and chunks[-1].sample_rate is not None else None
         sample_rate = drawn.sample_rate if drawn is not None else self.sample_rate
-        self.add_noise(drawn.expected_size if drawn is not None else None)
+        expected = drawn.expected_size if drawn is not None else self.expected_batch_size
+        self.add_noise(expected)
+        if self.adaptive_clipping is not None:  # C for the next step, from the noisy unclipped count
+            unclipped, examples = self._summed_over_ranks(unclipped, examples)
+            self.controller.max_grad_norm = self.adaptive_clipping.update(
+                unclipped, examples, expected, self.noise_multiplier, self.random_source)
         if self.accountant is not None:
             self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
         self._mid_logical_batch = False

@@ -324,3 +324,19 @@ def test_target_and_budget_hold_over_schedules_in_the_trainer(tmp_path):
     rate = trainer.plan.at(int(trainer.plan.epoch_of_step(steps)))[0]
     trainer.accountant.step(noise_multiplier=trainer.dp_optimizer.noise_multiplier, sample_rate=rate)
     assert trainer.accountant.get_epsilon(1e-5) > 4.0
+
+
+def test_adaptive_clipping_in_the_trainer_follows_the_rule_and_is_checkpointed(tmp_path):
+    import math
+    from ghostdp import AdaptiveClipNorm
+    norm = AdaptiveClipNorm(0.5, target_quantile=0.5, learning_rate=0.2, count_noise_std=1.0)
+    dp = DPArguments(noise_multiplier=0.0, seed=4, max_grad_norm=norm)
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=1), train_dataset=Examples(), dp_args=dp)
+    trainer.train()
+    assert norm.norm == 0.5  # the trainer works on its own copy
+    norms = trainer.controller.last_norms
+    share = (float((norms <= 0.5).sum()) - 0.5 * norms.shape[0]) / 8 + 0.5
+    assert trainer.controller.max_grad_norm == pytest.approx(0.5 * math.exp(-0.2 * (share - 0.5)), rel=1e-12)
+    assert trainer._state()["noise"]["adaptive_clipping"]["norm"] == trainer.controller.max_grad_norm
+    with pytest.raises(ValueError, match="per-group clipping"):
+        DPArguments(noise_multiplier=1.0, max_grad_norm=[1.0, 2.0])

@@ -22,7 +22,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..norms.factors import combined_sq_norm
+from ..norms.factors import combined_sq_norm, example_chunks
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
 from .. import validate
@@ -64,6 +64,34 @@ def check_max_grad_norm(value):
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value != value \
             or value == float("inf"):
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}")
+
+
+def _clipping_groups(max_grad_norm, parameter_groups, mode):
+    """(C_k per group, {id(parameter): k}) for per-group clipping, or (None, None) for one norm."""
+    if not isinstance(max_grad_norm, (list, tuple)):
+        if parameter_groups is not None:
+            raise ValueError("parameter_groups are for per-group clipping: give max_grad_norm as a list, one "
+                             "norm per group")
+        return None, None
+    if parameter_groups is None or len(parameter_groups) != len(max_grad_norm):
+        count = None if parameter_groups is None else len(parameter_groups)
+        raise ValueError(f"max_grad_norm lists {len(max_grad_norm)} clipping norms but there are {count} "
+                         "parameter groups (the optimizer's param_groups): give one norm per group")
+    if not max_grad_norm:
+        raise ValueError("max_grad_norm is an empty list; give one clipping norm per parameter group")
+    for value in max_grad_norm:
+        check_max_grad_norm(value)
+    if mode.continues_backward:
+        raise NotImplementedError(
+            "per-group clipping (a list of max_grad_norm) needs clipping='bookkeeping': the two-pass backward "
+            "gives each example one coefficient for every layer, not one per group.")
+    group_of = {}
+    for k, params in enumerate(parameter_groups):
+        for p in params:
+            if group_of.setdefault(id(p), k) != k:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in parameter groups {group_of[id(p)]} "
+                                 f"and {k}; each parameter must be clipped in one group")
+    return tuple(float(c) for c in max_grad_norm), group_of
 
 
 def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
@@ -112,7 +140,9 @@ class GhostClipping:
 
     Args:
         module: the model; it is not wrapped and keeps its type, attributes and state_dict keys.
-        max_grad_norm: the clipping norm C > 0.
+        max_grad_norm: the clipping norm C > 0; or a list [C_1, ..., C_K], one per group of
+            ``parameter_groups`` (per-group clipping: example i's gradient of group k is clipped to
+            C_k, so the whole clipped gradient has norm <= sqrt(sum_k C_k^2), ``max_grad_norm``'s value).
         nonfinite: "error" (default) raises on a NaN/inf per-example loss or norm;
             "skip" gives such examples a clip coefficient of 0 (see ``clip_coefficients``).
         check_model: run ``ghostdp.validate.check`` on the model first.
@@ -120,7 +150,7 @@ class GhostClipping:
     """
 
     def __init__(self, module: torch.nn.Module, max_grad_norm: float, *, nonfinite: str = "error",
-                 check_model: bool = True, clipping: str = "ghost"):
+                 check_model: bool = True, clipping: str = "ghost", parameter_groups=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"GhostClipping needs a torch.nn.Module, got {type(module).__name__}")
         if nonfinite not in ("error", "skip"):
@@ -141,7 +171,8 @@ class GhostClipping:
                 "clipping='bookkeeping' writes the clipped sum into p.grad without a second backward, so DDP's "
                 "gradient all-reduce never runs; with several processes use clipping='ghost'.")
         self.module = module
-        self.max_grad_norm = max_grad_norm
+        self.group_norms, self._group_of = _clipping_groups(max_grad_norm, parameter_groups, self.mode)
+        self.max_grad_norm = max_grad_norm if self.group_norms is None else sum(c * c for c in self.group_norms) ** 0.5
         self.nonfinite = nonfinite
         self._probes = {}
         self._anchors = {}
@@ -156,13 +187,16 @@ class GhostClipping:
         self._layouts = LayoutProver()
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
-        self.last_coefficients = None
+        self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
+        self.last_group_norms = None    # per-group clipping: (groups, B) norms of each group's gradient
+        self._sample_request = None     # inside grad_samples(): (ids of the parameters wanted or None, max bytes)
         # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
         # times the clipped sum, so a scaled loss shows here for the optimizer to check.
         self.last_loss_scale = None
         # One (number of examples, incoming gradient) per DP-loss backward since the DP optimizer
         # last took them (None: nobody listens); and callables run before each norm pass.
-        self.passes: list[tuple[int, torch.Tensor]] | None = None
+        self.passes: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
+        self.count_unclipped = False  # adaptive clipping: passes also carry the count of norms <= C
         self.pass_observers: list = []
         # name -> context manager entered around each marked region (pass 1, each norm rule, the
         # clipped sums); None: a torch.profiler range while a profiler runs, else nothing.
@@ -190,6 +224,9 @@ class GhostClipping:
     @max_grad_norm.setter
     def max_grad_norm(self, value):
         check_max_grad_norm(value)
+        if self.group_norms is not None and hasattr(self, "_max_grad_norm"):
+            raise AttributeError("with per-group clipping the clipping norm is sqrt(sum_k C_k^2) of the group "
+                                 "norms, fixed when attaching; build a new controller to change them")
         self._max_grad_norm = float(value)
 
     def detach(self) -> None:
@@ -336,12 +373,14 @@ class GhostClipping:
                     self._in_fallback = False
             for n, f in factors.items():
                 self._pass.add_mass(f)
+                if self._pass.samples is not None and self._wants_samples(call.params[n]):
+                    self._pass.samples[call.params[n]].append(f)
                 if self.mode.keeps_factors:
                     self._pass.kept[call.params[n]].append(f)
                 elif n in missing:  # two passes: see precision.ExactSums
                     self._pass.exact[call.params[n]].append(f)
                 if call.eager[n]:
-                    self._pass.add(f.sq_norm(self._pass.grams))
+                    self._pass.add(f.sq_norm(self._pass.grams), self._group(call.params[n]))
                 else:
                     self._pass.pending[call.params[n]].append(f)
         call.inputs, call.edges, call.grads, call.done = (), [], [], True
@@ -350,11 +389,21 @@ class GhostClipping:
         for call in self._pass.calls:
             if not call.done:
                 self._compute(call)
-        for factors in self._pass.pending.values():
-            self._pass.add(combined_sq_norm(factors))
+        for param, factors in self._pass.pending.items():
+            self._pass.add(combined_sq_norm(factors), self._group(param))
         for param in self._pass.exact:
             if param in self._pass.pending:  # also used by a ruled module: every call's factor
                 self._pass.exact[param] = list(self._pass.pending[param])
+
+    def _group(self, param) -> int:
+        if self._group_of is None:
+            return 0
+        group = self._group_of.get(id(param))
+        if group is None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            raise ValueError(f"parameter '{names.get(id(param), tuple(param.shape))}' is trained but in no "
+                             "clipping group (the optimizer's param_groups): add it to a group or freeze it")
+        return group
 
     def _audit(self, per_example_losses):
         """This step's graph: refuse a stray parameter; return the recorded calls."""
@@ -408,7 +457,9 @@ class GhostClipping:
         probes = list(self._probes.values())
         if probes and self._layouts.assign(calls, B):
             self._prove_layouts(per_example_losses, probes)
-        self._pass = NormPass(B)
+        self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms))
+        if self._sample_request is not None:
+            self._pass.samples = self._start_samples(B)
         try:
             with self._region("ghostdp.pass1"):
                 if probes:
@@ -417,24 +468,38 @@ class GhostClipping:
                     _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses), retain)
                 with self._region("ghostdp.norms.shared_parameters"):
                     self._finish()
+            if self._pass.samples is not None:
+                self._write_samples(self._pass.samples, B)
             sq = self._pass.total_sq()
             self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
         finally:
             self._pass = None
         if sq is None:
-            sq = torch.zeros(B, dtype=torch.float64, device=per_example_losses.device)
-        return sq.clamp(min=0).sqrt()
+            sq = torch.zeros(1 if self.group_norms is None else len(self.group_norms), B, dtype=torch.float64,
+                             device=per_example_losses.device)
+        group_norms = sq.clamp(min=0).sqrt()
+        if self.group_norms is None:
+            return group_norms[0]
+        self.last_group_norms = group_norms
+        return sq.sum(0).clamp(min=0).sqrt()
 
     def clip_coefficients(self, per_example_losses: torch.Tensor) -> torch.Tensor:
-        """Pass 1 and c_i = min(1, C / (n_i + 1e-6)). Examples with a non-finite loss or norm, or whose
-        gradient terms could round the others away (precision.py), raise or get c_i = 0."""
+        """Pass 1 and c_i = min(1, C / (n_i + 1e-6)) (per-group clipping: c_ki = min(1, C_k / (n_ki + 1e-6)),
+        shape (groups, B)). Examples with a non-finite loss or norm, or whose gradient terms could round
+        the others away (precision.py), raise or get c_i = 0."""
         for observe in self.pass_observers:
             observe(per_example_losses)
         norms = self.per_example_norms(per_example_losses)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
-        coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
-        imprecise = imprecise_examples(coeffs, *(self._mass or (None, None)), self.max_grad_norm)
+        if self.group_norms is None:
+            coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+            largest, smallest_norm = coeffs, self.max_grad_norm
+        else:
+            bounds = torch.tensor(self.group_norms, dtype=norms.dtype, device=norms.device)[:, None]
+            coeffs = (bounds / (self.last_group_norms + CLIP_EPS)).clamp(max=1.0)
+            largest, smallest_norm = coeffs.max(0).values, min(self.group_norms)
+        imprecise = imprecise_examples(largest, *(self._mass or (None, None)), smallest_norm)
         if imprecise is not None:
             bad = bad | imprecise
         if bad.any():
@@ -455,7 +520,63 @@ class GhostClipping:
         with self._region("ghostdp.clipped_sum"):
             if not self.mode.keeps_factors and kept:
                 self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
-            return self.mode.grad_of_losses(kept, coefficients, grad_output, losses)
+            return self.mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
+
+    # ----------------------------------------------------------------- per-example gradients on demand
+    @contextlib.contextmanager
+    def grad_samples(self, params=None, max_bytes: int = 2 ** 31):
+        """Within this block, each backward of a DP loss also sets ``p.grad_sample`` (B, *p.shape): every
+        example's own gradient dL_i/dp, unclipped, materialised from the factors the norm rules built
+        (no second implementation per layer), in example chunks, straight into its place.
+
+        ``params``: the parameters wanted (default: every trainable one). A parameter the step did not
+        use gets ``grad_sample = None``. ``max_bytes`` bounds B * sum(p.numel()) * itemsize; a larger
+        request is refused before the backward computes anything. Each backward replaces the previous
+        samples (one physical batch's examples).
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        wanted = None
+        if params is not None:
+            params = list(params)
+            foreign = [tuple(p.shape) for p in params if id(p) not in self._parameters]
+            if foreign:
+                raise ValueError(f"grad_samples: {len(foreign)} of the parameters (shapes {foreign[:3]}) are not "
+                                 "parameters of the private model")
+            wanted = {id(p) for p in params}
+        previous, self._sample_request = self._sample_request, (wanted, max_bytes)
+        try:
+            yield self
+        finally:
+            self._sample_request = previous
+
+    def _wants_samples(self, param) -> bool:
+        wanted = self._sample_request[0]
+        return wanted is None or id(param) in wanted
+
+    def _start_samples(self, B):
+        wanted, max_bytes = self._sample_request
+        params = [p for p in self._parameters.values() if p.requires_grad and self._wants_samples(p)]
+        size = B * sum(p.numel() * p.element_size() for p in params)
+        if size > max_bytes:
+            raise ValueError(
+                f"grad_samples would hold {size / 2 ** 20:.1f} MiB of per-example gradients ({B} examples), above "
+                f"max_bytes={max_bytes}. Ask for fewer parameters (params=...), use a smaller physical batch "
+                "(max_physical_batch_size), or raise max_bytes.")
+        for p in params:
+            p.grad_sample = None
+        return new_factor_store()
+
+    @torch.no_grad()
+    def _write_samples(self, samples, B):
+        for param, factors in samples.items():
+            out = torch.empty(B, *param.shape, dtype=param.dtype, device=param.device)
+            for lo, hi in example_chunks(B, param.numel()):
+                part = factors[0].materialize(lo, hi)
+                for factor in factors[1:]:  # further uses of the parameter (tied weights)
+                    part = part + factor.materialize(lo, hi)
+                out[lo:hi] = part.reshape(hi - lo, *param.shape)
+            param.grad_sample = out
 
     # ----------------------------------------------------------------- losses
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):

@@ -34,8 +34,12 @@ class ClippedLoss(torch.autograd.Function):
         ctx.consumed = True
         coeffs = ctx.controller.clip_coefficients(ctx.losses)
         ctx.controller.last_loss_scale = grad_output.detach()
-        if ctx.controller.passes is not None:  # the scale stays a tensor: no host sync mid-backward
-            ctx.controller.passes.append((ctx.examples, grad_output.detach()))
+        if ctx.controller.passes is not None:  # tensors: no host sync mid-backward
+            unclipped = None
+            if ctx.controller.count_unclipped:  # adaptive clipping: examples whose norm is <= C
+                norms = ctx.controller.last_norms
+                unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
+            ctx.controller.passes.append((ctx.examples, grad_output.detach(), unclipped))
         return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses), None, None, None, None
 
 

@@ -21,7 +21,7 @@ class TwoPass:
     keeps_factors = False
     continues_backward = True  # autograd's continuation from the losses is pass 2
 
-    def grad_of_losses(self, kept, coefficients, grad_output, losses):
+    def grad_of_losses(self, kept, coefficients, grad_output, losses, group_of=None):
         return (coefficients * grad_output).to(losses.dtype)
 
 
@@ -31,25 +31,28 @@ class BookKeeping:
     continues_backward = False
 
     @torch.no_grad()
-    def grad_of_losses(self, kept, coefficients, grad_output, losses):
-        weights = coefficients * grad_output.to(coefficients.dtype)
+    def grad_of_losses(self, kept, coefficients, grad_output, losses, group_of=None):
+        """``coefficients``: (B,), or (groups, B) with ``group_of`` mapping id(parameter) to its row."""
+        all_weights = coefficients * grad_output.to(coefficients.dtype)
         in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
 
-        def weighted_sum(factor, **options):
+        def weighted_sum(factor, group, **options):
+            weights = all_weights if group is None else all_weights[group]
             if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
                 return factor.weighted_sum(weights, **options)
             dt = factor.sum_dtype()
-            if dt not in in_dtype:
-                in_dtype[dt] = weights.to(dt)
-            return factor.weighted_sum(in_dtype[dt], **options)
+            if (dt, group) not in in_dtype:
+                in_dtype[(dt, group)] = weights.to(dt)
+            return factor.weighted_sum(in_dtype[(dt, group)], **options)
 
         for param, factors in kept.items():
+            group = None if group_of is None else group_of[id(param)]
             if len(factors) == 1 and isinstance(factors[0], EmbeddingGather):
-                clipped = weighted_sum(factors[0], out_dtype=param.dtype)  # no wide copy of a 16-bit table
+                clipped = weighted_sum(factors[0], group, out_dtype=param.dtype)  # no wide copy of a 16-bit table
             else:
-                clipped = weighted_sum(factors[0])
+                clipped = weighted_sum(factors[0], group)
                 for factor in factors[1:]:  # further uses of the same parameter (tied weights)
-                    clipped = clipped + weighted_sum(factor)
+                    clipped = clipped + weighted_sum(factor, group)
             clipped = clipped.to(param.dtype)
             if param.grad is None:
                 param.grad = clipped

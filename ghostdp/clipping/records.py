@@ -37,33 +37,43 @@ class ModuleCall:
             self.controller._forget(self)
 
 
+def _device(groups):
+    return next(p for parts in groups for p in parts).device
+
+
 class NormPass:
     """One backward of the DP loss towards the probes: the norm pass, or the layout proof before it."""
 
-    def __init__(self, batch_size, proving=False):
+    def __init__(self, batch_size, proving=False, groups=1):
         self.batch_size = batch_size
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
-        self.sq_parts = []                # per layer, (B,) squared norms
+        self.sq_parts = [[] for _ in range(groups)]  # per clipping group, per layer: (B,) squared norms
         self.masses = []                  # per layer, (B,) bounds of sum_t |G_t| |A_t| (precision.py)
         self.root_masses = []             # per layer, such bounds as SqrtProduct(a, b): sqrt(a b)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several calls
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
         self.exact = new_factor_store()   # two passes: the fallback's factors (precision.ExactSums)
+        self.samples = None               # inside grad_samples(): parameter -> factors to materialise
         self.calls = []
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
 
-    def add(self, sq):
-        self.sq_parts.append(sq)
+    def add(self, sq, group=0):
+        self.sq_parts[group].append(sq)
 
     def total_sq(self):
-        """(B,) float64 sum of the squared norms of all layers, or None."""
-        if not self.sq_parts:
+        """(groups, B) float64 sums of the squared norms of each clipping group's layers, or None."""
+        if not any(self.sq_parts):
             return None
-        parts = self.sq_parts
-        if len({p.dtype for p in parts}) > 1:
-            parts = [p.double() for p in parts]
-        return torch.stack(parts).sum(0).double()
+        totals = []
+        for parts in self.sq_parts:
+            if not parts:
+                totals.append(torch.zeros(self.batch_size, dtype=torch.float64, device=_device(self.sq_parts)))
+                continue
+            if len({p.dtype for p in parts}) > 1:
+                parts = [p.double() for p in parts]
+            totals.append(torch.stack(parts).sum(0).double())
+        return torch.stack(totals)
 
     def add_mass(self, factor):
         mass = factor.token_mass(self.grams)

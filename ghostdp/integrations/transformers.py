@@ -25,6 +25,7 @@ from transformers.data.data_collator import DataCollatorWithFlattening
 
 from ..accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
 from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
+from ..clipping.adaptive import AdaptiveClipNorm
 from ..clipping.modes import clipping_mode
 from ..data import DPDataLoader, PoissonBatchSampler, collective_device, distributed_rank_and_size
 from ..engine import restore_streams, run_state
@@ -42,7 +43,8 @@ class DPArguments:
 
     Give ``target_epsilon`` (sigma is calibrated for the planned number of steps) or
     ``noise_multiplier``. ``max_grad_norm`` is the per-example clipping norm C (the Trainer's own
-    ``TrainingArguments.max_grad_norm`` is turned off). ``loss`` is the per-example loss:
+    ``TrainingArguments.max_grad_norm`` is turned off), or a ``ghostdp.AdaptiveClipNorm`` (each trainer
+    works on its own copy; per-group clipping is PrivacyEngine's). ``loss`` is the per-example loss:
     "sequence_classification" (cross-entropy, or MSE when the model has one label),
     "token_classification" (token mean over labels != -100 per example), "causal_lm" (the
     same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
@@ -56,7 +58,7 @@ class DPArguments:
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
     target_delta: float = 1e-5
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | AdaptiveClipNorm = 1.0
     max_physical_batch_size: int | None = None
     max_epsilon: float | None = None
     loss: str | Callable = "sequence_classification"
@@ -74,7 +76,11 @@ class DPArguments:
             check_noise_multiplier(self.noise_multiplier)
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon!r}")
-        check_max_grad_norm(self.max_grad_norm)
+        if isinstance(self.max_grad_norm, (list, tuple)):
+            raise ValueError("per-group clipping (a list of max_grad_norm) is supported by PrivacyEngine with "
+                             "clipping='bookkeeping', not by DPTrainer, whose optimizer groups are the Trainer's")
+        if not isinstance(self.max_grad_norm, AdaptiveClipNorm):
+            check_max_grad_norm(self.max_grad_norm)
         if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size!r}")
         clipping_mode(self.clipping)
@@ -157,7 +163,12 @@ class DPTrainerMixin:
         self.random_source = RandomSource(secure=dp_args.secure_mode, seed=dp_args.seed)
         if distributed_rank_and_size()[1] > 1:
             self.random_source.agree_across_ranks(seed_given=dp_args.seed is not None)
-        self.controller = GhostClipping(self.model, dp_args.max_grad_norm, clipping=dp_args.clipping)
+        self.adaptive_clipping = None
+        clip_norm = dp_args.max_grad_norm
+        if isinstance(clip_norm, AdaptiveClipNorm):  # a copy: the state is this trainer's
+            self.adaptive_clipping = copy.deepcopy(clip_norm)
+            clip_norm = clip_norm.norm
+        self.controller = GhostClipping(self.model, clip_norm, clipping=dp_args.clipping)
         self.noise_multiplier = dp_args.noise_multiplier
         self.dp_optimizer = None
         self.allowed_steps = None
@@ -304,7 +315,8 @@ class DPTrainerMixin:
             self.dp_optimizer = DPOptimizer(
                 optimizer, controller=self.controller, noise_multiplier=self.noise_multiplier,
                 expected_batch_size=self.expected_batch_size, sample_rate=self.sample_rate,
-                accountant=self.accountant, random_source=self.random_source, tracker=self._train_loader.tracker)
+                accountant=self.accountant, random_source=self.random_source, tracker=self._train_loader.tracker,
+                adaptive_clipping=self.adaptive_clipping)
             if self._pending_noise is not None:
                 self.dp_optimizer.load_noise_state(self._pending_noise)
                 self._pending_noise = None

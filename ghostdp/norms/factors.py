@@ -120,7 +120,8 @@ def _trace(gram: torch.Tensor) -> torch.Tensor:
     return torch.diagonal(gram, 0, 1, 2).sum(-1)
 
 
-def _example_chunks(batch: int, per_example: int):
+def example_chunks(batch: int, per_example: int):
+    """[lo, hi) ranges of examples whose materialised gradients stay within ELEMENT_BUDGET elements."""
     step = max(1, ELEMENT_BUDGET // max(1, per_example))
     for lo in range(0, batch, step):
         yield lo, min(batch, lo + step)
@@ -134,7 +135,7 @@ class PerExampleGrad:
 
     def sq_norm(self, grams=None) -> torch.Tensor:
         total = None
-        for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
+        for lo, hi in example_chunks(self.batch_size, math.prod(self.param_shape)):
             part = self.materialize(lo, hi).reshape(hi - lo, -1).pow(2).sum(1)
             total = part if total is None else torch.cat([total, part])
         return total
@@ -152,7 +153,7 @@ class PerExampleGrad:
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """sum_i weights_i g_i, of param_shape; by default through materialised chunks."""
         total = None
-        for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
+        for lo, hi in example_chunks(self.batch_size, math.prod(self.param_shape)):
             g = self.materialize(lo, hi)
             part = torch.tensordot(weights[lo:hi].to(g.dtype), g, dims=1)
             total = part if total is None else total + part
@@ -165,7 +166,7 @@ class PerExampleGrad:
     def dot(self, other: "PerExampleGrad") -> torch.Tensor:
         """Per-example inner products <g_i, h_i>; by default through materialised chunks."""
         parts = []
-        for lo, hi in _example_chunks(self.batch_size, math.prod(self.param_shape)):
+        for lo, hi in example_chunks(self.batch_size, math.prod(self.param_shape)):
             a = self.materialize(lo, hi).reshape(hi - lo, -1)
             b = other.materialize(lo, hi).reshape(hi - lo, -1).to(a.dtype)
             parts.append((a * b).sum(1))
@@ -460,7 +461,7 @@ class EmbeddingGather(PerExampleGrad):
             dt = acc_dtype(self.grads, other.left, other.right)
             parts = []
             per_example = self.ids.shape[1] * other.left.shape[1]
-            for lo, hi in _example_chunks(self.batch_size, per_example):
+            for lo, hi in example_chunks(self.batch_size, per_example):
                 ids = self.ids[lo:hi]
                 left = other.left[lo:hi]
                 picked = torch.gather(left, 2, ids.unsqueeze(1).expand(-1, left.shape[1], -1)).to(dt)  # (b, S, T)
