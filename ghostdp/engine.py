@@ -235,22 +235,29 @@ class PrivacyEngine:
                                   target_epsilon: float, target_delta: float, epochs: int,
                                   max_grad_norm: float, **kwargs):
         """make_private with the smallest noise multiplier whose epsilon after ``epochs`` stays <= target_epsilon."""
-        if not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
         if "noise_multiplier" in kwargs:
             raise ValueError("make_private_with_epsilon chooses noise_multiplier; do not pass one")
-        if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
-            raise TypeError("make_private_with_epsilon needs a torch DataLoader over a dataset with len()")
-        sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
-        schedule = kwargs.get("batch_size_schedule")
-        _check_batch_size_schedule(schedule, data_loader, kwargs.get("poisson_sampling", True))
-        plan = SamplingPlan(sample_rate, steps_per_epoch, n, schedule).steps(epochs)
-        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, plan=plan,
-                                     accountant=self.accountant.mechanism)
+        sigma = self.noise_for_epsilon(data_loader, target_epsilon=target_epsilon, target_delta=target_delta,
+                                       epochs=epochs, batch_size_schedule=kwargs.get("batch_size_schedule"),
+                                       poisson_sampling=kwargs.get("poisson_sampling", True))
         private = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                     criterion=criterion, noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
         self.optimizer.calibrated_epsilon = target_epsilon
         return private
+
+    def noise_for_epsilon(self, data_loader, *, target_epsilon: float, target_delta: float, epochs: int,
+                          batch_size_schedule=None, poisson_sampling: bool = True) -> float:
+        """The smallest noise multiplier whose epsilon after ``epochs`` of this loader (and batch-size
+        schedule) stays <= target_epsilon, with this engine's accountant."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
+        if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
+            raise TypeError("calibrating the noise needs a torch DataLoader over a dataset with len()")
+        sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
+        _check_batch_size_schedule(batch_size_schedule, data_loader, poisson_sampling)
+        plan = SamplingPlan(sample_rate, steps_per_epoch, n, batch_size_schedule).steps(epochs)
+        return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, plan=plan,
+                                    accountant=self.accountant.mechanism)
 
     # ------------------------------------------------------------------ privacy spent, state
     def get_epsilon(self, delta: float) -> float:

@@ -253,3 +253,13 @@ def test_calibration_for_a_target_above_700_returns_a_noise_that_meets_it():
     acc = PRVAccountant()
     acc.step(noise_multiplier=sigma, sample_rate=0.5, num_steps=10)
     assert 0.99 * 1000 <= acc.get_epsilon(1e-5) <= 1000
+
+
+def test_prv_merges_a_long_schedule_into_few_runs_without_becoming_optimistic():
+    from ghostdp.accounting.prv import merged_runs
+    history = [[1.5 * 0.99 ** k, 0.02 * (1 + k / 40), 3] for k in range(40)]  # noise falls, batches grow
+    merged = merged_runs(history, max_runs=24)
+    assert len(merged) <= 24 and sum(n for _, _, n in merged) == 120
+    exact, coarse = prv_epsilon(history, 1e-5), prv_epsilon(merged, 1e-5)
+    assert exact <= coarse <= 1.08 * exact  # measured 1.064
+    assert merged_runs(history, max_runs=64) == history  # few runs: unchanged

@@ -266,5 +266,33 @@ class PRVAccountant(Accountant):
         self._rdp = RDPAccountant()
 
     def _epsilon(self, history, delta):
-        numerical = prv_epsilon(history, delta, self.value_interval)
-        return max(0.0, min(numerical, self._rdp._epsilon(history, delta)))
+        runs = merged_runs(history)
+        numerical = prv_epsilon(runs, delta, self.value_interval)
+        return max(0.0, min(numerical, self._rdp._epsilon(runs, delta)))
+
+
+# Each distinct (sigma, q) run costs one FFT composition (~75 ms). A schedule stepped at every step
+# gives thousands of them; beyond MAX_RUNS they are merged onto a grid, pessimistically (below).
+MAX_RUNS = 64
+
+
+def merged_runs(history, max_runs: int = MAX_RUNS):
+    """At most ``max_runs`` runs whose composition dominates the history's: every sigma rounded down and
+    every q rounded up onto a geometric grid, as fine as allows it, and equal runs merged (composition
+    commutes). Per step, a smaller sigma or a larger q gives a dominating pair of distributions (joint
+    convexity of the hockey-stick divergence: the rate-q mixture is a mixture of the rate-q' one and
+    N(0, sigma^2)), and dominance survives composition, so the epsilon stays an upper bound."""
+    runs = {}
+    for sigma, q, steps in history:
+        runs[(sigma, q)] = runs.get((sigma, q), 0) + steps
+    ratio = 1e-4
+    while len(runs) > max_runs:
+        ratio *= 1.25
+        coarse = {}
+        for (sigma, q), steps in runs.items():
+            key = (math.exp(math.floor(math.log(sigma) / ratio) * ratio),
+                   min(1.0, math.exp(math.ceil(math.log(q) / ratio) * ratio)))
+            coarse[key] = coarse.get(key, 0) + steps
+        if len(coarse) <= max_runs:
+            runs = coarse
+    return [[sigma, q, steps] for (sigma, q), steps in runs.items()]

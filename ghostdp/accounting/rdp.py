@@ -7,6 +7,7 @@ fractional alpha: the two-sided series (their Section 3.3). RDP composes by addi
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -87,6 +88,13 @@ def rdp_sampled_gaussian(q: float, sigma: float, alpha: float) -> float:
     return log_a / (alpha - 1)
 
 
+@functools.lru_cache(maxsize=8192)
+def _rdp_curve(q: float, sigma: float, orders: tuple) -> tuple:
+    """One step's RDP at every order, computed once per (q, sigma): a schedule's history repeats them
+    at every get_epsilon."""
+    return tuple(rdp_sampled_gaussian(q, sigma, a) for a in orders)
+
+
 def rdp_to_epsilon(rdp, orders, delta):
     """Smallest epsilon over orders, by the conversion of Balle et al. 2020 (Theorem 21):
     eps = rdp + log((alpha - 1) / alpha) - (log(delta) + log(alpha)) / (alpha - 1).
@@ -114,7 +122,7 @@ class RDPAccountant(Accountant):
         history = self.history if history is None else history
         total = np.zeros(len(self.orders))
         for sigma, q, steps in history:
-            total += steps * np.array([rdp_sampled_gaussian(q, sigma, a) for a in self.orders])
+            total += steps * np.array(_rdp_curve(q, sigma, self.orders))
         return total
 
     def _epsilon(self, history, delta):
