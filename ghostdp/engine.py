@@ -130,7 +130,8 @@ class PrivacyEngine:
         each process's expected share (q = batch_size * world_size / len(dataset)), each rank
         samples its own shard, all ranks share rank 0's seed so that they add one identical noise
         draw, and the model must run forward through DistributedDataParallel (before or after this
-        call). clipping="bookkeeping" and secure_mode are single-process only.
+        call). With clipping="bookkeeping" the step sums the ranks' clipped sums itself (bucketed
+        all-reduce; DDP's own hooks never fire). secure_mode is single-process only.
 
         ``max_grad_norm``: the clipping norm C; a list [C_1, ..., C_K], one per param group of the
         optimizer (per-group clipping, clipping="bookkeeping"; the noise is calibrated to

@@ -7,8 +7,10 @@ then the wrapped optimizer's step, and records (sigma, q) in the accountant.
 
 With several processes (DDP), p.grad holds the average over ranks of their clipped sums; it is
 multiplied by the world size back into the sum over all ranks' examples, and every rank adds the
-same noise draw (shared seed), so the noise enters once. One small all-reduce per step checks
-that the gradients and the noise agree on all ranks.
+same noise draw (shared seed), so the noise enters once. Book-keeping writes p.grad itself and no
+backward reaches DDP's reducer, so the step sums the ranks' clipped sums with its own bucketed
+all-reduce, once per logical batch. One small all-reduce per step checks that the gradients and
+the noise agree on all ranks.
 """
 from __future__ import annotations
 
@@ -25,6 +27,38 @@ def _wide_sum(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in (torch.float32, torch.float64):
         t = t.float()
     return t.sum().double()
+
+
+BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket size
+
+
+def _all_reduce_sum(grads: list[torch.Tensor]) -> int:
+    """Sums every tensor over the ranks in place, in flat buckets of up to BUCKET_BYTES per dtype and
+    device (a few collectives, not one per tensor); returns the number of buckets."""
+    import torch.distributed as dist
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    buckets = []
+    for same in groups.values():
+        bucket, size = [], 0
+        for g in same:
+            if bucket and size + g.numel() * g.element_size() > BUCKET_BYTES:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        buckets.append(bucket)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        on = collective_device(flat.device)
+        reduced = flat.to(on)
+        dist.all_reduce(reduced)
+        if reduced is not flat:
+            flat.copy_(reduced)
+        torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in bucket]),
+                                                                            bucket)])
+    return len(buckets)
 
 
 def _delegated(name: str) -> property:
@@ -94,6 +128,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # run): step an LR scheduler only when it is True.
         self.last_step_taken = False
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
+        self.buckets_last_step = 0        # book-keeping with several processes: all-reduces of the last step
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
         self._pending_scheduler_state = None
@@ -250,8 +285,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def add_noise(self, expected_batch_size: float | None = None):
         """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero.
 
-        With several processes p.grad is first multiplied by the world size (DDP averaged it).
-        ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
+        With several processes p.grad is first multiplied by the world size (DDP averaged it), or, in
+        book-keeping, summed over the ranks here. ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
         """
         sigma = self.noise_multiplier
         if self.adaptive_clipping is not None:  # part of the budget goes to the unclipped count
@@ -259,7 +294,6 @@ class DPOptimizer(torch.optim.Optimizer):
         std = sigma * self.max_grad_norm
         params = self.params
         distributed = self.world_size > 1 and bool(params)
-        clipped_fingerprint = self._fingerprint(params) if distributed else None
         if self.loss_reduction == "sum":
             divisor = 1.0
         else:
@@ -268,8 +302,11 @@ class DPOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        if distributed:
-            torch._foreach_mul_(grads, self.world_size)
+        if distributed and self.controller.mode.keeps_factors:
+            self.buckets_last_step = _all_reduce_sum(grads)  # book-keeping: DDP's reducer never ran
+        clipped_fingerprint = self._fingerprint(params) if distributed else None
+        if distributed and not self.controller.mode.keeps_factors:
+            torch._foreach_mul_(grads, self.world_size)  # DDP averaged the ranks' clipped sums
         if std > 0:  # one noise stream over all gradients, in parameter order (randomness.py)
             self.random_source.add_gaussian_(grads, std, divisor)
         elif divisor != 1.0:

@@ -70,6 +70,24 @@ def train_exact(wrap_first, seed, physical):
             "epsilon": engine.get_epsilon(1e-5)}
 
 
+def train_bookkeeping(seed, physical):
+    """Book-keeping through a DDP-wrapped forward, noise 0: the step's own all-reduce sums the ranks'
+    clipped sums; the update must equal one process on the union."""
+    model = mlp()
+    engine, _, optimizer, criterion, loader = private(model, seed=seed, physical=physical, clipping="bookkeeping")
+    ddp = DDP(model)
+    steps, buckets = 0, []
+    for x, y, _ in loader:
+        optimizer.zero_grad()
+        criterion(ddp(x), y).backward()
+        optimizer.step()
+        if optimizer.last_step_taken:
+            steps += 1
+            buckets.append(optimizer.buckets_last_step)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "seed": engine.random_source.seed,
+            "steps": steps, "buckets": buckets}
+
+
 def noise_draws(steps=5, sigma=2.0):
     """Zero per-example gradients: after each step, p.grad * expected batch size is the noise alone."""
     torch.manual_seed(0)
@@ -113,11 +131,10 @@ def refusals():
             data_loader=DataLoader(data(), batch_size=4), max_grad_norm=1.0, poisson_sampling=False)),
         "not_all_reduced": refusal(lambda: one_step(wrap=False)),
         "noise_not_shared": refusal(lambda: one_step({"seed": 1, "noise_generator": other_noise}, noise=1.0)),
-        "bookkeeping": refusal(lambda: one_step({"seed": 1, "clipping": "bookkeeping"})),
     }
 
 
-def trainer(noise):
+def trainer(noise, clipping="ghost"):
     from transformers import TrainingArguments
     from ghostdp.integrations.transformers import DPArguments, DPTrainer
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +145,7 @@ def trainer(noise):
                              learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
                              max_steps=3, report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=0.0,
                              dataloader_pin_memory=False, ddp_backend="gloo", disable_tqdm=True)
-    dp = DPArguments(noise_multiplier=noise, max_grad_norm=0.3, max_physical_batch_size=2, seed=7)
+    dp = DPArguments(noise_multiplier=noise, max_grad_norm=0.3, max_physical_batch_size=2, seed=7, clipping=clipping)
     trained = DPTrainer(model=model, args=args, train_dataset=Examples(), dp_args=dp)
     trained.train()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "epsilon": trained.epsilon(),
@@ -141,9 +158,10 @@ def main(scenario, out):
     if scenario == "engine":
         result = {"after_chunked": train_exact(wrap_first=False, seed=11, physical=2),
                   "first_unseeded": train_exact(wrap_first=True, seed=None, physical=None),
+                  "bookkeeping": train_bookkeeping(seed=11, physical=2),
                   "noise": noise_draws(), "refusals": refusals()}
     else:
-        result = {"exact": trainer(0.0), "noisy": trainer(1.0)}
+        result = {"exact": trainer(0.0), "noisy": trainer(1.0), "bookkeeping": trainer(0.0, "bookkeeping")}
     torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
 
 

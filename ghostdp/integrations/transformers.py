@@ -49,7 +49,8 @@ class DPArguments:
     "token_classification" (token mean over labels != -100 per example), "causal_lm" (the
     same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
     ``max_epsilon`` stops training before the step that would exceed it. ``clipping`` is "ghost"
-    (two passes) or "bookkeeping" (one backward, more memory; one process only).
+    (two passes) or "bookkeeping" (one backward, more memory; with several processes the step sums
+    the ranks' clipped sums in one bucketed all-reduce).
     ``noise_scheduler`` builds a noise scheduler on the DP optimizer (e.g.
     ``functools.partial(ghostdp.schedules.ExponentialNoise, gamma=0.9)``), stepped at the end of every
     epoch; ``batch_size_schedule`` (ghostdp.schedules.StepBatchSize, ...) scales the expected batch

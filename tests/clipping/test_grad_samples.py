@@ -7,20 +7,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers.pytorch_utils import Conv1D
 
 import ghostdp
-from conftest import CLIPPING_MODES, clipped_sum, reference_per_example_grads, trainable
+from conftest import CLIPPING_MODES, Scale, clipped_sum, reference_per_example_grads, trainable
 
 B, T, V, H = 5, 6, 13, 8
-
-
-class Scale(torch.nn.Module):
-    """No norm rule: its gradients come from the fallback."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, x):
-        return x * self.gain.exp()
 
 
 class EveryRule(torch.nn.Module):

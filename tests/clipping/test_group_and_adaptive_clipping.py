@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ghostdp
 from ghostdp import AdaptiveClipNorm, PrivacyEngine
-from conftest import reference_per_example_grads, trainable
+from conftest import Scale, reference_per_example_grads, trainable
 
 B, T, V, H = 6, 5, 11, 8
 
@@ -30,17 +30,6 @@ class Mixed(torch.nn.Module):
         h = torch.tanh(self.shared(self.emb(ids)))
         h = self.scale(self.norm(self.shared(h)))
         return self.head(h.mean(1))
-
-
-class Scale(torch.nn.Module):
-    """No norm rule: its parameter's norms come from the fallback."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, x):
-        return x * self.gain.exp()
 
 
 def data():
