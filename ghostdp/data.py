@@ -150,7 +150,7 @@ class ChunkedBatchSampler(Sampler):
     def __init__(self, logical, max_physical_batch_size: int | None, tracker: BatchTracker, pad_ranks: bool = True):
         if max_physical_batch_size is not None and (not isinstance(max_physical_batch_size, int)
                                                     or max_physical_batch_size < 1):
-            raise ValueError(f"max_physical_batch_size must be an integer >= 1 or None, got "
+            raise ValueError(f"max_physical_batch_size must be an integer >= 1, 'auto' or None, got "
                              f"{max_physical_batch_size!r}")
         self.logical, self.max_physical, self.tracker = logical, max_physical_batch_size, tracker
         self.pad_ranks = pad_ranks
@@ -252,6 +252,16 @@ class DPDataLoader(DataLoader):
             if chunk.is_last and chunk.position is not None:
                 self.position = self.logical_batches.position_after(chunk.position)
             yield batch
+
+    @property
+    def max_physical_batch_size(self):
+        return self.batch_sampler.max_physical
+
+    def set_max_physical_batch_size(self, size: int) -> None:
+        """Change the physical batch (``max_physical_batch_size="auto"``); takes effect at the next iterator."""
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_physical_batch_size must be an integer >= 1, got {size!r}")
+        self.batch_sampler.max_physical = size
 
     def state_dict(self) -> dict:
         if self.position is None:

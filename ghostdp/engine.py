@@ -1,6 +1,7 @@
 """PrivacyEngine: turns a model, optimizer, loader and criterion into their DP-SGD counterparts."""
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -11,7 +12,9 @@ from .accounting import check_noise_multiplier, get_noise_multiplier, make_accou
 from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
 from .clipping.adaptive import AdaptiveClipNorm
 from .clipping.modes import clipping_mode
-from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
+from .clipping import per_example_loss
+from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, collective_device, distributed_rank_and_size
+from .memory import PhysicalBatchSearch, choose_physical_batch_size, largest_logical_batch
 from .optim import DPOptimizer
 from .randomness import RandomSource
 from .schedules import SamplingPlan
@@ -33,6 +36,17 @@ def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
         raise ValueError("with several processes the data loader needs a batch_size (each process's expected "
                          "batch), from which the sample rate batch_size * world_size / len(dataset) follows")
     return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
+
+
+def _to_device(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        items = [_to_device(v, device) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
 
 
 def _check_batch_size_schedule(schedule, data_loader, poisson_sampling) -> None:
@@ -116,7 +130,7 @@ class PrivacyEngine:
                      poisson_sampling: bool = True, clipping: str = "ghost",
                      max_physical_batch_size: int | None = None, loss_reduction: str = "mean",
                      nonfinite: str = "error", noise_generator: torch.Generator | None = None,
-                     batch_size_schedule=None):
+                     batch_size_schedule=None, memory_budget_mb: float | None = None, physical_batch_probe=None):
         """Returns (module, optimizer, criterion, data_loader), ready for an ordinary training loop.
 
         The module is the same object with hooks attached. The criterion (built from the one
@@ -137,12 +151,21 @@ class PrivacyEngine:
         optimizer (per-group clipping, clipping="bookkeeping"; the noise is calibrated to
         sqrt(sum_k C_k^2)); or an ``AdaptiveClipNorm`` (C follows a quantile of the norms).
 
+        ``max_physical_batch_size="auto"`` runs a few real private steps (forward and both passes, no
+        optimizer step) on the dataset's first examples and keeps the largest physical batch that fits:
+        on CUDA within 90% of the free memory (or ``memory_budget_mb``), on a CPU within
+        ``memory_budget_mb``. It needs the criterion and (inputs, target) batches, or
+        ``physical_batch_probe(module, batch) -> per-example losses``. The choice is logged and set
+        as ``loader.max_physical_batch_size``; the logical batch and the accounting do not change.
+
         ``batch_size_schedule`` (ghostdp.schedules: StepBatchSize, LambdaBatchSize) changes the
         expected logical batch size epoch by epoch, from the loader's batch_size; each step is
         accounted with the rate its batch was drawn with. Noise schedules are built on the
         returned optimizer (ghostdp.schedules.ExponentialNoise(optimizer, gamma=...)).
         """
         check_noise_multiplier(noise_multiplier)
+        if max_physical_batch_size != "auto" and (memory_budget_mb is not None or physical_batch_probe is not None):
+            raise ValueError("memory_budget_mb and physical_batch_probe are for max_physical_batch_size='auto'")
         adaptive, parameter_groups = None, None
         if isinstance(max_grad_norm, AdaptiveClipNorm):
             adaptive, max_grad_norm = max_grad_norm, max_grad_norm.norm
@@ -190,9 +213,68 @@ class PrivacyEngine:
         if criterion is not None:
             dp_criterion = DPCriterion(criterion, controller, expected_batch_size)
         loader.controller = controller
+        if max_physical_batch_size == "auto":
+            try:
+                chosen = self._automatic_physical_batch(module, loader, controller, dp_optimizer, criterion,
+                                                        physical_batch_probe, memory_budget_mb, sample_rate)
+            except BaseException:
+                controller.detach()
+                raise
+            loader.set_max_physical_batch_size(chosen)
         self.controller, self.optimizer, self.data_loader = controller, dp_optimizer, loader
         self._apply_pending_state()
         return module, dp_optimizer, dp_criterion, loader
+
+    def _automatic_physical_batch(self, module, loader, controller, optimizer, criterion, probe, budget_mb,
+                                  sample_rate) -> int:
+        """The largest physical batch whose private step fits (memory.py); the state is as before."""
+        dataset = loader.dataset
+        device = next(module.parameters()).device
+        if probe is None and criterion is None:
+            raise ValueError("max_physical_batch_size='auto' runs real steps: give make_private the criterion "
+                             "(for (inputs, target) batches) or physical_batch_probe(module, batch) -> per-example "
+                             "losses")
+
+        def losses_of(batch):
+            if probe is not None:
+                return probe(module, batch)
+            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+                raise ValueError(f"max_physical_batch_size='auto' with a criterion expects (inputs, target, ...) "
+                                 f"batches, got a {type(batch).__name__}; give physical_batch_probe(module, batch) "
+                                 "-> per-example losses")
+            return per_example_loss(criterion, module(batch[0]), batch[1])
+
+        def run(b):
+            batch = _to_device(loader.collate_fn([dataset[i] for i in range(b)]), device)
+            training = module.training
+            module.train()
+            # A DDP-wrapped module must not all-reduce: the ranks' searches may take different numbers of probes.
+            no_sync = module.no_sync() if hasattr(module, "no_sync") else contextlib.nullcontext()
+            try:
+                with no_sync:
+                    controller.loss(losses_of(batch)).backward()
+            finally:
+                module.train(training)
+
+        def clean():
+            for p in module.parameters():
+                p.grad = None
+            controller.reset_step_state()
+            optimizer.reset_step_state()
+
+        logical = loader.logical_batches
+        if isinstance(logical, PoissonBatchSampler) and logical.plan.schedule is None:
+            largest = largest_logical_batch(sample_rate, len(dataset))
+        else:  # fixed batches, or a batch-size schedule: up to the whole dataset
+            largest = getattr(logical, "batch_size", None) or len(dataset)
+        search = PhysicalBatchSearch(run, clean, device, min(largest, len(dataset)), budget_mb)
+        chosen = choose_physical_batch_size(search)
+        if distributed_rank_and_size()[1] > 1:  # every rank must split its batches alike (DDP's call counts)
+            import torch.distributed as dist
+            agreed = torch.tensor([chosen], device=collective_device(device))
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            chosen = int(agreed.item())
+        return chosen
 
     def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule=None):
         if not isinstance(data_loader, DataLoader):
@@ -228,6 +310,8 @@ class PrivacyEngine:
         else:
             logical = data_loader.batch_sampler
             fixed = data_loader.batch_size
+        if max_physical_batch_size == "auto":
+            max_physical_batch_size = None  # set by make_private once the search has run
         loader = DPDataLoader(dataset, logical, max_physical_batch_size=max_physical_batch_size,
                               tracker=tracker, collate_fn=data_loader.collate_fn, **settings)
         return loader, sample_rate, expected_batch_size, tracker, fixed

@@ -224,6 +224,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 "would be added into this step unclipped and counted twice. Call optimizer.zero_grad() "
                 "(or model.zero_grad()) after each optimizer.step().")
 
+    def reset_step_state(self) -> None:
+        """Forget backwards that will not be stepped (the automatic physical batch search's probes)."""
+        self._expect_fresh_grads = True
+        self._mid_logical_batch = False
+
     def _examples_of_this_step(self):
         """(examples clipped, backward calls, unclipped examples or None) of this step's DP-loss backwards."""
         passes, self.controller.passes = self.controller.passes, []

@@ -113,35 +113,8 @@ def make_step(mode, model, args, batch):
     return step
 
 
-def resident_mb(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak(device) -> float:
-    """Starts a peak-memory reading: CUDA peak allocated, or the process's peak resident set (Linux:
-    /proc/self/clear_refs resets it); returns the base the peak is read against."""
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets VmHWM (peak RSS) to the current RSS
-    return resident_mb("VmRSS")
-
-
-def peak_mb_since(device, base) -> float:
-    import torch
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    return resident_mb("VmHWM") - base
-
-
 def measure(args) -> dict:
+    from ghostdp.memory import peak_mb_since, reset_peak
     import torch
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or torch.get_num_threads())

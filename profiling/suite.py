@@ -22,7 +22,8 @@ import json
 import os
 import time
 
-from profiling.bench import available, build_model, make_step, peak_mb_since, reset_peak, weight_dtype
+from ghostdp.memory import peak_mb_since, reset_peak
+from profiling.bench import available, build_model, make_step, weight_dtype
 from profiling.step_ratio import median
 
 BERT = dict(model="bert", layers=12, hidden=768, heads=12, vocab=30522, seq=128, dtype="bf16")

@@ -340,3 +340,22 @@ def test_adaptive_clipping_in_the_trainer_follows_the_rule_and_is_checkpointed(t
     assert trainer._state()["noise"]["adaptive_clipping"]["norm"] == trainer.controller.max_grad_norm
     with pytest.raises(ValueError, match="per-group clipping"):
         DPArguments(noise_multiplier=1.0, max_grad_norm=[1.0, 2.0])
+
+
+def test_automatic_physical_batch_in_the_trainer_equals_a_fixed_one(tmp_path, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="ghostdp"):
+        dp = DPArguments(noise_multiplier=0.0, seed=4, max_physical_batch_size="auto", memory_budget_mb=1e6)
+        automatic = DPTrainer(model=bert(), args=args(tmp_path / "a", max_steps=2), train_dataset=Examples(),
+                              dp_args=dp)
+        automatic.train()
+    chosen = automatic._physical
+    assert f"max_physical_batch_size='auto' chose {chosen}" in caplog.text and chosen >= 8
+    fixed = DPTrainer(model=bert(), args=args(tmp_path / "b", max_steps=2), train_dataset=Examples(),
+                      dp_args=DPArguments(noise_multiplier=0.0, seed=4, max_physical_batch_size=chosen))
+    fixed.train()
+    assert automatic.accountant.history == fixed.accountant.history
+    for p, q in zip(automatic.model.parameters(), fixed.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="memory_budget_mb is for max_physical_batch_size='auto'"):
+        DPArguments(noise_multiplier=1.0, memory_budget_mb=100)

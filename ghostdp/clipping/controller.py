@@ -233,6 +233,15 @@ class GhostClipping:
         if _ATTACHED.get(self.module) is self:
             del _ATTACHED[self.module]
 
+    def reset_step_state(self) -> None:
+        """Forget a backward that will not be stepped (the automatic physical batch search's probes)."""
+        if self.passes is not None:
+            self.passes.clear()
+        self._kept = new_factor_store()
+        self._exact_sums.clear()
+        self._pass = None
+        self.next_loss_is_padding = False
+
     def _region(self, name: str):
         if self.region_timer is not None:
             return self.region_timer(name)

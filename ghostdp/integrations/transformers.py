@@ -31,6 +31,7 @@ from ..data import DPDataLoader, PoissonBatchSampler, collective_device, distrib
 from ..engine import restore_streams, run_state
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
+from ..memory import PhysicalBatchSearch, choose_physical_batch_size, largest_logical_batch
 from ..schedules import BatchSizeSchedule, SamplingPlan
 
 STATE_FILE = "ghostdp_state.pt"
@@ -60,7 +61,8 @@ class DPArguments:
     noise_multiplier: float | None = None
     target_delta: float = 1e-5
     max_grad_norm: float | AdaptiveClipNorm = 1.0
-    max_physical_batch_size: int | None = None
+    max_physical_batch_size: int | str | None = None
+    memory_budget_mb: float | None = None
     max_epsilon: float | None = None
     loss: str | Callable = "sequence_classification"
     accountant: str = "prv"
@@ -82,8 +84,11 @@ class DPArguments:
                              "clipping='bookkeeping', not by DPTrainer, whose optimizer groups are the Trainer's")
         if not isinstance(self.max_grad_norm, AdaptiveClipNorm):
             check_max_grad_norm(self.max_grad_norm)
-        if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
-            raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size!r}")
+        physical = self.max_physical_batch_size
+        if physical is not None and physical != "auto" and (not isinstance(physical, int) or physical < 1):
+            raise ValueError(f"max_physical_batch_size must be an integer >= 1, 'auto' or None, got {physical!r}")
+        if self.memory_budget_mb is not None and physical != "auto":
+            raise ValueError("memory_budget_mb is for max_physical_batch_size='auto'")
         clipping_mode(self.clipping)
         if not callable(self.loss) and self.loss not in LOSS_KINDS:
             raise ValueError(f"loss must be one of {LOSS_KINDS} or a callable, got {self.loss!r}")
@@ -177,6 +182,7 @@ class DPTrainerMixin:
         self._train_loader = None
         self._pending_state = None
         self._pending_noise = None
+        self._physical = None  # the automatic physical batch, once found
         self._epsilon_cache = (None, None)
         self.add_callback(_PrivateRunCallback(self))
 
@@ -338,7 +344,7 @@ class DPTrainerMixin:
         # DDP needs the same number of forward and backward calls on every rank: a rank whose own
         # examples run out runs padding chunks of one stand-in row whose loss weighs 0.
         largest = _largest_across_ranks(count, self.args.device)
-        size = self.dp_args.max_physical_batch_size or max(1, largest)
+        size = self._physical_batch_size(model) or max(1, largest)
         num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
         total = torch.zeros((), device=self.args.device)  # sum of the per-example losses of this rank's batch
         for start in range(0, math.ceil(largest / size) * size, size):
@@ -363,6 +369,44 @@ class DPTrainerMixin:
         self.dp_optimizer.pre_step(logical_batch_size=count)  # noise once, before the Trainer's grad_norm
         # The Trainer logs this: the mean per-example loss of the examples this rank saw (0 for none).
         return total / max(1, count)
+
+    def _physical_batch_size(self, model):
+        """DPArguments.max_physical_batch_size, the automatic one found at the first step (memory.py)."""
+        if self.dp_args.max_physical_batch_size != "auto":
+            return self.dp_args.max_physical_batch_size
+        if self._physical is None:
+            self._physical = self._search_physical_batch(model)
+        return self._physical
+
+    def _search_physical_batch(self, model):
+        dataset, collate = self._train_loader.dataset, self._train_loader.collate_fn
+        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
+
+        def run(b):
+            inputs = self._prepare_inputs(collate([dataset[i] for i in range(b)]))
+            labels = _pop_labels(inputs)
+            # No gradient all-reduce: the ranks' searches may take different numbers of probes.
+            with self.accelerator.no_sync(model):
+                with self.compute_loss_context_manager():
+                    losses = per_example_losses(self.dp_args.loss, model(**inputs), labels, num_labels)
+                self.controller.loss(losses).backward()
+
+        def clean():
+            for p in self.model.parameters():
+                p.grad = None
+            self.controller.reset_step_state()
+            self.dp_optimizer.reset_step_state()
+
+        largest = min(len(dataset), largest_logical_batch(self.sample_rate, len(dataset))
+                      if self.dp_args.batch_size_schedule is None else len(dataset))
+        chosen = choose_physical_batch_size(PhysicalBatchSearch(run, clean, self.args.device, largest,
+                                                                self.dp_args.memory_budget_mb))
+        if distributed_rank_and_size()[1] > 1:  # every rank must split its batches alike
+            import torch.distributed as dist
+            agreed = torch.tensor([chosen], device=collective_device(self.args.device))
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            chosen = int(agreed.item())
+        return chosen
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and torch.is_grad_enabled():
