@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(TORCH)))
 
 DEMO_STAMP := $(VENV)/.demo-packages
 
-.PHONY: test demo clean
+.PHONY: test demo clean fashion-mnist-data fashion-mnist
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ $(DEMO_STAMP): $(STAMP)
 
 demo: $(STAMP) $(DEMO_STAMP)
 	$(BIN)/python examples/finetune_sentiment.py
+
+# Fashion-MNIST ships in a Debian package (idx files under /usr/share/datasets/fashion-mnist/).
+fashion-mnist-data:
+	test -d /usr/share/datasets/fashion-mnist || apt-get install -y dataset-fashion-mnist \
+		|| sudo apt-get install -y dataset-fashion-mnist
+
+fashion-mnist: $(STAMP) $(DEMO_STAMP) fashion-mnist-data
+	$(BIN)/python -m benchmarks.fashion_mnist --epsilon 2.93 1 2 8 --json fashion_mnist.json --png fashion_mnist.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info
