@@ -3,6 +3,7 @@
     python -m profiling.bench                                   # BERT L=2 H=256, B=16, T=128, CPU
     python -m profiling.bench --batches 8 16 32 --budget-mb 2000
     python -m profiling.bench --model gpt2 --freeze-embeddings --device cuda --dtype bf16
+    python -m profiling.bench --batches 8 16 32 --checkpointing  # activation checkpointing, every mode
 
 Modes: plain (non-private, the limit), ghost and bookkeeping (ghostdp), opacus-ghost and
 opacus-hooks (when opacus is installed: pip install ghostdp[compare]). A mode that fails prints
@@ -42,6 +43,8 @@ def build_model(args):
                             n_positions=max(512, args.seq), num_labels=2, pad_token_id=0,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2ForSequenceClassification(config)
+    if getattr(args, "checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.model.endswith("lora"):
         from peft import LoraConfig, get_peft_model
         targets = ["query", "value"] if args.model.startswith("bert") else ["c_attn"]
@@ -64,6 +67,8 @@ def _llama_lora(args):
                          num_key_value_heads=max(1, args.heads // 8), max_position_embeddings=max(512, args.seq),
                          num_labels=2, pad_token_id=0)
     model = LlamaForSequenceClassification(config)
+    if getattr(args, "checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                             lora_dropout=0.0, modules_to_save=["score"]))
 
@@ -148,6 +153,8 @@ def run_fresh(args, mode, batch) -> dict:
             argv += [f"--{key}", str(value)]
     if args.freeze_embeddings:
         argv.append("--freeze-embeddings")
+    if getattr(args, "checkpointing", False):
+        argv.append("--checkpointing")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(argv, capture_output=True, text=True, cwd=root, env=env)
@@ -237,6 +244,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--freeze-embeddings", action="store_true", help="so that Opacus can run on BERT")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="non-reentrant activation checkpointing of every layer, in every mode")
 
 
 def parse(argv=None):
@@ -285,7 +294,8 @@ def main(argv=None):
             results[mode][b] = {"median_ms": runs[len(runs) // 2]["median_ms"],
                                 "peak_mb": sorted(r["peak_mb"] for r in runs)[len(runs) // 2]}
     print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} {args.dtype} on {args.device}"
-          f"{', embeddings frozen' if args.freeze_embeddings else ''}; {args.steps} steps, median of the last "
+          f"{', embeddings frozen' if args.freeze_embeddings else ''}"
+          f"{', activation checkpointing' if args.checkpointing else ''}; {args.steps} steps, median of the last "
           f"{args.steps - args.warmup}, each mode in a fresh process")
     print_table(results, modes, args.batches)
     budget = None

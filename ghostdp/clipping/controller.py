@@ -38,12 +38,12 @@ CLIP_EPS = 1e-6
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 CHECKPOINTING_UNSUPPORTED = (
-    "Activation (gradient) checkpointing is not supported yet: non-reentrant checkpointing works only where "
-    "the norm pass needs no recomputed activation (e.g. checkpointed blocks that are frozen); it is refused "
-    "when it recomputes inside the norm pass, and reentrant checkpointing (use_reentrant=True) is always "
-    "refused (it hides its region's graph until its own backward). Fix: turn it off "
-    "(model.gradient_checkpointing_disable(), TrainingArguments(gradient_checkpointing=False), or no "
-    "torch.utils.checkpoint around trainable layers).")
+    "Reentrant activation checkpointing (use_reentrant=True) is not supported: it hides its region's graph "
+    "until its own backward, which ghostdp's norm pass (an autograd.grad call) cannot enter. Fix: use "
+    "non-reentrant checkpointing, which is supported: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False}), TrainingArguments(gradient_checkpointing=True, "
+    "gradient_checkpointing_kwargs={'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=False).")
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -268,9 +268,6 @@ class GhostClipping:
         params = self._trainable_owned(module)
         if not params:
             return None
-        if self._pass is not None:
-            raise NotImplementedError(f"module '{name}' ran a forward during ghostdp's norm pass. "
-                                      + CHECKPOINTING_UNSUPPORTED)
         if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
             flat, spec = [output], None
         else:
@@ -282,38 +279,52 @@ class GhostClipping:
         if entry is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
             entry = None
         rule = entry.rule if entry is not None else None
-        call = ModuleCall(self, name, module, entry, params)
-        if rule is None and len(slots) > 1:
-            # Its fallback runs after pass 1 has gone below it, through the module's own graph.
-            self._graph_needed_after_pass1 = True
-        call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            inputs = list(args)
+        else:
+            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if self._pass is not None:
+            # A forward inside the norm pass is an activation checkpoint recomputing its region: attach
+            # the same probes saving the same inputs (the checkpoint checks that the recomputation saves
+            # what the forward saved), on a call that records nothing.
+            call = ModuleCall(self, name, module, entry, params)
+            call.fired = True
+            call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        else:
+            call = ModuleCall(self, name, module, entry, params)
+            if rule is None and len(slots) > 1:
+                # Its fallback runs after pass 1 has gone below it, through the module's own graph.
+                self._graph_needed_after_pass1 = True
+            call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        recording = self._pass is None
         B = self._batch_hint
+        expanded_first = False
         new_flat = list(flat)
         for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
             t = flat[i]
-            call.edges.append(_edge(t))
             # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
             # batch here so that its output grad stays per example.
             expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
             if expanded:
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
-            call.expanded.append(expanded)
-            call.shapes.append(tuple(t.shape))
-            new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None)
-        call.grads = [None] * len(slots)
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            inputs = list(args)
-        else:
-            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        # The nodes that bound the call's region below (the audit stops there); a leaf input has
-        # only its gradient accumulator below, where the audit stops anyway.
-        call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
-        if rule is not None:
-            if call.expanded[0]:
-                inputs = [a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in inputs]
-            call.inputs = tuple(inputs)
-        for p in params.values():
-            self._live[id(p)] += 1
+            expanded_first = expanded_first or (slot == 0 and expanded)
+            if recording:
+                call.edges.append(_edge(flat[i]))
+                call.expanded.append(expanded)
+                call.shapes.append(tuple(t.shape))
+            saved = ()
+            if rule is not None:  # the rule's activations, saved on the probe's node (probe.py)
+                saved = tuple(a.expand(B, *a.shape[1:]) if expanded_first and a.dim() > 0 and a.shape[0] == 1
+                              else a for a in inputs)
+            new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None,
+                                    inputs=saved)
+        if recording:
+            call.grads = [None] * len(slots)
+            # The nodes that bound the call's region below (the audit stops there); a leaf input has
+            # only its gradient accumulator below, where the audit stops anyway.
+            call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
+            for p in params.values():
+                self._live[id(p)] += 1
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
 
     def _trainable_owned(self, module) -> dict:
@@ -333,6 +344,10 @@ class GhostClipping:
     # ----------------------------------------------------------------- pass 1
     def _receives_output_grads(self) -> bool:
         return self._pass is not None and not self._in_fallback
+
+    def _needs_inputs(self) -> bool:
+        """Whether a ruled call's saved inputs must be unpacked now (the layout proof reads only G)."""
+        return not self._pass.proving
 
     def _receive(self, call, slot, grad):
         if self._pass.proving:

@@ -14,6 +14,10 @@ there the probe goes on that result and the view is taken again after it, so no
 copy is made either. Where the output was saved by its own producer (tanh,
 sigmoid), or is another kind of view or a leaf, bumping its version would break
 the backward, so a copy is returned.
+
+A ruled module's inputs (the rule's activations A) are saved on the probe's autograd node, not
+held by the controller: inside a non-reentrant activation checkpoint they are then dropped after
+the forward like every other saved tensor, and the norm pass's unpacking recomputes them.
 """
 from __future__ import annotations
 
@@ -47,9 +51,12 @@ def _empty_grad(device, dtype) -> torch.Tensor:
 
 class ProbeIdentity(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, probe, call, slot, in_place, output_shape):
+    def forward(ctx, out, probe, call, slot, in_place, output_shape, inputs):
         ctx.call, ctx.slot, ctx.output_shape = call, slot, output_shape
         ctx.probe_meta = (probe.device, probe.dtype)
+        ctx.has_inputs = bool(inputs)
+        if inputs:  # not inputs of this Function (a tuple argument): no graph edge, only saved
+            ctx.save_for_backward(*inputs)
         # No zeros for a missing gradient: after book-keeping's pass 1 nothing flows further back,
         # and zeros would run a whole useless backward.
         ctx.set_materialize_grads(False)
@@ -61,27 +68,31 @@ class ProbeIdentity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         call = ctx.call
         if call.controller._receives_output_grads():
             shaped = grad if ctx.output_shape is None else grad.view(ctx.output_shape)
+            if ctx.has_inputs and call.controller._needs_inputs():
+                call.inputs = ctx.saved_tensors  # recomputed here inside an activation checkpoint
             call.controller._receive(call, ctx.slot, shaped)
-            return grad, _empty_grad(*ctx.probe_meta), None, None, None, None
+            return grad, _empty_grad(*ctx.probe_meta), None, None, None, None, None
         if grad.numel():  # a gradient with no rows (an empty batch) carries no example
             call.controller._refuse_if_not_from_dp_loss(call)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
-def add_probe(out: torch.Tensor, probe: torch.Tensor, call, slot: int, known_forward: bool) -> torch.Tensor:
+def add_probe(out: torch.Tensor, probe: torch.Tensor, call, slot: int, known_forward: bool,
+              inputs: tuple = ()) -> torch.Tensor:
     """``out`` with the probe attached. ``known_forward``: the module is one whose forward a norm rule
-    knows (Linear, Conv1D, ...), so nothing inside it saved the base of a view output."""
+    knows (Linear, Conv1D, ...), so nothing inside it saved the base of a view output. ``inputs``:
+    what the rule reads, saved on the probe's node."""
     if not known_forward:
         # Any producer may have saved its output for its backward, under any name (cuDNN's and
         # mkldnn's RNNs, a custom autograd.Function): marking it dirty would break that backward.
-        return ProbeIdentity.apply(out, probe, call, slot, False, None)
+        return ProbeIdentity.apply(out, probe, call, slot, False, None, inputs)
     if can_mark_dirty(out):
-        return ProbeIdentity.apply(out, probe, call, slot, True, None)
+        return ProbeIdentity.apply(out, probe, call, slot, True, None, inputs)
     base = _reshaped_base(out)
     if base is not None:
-        return ProbeIdentity.apply(base, probe, call, slot, True, out.shape).view(out.shape)
-    return ProbeIdentity.apply(out, probe, call, slot, False, None)
+        return ProbeIdentity.apply(base, probe, call, slot, True, out.shape, inputs).view(out.shape)
+    return ProbeIdentity.apply(out, probe, call, slot, False, None, inputs)
