@@ -8,22 +8,9 @@ from torch.utils.checkpoint import checkpoint
 import ghostdp
 from ghostdp import per_example_loss
 from conftest import assert_exact_model
+from test_models import B, classification_loss, padded_text
 
-B = 4
 CE = nn.CrossEntropyLoss()
-
-
-def classification_loss(labels):
-    return lambda out, sl: per_example_loss(CE, out.logits if hasattr(out, "logits") else out, labels[sl])
-
-
-def padded_text(vocab, T=7):
-    ids = torch.randint(1, vocab, (B, T))
-    mask = torch.ones(B, T, dtype=torch.long)
-    for i, n in enumerate([7, 5, 3, 6]):
-        mask[i, n:] = 0
-        ids[i, n:] = 0
-    return ids, mask
 
 
 class Block(nn.Module):
