@@ -68,6 +68,14 @@ class PoissonBatchSampler(Sampler):
     def rate_at(self, epoch: int) -> float:
         return self.plan.at(epoch)[0]
 
+    def largest_batch(self) -> int:
+        """A size no logical batch is expected to exceed: mean + 4 standard deviations of the draw
+        (exceeded with probability below ~3e-5), or the whole dataset under a batch-size schedule."""
+        if self.plan.schedule is not None:
+            return self.num_samples
+        mean = self.sample_rate * self.num_samples
+        return int(min(self.num_samples, math.ceil(mean + 4 * math.sqrt(mean * (1 - self.sample_rate)) + 1)))
+
     def _kept(self, rank: int, epoch: int, batch: int) -> np.ndarray:
         """Which examples of ``rank``'s shard (indices rank, rank + world_size, ...) this draw keeps."""
         shard_size = len(range(rank, self.num_samples, self.world_size))

@@ -6,6 +6,7 @@ import math
 import warnings
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from .accounting import check_noise_multiplier, get_noise_multiplier, make_accountant
@@ -13,8 +14,8 @@ from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
 from .clipping.adaptive import AdaptiveClipNorm
 from .clipping.modes import clipping_mode
 from .clipping import per_example_loss
-from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, collective_device, distributed_rank_and_size
-from .memory import PhysicalBatchSearch, choose_physical_batch_size, largest_logical_batch
+from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
+from .memory import PhysicalBatchSearch, choose_physical_batch_size
 from .optim import DPOptimizer
 from .randomness import RandomSource
 from .schedules import SamplingPlan
@@ -36,17 +37,6 @@ def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
         raise ValueError("with several processes the data loader needs a batch_size (each process's expected "
                          "batch), from which the sample rate batch_size * world_size / len(dataset) follows")
     return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
-
-
-def _to_device(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        items = [_to_device(v, device) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
 
 
 def _check_batch_size_schedule(schedule, data_loader, poisson_sampling) -> None:
@@ -216,7 +206,7 @@ class PrivacyEngine:
         if max_physical_batch_size == "auto":
             try:
                 chosen = self._automatic_physical_batch(module, loader, controller, dp_optimizer, criterion,
-                                                        physical_batch_probe, memory_budget_mb, sample_rate)
+                                                        physical_batch_probe, memory_budget_mb)
             except BaseException:
                 controller.detach()
                 raise
@@ -225,8 +215,7 @@ class PrivacyEngine:
         self._apply_pending_state()
         return module, dp_optimizer, dp_criterion, loader
 
-    def _automatic_physical_batch(self, module, loader, controller, optimizer, criterion, probe, budget_mb,
-                                  sample_rate) -> int:
+    def _automatic_physical_batch(self, module, loader, controller, optimizer, criterion, probe, budget_mb) -> int:
         """The largest physical batch whose private step fits (memory.py); the state is as before."""
         dataset = loader.dataset
         device = next(module.parameters()).device
@@ -245,7 +234,8 @@ class PrivacyEngine:
             return per_example_loss(criterion, module(batch[0]), batch[1])
 
         def run(b):
-            batch = _to_device(loader.collate_fn([dataset[i] for i in range(b)]), device)
+            batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                             loader.collate_fn([dataset[i] for i in range(b)]))
             training = module.training
             module.train()
             # A DDP-wrapped module must not all-reduce: the ranks' searches may take different numbers of probes.
@@ -263,18 +253,11 @@ class PrivacyEngine:
             optimizer.reset_step_state()
 
         logical = loader.logical_batches
-        if isinstance(logical, PoissonBatchSampler) and logical.plan.schedule is None:
-            largest = largest_logical_batch(sample_rate, len(dataset))
-        else:  # fixed batches, or a batch-size schedule: up to the whole dataset
-            largest = getattr(logical, "batch_size", None) or len(dataset)
-        search = PhysicalBatchSearch(run, clean, device, min(largest, len(dataset)), budget_mb)
-        chosen = choose_physical_batch_size(search)
-        if distributed_rank_and_size()[1] > 1:  # every rank must split its batches alike (DDP's call counts)
-            import torch.distributed as dist
-            agreed = torch.tensor([chosen], device=collective_device(device))
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            chosen = int(agreed.item())
-        return chosen
+        if isinstance(logical, PoissonBatchSampler):
+            largest = logical.largest_batch()
+        else:  # the loader's own fixed batches
+            largest = min(getattr(logical, "batch_size", None) or len(dataset), len(dataset))
+        return choose_physical_batch_size(PhysicalBatchSearch(run, clean, device, largest, budget_mb))
 
     def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule=None):
         if not isinstance(data_loader, DataLoader):

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .data import collective_device, distributed_rank_and_size
+
 log = logging.getLogger("ghostdp")
 
 CUDA_FREE_SHARE = 0.9
@@ -154,14 +156,15 @@ class PhysicalBatchSearch:
         return best
 
 def choose_physical_batch_size(search: PhysicalBatchSearch) -> int:
+    """The search's choice, logged; with several processes the smallest over the ranks, since every rank
+    must split its batches alike (DDP's forward and backward calls stay in step)."""
     chosen = search.run()
     readings = ", ".join(f"{b}: {mb:.0f} MiB" for b, mb in sorted(search.readings.items()))
     log.info("max_physical_batch_size='auto' chose %d (budget %.0f MiB; peak above the start by batch size: %s)",
              chosen, search.budget, readings)
+    if distributed_rank_and_size()[1] > 1:
+        import torch.distributed as dist
+        agreed = torch.tensor([chosen], device=collective_device(search.device))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        chosen = int(agreed.item())
     return chosen
-
-
-def largest_logical_batch(sample_rate: float, dataset_size: int) -> int:
-    """A size the Poisson batch exceeds with probability below ~3e-5 (mean + 4 standard deviations)."""
-    mean = sample_rate * dataset_size
-    return int(min(dataset_size, math.ceil(mean + 4 * math.sqrt(mean * (1 - sample_rate)) + 1)))

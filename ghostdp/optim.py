@@ -307,10 +307,11 @@ class DPOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        if distributed and self.controller.mode.keeps_factors:
-            self.buckets_last_step = _all_reduce_sum(grads)  # book-keeping: DDP's reducer never ran
+        summed_here = distributed and self.controller.mode.keeps_factors  # book-keeping: DDP's reducer never ran
+        if summed_here:
+            self.buckets_last_step = _all_reduce_sum(grads)
         clipped_fingerprint = self._fingerprint(params) if distributed else None
-        if distributed and not self.controller.mode.keeps_factors:
+        if distributed and not summed_here:
             torch._foreach_mul_(grads, self.world_size)  # DDP averaged the ranks' clipped sums
         if std > 0:  # one noise stream over all gradients, in parameter order (randomness.py)
             self.random_source.add_gaussian_(grads, std, divisor)

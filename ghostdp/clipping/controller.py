@@ -283,22 +283,18 @@ class GhostClipping:
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if self._pass is not None:
-            # A forward inside the norm pass is an activation checkpoint recomputing its region: attach
-            # the same probes saving the same inputs (the checkpoint checks that the recomputation saves
-            # what the forward saved), on a call that records nothing.
-            call = ModuleCall(self, name, module, entry, params)
-            call.fired = True
-            call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
-        else:
-            call = ModuleCall(self, name, module, entry, params)
-            if rule is None and len(slots) > 1:
-                # Its fallback runs after pass 1 has gone below it, through the module's own graph.
-                self._graph_needed_after_pass1 = True
-            call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        call = ModuleCall(self, name, module, entry, params)
+        call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        # A forward inside the norm pass is an activation checkpoint recomputing its region: it attaches
+        # the same probes saving the same inputs (the checkpoint checks that the recomputation saves
+        # what the forward saved), on a call that records nothing.
         recording = self._pass is None
+        if not recording:
+            call.fired = True
+        elif rule is None and len(slots) > 1:
+            # Its fallback runs after pass 1 has gone below it, through the module's own graph.
+            self._graph_needed_after_pass1 = True
         B = self._batch_hint
-        expanded_first = False
         new_flat = list(flat)
         for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
             t = flat[i]
@@ -307,15 +303,14 @@ class GhostClipping:
             expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
             if expanded:
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
-            expanded_first = expanded_first or (slot == 0 and expanded)
             if recording:
                 call.edges.append(_edge(flat[i]))
                 call.expanded.append(expanded)
                 call.shapes.append(tuple(t.shape))
             saved = ()
-            if rule is not None:  # the rule's activations, saved on the probe's node (probe.py)
-                saved = tuple(a.expand(B, *a.shape[1:]) if expanded_first and a.dim() > 0 and a.shape[0] == 1
-                              else a for a in inputs)
+            if rule is not None:  # one output; the rule's activations, saved on the probe's node (probe.py)
+                saved = tuple(a.expand(B, *a.shape[1:]) if expanded and a.dim() > 0 and a.shape[0] == 1 else a
+                              for a in inputs)
             new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None,
                                     inputs=saved)
         if recording:
@@ -574,7 +569,7 @@ class GhostClipping:
         return wanted is None or id(param) in wanted
 
     def _start_samples(self, B):
-        wanted, max_bytes = self._sample_request
+        max_bytes = self._sample_request[1]
         params = [p for p in self._parameters.values() if p.requires_grad and self._wants_samples(p)]
         size = B * sum(p.numel() * p.element_size() for p in params)
         if size > max_bytes:

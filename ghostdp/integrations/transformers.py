@@ -31,8 +31,8 @@ from ..data import DPDataLoader, PoissonBatchSampler, collective_device, distrib
 from ..engine import restore_streams, run_state
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
-from ..memory import PhysicalBatchSearch, choose_physical_batch_size, largest_logical_batch
-from ..schedules import BatchSizeSchedule, SamplingPlan
+from ..memory import PhysicalBatchSearch, choose_physical_batch_size
+from ..schedules import BatchSizeSchedule
 
 STATE_FILE = "ghostdp_state.pt"
 LOSS_KINDS = ("sequence_classification", "token_classification", "causal_lm")
@@ -242,10 +242,9 @@ class DPTrainerMixin:
         sample_rate = min(1.0, logical / n)
         steps_per_epoch = max(1, math.ceil(n / logical))
         self.sample_rate, self.expected_batch_size = sample_rate, sample_rate * n
-        schedule = self.dp_args.batch_size_schedule
-        self.plan = SamplingPlan(sample_rate, steps_per_epoch, n, schedule)
         sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source,
-                                      batch_size_schedule=schedule)
+                                      batch_size_schedule=self.dp_args.batch_size_schedule)
+        self.plan = sampler.plan
         # One batch per logical batch; training_step splits it and keeps the ranks' chunk counts equal.
         loader = DPDataLoader(dataset, sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
                               pin_memory=self.args.dataloader_pin_memory, pad_ranks=False)
@@ -397,16 +396,9 @@ class DPTrainerMixin:
             self.controller.reset_step_state()
             self.dp_optimizer.reset_step_state()
 
-        largest = min(len(dataset), largest_logical_batch(self.sample_rate, len(dataset))
-                      if self.dp_args.batch_size_schedule is None else len(dataset))
-        chosen = choose_physical_batch_size(PhysicalBatchSearch(run, clean, self.args.device, largest,
-                                                                self.dp_args.memory_budget_mb))
-        if distributed_rank_and_size()[1] > 1:  # every rank must split its batches alike
-            import torch.distributed as dist
-            agreed = torch.tensor([chosen], device=collective_device(self.args.device))
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            chosen = int(agreed.item())
-        return chosen
+        largest = self._train_loader.logical_batches.largest_batch()
+        return choose_physical_batch_size(PhysicalBatchSearch(run, clean, self.args.device, largest,
+                                                              self.dp_args.memory_budget_mb))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and torch.is_grad_enabled():
