@@ -18,7 +18,7 @@ import math
 import warnings
 from typing import Callable
 
-from .accounting import check_noise_multiplier
+from .accounting import check_noise_multiplier, check_positive
 
 
 def _check_factor(factor, what: str, epoch: int) -> float:
@@ -26,11 +26,6 @@ def _check_factor(factor, what: str, epoch: int) -> float:
         raise ValueError(f"the {what} schedule gave the factor {factor!r} at epoch {epoch}; it must be a finite "
                          "number > 0")
     return float(factor)
-
-
-def _check_positive(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _check_step_size(step_size) -> None:
@@ -100,7 +95,7 @@ class ExponentialNoise(NoiseScheduler):
     """sigma_k = sigma_0 * gamma ** k."""
 
     def __init__(self, optimizer, *, gamma: float):
-        _check_positive(gamma, "gamma")
+        check_positive(gamma, "gamma")
         self.gamma = float(gamma)
         super().__init__(optimizer)
 
@@ -113,7 +108,7 @@ class StepNoise(NoiseScheduler):
 
     def __init__(self, optimizer, *, step_size: int, gamma: float):
         _check_step_size(step_size)
-        _check_positive(gamma, "gamma")
+        check_positive(gamma, "gamma")
         self.step_size, self.gamma = step_size, float(gamma)
         super().__init__(optimizer)
 
@@ -147,7 +142,7 @@ class StepBatchSize(BatchSizeSchedule):
 
     def __init__(self, *, step_size: int, gamma: float):
         _check_step_size(step_size)
-        _check_positive(gamma, "gamma")
+        check_positive(gamma, "gamma")
         self.step_size, self.gamma = step_size, float(gamma)
 
     def factor(self, epoch):

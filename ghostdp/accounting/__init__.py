@@ -1,7 +1,7 @@
 """Privacy accounting for DP-SGD: RDP (loose, fast) and PRV (tight numerical composition)."""
-from .base import Accountant, check_noise_multiplier
+from .base import Accountant, check_noise_multiplier, check_positive
 from .calibration import get_noise_multiplier, make_accountant
 from .prv import PRVAccountant
 from .rdp import RDPAccountant
 
-__all__ = ["Accountant", "check_noise_multiplier", "RDPAccountant", "PRVAccountant", "get_noise_multiplier", "make_accountant"]
+__all__ = ["Accountant", "check_noise_multiplier", "check_positive", "RDPAccountant", "PRVAccountant", "get_noise_multiplier", "make_accountant"]

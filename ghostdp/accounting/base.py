@@ -4,6 +4,13 @@ from __future__ import annotations
 import math
 
 
+def check_positive(value, name: str) -> float:
+    """``value`` as a float, refused unless it is a finite number > 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def check_noise_multiplier(noise_multiplier):
     if not isinstance(noise_multiplier, (int, float)) or isinstance(noise_multiplier, bool) \
             or not noise_multiplier >= 0 or math.isinf(noise_multiplier):

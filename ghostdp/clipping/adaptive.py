@@ -15,11 +15,7 @@ import math
 
 import torch
 
-
-def _positive(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
+from ..accounting.base import check_positive
 
 
 class AdaptiveClipNorm:
@@ -38,15 +34,15 @@ class AdaptiveClipNorm:
     def __init__(self, initial: float = 1.0, *, target_quantile: float = 0.5, learning_rate: float = 0.2,
                  count_noise_std: float | None = None, min_norm: float | None = None,
                  max_norm: float | None = None):
-        self.norm = _positive(initial, "initial")
+        self.norm = check_positive(initial, "initial")
         if isinstance(target_quantile, bool) or not isinstance(target_quantile, (int, float)) \
                 or not 0 <= target_quantile <= 1:
             raise ValueError(f"target_quantile must be in [0, 1], got {target_quantile!r}")
         self.target_quantile = float(target_quantile)
-        self.learning_rate = _positive(learning_rate, "learning_rate")
-        self.count_noise_std = None if count_noise_std is None else _positive(count_noise_std, "count_noise_std")
-        self.min_norm = None if min_norm is None else _positive(min_norm, "min_norm")
-        self.max_norm = None if max_norm is None else _positive(max_norm, "max_norm")
+        self.learning_rate = check_positive(learning_rate, "learning_rate")
+        self.count_noise_std = None if count_noise_std is None else check_positive(count_noise_std, "count_noise_std")
+        self.min_norm = None if min_norm is None else check_positive(min_norm, "min_norm")
+        self.max_norm = None if max_norm is None else check_positive(max_norm, "max_norm")
         if self.min_norm is not None and self.max_norm is not None and self.min_norm > self.max_norm:
             raise ValueError(f"min_norm {min_norm} is above max_norm {max_norm}")
         self.last_unclipped_share = None  # the privatised share b of the last step

@@ -22,6 +22,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..accounting.base import check_positive
 from ..norms.factors import combined_sq_norm, example_chunks
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
@@ -61,9 +62,7 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def check_max_grad_norm(value):
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value != value \
-            or value == float("inf"):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}")
+    check_positive(value, "max_grad_norm")
 
 
 def _clipping_groups(max_grad_norm, parameter_groups, mode):

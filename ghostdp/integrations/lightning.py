@@ -97,7 +97,7 @@ class DPCallback(Callback):
         if len(trainer.optimizers) != 1:
             raise NotImplementedError(f"DPCallback supports one optimizer, configure_optimizers returned "
                                       f"{len(trainer.optimizers)}")
-        private_loader = self.engine._prepared[0]
+        private_loader = self.engine.private_data_loader(self._source_loader, **self.sampling)  # the same one
         common = dict(module=pl_module, optimizer=trainer.optimizers[0], data_loader=private_loader,
                       max_grad_norm=self.max_grad_norm, clipping=self.clipping, **self.sampling)
         if self.target_epsilon is not None:
