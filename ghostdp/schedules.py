@@ -195,6 +195,15 @@ class SamplingPlan:
             runs.append((q, max(1, math.ceil((epochs - whole) * n))))
         return runs
 
+    def first_steps(self, count: int) -> list[tuple[float, int]]:
+        """[(q, draws)] of the first ``count`` draws, epoch by epoch."""
+        runs, epoch = [], 0
+        while count > 0:
+            q, n = self.at(epoch)
+            runs.append((q, min(n, count)))
+            count, epoch = count - n, epoch + 1
+        return runs
+
     def epoch_of_step(self, step: int) -> float:
         """The (fractional) epoch reached after ``step`` draws."""
         epoch = 0

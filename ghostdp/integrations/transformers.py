@@ -257,12 +257,7 @@ class DPTrainerMixin:
     def _planned_runs(self) -> list[tuple[float, int]]:
         """(sample rate, steps) of the whole planned run, epoch by epoch."""
         if self.args.max_steps and self.args.max_steps > 0:
-            runs, left, epoch = [], self.args.max_steps, 0
-            while left > 0:
-                rate, steps = self.plan.at(epoch)
-                runs.append((rate, min(steps, left)))
-                left, epoch = left - steps, epoch + 1
-            return runs
+            return self.plan.first_steps(self.args.max_steps)
         return self.plan.steps(self.args.num_train_epochs)
 
     def _calibrate(self):
@@ -271,7 +266,8 @@ class DPTrainerMixin:
         if dp.target_epsilon is not None:
             self.noise_multiplier = get_noise_multiplier(
                 target_epsilon=dp.target_epsilon, target_delta=dp.target_delta, plan=runs, accountant=dp.accountant)
-        self._limit_epsilon()
+        if self.dp_optimizer is not None:  # a new optimizer plans it in create_optimizer, at its noise
+            self._limit_epsilon()
 
     def set_initial_training_values(self, args, dataloader):
         """With a batch-size schedule the epochs differ in length: the Trainer runs the planned steps in

@@ -175,6 +175,7 @@ def test_sampling_plan_of_a_growing_batch():
     plan = SamplingPlan(8 / N, 5, N, StepBatchSize(step_size=2, gamma=2.0))
     assert [plan.at(e) for e in range(5)] == [(0.2, 5), (0.2, 5), (0.4, 3), (0.4, 3), (0.8, 2)]
     assert plan.steps(2.5) == [(0.2, 5), (0.2, 5), (0.4, 2)]
+    assert plan.first_steps(12) == [(0.2, 5), (0.2, 5), (0.4, 2)]
     assert plan.epoch_of_step(11) == pytest.approx(2 + 1 / 3)
     capped = SamplingPlan(8 / N, 5, N, LambdaBatchSize(lambda e: 100.0))
     assert capped.at(0) == (1.0, 1)  # never above the dataset
