@@ -1,5 +1,5 @@
 """ghostdp: differentially private training with ghost clipping."""
-from . import accounting, norms, schedules, validate
+from . import accounting, layers, norms, schedules, validate
 from .clipping import DPCriterion, GhostClipping, ImpreciseExampleError, NonFiniteLossError, per_example_loss
 from .clipping.adaptive import AdaptiveClipNorm
 from .engine import PrivacyEngine
@@ -9,4 +9,5 @@ from .optim import DPOptimizer, PrivacyStepError
 __version__ = "0.1.0"
 
 __all__ = ["PrivacyEngine", "AdaptiveClipNorm", "schedules", "DPOptimizer", "PrivacyStepError", "GhostClipping", "DPCriterion",
-           "NonFiniteLossError", "ImpreciseExampleError", "per_example_loss", "register_norm_rule", "accounting", "norms", "validate"]
+           "NonFiniteLossError", "ImpreciseExampleError", "per_example_loss", "register_norm_rule", "accounting", "layers", "norms",
+           "validate"]

@@ -1,7 +1,13 @@
 """Model checks: reject what makes per-example gradients undefined, with the fix in the message."""
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from .layers import recurrent
+
+_RECURRENT = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN)
 
 
 class ModelNotPrivatizable(ValueError):
@@ -47,23 +53,50 @@ def _group_count(channels: int, max_groups: int = 32) -> int:
 
 
 def fix(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace every BatchNorm by a GroupNorm, in place, on the same device and dtype; returns the model.
+    """Make ``model`` trainable privately at ghost cost, in place; returns the model.
 
-    BatchNorm2d/3d get the largest group count <= 32 that divides the channels.
-    BatchNorm1d gets one group: its input is often (B, C), where a group per
-    channel would normalise single values to zero.
+    - Every BatchNorm becomes a GroupNorm on the same device and dtype. BatchNorm2d/3d get the largest
+      group count <= 32 that divides the channels; BatchNorm1d gets one group: its input is often (B, C),
+      where a group per channel would normalise single values to zero.
+    - Every torch.nn LSTM, GRU and RNN becomes its ``ghostdp.layers`` twin, with the same settings,
+      weights, state_dict keys and outputs, whose weights the Linear norm rule covers (torch.nn's go
+      to the per-example fallback, O(batch) in time and memory). An LSTM with ``proj_size`` and
+      subclasses that override ``forward`` stay, with a warning.
     """
+    if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
+        raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
+    if isinstance(model, _RECURRENT):
+        raise ModelNotPrivatizable(f"the model itself is a torch.nn.{type(model).__name__}; use "
+                                   f"ghostdp.layers.from_torch(model) or wrap it in a parent module to fix it")
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
-                ref = next(iter(child.buffers()), None) if child.weight is None else child.weight
-                groups = 1 if isinstance(child, torch.nn.BatchNorm1d) else _group_count(child.num_features)
-                gn = torch.nn.GroupNorm(groups, child.num_features,
-                                        eps=child.eps, affine=child.affine)
-                if ref is not None:
-                    gn = gn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
-                gn.train(child.training)
-                setattr(m, child_name, gn)
-    if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
-        raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
+                setattr(m, child_name, _group_norm_for(child))
+            elif isinstance(child, _RECURRENT):
+                replacement = _recurrent_for(child, f"{name}.{child_name}" if name else child_name)
+                if replacement is not None:
+                    setattr(m, child_name, replacement)
     return model
+
+
+def _group_norm_for(batch_norm) -> torch.nn.GroupNorm:
+    ref = next(iter(batch_norm.buffers()), None) if batch_norm.weight is None else batch_norm.weight
+    groups = 1 if isinstance(batch_norm, torch.nn.BatchNorm1d) else _group_count(batch_norm.num_features)
+    gn = torch.nn.GroupNorm(groups, batch_norm.num_features, eps=batch_norm.eps, affine=batch_norm.affine)
+    if ref is not None:
+        gn = gn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+    gn.train(batch_norm.training)
+    return gn
+
+
+def _recurrent_for(module, name):
+    kind = type(module).__name__
+    if type(module).forward not in (torch.nn.LSTM.forward, torch.nn.GRU.forward, torch.nn.RNN.forward):
+        reason = "its class overrides forward"
+    elif getattr(module, "proj_size", 0):
+        reason = "ghostdp.layers.LSTM has no proj_size"
+    else:
+        return recurrent.from_torch(module)
+    warnings.warn(f"ghostdp.validate.fix left '{name}' ({kind}) in place because {reason}: it trains through the "
+                  "exact per-example fallback, O(batch) in time and memory", stacklevel=3)
+    return None

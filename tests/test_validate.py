@@ -53,3 +53,50 @@ def test_fix_refuses_a_bare_batchnorm():
 def test_not_a_module():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         ghostdp.GhostClipping(lambda x: x, 1.0)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 3)
+        self.lstm = nn.LSTM(3, 4, batch_first=True, bidirectional=True)
+        self.stack = nn.Sequential(nn.GRU(8, 4, batch_first=True), nn.RNN(4, 4, batch_first=True))
+        self.projected = nn.LSTM(3, 4, proj_size=2, batch_first=True)
+        self.head = nn.Linear(4 + 2, 2)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        out, _ = self.lstm(x)
+        out, _ = self.stack[0](out)
+        out, _ = self.stack[1](out)
+        projected, _ = self.projected(x)
+        return self.head(torch.cat([out[:, -1], projected[:, -1]], 1))
+
+
+def test_fix_swaps_recurrent_layers_for_ghostdp_layers_with_the_same_outputs():
+    model = Recurrent()
+    ids = torch.randint(0, 9, (4, 5))
+    before, keys = model(ids), list(model.state_dict())
+    with pytest.warns(UserWarning, match=r"'projected' \(LSTM\).*proj_size"):
+        ghostdp.validate.fix(model)
+    assert isinstance(model.lstm, ghostdp.layers.LSTM) and model.lstm.bidirectional
+    assert isinstance(model.stack[0], ghostdp.layers.GRU) and isinstance(model.stack[1], ghostdp.layers.RNN)
+    assert type(model.projected) is nn.LSTM
+    assert list(model.state_dict()) == keys
+    torch.testing.assert_close(model(ids), before, rtol=1e-12, atol=1e-12)
+    labels = torch.randint(0, 2, (4,))
+    assert_exact_model(model, ids, lambda out, sl: per_example_loss(nn.CrossEntropyLoss(), out, labels[sl]), 4)
+
+
+def test_fix_refuses_a_bare_recurrent_layer_and_leaves_subclasses_that_override_forward():
+    with pytest.raises(ModelNotPrivatizable, match="from_torch"):
+        ghostdp.validate.fix(nn.GRU(3, 4))
+
+    class LastStep(nn.GRU):
+        def forward(self, x):
+            return super().forward(x)[0][:, -1]
+
+    model = nn.Sequential(LastStep(3, 4, batch_first=True))
+    with pytest.warns(UserWarning, match="overrides forward"):
+        ghostdp.validate.fix(model)
+    assert type(model[0]) is LastStep
