@@ -1,6 +1,5 @@
 """The Fashion-MNIST benchmark: its idx reader, its model, and a scaled-down private run on idx files
 written here (the real data are a Debian package that CI need not have)."""
-import gzip
 import struct
 
 import numpy as np
@@ -8,24 +7,7 @@ import pytest
 import torch
 
 from benchmarks import fashion_mnist
-
-
-def write_idx(path, array):
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(">" + "I" * array.ndim, *array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
-
-
-@pytest.fixture
-def data_dir(tmp_path):
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 5300), ("t10k", 200)):
-        labels = rng.integers(0, 10, n)
-        images = rng.integers(0, 60, (n, 28, 28))
-        images[np.arange(n), labels * 2 + 4, 4:24] = 255  # a bright row whose place gives the class
-        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images)
-        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", labels)
-    return str(tmp_path)
+from tests.benchmarks.idx_files import data_dir, write_idx  # noqa: F401  (data_dir is a fixture)
 
 
 def test_idx_files_are_read_exactly(tmp_path):
@@ -40,7 +22,7 @@ def test_idx_files_are_read_exactly(tmp_path):
 
 
 def test_the_model_is_the_papers_26010_parameters():
-    model = fashion_mnist.tanh_cnn()
+    model = fashion_mnist.cnn()
     assert sum(p.numel() for p in model.parameters()) == 26010
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 

@@ -171,10 +171,10 @@ def _cnn():
 
 
 class Recurrent(nn.Module):
-    def __init__(self, cell, batch_first):
+    def __init__(self, cell, batch_first, **settings):
         super().__init__()
-        self.rnn = cell(5, 6, batch_first=batch_first)
-        self.head = nn.Linear(6, 3)
+        self.rnn = cell(5, 6, batch_first=batch_first, **settings)
+        self.head = nn.Linear(6 * (2 if self.rnn.bidirectional else 1), 3)
         self.batch_first = batch_first
 
     def forward(self, x):
@@ -242,6 +242,11 @@ ZOO = [
          sequence=True),
     Arch("gru-seq-first", lambda: Recurrent(nn.GRU, False), lambda n, g: _tokens(n, g, 5, True), _logits_of,
          SEQ_FIRST, "x", True),
+    Arch("ghostdp-lstm-2-layer-bidirectional",
+         lambda: Recurrent(ghostdp.layers.LSTM, True, num_layers=2, bidirectional=True),
+         lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x", sequence=True),
+    Arch("ghostdp-gru-seq-first", lambda: Recurrent(ghostdp.layers.GRU, False), lambda n, g: _tokens(n, g, 5, True),
+         _logits_of, SEQ_FIRST, "x", True),
     Arch("encoder-layer", lambda: Encoder(True), lambda n, g: _tokens(n, g, 8), _logits_of, continuous="x",
          sequence=True),
     Arch("encoder-layer-seq-first", lambda: Encoder(False), lambda n, g: _tokens(n, g, 8, True), _logits_of,
