@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(TORCH)))
 
 DEMO_STAMP := $(VENV)/.demo-packages
 
-.PHONY: test demo clean fashion-mnist-data fashion-mnist
+.PHONY: test demo clean fashion-mnist-data fashion-mnist opacus-paper
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ fashion-mnist-data:
 
 fashion-mnist: $(STAMP) $(DEMO_STAMP) fashion-mnist-data
 	$(BIN)/python -m benchmarks.fashion_mnist --epsilon 2.93 1 2 8 --json fashion_mnist.json --png fashion_mnist.png
+
+# The Opacus paper's end-to-end benchmarks, with Opacus itself for comparison (about 10 minutes on 2 cores).
+opacus-paper: $(STAMP) $(DEMO_STAMP) fashion-mnist-data
+	$(BIN)/python -m pip install -q "opacus>=1.5"
+	$(BIN)/python -m benchmarks.opacus_paper --json opacus_paper.json --png opacus_paper.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info
