@@ -84,11 +84,18 @@ class PoissonBatchSampler(Sampler):
     def draw(self, epoch: int, batch: int) -> list[int]:
         return self.shard[self._kept(self.rank, epoch, batch)].tolist()
 
-    def sizes_on_all_ranks(self, epoch: int, batch: int) -> list[int]:
-        """The size of this draw on every rank, computed locally (the streams are shared by all ranks)."""
-        if self.source.secure:
-            raise RuntimeError("secure-mode draws cannot be reproduced for other ranks")
-        return [int(self._kept(rank, epoch, batch).sum()) for rank in range(self.world_size)]
+    def sizes_on_all_ranks(self, epoch: int, batch: int, own: int | None = None) -> list[int]:
+        """The size of this draw on every rank: computed locally where the streams are shared by all ranks;
+        in secure_mode (OS entropy, FSDP2 only) gathered from the ranks, each giving ``own``, the size of
+        the draw it made (collective: every rank calls it for the same draw)."""
+        if not self.source.secure:
+            return [int(self._kept(rank, epoch, batch).sum()) for rank in range(self.world_size)]
+        if own is None:
+            raise ValueError("secure-mode draws cannot be recomputed: pass the size of this rank's draw")
+        import torch.distributed as dist
+        sizes = [None] * self.world_size
+        dist.all_gather_object(sizes, int(own))
+        return sizes
 
     def with_positions(self):
         """Yields ((epoch, batch), indices) from the current position to the end of the epoch."""
@@ -177,7 +184,7 @@ class ChunkedBatchSampler(Sampler):
             expected = rate * self.logical.num_samples if poisson else None
             indices = list(indices)
             distributed = self.pad_ranks and position is not None and self.logical.world_size > 1
-            largest = max(self.logical.sizes_on_all_ranks(*position)) if distributed else len(indices)
+            largest = max(self.logical.sizes_on_all_ranks(*position, len(indices))) if distributed else len(indices)
             size = self.max_physical or max(1, largest)
             count = max(1, math.ceil(largest / size))
             logical_id = self.tracker.logical_batches

@@ -15,6 +15,7 @@ from .clipping.adaptive import AdaptiveClipNorm
 from .clipping.modes import clipping_mode
 from .clipping import per_example_loss
 from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
+from .sharding import is_sharded
 from .memory import PhysicalBatchSearch, choose_physical_batch_size
 from .optim import DPOptimizer
 from .randomness import RandomSource
@@ -135,7 +136,9 @@ class PrivacyEngine:
         samples its own shard, all ranks share rank 0's seed so that they add one identical noise
         draw, and the model must run forward through DistributedDataParallel (before or after this
         call). With clipping="bookkeeping" the step sums the ranks' clipped sums itself (bucketed
-        all-reduce; DDP's own hooks never fire). secure_mode is single-process only.
+        all-reduce; DDP's own hooks never fire). secure_mode is single-process only, except under FSDP2.
+        FSDP2 (``fully_shard`` before building the optimizer; ghost clipping): each rank adds the noise
+        of the gradient shards it owns, from its own stream (sharding.py, randomness.py).
 
         ``max_grad_norm``: the clipping norm C; a list [C_1, ..., C_K], one per param group of the
         optimizer (per-group clipping, clipping="bookkeeping"; the noise is calibrated to
@@ -181,7 +184,9 @@ class PrivacyEngine:
                 raise ValueError("secure_mode draws noise from OS entropy; do not pass a noise_generator")
             self.random_source = RandomSource(seed=self.random_source.seed, noise_generator=noise_generator)
         if distributed_rank_and_size()[1] > 1:
-            self.random_source.agree_across_ranks(seed_given=self._seed is not None)
+            trained = [p for p in module.parameters() if p.requires_grad]
+            self.random_source.agree_across_ranks(seed_given=self._seed is not None,
+                                                  sharded_only=bool(trained) and all(map(is_sharded, trained)))
 
         if self._prepared is not None and data_loader is self._prepared[0]:  # from private_data_loader()
             loader, sample_rate, expected_batch_size, tracker, fixed = self._prepared

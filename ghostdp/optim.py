@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .data import BatchTracker, collective_device, distributed_rank_and_size
+from .sharding import is_sharded, local_part
 
 
 def _wide_sum(t: torch.Tensor) -> torch.Tensor:
@@ -306,19 +307,27 @@ class DPOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+        # FSDP2: a sharded gradient's local part is this rank's alone; it gets its own noise (randomness.py).
+        sharded = [is_sharded(p.grad) for p in params]
+        grads = [local_part(p.grad) for p in params]
+        replicated = [p for p, s in zip(params, sharded) if not s]
         summed_here = distributed and self.controller.mode.keeps_factors  # book-keeping: DDP's reducer never ran
         if summed_here:
             self.buckets_last_step = _all_reduce_sum(grads)
-        clipped_fingerprint = self._fingerprint(params) if distributed else None
+        clipped_fingerprint = self._fingerprint(replicated) if distributed and replicated else None
         if distributed and not summed_here:
-            torch._foreach_mul_(grads, self.world_size)  # DDP averaged the ranks' clipped sums
+            torch._foreach_mul_(grads, self.world_size)  # DDP / FSDP averaged the ranks' clipped sums
         if std > 0:  # one noise stream over all gradients, in parameter order (randomness.py)
-            self.random_source.add_gaussian_(grads, std, divisor)
+            shared = [g for g, s in zip(grads, sharded) if not s]
+            if shared:
+                self.random_source.add_gaussian_(shared, std, divisor)
+            if any(sharded):
+                own = [g for g, s in zip(grads, sharded) if s]
+                self.random_source.add_gaussian_(own, std, divisor, shard_of_rank=distributed_rank_and_size()[0])
         elif divisor != 1.0:
             torch._foreach_div_(grads, divisor)
-        if distributed:
-            self._check_ranks_agree(clipped_fingerprint, self._fingerprint(params))
+        if clipped_fingerprint is not None:
+            self._check_ranks_agree(clipped_fingerprint, self._fingerprint(replicated))
 
     @staticmethod
     def _fingerprint(params) -> torch.Tensor:
@@ -341,6 +350,13 @@ class DPOptimizer(torch.optim.Optimizer):
         both = torch.tensor([unclipped, examples], dtype=torch.float64, device=collective_device(device))
         dist.all_reduce(both)
         return float(both[0]), int(both[1])
+
+    def _any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+        device = self.params[0].device if self.params else torch.device("cpu")
+        value = torch.tensor([float(flag)], device=collective_device(device))
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def _check_ranks_agree(self, clipped, noisy):
         import torch.distributed as dist
@@ -367,14 +383,18 @@ class DPOptimizer(torch.optim.Optimizer):
         # A NaN or inf anywhere makes a tensor's 2-norm non-finite: one foreach reduction over all
         # gradients. A finite gradient above ~1e19 (float32) overflows its norm, so a non-finite norm is
         # confirmed element by element before it is reported.
-        grads = [p.grad for p in params]
+        grads = [local_part(p.grad) for p in params]
         norms = torch._foreach_norm(grads)
         if len({n.device for n in norms}) > 1:
             norms = [n.to(params[0].device) for n in norms]
-        if not bool(torch.isfinite(torch.stack(norms)).all()):
-            bad = [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
-            if not bad:
-                return
+        finite = bool(torch.isfinite(torch.stack(norms)).all())
+        bad = [] if finite else [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
+        if self.world_size > 1 and any(is_sharded(p.grad) for p in params):
+            bad_somewhere = self._any_rank(bool(bad))  # one rank's shard: every rank must stop
+            if bad_somewhere and not bad:
+                raise FloatingPointError("another process found a NaN or infinite clipped gradient in its shard "
+                                         "of the parameters (its error names them)")
+        if bad:
             names = [self._param_names.get(p, f"shape {tuple(p.shape)}") for p in bad]
             raise FloatingPointError(
                 f"the clipped gradient of {names[:5]} is NaN or infinite. With nonfinite='skip' an example's "

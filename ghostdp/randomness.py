@@ -25,6 +25,7 @@ _NOISE_STREAM, _SAMPLING_STREAM = 1, 2
 NOISE_BLOCK = 1 << 18     # CPU: noise values drawn per call, into a reused scratch buffer (1 MB in float32)
 ACCELERATOR_NOISE_BLOCK = 1 << 22  # GPU: larger blocks, fewer kernel launches (a 16 MB float32 scratch)
 CPU_NOISE_STREAMS = 4     # a large CPU tensor's blocks come from this many sub-streams, in parallel
+SHARD_STREAMS = 1 << 16   # stream numbers of the noise of rank r's gradient shards start at SHARD_STREAMS * (r + 1)
 
 
 _NOISE_THREADS = None
@@ -93,13 +94,17 @@ class RandomSource:
                 "parameters on one device of each type (one GPU per process).")
         return generator
 
-    def agree_across_ranks(self, seed_given: bool) -> None:
+    def agree_across_ranks(self, seed_given: bool, sharded_only: bool = False) -> None:
         """Make every process draw the same noise and sampling streams (collective; call on every rank).
 
         DDP averages the ranks' clipped sums, so each rank adds the same noise draw: the noise is
         then added once. The seed is rank 0's; a seed given by the user must be the same everywhere.
+        ``sharded_only``: every trained parameter is sharded (FSDP2), so each rank adds the noise of the
+        shards it owns from its own stream (``add_gaussian_(..., shard_of_rank=r)``) and secure_mode works.
         """
         import torch.distributed as dist
+        if self.secure and sharded_only:
+            return  # each rank draws its own shards' noise from OS entropy: nothing to share
         if self.secure:
             raise NotImplementedError(
                 "secure_mode with several processes is not supported: OS entropy differs on every rank, so "
@@ -126,8 +131,12 @@ class RandomSource:
                             device=tensor.device, dtype=dtype)
 
     @torch.no_grad()
-    def add_gaussian_(self, tensors, std: float, divisor: float = 1.0) -> None:
+    def add_gaussian_(self, tensors, std: float, divisor: float = 1.0, shard_of_rank: int | None = None) -> None:
         """Each tensor <- (tensor + N(0, std^2) noise) / divisor, the noise drawn in float32 or wider.
+
+        ``shard_of_rank``: the tensors are rank r's shards of sharded gradients (FSDP2), which no other
+        rank holds: their noise comes from streams of rank r's own, so that no two shards get the same
+        draw (the shared stream would give every rank's shard identical noise).
 
         ``tensors``: one tensor or a sequence (a model's gradients). Tensors that share a device and
         a noise dtype draw their noise as one stream over their concatenation, in order, and take it
@@ -146,15 +155,16 @@ class RandomSource:
         for t in tensors:
             if not t.is_contiguous():  # rare (p.grad is contiguous): its own draw, then copied back
                 flat = t.contiguous()
-                self.add_gaussian_([flat], std, divisor)
+                self.add_gaussian_([flat], std, divisor, shard_of_rank)
                 t.copy_(flat)
                 continue
             dtype = t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
             groups.setdefault((t.device, dtype), []).append(t.view(-1))
+        first_stream = 0 if shard_of_rank is None else SHARD_STREAMS * (shard_of_rank + 1)
         for (device, dtype), flats in groups.items():
-            self._add_to_concatenation(flats, device, dtype, std, divisor)
+            self._add_to_concatenation(flats, device, dtype, std, divisor, first_stream)
 
-    def _add_to_concatenation(self, flats, device, dtype, std, divisor):
+    def _add_to_concatenation(self, flats, device, dtype, std, divisor, first_stream=0):
         sizes = [f.numel() for f in flats]
         total = sum(sizes)
         starts = [0]
@@ -187,7 +197,7 @@ class RandomSource:
         block_size = NOISE_BLOCK if cpu else ACCELERATOR_NOISE_BLOCK
         parallel = cpu and total > block_size and not self._user_generator
         streams = CPU_NOISE_STREAMS if parallel else 1
-        generators = [self._generator(device, k) for k in range(streams)]
+        generators = [self._generator(device, first_stream + k) for k in range(streams)]
 
         def fill(stream):
             scratch = self._scratch_buffer(device, dtype, stream, min(total, block_size))

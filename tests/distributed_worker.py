@@ -153,6 +153,90 @@ def trainer(noise, clipping="ghost"):
             "world_size": dist.get_world_size()}
 
 
+def fully_sharded(model):
+    """FSDP2: each child with parameters, then the root, as fully_shard's documentation does."""
+    from torch.distributed.fsdp import fully_shard
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    return fully_shard(model)
+
+
+def full_params(model):
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def train_fsdp(seed=11, noise=0.0, secure=False, steps=None, state=None, physical=None):
+    """The engine on a fully_shard-ed MLP; ``state``: an engine state to resume from (with the model and
+    optimizer state, saved with torch.distributed.checkpoint)."""
+    model = fully_sharded(mlp())
+    engine, _, optimizer, criterion, loader = private(model, seed=None if secure else seed, secure_mode=secure,
+                                                      noise=noise, physical=physical)
+    if state is not None:
+        load_sharded(model, optimizer, engine, state)
+    taken, seen = 0, [[]]
+    for x, y, index in loader:
+        optimizer.zero_grad()
+        if not loader.tracker.yielded[-1].padding:
+            seen[-1].extend(index.tolist())
+        criterion(model(x), y).backward()
+        optimizer.step()
+        if optimizer.last_step_taken:
+            taken += 1
+            seen.append([])
+            if taken == steps:
+                break
+    return model, optimizer, engine, {"params": full_params(model), "seed": engine.random_source.seed,
+                                      "indices": seen[:-1], "steps": taken}
+
+
+def save_sharded(model, optimizer, engine, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optimizer_state = get_state_dict(model, optimizer.original_optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+    torch.save(engine.state_dict(), os.path.join(directory, f"engine{dist.get_rank()}.pt"))  # streams are per rank
+    return directory
+
+
+def load_sharded(model, optimizer, engine, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optimizer_state = get_state_dict(model, optimizer.original_optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer.original_optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    engine.load_state_dict(torch.load(os.path.join(directory, f"engine{dist.get_rank()}.pt"), weights_only=False))
+
+
+def fsdp_noise(secure, steps=4, sigma=2.0):
+    """Zero per-example gradients on a sharded Linear: each rank's local gradient shard * expected batch
+    size is the noise of the elements it owns."""
+    from ghostdp.sharding import local_part
+    torch.manual_seed(0)
+    model = fully_sharded(torch.nn.Sequential(torch.nn.Linear(60, 50)))
+    engine, _, optimizer, _, loader = private(model, seed=None if secure else 3, secure_mode=secure, noise=sigma)
+    optimizer.param_groups[0]["lr"] = 0.0
+    draws = []
+    for _, (x, _, _) in zip(range(steps), loader):
+        optimizer.zero_grad()
+        engine.controller.loss(model(torch.randn(x.shape[0], 60)).sum(1) * 0.0).backward()
+        optimizer.step()
+        draws.append(torch.cat([local_part(p.grad).flatten() for p in model.parameters()])
+                     * optimizer.expected_batch_size)
+    return torch.cat(draws)
+
+
+def fsdp(out):
+    resumed_from = save_sharded(*train_fsdp(noise=1.0, steps=2)[:3], os.path.join(out, "checkpoint"))
+    return {"exact": train_fsdp()[3], "chunked": train_fsdp(physical=2)[3],
+            "uninterrupted": train_fsdp(noise=1.0, steps=4)[3],
+            "resumed": train_fsdp(noise=1.0, steps=2, state=resumed_from)[3],
+            "noise": fsdp_noise(secure=False), "secure_noise": fsdp_noise(secure=True),
+            "bookkeeping": refusal(lambda: private(fully_sharded(mlp()), seed=1, clipping="bookkeeping"))}
+
+
 def main(scenario, out):
     torch.set_default_dtype(torch.float64)
     if scenario == "engine":
@@ -160,6 +244,8 @@ def main(scenario, out):
                   "first_unseeded": train_exact(wrap_first=True, seed=None, physical=None),
                   "bookkeeping": train_bookkeeping(seed=11, physical=2),
                   "noise": noise_draws(), "refusals": refusals()}
+    elif scenario == "fsdp":
+        result = fsdp(out)
     else:
         result = {"exact": trainer(0.0), "noisy": trainer(1.0), "bookkeeping": trainer(0.0, "bookkeeping")}
     torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
@@ -167,7 +253,7 @@ def main(scenario, out):
 
 if __name__ == "__main__":
     os.environ["GHOSTDP_TEST_OUT"] = sys.argv[2]
-    if sys.argv[1] == "engine":
+    if sys.argv[1] in ("engine", "fsdp"):
         dist.init_process_group("gloo")
     try:
         main(sys.argv[1], sys.argv[2])

@@ -63,6 +63,12 @@ def test_chunks_split_each_logical_batch_and_are_reported_in_order():
     assert got == expected
 
 
+def test_secure_draws_of_other_ranks_are_gathered_not_recomputed():
+    sampler = PoissonBatchSampler(30, 0.4, 4, source=RandomSource(secure=True), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        sampler.sizes_on_all_ranks(0, 0)
+
+
 def test_ranks_yield_equal_chunk_counts_padding_with_a_flagged_stand_in_row():
     source, trackers, chunks_of = RandomSource(seed=6), [BatchTracker(), BatchTracker()], [[], []]
     for rank in range(2):

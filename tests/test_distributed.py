@@ -54,6 +54,11 @@ def accelerate_trainer_runs(tmp_path_factory):
     return launch("trainer", tmp_path_factory.mktemp("accelerate"), launcher="accelerate")
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    return launch("fsdp", tmp_path_factory.mktemp("fsdp"))
+
+
 def draws(seed, n, rate, steps, step):
     """Each rank's own Poisson draw for this step, recomputed in this process."""
     return [PoissonBatchSampler(n, rate, steps, source=RandomSource(seed=seed), rank=r, world_size=WORLD).draw(0, step)
@@ -162,3 +167,47 @@ def test_dp_trainer_ranks_stay_identical_with_noise(trainer_runs):
         assert torch.equal(value, ranks[1]["params"][name])
     assert any(not torch.equal(value, trainer_runs[0]["exact"]["params"][name])
                for name, value in ranks[0]["params"].items())
+
+
+@pytest.mark.parametrize("run", ["exact", "chunked"])
+def test_fsdp_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples(fsdp_runs, run):
+    ranks = [r[run] for r in fsdp_runs]
+    seed, steps = ranks[0]["seed"], ranks[0]["steps"]
+    assert ranks[1]["seed"] == seed and steps == worker.N // (worker.PER_RANK_BATCH * WORLD)
+    rate = worker.PER_RANK_BATCH * WORLD / worker.N
+    for step in range(steps):  # each rank computed the norms of its own draw, from full activations
+        for rank, rank_draw in enumerate(draws(seed, worker.N, rate, steps, step)):
+            assert sorted(ranks[rank]["indices"][step]) == rank_draw
+    reference = reference_engine_run(seed, steps)
+    for rank in ranks:
+        for name, value in reference.items():
+            torch.testing.assert_close(rank["params"][name], value, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("run", ["noise", "secure_noise"])
+def test_fsdp_ranks_add_independent_noise_to_their_own_shards_with_variance_sigma_squared_c_squared(fsdp_runs, run):
+    own = [r[run] for r in fsdp_runs]
+    sigma_c = 2.0 * worker.C
+    for noise in own:
+        n = noise.numel()
+        assert abs(float(noise.var()) / sigma_c ** 2 - 1) < 5 * math.sqrt(2 / n)
+        assert abs(float(noise.mean())) < 5 * sigma_c / math.sqrt(n)
+    # The shards are different elements: one shared stream would give them identical noise.
+    m = min(x.numel() for x in own)
+    correlation = float(torch.corrcoef(torch.stack([own[0][:m], own[1][:m]]))[0, 1])
+    assert abs(correlation) < 5 / math.sqrt(m)
+
+
+def test_fsdp_sharded_checkpoint_resumes_exactly_as_the_uninterrupted_run(fsdp_runs):
+    for rank in fsdp_runs:
+        assert rank["resumed"]["steps"] == 2
+        for name, value in rank["uninterrupted"]["params"].items():
+            torch.testing.assert_close(rank["resumed"]["params"][name], value, rtol=0, atol=0)
+    assert any(not torch.equal(fsdp_runs[0]["uninterrupted"]["params"][n], v)  # the noise was on
+               for n, v in fsdp_runs[0]["exact"]["params"].items())
+
+
+def test_fsdp_bookkeeping_is_refused_with_the_fix(fsdp_runs):
+    for rank in fsdp_runs:
+        error, message = rank["bookkeeping"]
+        assert error == "NotImplementedError" and "clipping='ghost'" in message

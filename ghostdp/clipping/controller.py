@@ -26,6 +26,7 @@ from ..accounting.base import check_positive
 from ..norms.factors import combined_sq_norm, example_chunks
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
+from ..sharding import has_sharded_parameters
 from .. import validate
 from .audit import audit_graph
 from .layout import LayoutProver
@@ -164,6 +165,11 @@ class GhostClipping:
         if check_model:
             validate.check(module)
         self.mode = clipping_mode(clipping)
+        if self.mode.keeps_factors and has_sharded_parameters(module):
+            raise NotImplementedError(
+                "clipping='bookkeeping' with FSDP2 (fully_shard) is not supported: book-keeping writes the clipped "
+                "sums itself, past FSDP's reduce-scatter of the gradients. Fix: clipping='ghost' (supported with "
+                "FSDP2), or book-keeping with DistributedDataParallel.")
         self.module = module
         self.group_norms, self._group_of = _clipping_groups(max_grad_norm, parameter_groups, self.mode)
         self.max_grad_norm = max_grad_norm if self.group_norms is None else sum(c * c for c in self.group_norms) ** 0.5

@@ -1,0 +1,30 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): which parameters are sharded, and their local shards.
+
+A sharded parameter is a DTensor; FSDP2 gathers it for each forward and backward and reduce-scatters its
+gradient, the average over the ranks, into the DTensor gradient whose local part this rank owns alone.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _dtensor_class():
+    import torch.distributed.tensor as distributed_tensor  # imported on first use, not with ghostdp
+    return distributed_tensor.DTensor
+
+
+def is_sharded(t) -> bool:
+    return isinstance(t, torch.Tensor) and type(t).__name__ == "DTensor" and isinstance(t, _dtensor_class())
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of a sharded tensor this rank holds (a view: in-place changes reach the DTensor); t itself
+    for an ordinary tensor."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def has_sharded_parameters(module: torch.nn.Module) -> bool:
+    return any(is_sharded(p) for p in module.parameters())
