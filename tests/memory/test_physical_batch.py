@@ -15,11 +15,11 @@ N, D = 60, 6
 class FitsUpTo(torch.nn.Module):
     """A model whose forward runs out of memory above ``limit`` examples, as a GPU would."""
 
-    def __init__(self, limit):
+    def __init__(self, limit, width=8):
         super().__init__()
         torch.manual_seed(0)
         self.limit = limit
-        self.net = torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 3))
+        self.net = torch.nn.Sequential(torch.nn.Linear(D, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, 3))
 
     def forward(self, x):
         if x.shape[0] > self.limit:
@@ -120,7 +120,9 @@ def test_a_probe_for_other_batch_structures():
     (dict(max_physical_batch_size="many"), ValueError, "'auto' or None"),
 ])
 def test_automatic_search_misuse_is_refused_and_leaves_the_model_unhooked(kwargs, error, match):
-    model = FitsUpTo(100)
+    # Wide enough that one example's step allocates fresh pages (its gradients: 2.3 MB): the CPU reading is
+    # the process's resident set, which a step served from already-resident heap would not move.
+    model = FitsUpTo(100, width=1 << 16)
     with pytest.raises(error, match=match):
         private(model, **kwargs) if "max_physical_batch_size" not in kwargs else private(
             model, kwargs.pop("max_physical_batch_size"), **kwargs)
