@@ -28,3 +28,11 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 def has_sharded_parameters(module: torch.nn.Module) -> bool:
     return any(is_sharded(p) for p in module.parameters())
+
+
+def sharded_units(module: torch.nn.Module) -> list:
+    """The modules fully_shard was applied to (each gathers its parameters around its forward)."""
+    if not has_sharded_parameters(module):
+        return []
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]

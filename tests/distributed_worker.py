@@ -228,13 +228,81 @@ def fsdp_noise(secure, steps=4, sigma=2.0):
     return torch.cat(draws)
 
 
+class Scale(torch.nn.Module):
+    """No norm rule: the fallback computes its per-example gradients."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.gain.exp()
+
+
+def fsdp_fallback_error():
+    """A fully_shard-ed unit with no norm rule: the clipped sum over both ranks (FSDP's average times 2)
+    against one process on the union of their examples; the largest relative difference."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), Scale(8), torch.nn.Linear(8, 3))
+
+    x, y = data()[:8][:2]
+    reference = build()
+    controller = ghostdp.GhostClipping(reference, C)
+    controller.loss(torch.nn.functional.cross_entropy(reference(x), y, reduction="none"), "sum").backward()
+    controller.detach()
+    model = fully_sharded(build())
+    controller = ghostdp.GhostClipping(model, C)
+    rank = dist.get_rank()
+    mine = slice(4 * rank, 4 * rank + 4)
+    controller.loss(torch.nn.functional.cross_entropy(model(x[mine]), y[mine], reduction="none"), "sum").backward()
+    return max(float(((p.grad.full_tensor() * dist.get_world_size() - q.grad).abs().max() / q.grad.abs().max()))
+               for p, q in zip(model.parameters(), reference.parameters()))
+
+
+class ReadsChildWeight(torch.nn.Module):
+    """Reads lin.weight outside lin's forward (and, with ``also_called``, calls lin too)."""
+
+    def __init__(self, also_called):
+        super().__init__()
+        self.lin, self.head, self.also_called = torch.nn.Linear(5, 5), torch.nn.Linear(5, 3), also_called
+
+    def forward(self, x):
+        h = x @ self.lin.weight.T
+        return self.head(h + self.lin(x) if self.also_called else h)
+
+
+def fsdp_stray_read(also_called):
+    torch.manual_seed(0)
+    model = ReadsChildWeight(also_called)
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model.head)
+    fully_shard(model)
+    controller = ghostdp.GhostClipping(model, C)
+    try:
+        return _runtime_refusal(lambda: controller.loss(model(torch.randn(4, 5)).sum(1)).backward())
+    finally:
+        controller.detach()
+
+
+def _runtime_refusal(run):
+    """The message of the RuntimeError ``run`` raises, or None."""
+    try:
+        run()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def fsdp(out):
     resumed_from = save_sharded(*train_fsdp(noise=1.0, steps=2)[:3], os.path.join(out, "checkpoint"))
     return {"exact": train_fsdp()[3], "chunked": train_fsdp(physical=2)[3],
             "uninterrupted": train_fsdp(noise=1.0, steps=4)[3],
             "resumed": train_fsdp(noise=1.0, steps=2, state=resumed_from)[3],
             "noise": fsdp_noise(secure=False), "secure_noise": fsdp_noise(secure=True),
-            "bookkeeping": refusal(lambda: private(fully_sharded(mlp()), seed=1, clipping="bookkeeping"))}
+            "bookkeeping": refusal(lambda: private(fully_sharded(mlp()), seed=1, clipping="bookkeeping")),
+            "fallback_error": fsdp_fallback_error(),
+            "stray_read": {also: fsdp_stray_read(also) for also in (True, False)}}
 
 
 def main(scenario, out):

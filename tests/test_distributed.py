@@ -211,3 +211,17 @@ def test_fsdp_bookkeeping_is_refused_with_the_fix(fsdp_runs):
     for rank in fsdp_runs:
         error, message = rank["bookkeeping"]
         assert error == "NotImplementedError" and "clipping='ghost'" in message
+
+
+def test_fsdp_unit_without_a_norm_rule_goes_through_the_fallback_exactly(fsdp_runs):
+    for rank in fsdp_runs:
+        assert rank["fallback_error"] < 1e-10
+
+
+@pytest.mark.parametrize("also_called", [True, False])
+def test_fsdp_parameter_read_outside_its_module_is_refused(fsdp_runs, also_called):
+    # FSDP2 gathers the weight into another tensor for the forward; a read of that tensor alone (never
+    # through lin's forward) went unseen by the graph audit before the gathered parameters were tracked.
+    for rank in fsdp_runs:
+        message = rank["stray_read"][also_called]
+        assert message is not None and "'lin.weight' outside the forward" in message

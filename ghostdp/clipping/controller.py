@@ -26,7 +26,7 @@ from ..accounting.base import check_positive
 from ..norms.factors import combined_sq_norm, example_chunks
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
-from ..sharding import has_sharded_parameters
+from ..sharding import has_sharded_parameters, is_sharded, sharded_units
 from .. import validate
 from .audit import audit_graph
 from .layout import LayoutProver
@@ -210,10 +210,17 @@ class GhostClipping:
             entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
             if entry is not None and not set(owned_parameters(m)) <= entry.params:
                 entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
+            # First among the forward hooks: FSDP2's own puts the sharded parameters back after the forward,
+            # and the call must record the gathered ones that the forward used (and autograd will reach).
             self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
-                                                         with_kwargs=True))
+                                                         with_kwargs=True, prepend=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(id(m))
+        # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
+        # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
+        self._gathered = {}  # (id(unit), name) -> the gathered parameter of this step
+        for unit in sharded_units(module):
+            self._handles.append(unit.register_forward_pre_hook(functools.partial(self._on_unit_forward, unit)))
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
@@ -259,6 +266,12 @@ class GhostClipping:
     def _on_root_forward(self, module, args, kwargs):
         if self._recording(module):
             self._batch_hint = _leading_dim(args, kwargs)
+
+    def _on_unit_forward(self, unit, module, args):
+        if self._recording(unit):
+            for name, p in unit.named_parameters():
+                if p.requires_grad and not is_sharded(p):
+                    self._gathered[(id(unit), name)] = p
 
     def anchor(self, device):
         """A zero-size leaf for a DP loss whose backward must not continue into the model (book-keeping)."""
@@ -427,6 +440,7 @@ class GhostClipping:
     def _audit(self, per_example_losses):
         """This step's graph: refuse a stray parameter; return the recorded calls."""
         trainable = {k: p for k, p in self._parameters.items() if p.requires_grad}
+        trainable.update((id(p), p) for p in self._gathered.values())
         stray, calls, reentrant_checkpoint = audit_graph(per_example_losses.grad_fn, trainable)
         if reentrant_checkpoint:
             raise NotImplementedError(CHECKPOINTING_UNSUPPORTED)
