@@ -15,7 +15,7 @@ from .clipping.adaptive import AdaptiveClipNorm
 from .clipping.modes import clipping_mode
 from .clipping import per_example_loss
 from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
-from .sharding import is_sharded
+from .sharding import has_sharded_parameters, is_sharded
 from .memory import PhysicalBatchSearch, choose_physical_batch_size
 from .optim import DPOptimizer
 from .randomness import RandomSource
@@ -159,6 +159,12 @@ class PrivacyEngine:
         check_noise_multiplier(noise_multiplier)
         if max_physical_batch_size != "auto" and (memory_budget_mb is not None or physical_batch_probe is not None):
             raise ValueError("memory_budget_mb and physical_batch_probe are for max_physical_batch_size='auto'")
+        if max_physical_batch_size == "auto" and distributed_rank_and_size()[1] > 1 and has_sharded_parameters(module):
+            raise ValueError(
+                "max_physical_batch_size='auto' is not supported with FSDP2 over several processes: every probe "
+                "step gathers and reduce-scatters weights across the ranks, whose searches may take different "
+                "numbers of probes and would then wait on each other forever. Fix: give max_physical_batch_size "
+                "as a number.")
         adaptive, parameter_groups = None, None
         if isinstance(max_grad_norm, AdaptiveClipNorm):
             adaptive, max_grad_norm = max_grad_norm, max_grad_norm.norm

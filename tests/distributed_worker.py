@@ -301,6 +301,7 @@ def fsdp(out):
             "resumed": train_fsdp(noise=1.0, steps=2, state=resumed_from)[3],
             "noise": fsdp_noise(secure=False), "secure_noise": fsdp_noise(secure=True),
             "bookkeeping": refusal(lambda: private(fully_sharded(mlp()), seed=1, clipping="bookkeeping")),
+            "automatic_physical_batch": refusal(lambda: private(fully_sharded(mlp()), seed=1, physical="auto")),
             "fallback_error": fsdp_fallback_error(),
             "stray_read": {also: fsdp_stray_read(also) for also in (True, False)}}
 

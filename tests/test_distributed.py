@@ -207,10 +207,12 @@ def test_fsdp_sharded_checkpoint_resumes_exactly_as_the_uninterrupted_run(fsdp_r
                for n, v in fsdp_runs[0]["exact"]["params"].items())
 
 
-def test_fsdp_bookkeeping_is_refused_with_the_fix(fsdp_runs):
+def test_fsdp_bookkeeping_and_the_automatic_physical_batch_are_refused_with_the_fix(fsdp_runs):
     for rank in fsdp_runs:
         error, message = rank["bookkeeping"]
         assert error == "NotImplementedError" and "clipping='ghost'" in message
+        error, message = rank["automatic_physical_batch"]
+        assert error == "ValueError" and "give max_physical_batch_size as a number" in message
 
 
 def test_fsdp_unit_without_a_norm_rule_goes_through_the_fallback_exactly(fsdp_runs):
