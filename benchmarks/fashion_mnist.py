@@ -25,6 +25,8 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.cli import add_run_arguments, parse
+
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
 MEAN, STD = 0.2860, 0.3530
 VALIDATION = 5000
@@ -120,13 +122,8 @@ def main(argv=None):
     parser.add_argument("--max-grad-norm", type=float, default=0.1)
     parser.add_argument("--clipping", default="ghost", choices=["ghost", "bookkeeping"])
     parser.add_argument("--data-dir", default=DATA_DIR)
-    parser.add_argument("--limit", type=int, default=None, help="use this many examples of each split (a quick run)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--png", default=None)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    add_run_arguments(parser)
+    args = parse(parser, argv)
     results = []
     for epsilon in args.epsilon:
         result = train(epsilon, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,

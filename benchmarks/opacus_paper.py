@@ -23,6 +23,7 @@ of the same recipe per task, except cifar10; recipes are in RECIPES, chosen once
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from benchmarks.cli import add_run_arguments, parse
 
 MODES = ("plain", "ghost", "bookkeeping", "opacus")
 TASKS = ("mnist", "cifar10", "embedding", "lstm")
@@ -104,6 +107,7 @@ class Data:
     text: bool
 
 
+@functools.cache
 def sentiment_example():
     """examples/finetune_sentiment.py, imported by path (another package may own the name ``examples``)."""
     import importlib.util
@@ -327,14 +331,9 @@ def main(argv=None):
     parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon of the accuracy runs")
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--no-accuracy", action="store_true", help="time only")
-    parser.add_argument("--limit", type=int, default=None, help="use this many examples per split (a quick run)")
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST idx files (default: the Debian package's)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--png", default=None)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    add_run_arguments(parser)
+    args = parse(parser, argv)
     device = torch.device(args.device)
     modes = [m for m in args.modes if m != "opacus" or opacus_installed()]
     if len(modes) < len(args.modes):

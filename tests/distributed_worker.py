@@ -228,20 +228,11 @@ def fsdp_noise(secure, steps=4, sigma=2.0):
     return torch.cat(draws)
 
 
-class Scale(torch.nn.Module):
-    """No norm rule: the fallback computes its per-example gradients."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, x):
-        return x * self.gain.exp()
-
-
 def fsdp_fallback_error():
     """A fully_shard-ed unit with no norm rule: the clipped sum over both ranks (FSDP's average times 2)
     against one process on the union of their examples; the largest relative difference."""
+    from conftest import Scale  # no norm rule: the fallback computes its per-example gradients
+
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), Scale(8), torch.nn.Linear(8, 3))

@@ -220,7 +220,7 @@ class GhostClipping:
         # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
         self._gathered = {}  # (id(unit), name) -> the gathered parameter of this step
         for unit in sharded_units(module):
-            self._handles.append(unit.register_forward_pre_hook(functools.partial(self._on_unit_forward, unit)))
+            self._handles.append(unit.register_forward_pre_hook(self._on_unit_forward))
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
@@ -267,7 +267,7 @@ class GhostClipping:
         if self._recording(module):
             self._batch_hint = _leading_dim(args, kwargs)
 
-    def _on_unit_forward(self, unit, module, args):
+    def _on_unit_forward(self, unit, args):
         if self._recording(unit):
             for name, p in unit.named_parameters():
                 if p.requires_grad and not is_sharded(p):

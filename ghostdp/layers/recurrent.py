@@ -171,13 +171,9 @@ class _RecurrentBase(nn.Module):
         """torch.nn.RNNBase's initialisation, U(-1/√H, 1/√H), drawn in its order: the same seed gives the same
         weights as the torch.nn module."""
         bound = 1.0 / math.sqrt(self.hidden_size)
-        by_name = {name: p for name, _, p in self._torch_names()}
-        for layer in range(self.num_layers):
-            for suffix in self.suffixes:
-                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                    p = by_name.get(f"{name}_l{layer}{suffix}")
-                    if p is not None:
-                        nn.init.uniform_(p, -bound, bound)
+        for weights in self.all_weights:
+            for p in weights:
+                nn.init.uniform_(p, -bound, bound)
 
     def __getattr__(self, name):
         match = _TORCH_NAME.fullmatch(name)
@@ -255,7 +251,7 @@ class _RecurrentBase(nn.Module):
         h_n = torch.stack(finals_h)
         c_n = torch.stack(finals_c) if c0 is not None else None
         if packed:
-            output = _pack_like(x, input)
+            output = _pack_like(x, input, orders[0])
         elif unbatched:
             output, h_n = x.squeeze(0), h_n.squeeze(1)
             c_n = None if c_n is None else c_n.squeeze(1)
@@ -280,14 +276,11 @@ class _RecurrentBase(nn.Module):
         return h0, c0
 
 
-def _pack_like(padded: torch.Tensor, like: PackedSequence) -> PackedSequence:
-    """The batch-first padded output as a PackedSequence with the input's batch sizes and order."""
-    sizes = like.batch_sizes.tolist()
-    device = padded.device
-    sorted_indices = (like.sorted_indices if like.sorted_indices is not None
-                      else torch.arange(padded.shape[0], device=device))
-    rows = torch.cat([sorted_indices[:n] for n in sizes])
-    times = torch.cat([torch.full((n,), t, device=device) for t, n in enumerate(sizes)])
+def _pack_like(padded: torch.Tensor, like: PackedSequence, order: _StepOrder) -> PackedSequence:
+    """The batch-first padded output as a PackedSequence with the input's batch sizes and order (``order``:
+    the forward direction's, which holds both)."""
+    rows = torch.cat([order.sorted_indices[:n] for n in order.sizes])
+    times = torch.cat([torch.full((n,), t, device=padded.device) for t, n in enumerate(order.sizes)])
     return PackedSequence(padded[rows, times], like.batch_sizes, like.sorted_indices, like.unsorted_indices)
 
 

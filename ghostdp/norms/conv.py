@@ -40,14 +40,20 @@ def _padding_amounts(module, nd):
     return [(p, p) for p in module.padding]
 
 
+def padded_input(module, x):
+    """x with the module's padding applied (its mode, and padding='same' however uneven)."""
+    pads = _padding_amounts(module, x.dim() - 2)
+    flat_pad = [a for pair in reversed(pads) for a in pair]  # F.pad wants the last dim first
+    if not any(flat_pad):
+        return x
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, flat_pad, mode=mode)
+
+
 def unfold_patches(module, x):
     """(B, C, *S) -> (B, L, C * prod(kernel)) patches, channel-major like the weight layout."""
     nd = x.dim() - 2
-    pads = _padding_amounts(module, nd)
-    flat_pad = [a for pair in reversed(pads) for a in pair]  # F.pad wants the last dim first
-    if any(flat_pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, flat_pad, mode=mode)
+    x = padded_input(module, x)
     for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
         x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows appended as a last dim
     B, C = x.shape[:2]
@@ -77,12 +83,7 @@ class ConvWeight(PerExampleGrad):
     def _input(self, lo=0, hi=None):
         """The input of examples lo..hi, padded here unless the convolution can pad it (symmetric zeros)."""
         x = self.x[lo:hi]
-        if self._symmetric_zero_padding:
-            return x
-        pads = _padding_amounts(self.module, x.dim() - 2)
-        flat_pad = [a for pair in reversed(pads) for a in pair]
-        mode = "constant" if self.module.padding_mode == "zeros" else self.module.padding_mode
-        return F.pad(x, flat_pad, mode=mode) if any(flat_pad) else x
+        return x if self._symmetric_zero_padding else padded_input(self.module, x)
 
     def _weight_grad(self, x, grad, groups):
         dt = self.sum_dtype()
