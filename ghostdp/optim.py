@@ -68,6 +68,22 @@ def _delegated(name: str) -> property:
                     lambda self, value: setattr(self.original_optimizer, name, value))
 
 
+class _ModelTree:
+    """The model's modules and parameters as (container, key, object) entries of their parents' dicts,
+    and the ids of its parameters; ``unchanged()`` checks that every entry still holds its object."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.entries = []
+        for m in module.modules():
+            self.entries.extend((m._parameters, k, p) for k, p in m._parameters.items())
+            self.entries.extend((m._modules, k, c) for k, c in m._modules.items())
+        self.params = {id(p) for p in module.parameters()}  # ids: no Python Tensor.__hash__
+        self.fresh = True
+
+    def unchanged(self) -> bool:
+        return all(container.get(key) is obj for container, key, obj in self.entries)
+
+
 class PrivacyStepError(RuntimeError):
     """The training loop did something that would make this step's privacy guarantee wrong."""
 
@@ -123,6 +139,7 @@ class DPOptimizer(torch.optim.Optimizer):
             controller.max_grad_norm = adaptive_clipping.norm
             controller.count_unclipped = True
         self._param_names = {p: n for n, p in controller.module.named_parameters()}
+        self._model_tree = None
         self._check_params_belong_to_model()
         self._mid_logical_batch = False   # the last step() was skipped: more chunks follow
         # Whether the last step() updated the parameters (False while the chunks of a logical batch
@@ -202,10 +219,18 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------- checks
     def _check_params_belong_to_model(self):
-        model_params = {id(p) for p in self.controller.module.parameters()}  # ids: no Python Tensor.__hash__
-        foreign = [tuple(p.shape) for group in self.param_groups for p in group["params"]
-                   if id(p) not in model_params]
+        """Every optimizer parameter is one of the model's. The model's parameters are walked again only
+        when its tree of modules and parameters changed (a replaced parameter or submodule), or when an
+        optimizer parameter is not among those last seen: no module walk in an ordinary step."""
+        if self._model_tree is None or not self._model_tree.unchanged():
+            self._model_tree = _ModelTree(self.controller.module)
+        foreign = [p for group in self.param_groups for p in group["params"] if id(p) not in self._model_tree.params]
+        if foreign and not self._model_tree.fresh:
+            self._model_tree = _ModelTree(self.controller.module)
+            foreign = [p for p in foreign if id(p) not in self._model_tree.params]
+        self._model_tree.fresh = False
         if foreign:
+            foreign = [tuple(p.shape) for p in foreign]
             raise ValueError(
                 f"{len(foreign)} of the optimizer's parameters (shapes {foreign[:5]}) are not parameters of the "
                 "private model, so their updates would be neither clipped nor private. Build the optimizer "

@@ -205,8 +205,9 @@ class RandomSource:
                 n = min(block_size, total - lo)
                 add_block(scratch[:n].normal_(0.0, std, generator=generators[stream]), lo)
 
-        if not parallel:
-            fill(0)
+        if streams == 1 or torch.get_num_threads() == 1:  # the same draws, without handing work to a thread
+            for stream in range(streams):
+                fill(stream)
             return
         list(_noise_threads().map(fill, range(streams)))
 

@@ -318,6 +318,19 @@ def test_parameters_replaced_after_make_private_are_refused():
         opt.step()
 
 
+def test_submodule_replaced_after_steps_is_refused():
+    """The step's check walks the model again only when its tree changed: a replaced submodule is seen."""
+    _, model, opt, crit, loader = private(poisson_sampling=False)
+    train(model, opt, crit, loader, steps=1)
+    name, child = next((n, c) for n, c in model.named_children() if isinstance(c, torch.nn.Linear))
+    setattr(model, name, torch.nn.Linear(child.in_features, child.out_features))
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    with pytest.raises(ValueError, match="replaced after make_private"):
+        opt.step()
+
+
 def test_scaled_loss_is_refused():
     _, model, opt, crit, loader = private(poisson_sampling=False)
     x, y = next(iter(loader))

@@ -286,6 +286,9 @@ class GhostClipping:
         params = self._trainable_owned(module)
         if not params:
             return None
+        if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
+                and output.is_floating_point() and all(isinstance(a, torch.Tensor) for a in args)):
+            return self._record_ruled(name, entry, module, args, output, params)
         if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
             flat, spec = [output], None
         else:
@@ -339,6 +342,31 @@ class GhostClipping:
             for p in params.values():
                 self._live[id(p)] += 1
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _record_ruled(self, name, entry, module, args, output, params):
+        """_on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
+        tensor output (Linear, LayerNorm, Embedding, ...)."""
+        call = ModuleCall(self, name, module, entry, params)
+        call.batch_dims = [0]
+        B = self._batch_hint
+        t, saved = output, args
+        if B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1:  # shared by the batch: see below
+            t = t.expand(B, *t.shape[1:])
+            saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
+            call.expanded = [True]
+        else:
+            call.expanded = [False]
+        if self._pass is None:
+            call.edges = [_edge(output)]
+            call.shapes = [tuple(t.shape)]
+            call.grads = [None]
+            call.input_nodes = frozenset(a.grad_fn for a in args if a.grad_fn is not None)
+            live = self._live
+            for p in params.values():
+                live[id(p)] += 1
+        else:  # an activation checkpoint's recomputation inside the norm pass (see _on_forward)
+            call.fired = True
+        return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after
@@ -404,23 +432,35 @@ class GhostClipping:
                 finally:
                     self._in_fallback = False
             for n, f in factors.items():
-                self._pass.add_mass(f)
                 if self._pass.samples is not None and self._wants_samples(call.params[n]):
                     self._pass.samples[call.params[n]].append(f)
                 if self.mode.keeps_factors:
                     self._pass.kept[call.params[n]].append(f)
                 elif n in missing:  # two passes: see precision.ExactSums
                     self._pass.exact[call.params[n]].append(f)
-                if call.eager[n]:
-                    self._pass.add(f.sq_norm(self._pass.grams), self._group(call.params[n]))
+                if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
+                    self._pass.queue.push(f, self._group(call.params[n]))
                 else:
+                    self._pass.add_mass(f)
                     self._pass.pending[call.params[n]].append(f)
         call.inputs, call.edges, call.grads, call.done = (), [], [], True
+        if self._pass.queue.full():
+            self._reduce_queue()
+
+    def _reduce_queue(self):
+        with self._region("ghostdp.norms.batched"):
+            self._pass.reduce_queue()
 
     def _finish(self):
+        """The norms of calls whose output grads came in pieces, of the queue, and of shared parameters."""
         for call in self._pass.calls:
             if not call.done:
                 self._compute(call)
+        self._reduce_queue()
+        with self._region("ghostdp.norms.shared_parameters"):
+            self._finish_shared()
+
+    def _finish_shared(self):
         for param, factors in self._pass.pending.items():
             self._pass.add(combined_sq_norm(factors), self._group(param))
         for param in self._pass.exact:
@@ -499,8 +539,7 @@ class GhostClipping:
                     # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
                     retain = self.mode.continues_backward or self._graph_needed_after_pass1
                     _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses), retain)
-                with self._region("ghostdp.norms.shared_parameters"):
-                    self._finish()
+                self._finish()
             if self._pass.samples is not None:
                 self._write_samples(self._pass.samples, B)
             sq = self._pass.total_sq()

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import torch
 
+from ..norms.batched import weighted_sums
 from ..norms.factors import EmbeddingGather, PerExampleGrad
 
 
@@ -36,29 +37,40 @@ class BookKeeping:
         all_weights = coefficients * grad_output.to(coefficients.dtype)
         in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
 
-        def weighted_sum(factor, group, **options):
-            weights = all_weights if group is None else all_weights[group]
-            if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
-                return factor.weighted_sum(weights, **options)
-            dt = factor.sum_dtype()
+        def weights_of(group, dt):
             if (dt, group) not in in_dtype:
-                in_dtype[(dt, group)] = weights.to(dt)
-            return factor.weighted_sum(in_dtype[(dt, group)], **options)
+                in_dtype[(dt, group)] = (all_weights if group is None else all_weights[group]).to(dt)
+            return in_dtype[(dt, group)]
 
+        def weighted_sum(factor, group, **options):
+            if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
+                return factor.weighted_sum(all_weights if group is None else all_weights[group], **options)
+            return factor.weighted_sum(weights_of(group, factor.sum_dtype()), **options)
+
+        uses, owners = [], []  # (factor, group) per use; (param, its positions in uses)
         for param, factors in kept.items():
             group = None if group_of is None else group_of[id(param)]
             if len(factors) == 1 and isinstance(factors[0], EmbeddingGather):
-                clipped = weighted_sum(factors[0], group, out_dtype=param.dtype)  # no wide copy of a 16-bit table
-            else:
-                clipped = weighted_sum(factors[0], group)
-                for factor in factors[1:]:  # further uses of the same parameter (tied weights)
-                    clipped = clipped + weighted_sum(factor, group)
-            clipped = clipped.to(param.dtype)
-            if param.grad is None:
-                param.grad = clipped
-            else:
-                param.grad.add_(clipped)
+                self._write(param, weighted_sum(factors[0], group, out_dtype=param.dtype))  # no wide copy of a 16-bit table
+                continue
+            owners.append((param, range(len(uses), len(uses) + len(factors))))
+            uses.extend((f, group) for f in factors)
+        sums = weighted_sums(uses, weights_of)  # equal shapes in batches (norms/batched.py)
+        for param, positions in owners:
+            parts = [sums[i] if i in sums else weighted_sum(*uses[i]) for i in positions]
+            clipped = parts[0]
+            for part in parts[1:]:  # further uses of the same parameter (tied weights)
+                clipped = clipped + part
+            self._write(param, clipped)
         return None  # nothing flows further back: p.grad already holds the clipped sum
+
+    @staticmethod
+    def _write(param, clipped):
+        clipped = clipped.to(param.dtype)
+        if param.grad is None:
+            param.grad = clipped
+        else:
+            param.grad.add_(clipped)
 
 
 CLIPPING_MODES = {mode.name: mode for mode in (TwoPass(), BookKeeping())}

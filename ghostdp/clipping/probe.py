@@ -51,7 +51,10 @@ def _empty_grad(device, dtype) -> torch.Tensor:
 
 class ProbeIdentity(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, probe, call, slot, in_place, output_shape, inputs):
+    def forward(ctx, out, probe, spec):
+        # spec: (call, slot, in_place, output_shape, inputs), one argument: Function.apply's per-argument
+        # work is per call of every hooked layer.
+        call, slot, in_place, output_shape, inputs = spec
         ctx.call, ctx.slot, ctx.output_shape = call, slot, output_shape
         ctx.probe_meta = (probe.device, probe.dtype)
         ctx.has_inputs = bool(inputs)
@@ -68,17 +71,17 @@ class ProbeIdentity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None, None, None, None, None
+            return None, None, None
         call = ctx.call
         if call.controller._receives_output_grads():
             shaped = grad if ctx.output_shape is None else grad.view(ctx.output_shape)
             if ctx.has_inputs and call.controller._needs_inputs():
                 call.inputs = ctx.saved_tensors  # recomputed here inside an activation checkpoint
             call.controller._receive(call, ctx.slot, shaped)
-            return grad, _empty_grad(*ctx.probe_meta), None, None, None, None, None
+            return grad, _empty_grad(*ctx.probe_meta), None
         if grad.numel():  # a gradient with no rows (an empty batch) carries no example
             call.controller._refuse_if_not_from_dp_loss(call)
-        return grad, None, None, None, None, None, None
+        return grad, None, None
 
 
 def add_probe(out: torch.Tensor, probe: torch.Tensor, call, slot: int, known_forward: bool,
@@ -89,10 +92,10 @@ def add_probe(out: torch.Tensor, probe: torch.Tensor, call, slot: int, known_for
     if not known_forward:
         # Any producer may have saved its output for its backward, under any name (cuDNN's and
         # mkldnn's RNNs, a custom autograd.Function): marking it dirty would break that backward.
-        return ProbeIdentity.apply(out, probe, call, slot, False, None, inputs)
+        return ProbeIdentity.apply(out, probe, (call, slot, False, None, inputs))
     if can_mark_dirty(out):
-        return ProbeIdentity.apply(out, probe, call, slot, True, None, inputs)
+        return ProbeIdentity.apply(out, probe, (call, slot, True, None, inputs))
     base = _reshaped_base(out)
     if base is not None:
-        return ProbeIdentity.apply(base, probe, call, slot, True, out.shape, inputs).view(out.shape)
-    return ProbeIdentity.apply(out, probe, call, slot, False, None, inputs)
+        return ProbeIdentity.apply(base, probe, (call, slot, True, out.shape, inputs)).view(out.shape)
+    return ProbeIdentity.apply(out, probe, (call, slot, False, None, inputs))

@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import torch
 
+from ..norms.batched import NormQueue
 from ..norms.factors import InputGrams, SqrtProduct
 from .modes import new_factor_store
 
@@ -42,14 +43,17 @@ def _device(groups):
 
 
 class NormPass:
-    """One backward of the DP loss towards the probes: the norm pass, or the layout proof before it."""
+    """One backward of the DP loss towards the probes: the norm pass, or the layout proof before it.
+
+    Squared norms and token masses are kept as (k, B) blocks, k layers each (a batched reduction of
+    the queue gives k rows at once), and summed over layers once, at the end.
+    """
 
     def __init__(self, batch_size, proving=False, groups=1):
         self.batch_size = batch_size
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
-        self.sq_parts = [[] for _ in range(groups)]  # per clipping group, per layer: (B,) squared norms
-        self.masses = []                  # per layer, (B,) bounds of sum_t |G_t| |A_t| (precision.py)
-        self.root_masses = []             # per layer, such bounds as SqrtProduct(a, b): sqrt(a b)
+        self.sq_parts = [[] for _ in range(groups)]  # per clipping group: (k, B) squared norms of k layers
+        self.masses = []                  # (k, B) bounds of sum_t |G_t| |A_t| of k layers (precision.py)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several calls
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
@@ -57,9 +61,40 @@ class NormPass:
         self.samples = None               # inside grad_samples(): parameter -> factors to materialise
         self.calls = []
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
+        self.queue = NormQueue(self.grams)  # factors of single-use parameters, reduced in batches
 
     def add(self, sq, group=0):
-        self.sq_parts[group].append(sq)
+        """(B,) squared norms of one layer, or (k, B) of k layers, for clipping group ``group``."""
+        self.sq_parts[group].append(sq if sq.dim() == 2 else sq.unsqueeze(0))
+
+    def reduce_queue(self):
+        """Reduce the queued factors into norms and masses."""
+        if not self.queue.factors:
+            return
+        reductions, groups = self.queue.reduce()
+        for done in reductions:
+            row_groups = {groups[r] for r in done.rows}
+            if len(row_groups) == 1:
+                self.add(done.sq, row_groups.pop())
+            else:  # per-group clipping with the rows of several groups
+                for k, r in enumerate(done.rows):
+                    self.add(done.sq[k], groups[r])
+            if done.mass is not None:
+                self._add_mass_rows(done.mass, done.mass_dtype)
+
+    def add_mass(self, factor):
+        """The token mass of one factor that is not queued (a parameter with several uses)."""
+        mass = factor.token_mass(self.grams)
+        if mass is None:
+            return
+        if isinstance(mass, SqrtProduct):
+            mass = (mass.a * mass.b).clamp(min=0).sqrt()
+        self._add_mass_rows(mass.unsqueeze(0), factor.sum_dtype())
+
+    def _add_mass_rows(self, mass, dtype):
+        self.masses.append(mass)
+        if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
+            self.mass_dtype = dtype
 
     def total_sq(self):
         """(groups, B) float64 sums of the squared norms of each clipping group's layers, or None."""
@@ -70,39 +105,16 @@ class NormPass:
             if not parts:
                 totals.append(torch.zeros(self.batch_size, dtype=torch.float64, device=_device(self.sq_parts)))
                 continue
-            if len({p.dtype for p in parts}) > 1:
-                parts = [p.double() for p in parts]
-            totals.append(torch.stack(parts).sum(0).double())
+            totals.append(_sum_rows(parts).double())
         return torch.stack(totals)
-
-    def add_mass(self, factor):
-        mass = factor.token_mass(self.grams)
-        if mass is None:
-            return
-        if isinstance(mass, SqrtProduct):
-            self.root_masses.append(mass)
-        else:
-            self.masses.append(mass)
-        dtype = factor.sum_dtype()
-        if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
-            self.mass_dtype = dtype
 
     def total_mass(self):
         """(B,) sum over layers of the examples' token masses, or None if no layer has one."""
-        masses = list(self.masses)
-        # sqrt(a b) of every such layer in one expression per kind of b: (B,) tensors, or numbers.
-        by_tensor = [m for m in self.root_masses if isinstance(m.b, torch.Tensor)]
-        by_number = [m for m in self.root_masses if not isinstance(m.b, torch.Tensor)]
-        if by_tensor:
-            a = torch.stack([m.a for m in by_tensor]).double()
-            b = torch.stack([m.b for m in by_tensor]).double()
-            masses.append((a * b).clamp(min=0).sqrt().sum(0))
-        if by_number:
-            a = torch.stack([m.a for m in by_number]).double()
-            b = torch.tensor([float(m.b) for m in by_number], dtype=torch.float64, device=a.device)[:, None]
-            masses.append((a * b).clamp(min=0).sqrt().sum(0))
-        if not masses:
-            return None
-        dtypes = {m.dtype for m in masses}
-        masses = masses if len(dtypes) == 1 else [m.double() for m in masses]
-        return torch.stack(masses).sum(0)
+        return _sum_rows(self.masses) if self.masses else None
+
+
+def _sum_rows(blocks):
+    """The sum over all rows of (k, B) blocks, in the widest of their dtypes."""
+    if len({b.dtype for b in blocks}) > 1:
+        blocks = [b.double() for b in blocks]
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).sum(0)

@@ -296,11 +296,14 @@ class OuterProduct(PerExampleGrad):
         left, right = self.left[lo:hi], self.right[lo:hi]
         return (left, right) if cast is None else (left.to(cast), right.to(cast))
 
-    def _whole_grams(self, grams) -> bool:
-        """Whether the norm takes the one-tile Gram path with the pass's Gram cache (see sq_norm)."""
+    def takes_whole_gram(self) -> bool:
+        """Whether the norm is <L L^T, R R^T> of whole (one-tile) Grams (see sq_norm)."""
         B, T, m = self.left.shape
-        return grams is not None and T > 1 and gram_tile(B, T, self.left.device.type) >= T \
-            and prefers_gram(T, m, self.right.shape[-1], T)
+        return T > 1 and gram_tile(B, T, self.left.device.type) >= T and prefers_gram(T, m, self.right.shape[-1], T)
+
+    def _whole_grams(self, grams) -> bool:
+        """Whether the norm takes the one-tile Gram path with the pass's Gram cache."""
+        return grams is not None and self.takes_whole_gram()
 
     def _gram(self, grams, x):
         return grams.whole(x, acc_dtype(self.left, self.right), self.operand_dtype)

@@ -1,0 +1,288 @@
+"""Many layers' squared norms and token masses in a few ops: the norm pass queues its factors here.
+
+A step on a GPU is host-bound (../shared/measurements): per layer, each small op of a norm costs a
+kernel launch and its Python. So the norm pass does not reduce each layer's factors as they arrive;
+it queues them (``NormQueue``) and reduces them in groups:
+
+- the weights of Linear-type layers (``OuterProduct``) on the whole-Gram path, with their biases
+  (``SummedTokens``): every distinct tensor among their sides gets its Gram X_i X_i^T in one batched
+  matmul per width (inputs shared by query, key and value count once), and then
+  |g_i|^2 = <L_i L_i^T, R_i R_i^T> for all weights, |sum_t G_t|^2 = sum of G_i G_i^T for all biases,
+  and the token masses sqrt(tr(L L^T) tr(R R^T)) and sqrt(T tr(G G^T)) (precision.py) come from a
+  handful of indexed reductions over the stacked Grams;
+- explicit per-example gradients (``Instantiated``: LayerNorm, biases of 2-D inputs) of equal shape:
+  one stacked dot product;
+- anything else alone, as ``sq_norm`` and ``token_mass`` give it.
+
+The index tensors that pick each weight's Grams are built once per pattern of layers (the same
+every step) and reused, so no step copies indices to the device. The queue holds the factors (and
+so the output grads G that ghost mode would otherwise free at once) until QUEUE_ELEMENTS of them
+are waiting; it is then reduced, and again at the end of the pass.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .factors import Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype, wide_matmul
+
+# Elements of output grads the queue may hold before it reduces them; the stacked copies and Grams
+# of a reduction are at most about as large again. (BERT-base, B=32, T=128: about one layer.)
+QUEUE_ELEMENTS = 1 << 24
+
+_INDEX_PATTERNS = 256  # index tensors kept per device, for this many patterns of layers
+
+
+class Reduced:
+    """What a reduction gives for some queued factors: (k, B) squared norms and token masses (None:
+    nothing in those examples can cancel), and the queue positions of their k rows."""
+
+    __slots__ = ("rows", "sq", "mass", "mass_dtype")
+
+    def __init__(self, rows, sq, mass, mass_dtype):
+        self.rows, self.sq, self.mass, self.mass_dtype = rows, sq, mass, mass_dtype
+
+
+class NormQueue:
+    """Factors waiting for their norms, with the clipping group of each."""
+
+    def __init__(self, grams):
+        self.grams = grams        # the pass's InputGrams, for the factors reduced alone
+        self.factors = []
+        self.groups = []
+        self.elements = 0
+
+    def push(self, factor, group: int) -> None:
+        self.factors.append(factor)
+        self.groups.append(group)
+        self.elements += _held_elements(factor)
+
+    def full(self) -> bool:
+        """Whether the queue holds QUEUE_ELEMENTS: reduce it (after the last factor of a layer call,
+        so that a bias is reduced with its weight)."""
+        return self.elements >= QUEUE_ELEMENTS
+
+    def reduce(self) -> tuple[list[Reduced], list[int]]:
+        """The reductions of the queued factors and the clipping group of each queue position; empties it."""
+        factors, groups = self.factors, self.groups
+        self.factors, self.groups, self.elements = [], [], 0
+        return reduce_factors(factors, self.grams), groups
+
+
+def _held_elements(factor) -> int:
+    if isinstance(factor, OuterProduct):
+        return factor.left.numel() + factor.right.numel()
+    if isinstance(factor, SummedTokens):
+        return 0  # its tokens are its weight's output grad, counted there
+    if isinstance(factor, Instantiated):
+        return factor.grads.numel()
+    return 0
+
+
+def reduce_factors(factors, grams=None) -> list[Reduced]:
+    """The squared norms and token masses of ``factors``, in batches where their kinds allow."""
+    by_gram, by_shape, alone = _partition(factors)
+    out = []
+    for rows in by_gram.values():
+        out.extend(_gram_batch([factors[r] for r in rows], rows))
+    for rows in by_shape.values():
+        out.append(_instantiated_batch([factors[r] for r in rows], rows))
+    for r in alone:
+        f = factors[r]
+        mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
+        sq = f.sq_norm(grams)
+        out.append(Reduced([r], sq.unsqueeze(0), _as_rows(mass), f.sum_dtype() if mass is not None else None))
+    return out
+
+
+def _as_rows(mass):
+    """A token mass (a (B,) tensor, a SqrtProduct or None) as a (1, B) tensor or None."""
+    if mass is None:
+        return None
+    if not isinstance(mass, torch.Tensor):  # SqrtProduct
+        mass = (mass.a * mass.b).clamp(min=0).sqrt()
+    return mass.unsqueeze(0)
+
+
+def _gram_key(f: OuterProduct):
+    """The batch of an OuterProduct that takes the one-tile Gram path, or None."""
+    if type(f) is not OuterProduct or not f.takes_whole_gram():
+        return None
+    B, T, _ = f.left.shape
+    return ("gram", B, T, f.left.device, acc_dtype(f.left, f.right))
+
+
+def _partition(factors):
+    by_gram, by_shape, alone = {}, {}, []
+    tokens_of = {}  # id(output grad) -> the gram batch of a weight that has it as a side
+    for r, f in enumerate(factors):
+        key = _gram_key(f) if type(f) is OuterProduct else None
+        if key is not None:
+            by_gram.setdefault(key, []).append(r)
+            tokens_of[id(f.left)] = tokens_of[id(f.right)] = key
+    for r, f in enumerate(factors):
+        if type(f) is SummedTokens:
+            key = tokens_of.get(id(f.tokens))
+            if key is not None and f.tokens.shape[1] > 1 and acc_dtype(f.tokens) == key[4]:
+                by_gram[key].append(r)
+            else:
+                alone.append(r)
+        elif type(f) is Instantiated:
+            by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)
+        elif not (type(f) is OuterProduct and _gram_key(f) is not None):
+            alone.append(r)
+    return by_gram, by_shape, alone
+
+
+class _Indices:
+    """Device index tensors by pattern, built once (a host-to-device copy syncs a GPU stream)."""
+
+    def __init__(self):
+        self._cache = OrderedDict()
+
+    def get(self, pattern: tuple, device) -> torch.Tensor:
+        key = (pattern, device)
+        found = self._cache.get(key)
+        if found is None:
+            found = torch.tensor(pattern, dtype=torch.long).to(device)
+            self._cache[key] = found
+            if len(self._cache) > _INDEX_PATTERNS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return found
+
+
+_INDICES = _Indices()
+
+
+def _gram_batch(factors, rows) -> list[Reduced]:
+    """Weights (OuterProduct) and biases (SummedTokens) of one (B, T, device, dtype): see the module doc."""
+    first = next(f for f in factors if isinstance(f, OuterProduct))
+    B, T, _ = first.left.shape
+    dt = acc_dtype(first.left, first.right)
+    # Distinct tensors (as the Gram reads them), grouped by width and operand dtype for stacking.
+    position = {}
+    widths = {}
+    read_as = {}  # id(tensor) -> the key of its Gram, for the biases that read a weight's output grad
+
+    def slot(x, cast):
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, cast)
+        if key not in position:
+            operand = x if cast is None else x.to(cast)
+            members = widths.setdefault((operand.shape[-1], operand.dtype), [])
+            position[key] = (operand.shape[-1], operand.dtype), len(members)
+            members.append(operand)
+        read_as[id(x)] = key
+        return key
+
+    weights, biases = [], []
+    for r, f in zip(rows, factors):
+        if isinstance(f, OuterProduct):
+            cast = f.operand_dtype
+            weights.append((r, slot(f.left, cast), slot(f.right, cast)))
+    for r, f in zip(rows, factors):
+        if isinstance(f, SummedTokens):
+            biases.append((r, read_as[id(f.tokens)]))  # its weight's output grad (_partition), as the weight cast it
+    # One Gram per distinct tensor, one batched matmul per width: (U, B, T, T) in group order.
+    offsets, parts, start = {}, [], 0
+    for group, members in widths.items():
+        x = members[0].unsqueeze(0) if len(members) == 1 else torch.stack(members)
+        x = x.reshape(len(members) * B, T, group[0])
+        parts.append(wide_matmul(x, x.transpose(1, 2), dt).view(len(members), B, T, T))
+        offsets[group] = start
+        start += len(members)
+    gram = parts[0] if len(parts) == 1 else torch.cat(parts)
+    trace = torch.diagonal(gram, 0, 2, 3).sum(-1)  # (U, B): |X_i|_F^2
+
+    def index(keys):
+        pattern = tuple(offsets[position[k][0]] + position[k][1] for k in keys)
+        if pattern == tuple(range(gram.shape[0])):
+            return None
+        return _INDICES.get(pattern, gram.device)
+
+    def pick(t, idx):
+        return t if idx is None else t.index_select(0, idx)
+
+    out = []
+    if weights:
+        left, right = index([w[1] for w in weights]), index([w[2] for w in weights])
+        sq = torch.linalg.vecdot(pick(gram, left).flatten(2), pick(gram, right).flatten(2))
+        mass = (pick(trace, left) * pick(trace, right)).clamp(min=0).sqrt()
+        out.append(Reduced([w[0] for w in weights], sq, mass, dt))
+    if biases:
+        tokens = index([b[1] for b in biases])
+        sq = pick(gram, tokens).sum((2, 3))
+        mass = (pick(trace, tokens) * float(T)).clamp(min=0).sqrt()
+        out.append(Reduced([b[0] for b in biases], sq, mass, dt))
+    return out
+
+
+def _instantiated_batch(factors, rows) -> Reduced:
+    """Explicit per-example gradients of one shape: (k, B, n) stacked, k dot products per example."""
+    grads = torch.stack([f.grads for f in factors])
+    dt = acc_dtype(grads)
+    g = grads.reshape(len(factors), grads.shape[1], -1).to(dt)
+    sq = torch.linalg.vecdot(g, g)
+    if factors[0].mass is None:
+        return Reduced(rows, sq, None, None)
+    return Reduced(rows, sq, torch.stack([f.mass for f in factors]), dt)
+
+
+# ----------------------------------------------------------------------------- book-keeping's clipped sums
+def weighted_sums(uses, weights_of) -> dict:
+    """{position: sum_i w_i g_i} for the entries of ``uses``, a list of (factor, key of its weights), that
+    can be summed in batches; ``weights_of(key, dtype)`` gives the (B,) weights w in a dtype. Weights
+    (OuterProduct) of one shape are summed by one batched matmul, explicit per-example gradients
+    (Instantiated, SummedTokens) of one shape by one; other factors are left out (their own
+    ``weighted_sum``)."""
+    batches, out = {}, {}
+    for position, (factor, key) in enumerate(uses):
+        kind = type(factor)
+        if kind is OuterProduct:
+            batch = (kind, key, factor.left.shape, factor.right.shape, factor.left.dtype, factor.right.dtype,
+                     factor.left.device)
+        elif kind is Instantiated or kind is SummedTokens:
+            tensor = factor.tokens if kind is SummedTokens else factor.grads
+            batch = (kind, key, tensor.shape, tensor.dtype, tensor.device)
+        else:
+            continue
+        batches.setdefault(batch, []).append(position)
+    for (kind, key, *_), positions in batches.items():
+        factors = [uses[i][0] for i in positions]
+        if kind is OuterProduct:
+            sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()))
+        else:
+            sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt))
+        out.update(zip(positions, sums))
+    return out
+
+
+def _outer_product_sums(factors, w):
+    """sum_i w_i L_i^T R_i of k weights of one shape: (w ⊙ L)^T R as one (k, m, n) batched matmul, the
+    weights applied to the narrower side, as OuterProduct.weighted_sum does for one."""
+    if len(factors) == 1:
+        return [factors[0].weighted_sum(w)]
+    pairs = [f.operands() for f in factors]
+    left = torch.stack([p[0] for p in pairs])    # (k, B, T, m)
+    right = torch.stack([p[1] for p in pairs])   # (k, B, T, n)
+    dt = w.dtype
+    scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
+    w = w[None, :, None, None]
+    if left.shape[-1] <= right.shape[-1]:
+        left = _scaled(left, w, scaled_dtype)
+    else:
+        right = _scaled(right, w, scaled_dtype)
+    total = wide_matmul(left.flatten(1, 2).transpose(1, 2), right.flatten(1, 2), dt)  # (k, m, n)
+    return [t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
+
+
+def _instantiated_sums(factors, summed_tokens: bool, weights_in):
+    """sum_i w_i g_i of k explicit gradients of one shape, (k, B, n) stacked: one matmul. For SummedTokens
+    each example's gradient is first summed over its tokens."""
+    rows = torch.stack([f.tokens if summed_tokens else f.grads for f in factors])
+    dt = acc_dtype(rows)
+    rows = rows.sum(2, dtype=dt) if summed_tokens else rows.to(dt)
+    total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)
+    return [t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
