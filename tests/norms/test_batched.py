@@ -1,0 +1,96 @@
+"""The batched reductions of norms/batched.py give, row by row, what each factor gives alone."""
+import pytest
+import torch
+
+import ghostdp
+from ghostdp.norms import batched
+from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens
+
+B, T = 3, 5
+
+
+def _mixed_factors():
+    """Linear-like layers sharing an input (query, key, value), one with another width, a Conv1D-like one
+    (input on the left), biases, explicit gradients with and without masses, and a one-token layer."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, wide = randn(B, T, 16), randn(B, T, 24)
+    out_q, out_k, out_v, out_w = randn(B, T, 16), randn(B, T, 12), randn(B, T, 20), randn(B, T, 16)
+    return [
+        OuterProduct(out_q, x, (16, 16), input_side="right"), SummedTokens(out_q),
+        OuterProduct(out_k, x, (12, 16), input_side="right"), SummedTokens(out_k),
+        OuterProduct(out_v, x, (20, 16), input_side="right"),
+        OuterProduct(wide, out_w, (24, 16), input_side="left"), SummedTokens(out_w),
+        OuterProduct(randn(B, 1, 4), randn(B, 1, 3), (4, 3)),
+        Instantiated(randn(B, 16), mass=randn(B).abs()), Instantiated(randn(B, 16), mass=randn(B).abs()),
+        Instantiated(randn(B, 7)),
+    ]
+
+
+def _as_tensor(mass):
+    if isinstance(mass, SqrtProduct):
+        return (mass.a * mass.b).clamp(min=0).sqrt()
+    return mass
+
+
+def test_reductions_equal_each_factor_alone():
+    factors = _mixed_factors()
+    found = {}
+    for done in batched.reduce_factors(factors):
+        for k, r in enumerate(done.rows):
+            assert r not in found
+            found[r] = (done.sq[k], None if done.mass is None else done.mass[k])
+    assert sorted(found) == list(range(len(factors)))
+    for r, f in enumerate(factors):
+        sq, mass = found[r]
+        torch.testing.assert_close(sq, f.sq_norm(), rtol=1e-12, atol=0)
+        expected = _as_tensor(f.token_mass())
+        if expected is None:
+            assert mass is None
+        else:
+            torch.testing.assert_close(mass, expected, rtol=1e-12, atol=0)
+
+
+def test_shared_input_gets_one_gram_and_biases_reuse_their_weights_grams(monkeypatch):
+    factors = _mixed_factors()[:4]  # query and key weights (one input) and their biases
+    rows = []
+    wide_matmul = batched.wide_matmul
+    monkeypatch.setattr(batched, "wide_matmul", lambda a, b, dt: rows.append(a.shape[0]) or wide_matmul(a, b, dt))
+    batched.reduce_factors(factors)
+    assert sorted(rows) == [B, 2 * B]  # width 16: x and the query's output grad; width 12: the key's
+
+
+def test_weighted_sums_equal_each_factor_alone():
+    factors = _mixed_factors()
+    weights = {0: torch.rand(B, dtype=torch.float64), 1: torch.rand(B, dtype=torch.float64)}
+    uses = [(f, k % 2) for k, f in enumerate(factors)]  # two clipping groups, so batches split by weights
+    sums = batched.weighted_sums(uses, lambda group, dt: weights[group].to(dt))
+    assert sorted(sums) == list(range(len(factors)))
+    for k, (f, group) in enumerate(uses):
+        torch.testing.assert_close(sums[k], f.weighted_sum(weights[group]), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Tanh())
+                                  for _ in range(4)]).double()
+    x = torch.randn(B, T, 8, dtype=torch.float64)
+
+    def norms():
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        try:
+            return controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
+        finally:
+            controller.detach()
+
+    whole = norms()
+    reductions = []
+    reduce = batched.NormQueue.reduce
+    monkeypatch.setattr(batched, "QUEUE_ELEMENTS", 2 * B * T * 8)  # about one layer
+    monkeypatch.setattr(batched.NormQueue, "reduce", lambda self: reductions.append(1) or reduce(self))
+    torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
+    assert len(reductions) > 2
