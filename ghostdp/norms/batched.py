@@ -26,6 +26,7 @@ from collections import OrderedDict
 import torch
 
 from .factors import Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype, wide_matmul
+from .normalization import AffineGrad, form_layer_norms
 
 # Elements of output grads the queue may hold before it reduces them; the stacked copies and Grams
 # of a reduction are at most about as large again. (BERT-base, B=32, T=128: about one layer.)
@@ -71,6 +72,8 @@ class NormQueue:
 
 
 def _held_elements(factor) -> int:
+    if type(factor) is AffineGrad:
+        return factor.call.G.numel()
     if isinstance(factor, OuterProduct):
         return factor.left.numel() + factor.right.numel()
     if isinstance(factor, SummedTokens):
@@ -82,8 +85,10 @@ def _held_elements(factor) -> int:
 
 def reduce_factors(factors, grams=None) -> list[Reduced]:
     """The squared norms and token masses of ``factors``, in batches where their kinds allow."""
-    by_gram, by_shape, alone = _partition(factors)
+    by_gram, by_shape, by_layer_norm, alone = _partition(factors)
     out = []
+    for rows in by_layer_norm.values():
+        out.extend(_layer_norm_batch([factors[r] for r in rows], rows))
     for rows in by_gram.values():
         out.extend(_gram_batch([factors[r] for r in rows], rows))
     for rows in by_shape.values():
@@ -114,7 +119,7 @@ def _gram_key(f: OuterProduct):
 
 
 def _partition(factors):
-    by_gram, by_shape, alone = {}, {}, []
+    by_gram, by_shape, by_layer_norm, alone = {}, {}, {}, []
     tokens_of = {}  # id(output grad) -> the gram batch of a weight that has it as a side
     for r, f in enumerate(factors):
         key = _gram_key(f) if type(f) is OuterProduct else None
@@ -128,11 +133,13 @@ def _partition(factors):
                 by_gram[key].append(r)
             else:
                 alone.append(r)
+        elif type(f) is AffineGrad:
+            by_layer_norm.setdefault(f.call.batch_key(), []).append(r)
         elif type(f) is Instantiated:
             by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)
         elif not (type(f) is OuterProduct and _gram_key(f) is not None):
             alone.append(r)
-    return by_gram, by_shape, alone
+    return by_gram, by_shape, by_layer_norm, alone
 
 
 class _Indices:
@@ -219,6 +226,26 @@ def _gram_batch(factors, rows) -> list[Reduced]:
     return out
 
 
+def _layer_norm_batch(factors, rows) -> list[Reduced]:
+    """LayerNorm weights and biases of calls of one batch key: their gradients formed in one stacked
+    expression (normalization.form_layer_norms), then k dot products per example per parameter name."""
+    calls = list({id(f.call): f.call for f in factors}.values())
+    slot = {id(c): k for k, c in enumerate(calls)}
+    stacked = form_layer_norms(calls)
+    out = []
+    for name, (grads, mass) in stacked.items():
+        named = [(r, slot[id(f.call)]) for r, f in zip(rows, factors) if f.name == name]
+        if not named:
+            continue
+        g = grads.reshape(len(calls), grads.shape[1], -1)
+        sq = torch.linalg.vecdot(g, g)
+        if [k for _, k in named] != list(range(len(calls))):  # not every call's factor is queued here
+            picked = [k for _, k in named]
+            sq, mass = sq[picked], None if mass is None else mass[picked]
+        out.append(Reduced([r for r, _ in named], sq, mass, grads.dtype if mass is not None else None))
+    return out
+
+
 def _instantiated_batch(factors, rows) -> Reduced:
     """Explicit per-example gradients of one shape: (k, B, n) stacked, k dot products per example."""
     grads = torch.stack([f.grads for f in factors])
@@ -243,7 +270,7 @@ def weighted_sums(uses, weights_of) -> dict:
         if kind is OuterProduct:
             batch = (kind, key, factor.left.shape, factor.right.shape, factor.left.dtype, factor.right.dtype,
                      factor.left.device)
-        elif kind is Instantiated or kind is SummedTokens:
+        elif kind is Instantiated or kind is SummedTokens or kind is AffineGrad:
             tensor = factor.tokens if kind is SummedTokens else factor.grads
             batch = (kind, key, tensor.shape, tensor.dtype, tensor.device)
         else:

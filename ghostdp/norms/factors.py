@@ -100,12 +100,14 @@ def prefers_gram(T: int, m: int, n: int, tile: int | None = None) -> bool:
     return gram_fraction(T, tile or T) * T * (m + n) <= m * n
 
 
-def summed_positions_mass(terms: torch.Tensor, positions: int, dtype) -> torch.Tensor | None:
+def summed_positions_mass(terms: torch.Tensor, positions: int, dtype, example_dims: int = 1) -> torch.Tensor | None:
     """A token mass for a per-example gradient summed over ``positions`` terms (B, positions, ...):
-    sum_t |term_t| <= sqrt(positions) |terms|_F. None for one position (nothing to cancel)."""
+    sum_t |term_t| <= sqrt(positions) |terms|_F. None for one position (nothing to cancel). The first
+    ``example_dims`` dims index the examples."""
     if positions <= 1:
         return None
-    return torch.linalg.vector_norm(terms, dim=tuple(range(1, terms.dim())), dtype=dtype) * math.sqrt(positions)
+    dims = tuple(range(example_dims, terms.dim()))
+    return torch.linalg.vector_norm(terms, dim=dims, dtype=dtype) * math.sqrt(positions)
 
 
 class SqrtProduct(NamedTuple):

@@ -28,19 +28,20 @@ def _working(x, G):
     return x.to(dt), G.to(dt)
 
 
-def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias")):
+def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias"), example_dims=1):
     """Per-example sums over the positions ``reduce_dims`` of G * xhat (weight) and G (bias), each with the
-    token mass of that sum (precision.py); sums and masses accumulate in float32 or better."""
+    token mass of that sum (precision.py); sums and masses accumulate in float32 or better. The first
+    ``example_dims`` dims index the examples (2: several layers' calls stacked)."""
     positions = math.prod(G.shape[d] for d in reduce_dims)
     dt = acc_dtype(xhat, G)
     out = {}
     if names[0] in trainable:
         terms = G * xhat
         out[names[0]] = Instantiated(terms.sum(reduce_dims, dtype=dt) if reduce_dims else terms.to(dt),
-                                     mass=summed_positions_mass(terms, positions, dt))
+                                     mass=summed_positions_mass(terms, positions, dt, example_dims))
     if names[1] in trainable:
         out[names[1]] = Instantiated(G.sum(reduce_dims, dtype=dt) if reduce_dims else G.to(dt),
-                                     mass=summed_positions_mass(G, positions, dt))
+                                     mass=summed_positions_mass(G, positions, dt, example_dims))
     return out
 
 
@@ -49,11 +50,64 @@ def _leading_dims(x, n_normalized):
     return tuple(range(1, x.dim() - n_normalized))
 
 
+class LayerNormCall:
+    """x and G of one LayerNorm call; the per-example gradients of its weight and bias (``AffineGrad``)
+    are formed on first use, alone or, through ``form_layer_norms``, for many calls in one stacked
+    expression (norms/batched.py)."""
+
+    def __init__(self, x, G, normalized_shape, eps, trainable):
+        self.x, self.G = _working(x, G)
+        self.normalized_shape, self.eps = tuple(normalized_shape), eps
+        self.trainable = frozenset(n for n in ("weight", "bias") if n in trainable)
+        self.formed = None  # name -> Instantiated
+
+    def batch_key(self):
+        """Calls with equal keys are formed together."""
+        return (self.x.shape, self.x.dtype, self.G.dtype, self.x.device, self.normalized_shape, self.eps,
+                self.trainable)
+
+    def form(self):
+        if self.formed is None:
+            form_layer_norms([self])
+        return self.formed
+
+
+def form_layer_norms(calls):
+    """Forms the gradients of LayerNorm calls of one ``batch_key``, stacked: {name: ((k, B, *shape) grads,
+    (k, B) masses)}. xhat = (x - mean) / sqrt(var + eps) over the normalised dims is one fused op for all."""
+    first = calls[0]
+    x = first.x.unsqueeze(0) if len(calls) == 1 else torch.stack([c.x for c in calls])
+    G = first.G.unsqueeze(0) if len(calls) == 1 else torch.stack([c.G for c in calls])
+    xhat = F.layer_norm(x, first.normalized_shape, eps=first.eps)
+    reduce_dims = tuple(d + 1 for d in _leading_dims(first.x, len(first.normalized_shape)))
+    stacked = _affine_grads(xhat, G, first.trainable, reduce_dims, example_dims=2)
+    for k, call in enumerate(calls):
+        call.formed = {n: Instantiated(f.grads[k], f.mass[k] if f.mass is not None else None)
+                       for n, f in stacked.items()}
+    return {n: (f.grads, f.mass) for n, f in stacked.items()}
+
+
+class AffineGrad(Instantiated):
+    """The per-example gradient of a LayerNorm's weight or bias (``name``), formed by its call on first use."""
+
+    def __init__(self, call: LayerNormCall, name: str):
+        self.call, self.name = call, name
+        self.batch_size = call.x.shape[0]
+        self.param_shape = torch.Size(call.normalized_shape)
+
+    @property
+    def grads(self):
+        return self.call.form()[self.name].grads
+
+    @property
+    def mass(self):
+        return self.call.form()[self.name].mass
+
+
 @register_norm_rule(torch.nn.LayerNorm, tokenwise=True)
 def layer_norm_rule(module, inputs, output_grad, trainable):
-    x, G = _working(inputs[0], output_grad)
-    xhat = F.layer_norm(x, module.normalized_shape, eps=module.eps)  # (x - mean) / sqrt(var + eps), fused
-    return _affine_grads(xhat, G, trainable, _leading_dims(x, len(module.normalized_shape)))
+    call = LayerNormCall(inputs[0], output_grad, module.normalized_shape, module.eps, trainable)
+    return {n: AffineGrad(call, n) for n in call.trainable}
 
 
 @register_norm_rule(torch.nn.RMSNorm, tokenwise=True)

@@ -5,6 +5,7 @@ import torch
 import ghostdp
 from ghostdp.norms import batched
 from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens
+from ghostdp.norms.normalization import AffineGrad, LayerNormCall
 
 B, T = 3, 5
 
@@ -19,7 +20,12 @@ def _mixed_factors():
 
     x, wide = randn(B, T, 16), randn(B, T, 24)
     out_q, out_k, out_v, out_w = randn(B, T, 16), randn(B, T, 12), randn(B, T, 20), randn(B, T, 16)
-    return [
+    # Two LayerNorm calls formed together, and one with a frozen weight (another batch key).
+    norms = [LayerNormCall(randn(B, T, 16), randn(B, T, 16), (16,), 1e-5, {"weight", "bias"}) for _ in range(2)]
+    bias_only = LayerNormCall(randn(B, T, 16), randn(B, T, 16), (16,), 1e-5, {"bias"})
+    return [AffineGrad(norms[0], "weight"), AffineGrad(norms[1], "bias"), AffineGrad(norms[1], "weight"),
+            AffineGrad(norms[0], "bias"), AffineGrad(bias_only, "bias"),
+
         OuterProduct(out_q, x, (16, 16), input_side="right"), SummedTokens(out_q),
         OuterProduct(out_k, x, (12, 16), input_side="right"), SummedTokens(out_k),
         OuterProduct(out_v, x, (20, 16), input_side="right"),
@@ -44,7 +50,7 @@ def test_reductions_equal_each_factor_alone():
             assert r not in found
             found[r] = (done.sq[k], None if done.mass is None else done.mass[k])
     assert sorted(found) == list(range(len(factors)))
-    for r, f in enumerate(factors):
+    for r, f in enumerate(_mixed_factors()):  # the same factors, not yet reduced: each alone
         sq, mass = found[r]
         torch.testing.assert_close(sq, f.sq_norm(), rtol=1e-12, atol=0)
         expected = _as_tensor(f.token_mass())
@@ -55,7 +61,7 @@ def test_reductions_equal_each_factor_alone():
 
 
 def test_shared_input_gets_one_gram_and_biases_reuse_their_weights_grams(monkeypatch):
-    factors = _mixed_factors()[:4]  # query and key weights (one input) and their biases
+    factors = _mixed_factors()[5:9]  # query and key weights (one input) and their biases
     rows = []
     wide_matmul = batched.wide_matmul
     monkeypatch.setattr(batched, "wide_matmul", lambda a, b, dt: rows.append(a.shape[0]) or wide_matmul(a, b, dt))
@@ -69,7 +75,8 @@ def test_weighted_sums_equal_each_factor_alone():
     uses = [(f, k % 2) for k, f in enumerate(factors)]  # two clipping groups, so batches split by weights
     sums = batched.weighted_sums(uses, lambda group, dt: weights[group].to(dt))
     assert sorted(sums) == list(range(len(factors)))
-    for k, (f, group) in enumerate(uses):
+    for k, f in enumerate(_mixed_factors()):
+        group = k % 2
         torch.testing.assert_close(sums[k], f.weighted_sum(weights[group]), rtol=1e-12, atol=1e-14)
 
 
