@@ -28,9 +28,21 @@ import torch
 from .factors import Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype, wide_matmul
 from .normalization import AffineGrad, form_layer_norms
 
-# Elements of output grads the queue may hold before it reduces them; the stacked copies and Grams
-# of a reduction are at most about as large again. (BERT-base, B=32, T=128: about one layer.)
-QUEUE_ELEMENTS = 1 << 24
+# Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
+# what ghost mode holds beyond the unbatched rules, which freed each G at once.
+QUEUE_ELEMENTS = 1 << 22
+
+# Most elements one batch copies into a stack. Batching saves per-op host work (some 10 us an op) and
+# costs a copy of its tensors (about 1 ns an element on a CPU, a few ps on an H100): on a CPU it pays
+# for tensors of up to some ten thousand elements, on a GPU up to millions. Larger tensors are reduced
+# one by one, without a copy, as the rules did before batching (measured with profiling.bench).
+STACK_ELEMENTS = {"cpu": 1 << 16}
+ACCELERATOR_STACK_ELEMENTS = 1 << 22
+
+
+def stack_budget(device) -> int:
+    return STACK_ELEMENTS.get(device.type, ACCELERATOR_STACK_ELEMENTS)
+
 
 _INDEX_PATTERNS = 256  # index tensors kept per device, for this many patterns of layers
 
@@ -73,7 +85,7 @@ class NormQueue:
 
 def _held_elements(factor) -> int:
     if type(factor) is AffineGrad:
-        return factor.call.G.numel()
+        return factor.call.x.numel() + factor.call.G.numel()
     if isinstance(factor, OuterProduct):
         return factor.left.numel() + factor.right.numel()
     if isinstance(factor, SummedTokens):
@@ -194,10 +206,12 @@ def _gram_batch(factors, rows) -> list[Reduced]:
             biases.append((r, read_as[id(f.tokens)]))  # its weight's output grad (_partition), as the weight cast it
     # One Gram per distinct tensor, one batched matmul per width: (U, B, T, T) in group order.
     offsets, parts, start = {}, [], 0
+    budget = stack_budget(first.left.device)
     for group, members in widths.items():
-        x = members[0].unsqueeze(0) if len(members) == 1 else torch.stack(members)
-        x = x.reshape(len(members) * B, T, group[0])
-        parts.append(wide_matmul(x, x.transpose(1, 2), dt).view(len(members), B, T, T))
+        for run in _within_budget(members, [m.numel() for m in members], budget):
+            x = run[0].unsqueeze(0) if len(run) == 1 else torch.stack(run)
+            x = x.reshape(len(run) * B, T, group[0])
+            parts.append(wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T))
         offsets[group] = start
         start += len(members)
     gram = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -230,6 +244,15 @@ def _layer_norm_batch(factors, rows) -> list[Reduced]:
     """LayerNorm weights and biases of calls of one batch key: their gradients formed in one stacked
     expression (normalization.form_layer_norms), then k dot products per example per parameter name."""
     calls = list({id(f.call): f.call for f in factors}.values())
+    first = calls[0]
+    runs = list(_within_budget(calls, [c.x.numel() + c.G.numel() for c in calls], stack_budget(first.x.device)))
+    if len(runs) > 1:  # large layers: each run alone
+        out = []
+        for run in runs:
+            ids = {id(c) for c in run}
+            chosen = [(f, r) for f, r in zip(factors, rows) if id(f.call) in ids]
+            out.extend(_layer_norm_batch([f for f, _ in chosen], [r for _, r in chosen]))
+        return out
     slot = {id(c): k for k, c in enumerate(calls)}
     stacked = form_layer_norms(calls)
     out = []
@@ -276,14 +299,45 @@ def weighted_sums(uses, weights_of) -> dict:
         else:
             continue
         batches.setdefault(batch, []).append(position)
-    for (kind, key, *_), positions in batches.items():
-        factors = [uses[i][0] for i in positions]
-        if kind is OuterProduct:
-            sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()))
-        else:
-            sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt))
-        out.update(zip(positions, sums))
+    for (kind, key, *_), same in batches.items():
+        budget = stack_budget(_device_of(uses[same[0]][0]))
+        for positions in _within_budget(same, [_stacked_elements(uses[i][0]) for i in same], budget):
+            out.update(_summed_batch(kind, key, [uses[i][0] for i in positions], positions, weights_of))
     return out
+
+
+def _stacked_elements(factor) -> int:
+    if type(factor) is OuterProduct:
+        return factor.left.numel() + factor.right.numel()
+    if type(factor) is SummedTokens:
+        return factor.tokens.numel()
+    return factor.batch_size * factor.param_shape.numel()
+
+
+def _device_of(factor):
+    return factor.left.device if type(factor) is OuterProduct else (
+        factor.tokens.device if type(factor) is SummedTokens else factor.grads.device)
+
+
+def _within_budget(items, sizes, budget):
+    """``items`` in consecutive runs of at most ``budget`` elements (at least one item each)."""
+    run, held = [], 0
+    for position, size in zip(items, sizes):
+        if run and held + size > budget:
+            yield run
+            run, held = [], 0
+        run.append(position)
+        held += size
+    if run:
+        yield run
+
+
+def _summed_batch(kind, key, factors, positions, weights_of):
+    if kind is OuterProduct:
+        sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()))
+    else:
+        sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt))
+    return zip(positions, sums)
 
 
 def _outer_product_sums(factors, w):

@@ -84,6 +84,7 @@ def form_layer_norms(calls):
     for k, call in enumerate(calls):
         call.formed = {n: Instantiated(f.grads[k], f.mass[k] if f.mass is not None else None)
                        for n, f in stacked.items()}
+        call.x = call.G = None  # only the (B, d) gradients are kept (book-keeping holds them to the end)
     return {n: (f.grads, f.mass) for n, f in stacked.items()}
 
 

@@ -42,7 +42,10 @@ def _as_tensor(mass):
     return mass
 
 
-def test_reductions_equal_each_factor_alone():
+@pytest.mark.parametrize("budget", [None, 1])  # 1: no stacking, every Gram and LayerNorm alone
+def test_reductions_equal_each_factor_alone(monkeypatch, budget):
+    if budget is not None:
+        monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": budget})
     factors = _mixed_factors()
     found = {}
     for done in batched.reduce_factors(factors):
@@ -69,7 +72,10 @@ def test_shared_input_gets_one_gram_and_biases_reuse_their_weights_grams(monkeyp
     assert sorted(rows) == [B, 2 * B]  # width 16: x and the query's output grad; width 12: the key's
 
 
-def test_weighted_sums_equal_each_factor_alone():
+@pytest.mark.parametrize("budget", [None, 1])  # 1: no stacking, every factor alone
+def test_weighted_sums_equal_each_factor_alone(monkeypatch, budget):
+    if budget is not None:
+        monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": budget})
     factors = _mixed_factors()
     weights = {0: torch.rand(B, dtype=torch.float64), 1: torch.rand(B, dtype=torch.float64)}
     uses = [(f, k % 2) for k, f in enumerate(factors)]  # two clipping groups, so batches split by weights
