@@ -29,32 +29,38 @@ def _accumulate_grad_type() -> type:
         return type(leaf.view(1).grad_fn.next_functions[0][0])
 
 
-def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), on_node=None):
-    """{(node, input index): parameter} for every edge below ``roots`` into the gradient accumulator
-    of one of ``parameters`` (id -> parameter), not entering ``stop`` nodes; ``on_node(node)`` is called
-    for every other node reached. One visit per node, no generator: this runs every step."""
+def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=()):
+    """({(node, input index): parameter}, [nodes of the ``marked`` types]) for every edge below ``roots``
+    into the gradient accumulator of one of ``parameters`` (id -> parameter), not entering ``stop``
+    nodes; the nodes of ``marked`` types (a tuple) among the others reached are listed. One visit per
+    node, no generator and no call per node: this runs every step."""
     edges = {}
+    found = []
     seen = set()
     accumulator = _accumulate_grad_type()
     stack = [r for r in roots if r is not None]
+    push, pop, visit = stack.append, stack.pop, seen.add
     while stack:
-        node = stack.pop()
+        node = pop()
         if node in seen:
             continue
-        seen.add(node)
-        for idx, (nxt, _) in enumerate(node.next_functions):
+        visit(node)
+        idx = -1
+        for nxt, _ in node.next_functions:
+            idx += 1
             if nxt is None or nxt in seen:
                 continue
-            if type(nxt) is accumulator:  # a leaf's gradient accumulator: nothing below it
+            kind = type(nxt)
+            if kind is accumulator:  # a leaf's gradient accumulator: nothing below it
                 param = parameters.get(id(nxt.variable))
                 if param is not None:
                     edges[(node, idx)] = param
                 continue
-            if on_node is not None:
-                on_node(nxt)
+            if kind in marked:
+                found.append(nxt)
             if nxt not in stop:
-                stack.append(nxt)
-    return edges
+                push(nxt)
+    return edges, found
 
 
 def audit_graph(loss_node, parameters: dict):
@@ -65,21 +71,19 @@ def audit_graph(loss_node, parameters: dict):
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
     use_reentrant=True) hides its region's graph until its own backward recomputes it.
     """
+    edges, found = _edges_into_parameters([loss_node], parameters, marked=(_PROBE_NODE, _REENTRANT_CHECKPOINT_NODE))
     calls = {}
-    reentrant = []
-
-    def on_node(node):
-        if isinstance(node, _PROBE_NODE):
+    reentrant = False
+    for node in found:
+        if type(node) is _PROBE_NODE:
             call = getattr(node, "call", None)
             if call is not None:
                 calls[id(call)] = call
-        elif isinstance(node, _REENTRANT_CHECKPOINT_NODE):
-            reentrant.append(node)
-
-    edges = _edges_into_parameters([loss_node], parameters, on_node=on_node)
+        else:
+            reentrant = True
     attributed = set()
     for call in calls.values():
         own = {id(p): p for p in call.params.values()}
-        attributed.update(_edges_into_parameters([e.node for e in call.edges], own, stop=call.input_nodes))
+        attributed.update(_edges_into_parameters([e.node for e in call.edges], own, stop=call.input_nodes)[0])
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
-    return list(stray.values()), list(calls.values()), bool(reentrant)
+    return list(stray.values()), list(calls.values()), reentrant
