@@ -420,32 +420,40 @@ class GhostClipping:
         if call.projections is not None:
             self._layouts.resolve(call, B)
         self._layouts.batch_first(call, B)
-        with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
-            factors = {}
-            if call.rule is not None:
-                factors = call.rule(call.module, call.inputs, call.grads[0], set(call.params))
-            missing = {n: p for n, p in call.params.items() if n not in factors}
-            if missing:
-                self._in_fallback = True
-                try:
-                    factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
-                finally:
-                    self._in_fallback = False
-            for n, f in factors.items():
-                if self._pass.samples is not None and self._wants_samples(call.params[n]):
-                    self._pass.samples[call.params[n]].append(f)
-                if self.mode.keeps_factors:
-                    self._pass.kept[call.params[n]].append(f)
-                elif n in missing:  # two passes: see precision.ExactSums
-                    self._pass.exact[call.params[n]].append(f)
-                if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
-                    self._pass.queue.push(f, self._group(call.params[n]))
-                else:
-                    self._pass.add_mass(f)
-                    self._pass.pending[call.params[n]].append(f)
+        if self.region_timer is None and not _profiler_enabled():
+            self._factors(call, B)
+        else:
+            with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
+                self._factors(call, B)
         call.inputs, call.edges, call.grads, call.done = (), [], [], True
         if self._pass.queue.full():
             self._reduce_queue()
+
+    def _factors(self, call, B):
+        """The call's factors, kept, queued or pending as the mode and the parameter's uses need."""
+        factors = {}
+        if call.rule is not None:
+            # The names as a set-like view of the call's parameters (no copy per call).
+            factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
+        missing = {n: p for n, p in call.params.items() if n not in factors}
+        if missing:
+            self._in_fallback = True
+            try:
+                factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
+            finally:
+                self._in_fallback = False
+        for n, f in factors.items():
+            if self._pass.samples is not None and self._wants_samples(call.params[n]):
+                self._pass.samples[call.params[n]].append(f)
+            if self.mode.keeps_factors:
+                self._pass.kept[call.params[n]].append(f)
+            elif n in missing:  # two passes: see precision.ExactSums
+                self._pass.exact[call.params[n]].append(f)
+            if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
+                self._pass.queue.push(f, self._group(call.params[n]))
+            else:
+                self._pass.add_mass(f)
+                self._pass.pending[call.params[n]].append(f)
 
     def _reduce_queue(self):
         with self._region("ghostdp.norms.batched"):

@@ -79,7 +79,7 @@ class ProbeIdentity(torch.autograd.Function):
                 call.inputs = ctx.saved_tensors  # recomputed here inside an activation checkpoint
             call.controller._receive(call, ctx.slot, shaped)
             return grad, _empty_grad(*ctx.probe_meta), None
-        if grad.numel():  # a gradient with no rows (an empty batch) carries no example
+        if not call.fired and grad.numel():  # a gradient with no rows (an empty batch) carries no example
             call.controller._refuse_if_not_from_dp_loss(call)
         return grad, None, None
 

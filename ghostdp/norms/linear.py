@@ -13,6 +13,8 @@ from .registry import register_norm_rule
 
 def _flatten_tokens(inputs: torch.Tensor, output_grad: torch.Tensor):
     """(B, ..., d) -> (B, T, d); a 2-D input becomes T = 1."""
+    if inputs.dim() == 3 and output_grad.dim() == 3:  # already (B, T, d): no reshape to dispatch
+        return inputs, output_grad
     B = output_grad.shape[0]
     return inputs.reshape(B, -1, inputs.shape[-1]), output_grad.reshape(B, -1, output_grad.shape[-1])
 

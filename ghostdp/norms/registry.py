@@ -3,7 +3,8 @@
 A rule is a function ``rule(module, inputs, output_grad, trainable) -> {name: PerExampleGrad}``:
 ``inputs`` are the positional tensors the module was called with (batch first),
 ``output_grad`` the (B, ...) gradient of the loss w.r.t. the module's output,
-``trainable`` the names of the module's own parameters that require grad now.
+``trainable`` the names of the module's own parameters that require grad now (a set-like view: ``in``,
+``-``, ``&``).
 Modules whose class has no rule and that own trainable parameters are handled
 by the fallback (``ghostdp.norms.fallback``).
 
