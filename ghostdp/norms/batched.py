@@ -25,7 +25,8 @@ from collections import OrderedDict
 
 import torch
 
-from .factors import Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype, wide_matmul
+from .factors import (Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype,
+                      whole_gram_by_shape, wide_matmul)
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -124,33 +125,45 @@ def _as_rows(mass):
 
 def _gram_key(f: OuterProduct):
     """The batch of an OuterProduct that takes the one-tile Gram path, or None."""
-    if type(f) is not OuterProduct or not f.takes_whole_gram():
+    left, right = f.left, f.right
+    B, T, m = left.shape
+    if not whole_gram_by_shape(B, T, m, right.shape[-1], left.device.type):
         return None
-    B, T, _ = f.left.shape
-    return ("gram", B, T, f.left.device, acc_dtype(f.left, f.right))
+    wide = torch.float64 if torch.float64 in (left.dtype, right.dtype) else torch.float32  # acc_dtype
+    return ("gram", B, T, left.device, wide)
 
 
 def _partition(factors):
     by_gram, by_shape, by_layer_norm, alone = {}, {}, {}, []
     tokens_of = {}  # id(output grad) -> the gram batch of a weight that has it as a side
+    rest = []
     for r, f in enumerate(factors):
-        key = _gram_key(f) if type(f) is OuterProduct else None
-        if key is not None:
-            by_gram.setdefault(key, []).append(r)
-            tokens_of[id(f.left)] = tokens_of[id(f.right)] = key
-    for r, f in enumerate(factors):
-        if type(f) is SummedTokens:
+        kind = type(f)
+        if kind is OuterProduct:
+            key = _gram_key(f)
+            if key is None:
+                alone.append(r)
+            else:
+                by_gram.setdefault(key, []).append(r)
+                tokens_of[id(f.left)] = tokens_of[id(f.right)] = key
+        else:
+            rest.append(r)
+    for r in rest:
+        f = factors[r]
+        kind = type(f)
+        if kind is SummedTokens:
             key = tokens_of.get(id(f.tokens))
             if key is not None and f.tokens.shape[1] > 1 and acc_dtype(f.tokens) == key[4]:
                 by_gram[key].append(r)
             else:
                 alone.append(r)
-        elif type(f) is AffineGrad:
+        elif kind is AffineGrad:
             by_layer_norm.setdefault(f.call.batch_key(), []).append(r)
-        elif type(f) is Instantiated:
+        elif kind is Instantiated:
             by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)
-        elif not (type(f) is OuterProduct and _gram_key(f) is not None):
+        else:
             alone.append(r)
+    alone.sort()  # in queue order: the factors reduced alone share the pass's Gram cache in that order
     return by_gram, by_shape, by_layer_norm, alone
 
 
@@ -356,7 +369,12 @@ def _outer_product_sums(factors, w):
     else:
         right = _scaled(right, w, scaled_dtype)
     total = wide_matmul(left.flatten(1, 2).transpose(1, 2), right.flatten(1, 2), dt)  # (k, m, n)
-    return [t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
+    return _shaped(total, factors)
+
+
+def _shaped(total, factors):
+    """The k rows of a (k, ...) result, each viewed as its factor's parameter (no view where it already is)."""
+    return [t if t.shape == f.param_shape else t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
 
 
 def _instantiated_sums(factors, summed_tokens: bool, weights_in):
@@ -366,4 +384,4 @@ def _instantiated_sums(factors, summed_tokens: bool, weights_in):
     dt = acc_dtype(rows)
     rows = rows.sum(2, dtype=dt) if summed_tokens else rows.to(dt)
     total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)
-    return [t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
+    return _shaped(total, factors)

@@ -100,6 +100,17 @@ def prefers_gram(T: int, m: int, n: int, tile: int | None = None) -> bool:
     return gram_fraction(T, tile or T) * T * (m + n) <= m * n
 
 
+def whole_gram_by_shape(B: int, T: int, m: int, n: int, device_type: str) -> bool:
+    """Whether a (B, T, m) x (B, T, n) OuterProduct's norm takes one-tile Grams; decided once per shape
+    (and per value of the tiling settings)."""
+    return _whole_gram(B, T, m, n, device_type, ELEMENT_BUDGET, MIN_SPLIT_TILE.get(device_type))
+
+
+@functools.lru_cache(maxsize=1024)
+def _whole_gram(B, T, m, n, device_type, element_budget, smallest_tile) -> bool:
+    return T > 1 and gram_tile(B, T, device_type) >= T and prefers_gram(T, m, n, T)
+
+
 def summed_positions_mass(terms: torch.Tensor, positions: int, dtype, example_dims: int = 1) -> torch.Tensor | None:
     """A token mass for a per-example gradient summed over ``positions`` terms (B, positions, ...):
     sum_t |term_t| <= sqrt(positions) |terms|_F. None for one position (nothing to cancel). The first
@@ -295,13 +306,13 @@ class OuterProduct(PerExampleGrad):
 
     def operands(self, lo=0, hi=None):
         cast = self.operand_dtype
-        left, right = self.left[lo:hi], self.right[lo:hi]
+        left, right = (self.left, self.right) if lo == 0 and hi is None else (self.left[lo:hi], self.right[lo:hi])
         return (left, right) if cast is None else (left.to(cast), right.to(cast))
 
     def takes_whole_gram(self) -> bool:
         """Whether the norm is <L L^T, R R^T> of whole (one-tile) Grams (see sq_norm)."""
         B, T, m = self.left.shape
-        return T > 1 and gram_tile(B, T, self.left.device.type) >= T and prefers_gram(T, m, self.right.shape[-1], T)
+        return whole_gram_by_shape(B, T, m, self.right.shape[-1], self.left.device.type)
 
     def _whole_grams(self, grams) -> bool:
         """Whether the norm takes the one-tile Gram path with the pass's Gram cache."""
