@@ -66,16 +66,21 @@ class NormQueue:
         self.factors = []
         self.groups = []
         self.elements = 0
+        self.limit = QUEUE_ELEMENTS
 
     def push(self, factor, group: int) -> None:
+        if not self.factors:
+            device = _device_of(factor) if type(factor) in _SIDES else None
+            # Nothing larger than a stack can be batched: holding it longer would only cost memory.
+            self.limit = min(QUEUE_ELEMENTS, stack_budget(device)) if device is not None else QUEUE_ELEMENTS
         self.factors.append(factor)
         self.groups.append(group)
         self.elements += _held_elements(factor)
 
     def full(self) -> bool:
-        """Whether the queue holds QUEUE_ELEMENTS: reduce it (after the last factor of a layer call,
-        so that a bias is reduced with its weight)."""
-        return self.elements >= QUEUE_ELEMENTS
+        """Whether the queue holds QUEUE_ELEMENTS, or more than one stack on its device: reduce it
+        (after the last factor of a layer call, so that a bias is reduced with its weight)."""
+        return self.elements >= self.limit
 
     def reduce(self) -> tuple[list[Reduced], list[int]]:
         """The reductions of the queued factors and the clipping group of each queue position; empties it."""
@@ -328,8 +333,17 @@ def _stacked_elements(factor) -> int:
 
 
 def _device_of(factor):
-    return factor.left.device if type(factor) is OuterProduct else (
-        factor.tokens.device if type(factor) is SummedTokens else factor.grads.device)
+    kind = type(factor)
+    if kind is OuterProduct:
+        return factor.left.device
+    if kind is SummedTokens:
+        return factor.tokens.device
+    if kind is AffineGrad:
+        return factor.call.device
+    return factor.grads.device
+
+
+_SIDES = (OuterProduct, SummedTokens, AffineGrad, Instantiated)  # the kinds _device_of reads
 
 
 def _within_budget(items, sizes, budget):

@@ -57,6 +57,7 @@ class LayerNormCall:
 
     def __init__(self, x, G, normalized_shape, eps, trainable):
         self.x, self.G = _working(x, G)
+        self.device = x.device
         self.normalized_shape, self.eps = tuple(normalized_shape), eps
         self.trainable = frozenset(n for n in ("weight", "bias") if n in trainable)
         self.formed = None  # name -> Instantiated

@@ -86,8 +86,9 @@ def test_weighted_sums_equal_each_factor_alone(monkeypatch, budget):
         torch.testing.assert_close(sums[k], f.weighted_sum(weights[group]), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("knob", ["QUEUE_ELEMENTS", "STACK_ELEMENTS"])  # a small queue; layers too large to stack
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
-def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping):
+def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping, knob):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Tanh())
                                   for _ in range(4)]).double()
@@ -103,7 +104,8 @@ def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping
     whole = norms()
     reductions = []
     reduce = batched.NormQueue.reduce
-    monkeypatch.setattr(batched, "QUEUE_ELEMENTS", 2 * B * T * 8)  # about one layer
+    small = 2 * B * T * 8  # about one layer
+    monkeypatch.setattr(batched, knob, small if knob == "QUEUE_ELEMENTS" else {"cpu": small})
     monkeypatch.setattr(batched.NormQueue, "reduce", lambda self: reductions.append(1) or reduce(self))
     torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
     assert len(reductions) > 2
