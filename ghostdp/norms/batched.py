@@ -66,26 +66,25 @@ class NormQueue:
         self.factors = []
         self.groups = []
         self.elements = 0
-        self.limit = QUEUE_ELEMENTS
+        self.large = False  # a factor too large to stack is queued
 
     def push(self, factor, group: int) -> None:
-        if not self.factors:
-            device = _device_of(factor) if type(factor) in _SIDES else None
-            # Nothing larger than a stack can be batched: holding it longer would only cost memory.
-            self.limit = min(QUEUE_ELEMENTS, stack_budget(device)) if device is not None else QUEUE_ELEMENTS
+        held = _held_elements(factor)
+        if held and held > stack_budget(_device_of(factor)):
+            self.large = True  # nothing to batch it with: holding it longer would only cost memory
         self.factors.append(factor)
         self.groups.append(group)
-        self.elements += _held_elements(factor)
+        self.elements += held
 
     def full(self) -> bool:
-        """Whether the queue holds QUEUE_ELEMENTS, or more than one stack on its device: reduce it
-        (after the last factor of a layer call, so that a bias is reduced with its weight)."""
-        return self.elements >= self.limit
+        """Whether the queue holds QUEUE_ELEMENTS or a factor too large to stack: reduce it (after the
+        last factor of a layer call, so that a bias is reduced with its weight)."""
+        return self.large or self.elements >= QUEUE_ELEMENTS
 
     def reduce(self) -> tuple[list[Reduced], list[int]]:
         """The reductions of the queued factors and the clipping group of each queue position; empties it."""
         factors, groups = self.factors, self.groups
-        self.factors, self.groups, self.elements = [], [], 0
+        self.factors, self.groups, self.elements, self.large = [], [], 0, False
         return reduce_factors(factors, self.grams), groups
 
 
@@ -333,17 +332,14 @@ def _stacked_elements(factor) -> int:
 
 
 def _device_of(factor):
-    kind = type(factor)
-    if kind is OuterProduct:
-        return factor.left.device
-    if kind is SummedTokens:
-        return factor.tokens.device
-    if kind is AffineGrad:
+    """The device of a factor that _held_elements counts (or that weighted_sums batches)."""
+    if isinstance(factor, AffineGrad):
         return factor.call.device
+    if isinstance(factor, SummedTokens):
+        return factor.tokens.device
+    if isinstance(factor, OuterProduct):
+        return factor.left.device
     return factor.grads.device
-
-
-_SIDES = (OuterProduct, SummedTokens, AffineGrad, Instantiated)  # the kinds _device_of reads
 
 
 def _within_budget(items, sizes, budget):

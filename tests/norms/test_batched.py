@@ -104,8 +104,10 @@ def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping
     whole = norms()
     reductions = []
     reduce = batched.NormQueue.reduce
-    small = 2 * B * T * 8  # about one layer
-    monkeypatch.setattr(batched, knob, small if knob == "QUEUE_ELEMENTS" else {"cpu": small})
+    if knob == "QUEUE_ELEMENTS":
+        monkeypatch.setattr(batched, knob, 2 * B * T * 8)  # about one layer
+    else:
+        monkeypatch.setattr(batched, knob, {"cpu": B * T * 8})  # one tensor: no layer can be stacked
     monkeypatch.setattr(batched.NormQueue, "reduce", lambda self: reductions.append(1) or reduce(self))
     torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
     assert len(reductions) > 2
