@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-from ..norms.batched import weighted_sums
+from ..norms.batched_sums import weighted_sums
 from ..norms.factors import EmbeddingGather, PerExampleGrad
 
 

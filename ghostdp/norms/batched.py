@@ -10,14 +10,18 @@ it queues them (``NormQueue``) and reduces them in groups:
   |g_i|^2 = <L_i L_i^T, R_i R_i^T> for all weights, |sum_t G_t|^2 = sum of G_i G_i^T for all biases,
   and the token masses sqrt(tr(L L^T) tr(R R^T)) and sqrt(T tr(G G^T)) (precision.py) come from a
   handful of indexed reductions over the stacked Grams;
-- explicit per-example gradients (``Instantiated``: LayerNorm, biases of 2-D inputs) of equal shape:
-  one stacked dot product;
+- LayerNorms of one shape (``AffineGrad``): their per-example gradients formed in one stacked
+  expression (normalization.form_layer_norms), then one dot product per parameter name;
+- explicit per-example gradients (``Instantiated``: biases of 2-D inputs, the fallback's) of equal
+  shape: one stacked dot product;
 - anything else alone, as ``sq_norm`` and ``token_mass`` give it.
 
-The index tensors that pick each weight's Grams are built once per pattern of layers (the same
-every step) and reused, so no step copies indices to the device. The queue holds the factors (and
-so the output grads G that ghost mode would otherwise free at once) until QUEUE_ELEMENTS of them
-are waiting; it is then reduced, and again at the end of the pass.
+Book-keeping's clipped sums are batched the same way (batched_sums.py). Stacks hold at most
+STACK_ELEMENTS elements: larger tensors are reduced one by one, without a copy. The index tensors
+that pick each weight's Grams are built once per pattern of layers (the same every step) and reused,
+so no step copies indices to the device. The queue holds the factors (and so the output grads G that
+ghost mode would otherwise free at once) until QUEUE_ELEMENTS are waiting or one factor is too large
+to stack; it is then reduced, and again at the end of the pass.
 """
 from __future__ import annotations
 
@@ -25,8 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from .factors import (Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype,
-                      whole_gram_by_shape, wide_matmul)
+from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, whole_gram_by_shape, wide_matmul
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -46,6 +49,30 @@ def stack_budget(device) -> int:
 
 
 _INDEX_PATTERNS = 256  # index tensors kept per device, for this many patterns of layers
+
+
+def device_of(factor):
+    """The device of a factor that _held_elements counts (or that weighted_sums batches)."""
+    if isinstance(factor, AffineGrad):
+        return factor.call.device
+    if isinstance(factor, SummedTokens):
+        return factor.tokens.device
+    if isinstance(factor, OuterProduct):
+        return factor.left.device
+    return factor.grads.device
+
+
+def within_budget(items, sizes, budget):
+    """``items`` in consecutive runs of at most ``budget`` elements (at least one item each)."""
+    run, held = [], 0
+    for position, size in zip(items, sizes):
+        if run and held + size > budget:
+            yield run
+            run, held = [], 0
+        run.append(position)
+        held += size
+    if run:
+        yield run
 
 
 class Reduced:
@@ -70,7 +97,7 @@ class NormQueue:
 
     def push(self, factor, group: int) -> None:
         held = _held_elements(factor)
-        if held and held > stack_budget(_device_of(factor)):
+        if held and held > stack_budget(device_of(factor)):
             self.large = True  # nothing to batch it with: holding it longer would only cost memory
         self.factors.append(factor)
         self.groups.append(group)
@@ -225,7 +252,7 @@ def _gram_batch(factors, rows) -> list[Reduced]:
     offsets, parts, start = {}, [], 0
     budget = stack_budget(first.left.device)
     for group, members in widths.items():
-        for run in _within_budget(members, [m.numel() for m in members], budget):
+        for run in within_budget(members, [m.numel() for m in members], budget):
             x = run[0].unsqueeze(0) if len(run) == 1 else torch.stack(run)
             x = x.reshape(len(run) * B, T, group[0])
             parts.append(wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T))
@@ -262,7 +289,7 @@ def _layer_norm_batch(factors, rows) -> list[Reduced]:
     expression (normalization.form_layer_norms), then k dot products per example per parameter name."""
     calls = list({id(f.call): f.call for f in factors}.values())
     first = calls[0]
-    runs = list(_within_budget(calls, [c.x.numel() + c.G.numel() for c in calls], stack_budget(first.x.device)))
+    runs = list(within_budget(calls, [c.x.numel() + c.G.numel() for c in calls], stack_budget(first.x.device)))
     if len(runs) > 1:  # large layers: each run alone
         out = []
         for run in runs:
@@ -295,103 +322,3 @@ def _instantiated_batch(factors, rows) -> Reduced:
     if factors[0].mass is None:
         return Reduced(rows, sq, None, None)
     return Reduced(rows, sq, torch.stack([f.mass for f in factors]), dt)
-
-
-# ----------------------------------------------------------------------------- book-keeping's clipped sums
-def weighted_sums(uses, weights_of) -> dict:
-    """{position: sum_i w_i g_i} for the entries of ``uses``, a list of (factor, key of its weights), that
-    can be summed in batches; ``weights_of(key, dtype)`` gives the (B,) weights w in a dtype. Weights
-    (OuterProduct) of one shape are summed by one batched matmul, explicit per-example gradients
-    (Instantiated, SummedTokens) of one shape by one; other factors are left out (their own
-    ``weighted_sum``)."""
-    batches, out = {}, {}
-    for position, (factor, key) in enumerate(uses):
-        kind = type(factor)
-        if kind is OuterProduct:
-            batch = (kind, key, factor.left.shape, factor.right.shape, factor.left.dtype, factor.right.dtype,
-                     factor.left.device)
-        elif kind is Instantiated or kind is SummedTokens or kind is AffineGrad:
-            tensor = factor.tokens if kind is SummedTokens else factor.grads
-            batch = (kind, key, tensor.shape, tensor.dtype, tensor.device)
-        else:
-            continue
-        batches.setdefault(batch, []).append(position)
-    for (kind, key, *_), same in batches.items():
-        budget = stack_budget(_device_of(uses[same[0]][0]))
-        for positions in _within_budget(same, [_stacked_elements(uses[i][0]) for i in same], budget):
-            out.update(_summed_batch(kind, key, [uses[i][0] for i in positions], positions, weights_of))
-    return out
-
-
-def _stacked_elements(factor) -> int:
-    if type(factor) is OuterProduct:
-        return factor.left.numel() + factor.right.numel()
-    if type(factor) is SummedTokens:
-        return factor.tokens.numel()
-    return factor.batch_size * factor.param_shape.numel()
-
-
-def _device_of(factor):
-    """The device of a factor that _held_elements counts (or that weighted_sums batches)."""
-    if isinstance(factor, AffineGrad):
-        return factor.call.device
-    if isinstance(factor, SummedTokens):
-        return factor.tokens.device
-    if isinstance(factor, OuterProduct):
-        return factor.left.device
-    return factor.grads.device
-
-
-def _within_budget(items, sizes, budget):
-    """``items`` in consecutive runs of at most ``budget`` elements (at least one item each)."""
-    run, held = [], 0
-    for position, size in zip(items, sizes):
-        if run and held + size > budget:
-            yield run
-            run, held = [], 0
-        run.append(position)
-        held += size
-    if run:
-        yield run
-
-
-def _summed_batch(kind, key, factors, positions, weights_of):
-    if kind is OuterProduct:
-        sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()))
-    else:
-        sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt))
-    return zip(positions, sums)
-
-
-def _outer_product_sums(factors, w):
-    """sum_i w_i L_i^T R_i of k weights of one shape: (w ⊙ L)^T R as one (k, m, n) batched matmul, the
-    weights applied to the narrower side, as OuterProduct.weighted_sum does for one."""
-    if len(factors) == 1:
-        return [factors[0].weighted_sum(w)]
-    pairs = [f.operands() for f in factors]
-    left = torch.stack([p[0] for p in pairs])    # (k, B, T, m)
-    right = torch.stack([p[1] for p in pairs])   # (k, B, T, n)
-    dt = w.dtype
-    scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
-    w = w[None, :, None, None]
-    if left.shape[-1] <= right.shape[-1]:
-        left = _scaled(left, w, scaled_dtype)
-    else:
-        right = _scaled(right, w, scaled_dtype)
-    total = wide_matmul(left.flatten(1, 2).transpose(1, 2), right.flatten(1, 2), dt)  # (k, m, n)
-    return _shaped(total, factors)
-
-
-def _shaped(total, factors):
-    """The k rows of a (k, ...) result, each viewed as its factor's parameter (no view where it already is)."""
-    return [t if t.shape == f.param_shape else t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
-
-
-def _instantiated_sums(factors, summed_tokens: bool, weights_in):
-    """sum_i w_i g_i of k explicit gradients of one shape, (k, B, n) stacked: one matmul. For SummedTokens
-    each example's gradient is first summed over its tokens."""
-    rows = torch.stack([f.tokens if summed_tokens else f.grads for f in factors])
-    dt = acc_dtype(rows)
-    rows = rows.sum(2, dtype=dt) if summed_tokens else rows.to(dt)
-    total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)
-    return _shaped(total, factors)

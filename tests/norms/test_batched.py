@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ghostdp
-from ghostdp.norms import batched
+from ghostdp.norms import batched, batched_sums
 from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens
 from ghostdp.norms.normalization import AffineGrad, LayerNormCall
 
@@ -79,7 +79,7 @@ def test_weighted_sums_equal_each_factor_alone(monkeypatch, budget):
     factors = _mixed_factors()
     weights = {0: torch.rand(B, dtype=torch.float64), 1: torch.rand(B, dtype=torch.float64)}
     uses = [(f, k % 2) for k, f in enumerate(factors)]  # two clipping groups, so batches split by weights
-    sums = batched.weighted_sums(uses, lambda group, dt: weights[group].to(dt))
+    sums = batched_sums.weighted_sums(uses, lambda group, dt: weights[group].to(dt))
     assert sorted(sums) == list(range(len(factors)))
     for k, f in enumerate(_mixed_factors()):
         group = k % 2

@@ -1,0 +1,88 @@
+"""Book-keeping's clipped sums sum_i c_i g_i of many layers in a few ops (see batched.py for the norms).
+
+Factors of one kind, shape and weights are summed together: the weights (OuterProduct) of one shape
+by one batched matmul (c ⊙ L)^T R, explicit per-example gradients (Instantiated, SummedTokens,
+LayerNorm's AffineGrad) of one shape by one matmul, in stacks of at most batched.STACK_ELEMENTS.
+"""
+from __future__ import annotations
+
+import torch
+
+from .batched import device_of, stack_budget, within_budget
+from .factors import Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype, wide_matmul
+from .normalization import AffineGrad
+
+
+def weighted_sums(uses, weights_of) -> dict:
+    """{position: sum_i w_i g_i} for the entries of ``uses``, a list of (factor, key of its weights), that
+    can be summed in batches; ``weights_of(key, dtype)`` gives the (B,) weights w in a dtype. Weights
+    (OuterProduct) of one shape are summed by one batched matmul, explicit per-example gradients
+    (Instantiated, SummedTokens) of one shape by one; other factors are left out (their own
+    ``weighted_sum``)."""
+    batches, out = {}, {}
+    for position, (factor, key) in enumerate(uses):
+        kind = type(factor)
+        if kind is OuterProduct:
+            batch = (kind, key, factor.left.shape, factor.right.shape, factor.left.dtype, factor.right.dtype,
+                     factor.left.device)
+        elif kind is Instantiated or kind is SummedTokens or kind is AffineGrad:
+            tensor = factor.tokens if kind is SummedTokens else factor.grads
+            batch = (kind, key, tensor.shape, tensor.dtype, tensor.device)
+        else:
+            continue
+        batches.setdefault(batch, []).append(position)
+    for (kind, key, *_), same in batches.items():
+        budget = stack_budget(device_of(uses[same[0]][0]))
+        for positions in within_budget(same, [_stacked_elements(uses[i][0]) for i in same], budget):
+            out.update(_summed_batch(kind, key, [uses[i][0] for i in positions], positions, weights_of))
+    return out
+
+
+def _stacked_elements(factor) -> int:
+    if type(factor) is OuterProduct:
+        return factor.left.numel() + factor.right.numel()
+    if type(factor) is SummedTokens:
+        return factor.tokens.numel()
+    return factor.batch_size * factor.param_shape.numel()
+
+
+def _summed_batch(kind, key, factors, positions, weights_of):
+    if kind is OuterProduct:
+        sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()))
+    else:
+        sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt))
+    return zip(positions, sums)
+
+
+def _outer_product_sums(factors, w):
+    """sum_i w_i L_i^T R_i of k weights of one shape: (w ⊙ L)^T R as one (k, m, n) batched matmul, the
+    weights applied to the narrower side, as OuterProduct.weighted_sum does for one."""
+    if len(factors) == 1:
+        return [factors[0].weighted_sum(w)]
+    pairs = [f.operands() for f in factors]
+    left = torch.stack([p[0] for p in pairs])    # (k, B, T, m)
+    right = torch.stack([p[1] for p in pairs])   # (k, B, T, n)
+    dt = w.dtype
+    scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
+    w = w[None, :, None, None]
+    if left.shape[-1] <= right.shape[-1]:
+        left = _scaled(left, w, scaled_dtype)
+    else:
+        right = _scaled(right, w, scaled_dtype)
+    total = wide_matmul(left.flatten(1, 2).transpose(1, 2), right.flatten(1, 2), dt)  # (k, m, n)
+    return _shaped(total, factors)
+
+
+def _shaped(total, factors):
+    """The k rows of a (k, ...) result, each viewed as its factor's parameter (no view where it already is)."""
+    return [t if t.shape == f.param_shape else t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
+
+
+def _instantiated_sums(factors, summed_tokens: bool, weights_in):
+    """sum_i w_i g_i of k explicit gradients of one shape, (k, B, n) stacked: one matmul. For SummedTokens
+    each example's gradient is first summed over its tokens."""
+    rows = torch.stack([f.tokens if summed_tokens else f.grads for f in factors])
+    dt = acc_dtype(rows)
+    rows = rows.sum(2, dtype=dt) if summed_tokens else rows.to(dt)
+    total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)
+    return _shaped(total, factors)
