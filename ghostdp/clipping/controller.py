@@ -36,6 +36,7 @@ from .probe import add_probe
 from .records import ModuleCall, NormPass
 
 CLIP_EPS = 1e-6
+_EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
@@ -304,8 +305,9 @@ class GhostClipping:
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        call = ModuleCall(self, name, module, entry, params)
-        call.batch_dims = [0] if rule is not None else output_batch_dims(module, len(slots))
+        call = ModuleCall(self, name, module, entry, params,
+                          (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
+        call.edges, call.expanded, call.shapes = [], [], []
         # A forward inside the norm pass is an activation checkpoint recomputing its region: it attaches
         # the same probes saving the same inputs (the checkpoint checks that the recomputation saves
         # what the forward saved), on a call that records nothing.
@@ -347,20 +349,19 @@ class GhostClipping:
         """_on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
         tensor output (Linear, LayerNorm, Embedding, ...)."""
         call = ModuleCall(self, name, module, entry, params)
-        call.batch_dims = [0]
         B = self._batch_hint
         t, saved = output, args
         if B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1:  # shared by the batch: see below
             t = t.expand(B, *t.shape[1:])
             saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
-            call.expanded = [True]
+            call.expanded = _EXPANDED
         else:
-            call.expanded = [False]
+            call.expanded = _NOT_EXPANDED
         if self._pass is None:
-            call.edges = [_edge(output)]
-            call.shapes = [tuple(t.shape)]
+            call.edges = (_edge(output),)
+            call.shapes = (tuple(t.shape),)
             call.grads = [None]
-            call.input_nodes = frozenset(a.grad_fn for a in args if a.grad_fn is not None)
+            call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
             live = self._live
             for p in params.values():
                 live[id(p)] += 1
@@ -425,7 +426,7 @@ class GhostClipping:
         else:
             with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
                 self._factors(call, B)
-        call.inputs, call.edges, call.grads, call.done = (), [], [], True
+        call.inputs, call.edges, call.grads, call.done = (), (), (), True
         if self._pass.queue.full():
             self._reduce_queue()
 

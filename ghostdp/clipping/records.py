@@ -10,6 +10,9 @@ from ..norms.factors import InputGrams, SqrtProduct
 from .modes import new_factor_store
 
 
+_NO_NODES = frozenset()
+
+
 class ModuleCall:
     """One call of one hooked module in a forward pass, alive as long as its graph.
 
@@ -22,15 +25,16 @@ class ModuleCall:
     __slots__ = ("controller", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done")
 
-    def __init__(self, controller, name, module, entry, params):
+    def __init__(self, controller, name, module, entry, params, batch_dims=(0,)):
+        # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
         self.controller, self.name, self.module, self.params = controller, name, module, params
         self.rule = entry.rule if entry is not None else None
         self.tokenwise = entry is not None and entry.tokenwise
-        self.inputs, self.edges, self.batch_dims, self.expanded, self.grads = (), [], [], [], []
-        self.shapes, self.layouts, self.projections = [], None, None
-        self.input_nodes = frozenset()
+        self.batch_dims = batch_dims
+        self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
+        self.layouts = self.projections = self.eager = None
+        self.input_nodes = _NO_NODES
         self.fired = self.done = False
-        self.eager = {}
 
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
