@@ -61,11 +61,9 @@ class LayerNormCall:
         self.normalized_shape, self.eps = tuple(normalized_shape), eps
         self.trainable = frozenset(n for n in ("weight", "bias") if n in trainable)
         self.formed = None  # name -> Instantiated
-
-    def batch_key(self):
-        """Calls with equal keys are formed together."""
-        return (self.x.shape, self.x.dtype, self.G.dtype, self.x.device, self.normalized_shape, self.eps,
-                self.trainable)
+        # Calls with equal keys are formed together.
+        self.batch_key = (self.x.shape, self.x.dtype, self.G.dtype, self.device, self.normalized_shape, eps,
+                          self.trainable)
 
     def form(self):
         if self.formed is None:

@@ -63,6 +63,18 @@ def test_reductions_equal_each_factor_alone(monkeypatch, budget):
             torch.testing.assert_close(mass, expected, rtol=1e-12, atol=0)
 
 
+def test_a_layer_norm_formed_before_its_reduction_is_reduced_alone():
+    """A LayerNorm whose bias has several uses (pending) forms its gradients for the bias's mass while its
+    weight waits in the queue: the weight is then reduced from the formed gradients."""
+    factors = _mixed_factors()
+    assert isinstance(factors[0], AffineGrad) and factors[0].name == "weight"
+    factors[3].mass  # noqa: B018  (norms[0]'s bias: forms norms[0] now)
+    queued = [factors[0], factors[1], factors[2]]
+    found = {r: done.sq[k] for done in batched.reduce_factors(queued) for k, r in enumerate(done.rows)}
+    for r, f in enumerate(_mixed_factors()[:3]):
+        torch.testing.assert_close(found[r], f.sq_norm(), rtol=1e-12, atol=0)
+
+
 def test_shared_input_gets_one_gram_and_biases_reuse_their_weights_grams(monkeypatch):
     factors = _mixed_factors()[5:9]  # query and key weights (one input) and their biases
     rows = []
