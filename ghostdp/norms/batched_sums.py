@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .batched import device_of, stack_budget, within_budget
-from .factors import Instantiated, OuterProduct, SummedTokens, _scaled, _tensor_core_path, acc_dtype, wide_matmul
+from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, weighted_outer_sum
 from .normalization import AffineGrad
 
 
@@ -55,22 +55,13 @@ def _summed_batch(kind, key, factors, positions, weights_of):
 
 
 def _outer_product_sums(factors, w):
-    """sum_i w_i L_i^T R_i of k weights of one shape: (w ⊙ L)^T R as one (k, m, n) batched matmul, the
-    weights applied to the narrower side, as OuterProduct.weighted_sum does for one."""
+    """sum_i w_i L_i^T R_i of k weights of one shape: one (k, m, n) batched matmul (factors.weighted_outer_sum)."""
     if len(factors) == 1:
         return [factors[0].weighted_sum(w)]
     pairs = [f.operands() for f in factors]
     left = torch.stack([p[0] for p in pairs])    # (k, B, T, m)
     right = torch.stack([p[1] for p in pairs])   # (k, B, T, n)
-    dt = w.dtype
-    scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
-    w = w[None, :, None, None]
-    if left.shape[-1] <= right.shape[-1]:
-        left = _scaled(left, w, scaled_dtype)
-    else:
-        right = _scaled(right, w, scaled_dtype)
-    total = wide_matmul(left.flatten(1, 2).transpose(1, 2), right.flatten(1, 2), dt)  # (k, m, n)
-    return _shaped(total, factors)
+    return _shaped(weighted_outer_sum(left, right, w, w.dtype), factors)
 
 
 def _shaped(total, factors):

@@ -276,6 +276,23 @@ def _scaled(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return torch.mul(x, w, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 
+def weighted_outer_sum(left: torch.Tensor, right: torch.Tensor, weights: torch.Tensor, dt) -> torch.Tensor:
+    """sum_i w_i L_i^T R_i in dt, for left (..., B, T, m) and right (..., B, T, n) with the examples on dim -3
+    (a leading dim stacks several layers of one shape: (k, m, n) out).
+
+    (w ⊙ L)^T R = L^T (w ⊙ R) over all (example, token) rows: one matmul, as a weight gradient, with the
+    weights applied to the narrower side. On the 16-bit tensor-core path w_i L_i is rounded to 16 bits, as
+    pass 2 of the two-pass mode rounds c_i G_i; elsewhere it stays in dt.
+    """
+    w = weights.to(dt)[:, None, None]
+    scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
+    if left.shape[-1] <= right.shape[-1]:
+        left = _scaled(left, w, scaled_dtype)
+    else:
+        right = _scaled(right, w, scaled_dtype)
+    return wide_matmul(left.flatten(-3, -2).transpose(-1, -2), right.flatten(-3, -2), dt)
+
+
 class OuterProduct(PerExampleGrad):
     """g_i = left_i^T right_i with left (B, T, m) and right (B, T, n), reshaped to param_shape.
 
@@ -360,20 +377,8 @@ class OuterProduct(PerExampleGrad):
         return g.reshape(hi - lo, *self.param_shape)
 
     def weighted_sum(self, weights):
-        # sum_i c_i L_i^T R_i = (c ⊙ L)^T R = L^T (c ⊙ R) over all (example, token) rows: one matmul, as
-        # a weight gradient, with the weights applied to the narrower of the two.
-        dt = acc_dtype(self.left, self.right)
-        w = weights.to(dt)[:, None, None]
-        left, right = self.operands()
-        # On the 16-bit tensor-core path c_i L_i is rounded to 16 bits, as pass 2 of the two-pass mode
-        # rounds c_i G_i; elsewhere it stays in dt.
-        scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
-        if left.shape[-1] <= right.shape[-1]:
-            left = _scaled(left, w, scaled_dtype)
-        else:
-            right = _scaled(right, w, scaled_dtype)
-        total = wide_matmul(left.reshape(-1, left.shape[-1]).T, right.reshape(-1, right.shape[-1]), dt)
-        return total.reshape(self.param_shape)
+        return weighted_outer_sum(*self.operands(), weights, acc_dtype(self.left, self.right)).reshape(
+            self.param_shape)
 
     def merge(self, other):
         # sum_u L_u^T R_u == [L_1; L_2]^T [R_1; R_2]: concatenate along T.
