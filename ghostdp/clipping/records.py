@@ -5,8 +5,8 @@ from collections import defaultdict
 
 import torch
 
-from ..norms.batched import NormQueue
-from ..norms.factors import InputGrams, SqrtProduct
+from ..norms.batched import NormQueue, mass_rows
+from ..norms.factors import InputGrams
 from .modes import new_factor_store
 
 
@@ -88,12 +88,9 @@ class NormPass:
 
     def add_mass(self, factor):
         """The token mass of one factor that is not queued (a parameter with several uses)."""
-        mass = factor.token_mass(self.grams)
-        if mass is None:
-            return
-        if isinstance(mass, SqrtProduct):
-            mass = (mass.a * mass.b).clamp(min=0).sqrt()
-        self._add_mass_rows(mass.unsqueeze(0), factor.sum_dtype())
+        mass = mass_rows(factor.token_mass(self.grams))
+        if mass is not None:
+            self._add_mass_rows(mass, factor.sum_dtype())
 
     def _add_mass_rows(self, mass, dtype):
         self.masses.append(mass)

@@ -142,11 +142,11 @@ def reduce_factors(factors, grams=None) -> list[Reduced]:
         f = factors[r]
         mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
         sq = f.sq_norm(grams)
-        out.append(Reduced([r], sq.unsqueeze(0), _as_rows(mass), f.sum_dtype() if mass is not None else None))
+        out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
     return out
 
 
-def _as_rows(mass):
+def mass_rows(mass):
     """A token mass (a (B,) tensor, a SqrtProduct or None) as a (1, B) tensor or None."""
     if mass is None:
         return None
@@ -286,31 +286,24 @@ def _gram_batch(factors, rows) -> list[Reduced]:
 
 
 def _layer_norm_batch(factors, rows) -> list[Reduced]:
-    """LayerNorm weights and biases of calls of one batch key: their gradients formed in one stacked
-    expression (normalization.form_layer_norms), then k dot products per example per parameter name."""
+    """LayerNorm weights and biases of calls of one batch key: their gradients formed in stacked expressions
+    (normalization.form_layer_norms) of at most one stack budget of calls each, then k dot products per
+    example per parameter name."""
     calls = list({id(f.call): f.call for f in factors}.values())
-    first = calls[0]
-    runs = list(within_budget(calls, [c.x.numel() + c.G.numel() for c in calls], stack_budget(first.x.device)))
-    if len(runs) > 1:  # large layers: each run alone
-        out = []
-        for run in runs:
-            ids = {id(c) for c in run}
-            chosen = [(f, r) for f, r in zip(factors, rows) if id(f.call) in ids]
-            out.extend(_layer_norm_batch([f for f, _ in chosen], [r for _, r in chosen]))
-        return out
-    slot = {id(c): k for k, c in enumerate(calls)}
-    stacked = form_layer_norms(calls)
+    budget = stack_budget(calls[0].device)
     out = []
-    for name, (grads, mass) in stacked.items():
-        named = [(r, slot[id(f.call)]) for r, f in zip(rows, factors) if f.name == name]
-        if not named:
-            continue
-        g = grads.reshape(len(calls), grads.shape[1], -1)
-        sq = torch.linalg.vecdot(g, g)
-        if [k for _, k in named] != list(range(len(calls))):  # not every call's factor is queued here
+    for run in within_budget(calls, [c.x.numel() + c.G.numel() for c in calls], budget):
+        slot = {id(c): k for k, c in enumerate(run)}
+        for name, (grads, mass) in form_layer_norms(run).items():
+            named = [(r, slot[id(f.call)]) for r, f in zip(rows, factors) if f.name == name and id(f.call) in slot]
+            if not named:
+                continue
+            g = grads.reshape(len(run), grads.shape[1], -1)
+            sq = torch.linalg.vecdot(g, g)
             picked = [k for _, k in named]
-            sq, mass = sq[picked], None if mass is None else mass[picked]
-        out.append(Reduced([r for r, _ in named], sq, mass, grads.dtype if mass is not None else None))
+            if picked != list(range(len(run))):  # not every call's factor of this name is queued here
+                sq, mass = sq[picked], None if mass is None else mass[picked]
+            out.append(Reduced([r for r, _ in named], sq, mass, grads.dtype if mass is not None else None))
     return out
 
 
