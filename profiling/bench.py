@@ -9,7 +9,10 @@ Modes: plain (non-private, the limit), ghost and bookkeeping (ghostdp), opacus-g
 opacus-hooks (when opacus is installed: pip install ghostdp[compare]). A mode that fails prints
 its error in the table instead of a time. Peak memory: on CUDA, peak allocated above the
 allocation before the first step; on CPU, peak resident set size of the process above its
-resident size before the first step (Linux: /proc/self/clear_refs resets the peak).
+resident size before the first step (Linux: /proc/self/clear_refs resets the peak), or with
+--cpu-memory tensors the exact peak of live tensor bytes in one more step above those alive before
+it (from torch.profiler's memory timeline): RSS also counts the heap the allocator keeps and
+varies by +-20 MB between runs; tensor bytes are the same in every run.
 Writes a table (stdout), results.json and PNG plots into --out.
 """
 from __future__ import annotations
@@ -138,8 +141,30 @@ def measure(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = peak_mb_since(device, base)
+    if not cuda and getattr(args, "cpu_memory", "rss") == "tensors":
+        peak = tensor_peak_mb(step)
     warm = sorted(times[args.warmup:])
     return {"median_ms": 1e3 * warm[len(warm) // 2], "peak_mb": peak}
+
+
+def tensor_peak_mb(step) -> float:
+    """The peak of live CPU tensor bytes during one call of ``step``, above those alive when it starts,
+    from torch.profiler's memory timeline (every allocation and free of a tensor, in order)."""
+    import tempfile
+    import warnings
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "timeline.json")
+        with warnings.catch_warnings():  # "deprecated" in favour of a CUDA-only memory history
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(path, device="cpu")  # [times, bytes by category at each time]
+        with open(path) as f:
+            _, sizes = json.load(f)
+    totals = [sum(row) for row in sizes]
+    return (max(totals) - totals[0]) / 2 ** 20  # the first row: the tensors alive before the step
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -147,10 +172,10 @@ def run_fresh(args, mode, batch) -> dict:
     """One measurement in a new Python process (no caches, allocator state or hooks shared)."""
     argv = [sys.executable, "-m", "profiling.bench", "--worker", "--mode", mode, "--batch", str(batch)]
     for key in ("model", "layers", "hidden", "heads", "vocab", "seq", "steps", "warmup", "device", "dtype",
-                "threads"):
+                "threads", "cpu_memory"):
         value = getattr(args, key)
         if value is not None:
-            argv += [f"--{key}", str(value)]
+            argv += [f"--{key.replace('_', '-')}", str(value)]
     if args.freeze_embeddings:
         argv.append("--freeze-embeddings")
     if getattr(args, "checkpointing", False):
@@ -258,6 +283,8 @@ def parse(argv=None):
     p.add_argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES),
                    help="amp: float32 weights, forward and loss under bf16 autocast")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-memory", default="rss", choices=["rss", "tensors"],
+                   help="on CPU, peak resident set size (default) or the exact peak of live tensor bytes")
     p.add_argument("--budget-mb", type=float, default=None, help="find each mode's largest batch within this")
     p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")
     p.add_argument("--out", default="profiling_output")

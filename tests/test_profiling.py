@@ -22,6 +22,28 @@ def test_bench_runs_each_mode_in_a_fresh_process_and_writes_table_json_and_plot(
     assert "time/plain" in capsys.readouterr().out
 
 
+def test_tensor_peak_is_the_largest_set_of_tensors_alive_at_once_above_those_alive_before():
+    import torch
+    mib = dict(size=(2 ** 18,), dtype=torch.float32)
+    kept = torch.ones(**mib)  # 1 MiB alive before the step: not counted
+
+    def step():
+        a = torch.empty(3, *mib["size"], dtype=torch.float32)
+        b = torch.empty(**mib)  # a and b: 4 MiB at once
+        del a, b
+        c = torch.empty(2, *mib["size"], dtype=torch.float32)  # 2 MiB, once they are freed
+        c.copy_(kept.repeat(2, 1))  # and 2 MiB of a temporary: 4 MiB again, not more
+
+    assert bench.tensor_peak_mb(step) == pytest.approx(4.0, abs=0.01)
+
+
+def test_bench_reads_tensor_bytes_on_cpu_when_asked(tmp_path):
+    args = bench.parse(TINY + ["--out", str(tmp_path), "--cpu-memory", "tensors", "--steps", "2", "--warmup", "1"])
+    ghost = bench.run_fresh(args, "ghost", 2)  # the option reaches the fresh process
+    assert "error" not in ghost, ghost
+    assert 0 < ghost["peak_mb"] < 5  # a tiny model's step: its tensors, not the process's heap (RSS: ~100 MB)
+
+
 def test_a_failing_mode_is_reported_not_hidden(tmp_path):
     args = bench.parse(TINY + ["--out", str(tmp_path), "--vocab", "0"])  # no model can have 0 tokens
     assert "error" in bench.run_fresh(args, "ghost", 2)

@@ -555,21 +555,23 @@ class InputGrams:
     once instead of three times, and a Linear's weight and bias share its output grad's Gram (the
     bias norm |sum_t G_t|^2 is that Gram's sum, the token masses are traces). Whole Grams (one tile)
     are kept for the last three tensors used, tiles for the last tensor: the layers run back to back
-    in the backward, so the memory is about three Grams; tensors are held weakly."""
+    in the backward, so the memory is about three Grams; tensors are held weakly (a strong hold kept
+    the last layer input alive, e.g. a BERT layer's (B, T, 4H) activation, through the backward of the
+    layers below it)."""
 
     WHOLE = 3  # a shared input, and the output grads of the layer before and of this one
 
     def __init__(self):
         self._key = None
-        self._tensor = None  # held, so that no other tensor can take its address while it is the key
+        self._key_owner = None  # weak reference to the key tensor's owner: a dead tensor's address may be reused
         self._dtype = None
         self._tiles = {}
         self._whole = {}     # key -> [weak reference to x's owner, Gram, trace or None], the newest last
 
     def tiles(self, x: torch.Tensor, dt, tile) -> "InputGrams":
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, dt, tile)
-        if x.numel() == 0 or key != self._key:
-            self._key, self._tensor, self._dtype, self._tiles = key, x, dt, {}
+        if x.numel() == 0 or key != self._key or self._key_owner() is not _owner(x):
+            self._key, self._key_owner, self._dtype, self._tiles = key, weakref.ref(_owner(x)), dt, {}
         return self
 
     @staticmethod
