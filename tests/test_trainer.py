@@ -361,12 +361,14 @@ def test_automatic_physical_batch_in_the_trainer_equals_a_fixed_one(tmp_path, ca
         DPArguments(noise_multiplier=1.0, memory_budget_mb=100)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
-def test_a_trainer_step_with_gradient_checkpointing_equals_the_per_example_reference(tmp_path, clipping):
+def test_a_trainer_step_with_gradient_checkpointing_equals_the_per_example_reference(tmp_path, clipping, reentrant):
     data, model = Examples(), bert()
     reference = reference_step(copy.deepcopy(model), data, first_batch(7, data, 8 / N), 0.3, 0.5, 8, cross_entropy)
     dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.3, max_physical_batch_size=3, seed=7, clipping=clipping)
-    trainer = DPTrainer(model=model, args=args(tmp_path, gradient_checkpointing=True), train_dataset=data, dp_args=dp)
+    training = args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    trainer = DPTrainer(model=model, args=training, train_dataset=data, dp_args=dp)
     trainer.train()
     assert model.is_gradient_checkpointing
     for p, r in zip(model.parameters(), reference.parameters()):

@@ -19,26 +19,38 @@ from torch.utils.checkpoint import CheckpointFunction
 from .probe import ProbeIdentity
 
 _PROBE_NODE = ProbeIdentity._backward_cls
-_REENTRANT_CHECKPOINT_NODE = CheckpointFunction._backward_cls
+_MARKED = {}  # node type -> whether it is a probe's or a reentrant checkpoint's (torch's or a subclass)
+
+
+def _marked(kind: type) -> bool:
+    known = _MARKED.get(kind)
+    if known is None:
+        forward = getattr(kind, "_forward_cls", None)  # a Python Function's backward node type names its Function
+        known = _MARKED[kind] = isinstance(forward, type) and issubclass(forward, (ProbeIdentity, CheckpointFunction))
+    return known
 
 
 @functools.cache
-def _accumulate_grad_type() -> type:
+def accumulate_grad_type() -> type:
     with torch.enable_grad():  # first called inside a backward, where grad mode is off
         leaf = torch.zeros(1, requires_grad=True)
         return type(leaf.view(1).grad_fn.next_functions[0][0])
 
 
-def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=()):
-    """({(node, input index): parameter}, [nodes of the ``marked`` types]) for every edge below ``roots``
+def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=False, seen=None):
+    """({(node, input index): parameter}, [probe and checkpoint nodes]) for every edge below ``roots``
     into the gradient accumulator of one of ``parameters`` (id -> parameter), not entering ``stop``
-    nodes; the nodes of ``marked`` types (a tuple) among the others reached are listed. One visit per
-    node, no generator and no call per node: this runs every step."""
+    nodes; with ``marked``, the probe and reentrant checkpoint nodes reached are listed. ``seen``: a set
+    that receives the nodes visited. One visit per node, no generator and few calls per node: this runs
+    every step."""
     edges = {}
     found = []
-    seen = set()
-    accumulator = _accumulate_grad_type()
+    seen = set() if seen is None else seen
+    accumulator = accumulate_grad_type()
+    marked_types = _MARKED
     stack = [r for r in roots if r is not None]
+    if marked:
+        found.extend(r for r in stack if _marked(type(r)))
     push, pop, visit = stack.append, stack.pop, seen.add
     while stack:
         node = pop()
@@ -56,31 +68,33 @@ def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=())
                 if param is not None:
                     edges[(node, idx)] = param
                 continue
-            if kind in marked:
-                found.append(nxt)
+            if marked:
+                is_marked = marked_types.get(kind)
+                if is_marked or (is_marked is None and _marked(kind)):
+                    found.append(nxt)
             if nxt not in stop:
                 push(nxt)
     return edges, found
 
 
-def audit_graph(loss_node, parameters: dict):
-    """(stray parameters, recorded calls, whether a reentrant checkpoint is below) of the graph below
-    ``loss_node``.
+def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None):
+    """(stray parameters, recorded calls, reentrant checkpoint nodes) of the graph below ``roots``.
 
     ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
-    use_reentrant=True) hides its region's graph until its own backward recomputes it.
+    use_reentrant=True) hides its region's graph until its own backward recomputes it (reentrant.py).
+    ``stop``: nodes not entered (audited before); ``seen`` receives the nodes visited.
     """
-    edges, found = _edges_into_parameters([loss_node], parameters, marked=(_PROBE_NODE, _REENTRANT_CHECKPOINT_NODE))
+    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen)
     calls = {}
-    reentrant = False
+    reentrant = []
     for node in found:
         if type(node) is _PROBE_NODE:
             call = getattr(node, "call", None)
             if call is not None:
                 calls[id(call)] = call
         else:
-            reentrant = True
+            reentrant.append(node)
     attributed = set()
     for call in calls.values():
         own = {id(p): p for p in call.params.values()}

@@ -23,6 +23,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..accounting.base import check_positive
+from ..data import distributed_rank_and_size
 from ..norms.factors import combined_sq_norm, example_chunks
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
@@ -34,19 +35,28 @@ from .modes import clipping_mode, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
 from .probe import add_probe
 from .records import ModuleCall, NormPass
+from .reentrant import RegionWatch, leaves_below, stashed_grads
 
 CLIP_EPS = 1e-6
 _EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
+# What a forward hook records (GhostClipping._call_kind): a call of the forward; a call of a reentrant
+# checkpoint's region, recomputed by pass 1 or by the layout proof; nothing (an inert probe).
+_RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", "inert"
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
+NON_REENTRANT_FIX = (
+    "Fix: use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}), TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
 CHECKPOINTING_UNSUPPORTED = (
-    "Reentrant activation checkpointing (use_reentrant=True) is not supported: it hides its region's graph "
-    "until its own backward, which ghostdp's norm pass (an autograd.grad call) cannot enter. Fix: use "
-    "non-reentrant checkpointing, which is supported: model.gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={'use_reentrant': False}), TrainingArguments(gradient_checkpointing=True, "
-    "gradient_checkpointing_kwargs={'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., "
-    "use_reentrant=False).")
+    "A reentrant activation checkpoint was not recognised (another library's, not torch.utils.checkpoint's): "
+    "it refuses ghostdp's norm pass (an autograd.grad call). torch's reentrant checkpoints are supported. "
+    + NON_REENTRANT_FIX)
+REENTRANT_DISTRIBUTED = (
+    "Reentrant activation checkpointing (use_reentrant=True) with several processes or FSDP is not supported: "
+    "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
+    "collectives before the clipped gradients exist. " + NON_REENTRANT_FIX)
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -186,6 +196,9 @@ class GhostClipping:
         self._mass = None
         self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
         self._layouts = LayoutProver()
+        self._regions = RegionWatch()  # reentrant activation checkpoints (reentrant.py)
+        self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
+        self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
@@ -267,6 +280,8 @@ class GhostClipping:
     def _on_root_forward(self, module, args, kwargs):
         if self._recording(module):
             self._batch_hint = _leading_dim(args, kwargs)
+            if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
+                self._regions.depth = 0
 
     def _on_unit_forward(self, unit, args):
         if self._recording(unit):
@@ -308,12 +323,15 @@ class GhostClipping:
         call = ModuleCall(self, name, module, entry, params,
                           (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
         call.edges, call.expanded, call.shapes = [], [], []
-        # A forward inside the norm pass is an activation checkpoint recomputing its region: it attaches
-        # the same probes saving the same inputs (the checkpoint checks that the recomputation saves
-        # what the forward saved), on a call that records nothing.
-        recording = self._pass is None
+        kind = self._call_kind()
+        recording = kind is _RECORDED or kind is _IN_REGION
+        if kind is _IN_REGION and rule is None:
+            raise NotImplementedError(
+                f"module '{name}' ({type(module).__name__}) has trainable parameters but no norm rule, inside a "
+                "reentrant activation checkpoint: its fallback needs the region's graph after the checkpoint's own "
+                "backward has freed it. Register a norm rule for it, or " + NON_REENTRANT_FIX[5:])
         if not recording:
-            call.fired = True
+            call.fired = True  # nothing to count or refuse; the proof's calls only project their output grads
         elif rule is None and len(slots) > 1:
             # Its fallback runs after pass 1 has gone below it, through the module's own graph.
             self._graph_needed_after_pass1 = True
@@ -326,7 +344,7 @@ class GhostClipping:
             expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
             if expanded:
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
-            if recording:
+            if recording or kind is _IN_PROOF:
                 call.edges.append(_edge(flat[i]))
                 call.expanded.append(expanded)
                 call.shapes.append(tuple(t.shape))
@@ -343,7 +361,23 @@ class GhostClipping:
             call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
             for p in params.values():
                 self._live[id(p)] += 1
+        if kind is _IN_REGION or kind is _IN_PROOF:
+            self._note_region_call(call, kind)
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _call_kind(self):
+        """What a forward records now: an ordinary call; a call of a reentrant checkpoint's region recomputed
+        by pass 1 (reentrant.py); one recomputed by the layout proof; or nothing (any other recomputation)."""
+        if self._regions.depth:
+            if self._pass is None:
+                return _INERT  # pass 2 recomputing a region
+            return _IN_PROOF if self._pass.proving else _IN_REGION
+        return _RECORDED if self._pass is None else _INERT
+
+    def _note_region_call(self, call, kind):
+        self._pass.region_calls.append(call)
+        if kind is _IN_PROOF:
+            call.projections = [None] * len(call.shapes)
 
     def _record_ruled(self, name, entry, module, args, output, params):
         """_on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
@@ -357,7 +391,8 @@ class GhostClipping:
             call.expanded = _EXPANDED
         else:
             call.expanded = _NOT_EXPANDED
-        if self._pass is None:
+        kind = _RECORDED if self._pass is None and not self._regions.depth else self._call_kind()
+        if kind is _RECORDED or kind is _IN_REGION:
             call.edges = (_edge(output),)
             call.shapes = (tuple(t.shape),)
             call.grads = [None]
@@ -365,7 +400,12 @@ class GhostClipping:
             live = self._live
             for p in params.values():
                 live[id(p)] += 1
-        else:  # an activation checkpoint's recomputation inside the norm pass (see _on_forward)
+            if kind is _IN_REGION:
+                self._note_region_call(call, kind)
+        elif kind is _IN_PROOF:
+            call.shapes, call.fired = (tuple(t.shape),), True
+            self._note_region_call(call, kind)
+        else:  # a non-reentrant checkpoint's recomputation, or pass 2's of a reentrant one (see _on_forward)
             call.fired = True
         return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
 
@@ -400,12 +440,39 @@ class GhostClipping:
         if not call.fired:
             call.fired = True
             self._pass.calls.append(call)
-            # A parameter with a single live use can be reduced to its norm now and its G freed;
-            # one with several uses waits for all of them (cross terms).
-            call.eager = {n: self._live[id(p)] == 1 and p not in self._pass.pending for n, p in call.params.items()}
+            if self._pass.reentrant:
+                self._fire_in_reentrant_step(call)
+            else:
+                # A parameter with a single live use can be reduced to its norm now and its G freed;
+                # one with several uses waits for all of them (cross terms).
+                call.eager = {n: self._live[id(p)] == 1 and p not in self._pass.pending for n, p in call.params.items()}
             self._forget(call)
-        if len(call.grads) == 1:
+        if len(call.grads) == 1 and not (self._pass.reentrant and call.layouts is None):
             self._compute(call)
+
+    def _fire_in_reentrant_step(self, call):
+        """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its layout, if
+        not yet proven, waits for the proof after pass 1; its parameters are reduced on arrival only once a
+        step has counted their calls (a region recomputed later may use them again)."""
+        passed = self._pass
+        if call.layouts is None and self._layouts.assign([call], passed.batch_size):
+            passed.deferred.append(call)
+        call.eager = {}
+        for n, p in call.params.items():
+            key = id(p)
+            if key in passed.eager_ids:  # reduced alone on an earlier call: the cross terms are lost
+                self._shared_in_regions.add(key)
+                raise RuntimeError(
+                    f"parameter '{n}' of module '{call.name}' is used again in this step, after its norm was "
+                    "formed for a single use: with reentrant activation checkpointing ghostdp learns which "
+                    "parameters several calls share from the step before, and this step's calls differ. The next "
+                    "step will form its norm over all of its calls; to avoid this, " + NON_REENTRANT_FIX[5:])
+            passed.uses[key] += 1
+            eager = (self._region_uses_known and self._live[key] == 1 and p not in passed.pending
+                     and key not in self._shared_in_regions)
+            if eager:
+                passed.eager_ids.add(key)
+            call.eager[n] = eager
 
     def _refuse_if_not_from_dp_loss(self, call):
         if self._in_fallback or call.fired:
@@ -426,7 +493,9 @@ class GhostClipping:
         else:
             with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
                 self._factors(call, B)
-        call.inputs, call.edges, call.grads, call.done = (), (), (), True
+        call.inputs, call.grads, call.done = (), (), True
+        if not self._pass.reentrant:  # a reentrant step's audit of its regions reads them after pass 1
+            call.edges = ()
         if self._pass.queue.full():
             self._reduce_queue()
 
@@ -462,6 +531,8 @@ class GhostClipping:
 
     def _finish(self):
         """The norms of calls whose output grads came in pieces, of the queue, and of shared parameters."""
+        if self._pass.deferred:
+            self._prove_deferred_layouts()
         for call in self._pass.calls:
             if not call.done:
                 self._compute(call)
@@ -486,31 +557,90 @@ class GhostClipping:
                              "clipping group (the optimizer's param_groups): add it to a group or freeze it")
         return group
 
-    def _audit(self, per_example_losses):
-        """This step's graph: refuse a stray parameter; return the recorded calls."""
+    def _trainable(self) -> dict:
         trainable = {k: p for k, p in self._parameters.items() if p.requires_grad}
         trainable.update((id(p), p) for p in self._gathered.values())
-        stray, calls, reentrant_checkpoint = audit_graph(per_example_losses.grad_fn, trainable)
-        if reentrant_checkpoint:
-            raise NotImplementedError(CHECKPOINTING_UNSUPPORTED)
+        return trainable
+
+    def _audit(self, per_example_losses):
+        """This step's graph: refuse a stray parameter; return the recorded calls, the reentrant
+        checkpoints' nodes and the nodes visited."""
+        trainable = self._trainable()
+        seen = set()
+        stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen)
         replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
         if replaced:  # parameters swapped in after attaching: audit them too, from now on
             self._parameters.update(replaced)
-            stray, calls, _ = audit_graph(per_example_losses.grad_fn, {**trainable, **replaced})
-        if stray and not calls and not self._live:
+            seen = set()
+            stray, calls, regions = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced}, seen=seen)
+        if regions:
+            if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
+                raise NotImplementedError(REENTRANT_DISTRIBUTED)
+            self._regions.watch(regions)
+        if stray:
+            self._refuse_stray(stray, calls)
+        return calls, regions, seen
+
+    def _audit_regions(self, nodes, audited):
+        """After pass 1 of a step with reentrant checkpoints: the graphs its recomputations made (``nodes``,
+        reentrant.RegionTracer), below the nodes the step's audit visited (``audited``)."""
+        stray, _, inner = audit_graph([n for n in nodes if n not in audited], self._trainable(), stop=audited)
+        if inner:
+            raise NotImplementedError(
+                "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
+                "inner region's graph. " + NON_REENTRANT_FIX)
+        if stray:
+            self._refuse_stray(stray, calls=True)
+
+    def _refuse_stray(self, stray, calls):
+        """Raise for parameters with gradient edges outside every recorded call of their modules."""
+        if not calls and not self._live:
             raise RuntimeError(
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
                 "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
                 "Fix: call model.train() before the forward of a training step.")
-        if stray:
-            names = {id(p): n for n, p in self.module.named_parameters()}
-            described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in stray)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in stray)
+        raise RuntimeError(
+            f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
+            "it (e.g. a parent reads child.weight directly, on every step or only for some inputs), so "
+            "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
+            "its parameter, freeze the parameter, or register a norm rule for the parent module.")
+
+    def _reentrant_pass_one(self, losses, audited):
+        """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
+        recompute; the gradients it accumulates are set aside and dropped."""
+        self._pass.losses = losses
+        with stashed_grads(list(self._trainable().values()) + leaves_below(losses.grad_fn)):
+            with self._regions.tracing() as tracer:
+                torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
+            self._audit_regions(tracer.nodes, audited)
+            self._finish()  # after a proof of new layouts, a backward as well
+        self._shared_in_regions.update(key for key, n in self._pass.uses.items() if n > 1)
+        self._region_uses_known = True
+
+    def _prove_deferred_layouts(self):
+        """The layout proof after pass 1 of a reentrant step, for the calls whose layouts are new. Its
+        backward recomputes the regions again: their calls are matched to pass 1's in order."""
+        passed = self._pass
+        proof = NormPass(passed.batch_size, proving=True, reentrant=True)
+        self._pass = proof
+        try:
+            with self._region("ghostdp.layout_proof"):
+                torch.autograd.backward(passed.losses, self._layouts.cotangent(passed.losses), retain_graph=True)
+        finally:
+            self._pass = passed
+        ours, theirs = passed.region_calls, proof.region_calls
+        if len(ours) != len(theirs) or any(a.module is not b.module or list(a.shapes) != list(b.shapes)
+                                           for a, b in zip(ours, theirs)):
             raise RuntimeError(
-                f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
-                "it (e.g. a parent reads child.weight directly, on every step or only for some inputs), so "
-                "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
-                "its parameter, freeze the parameter, or register a norm rule for the parent module.")
-        return calls
+                "a reentrant activation checkpoint recomputed different module calls in two backward passes of one "
+                "step (a forward that depends on state other than its inputs and the random generators?), so "
+                "ghostdp cannot prove where each example's gradient is. " + NON_REENTRANT_FIX)
+        for call, twin in zip(ours, theirs):
+            if call.projections is not None:
+                call.projections = twin.projections
+        passed.deferred = []
 
     def _prove_layouts(self, per_example_losses, probes):
         """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
@@ -535,20 +665,26 @@ class GhostClipping:
         self._exact_sums.clear()
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
-        calls = self._audit(per_example_losses)
+        calls, regions, audited = self._audit(per_example_losses)
         probes = list(self._probes.values())
-        if probes and self._layouts.assign(calls, B):
+        # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
+        if probes and self._layouts.assign(calls, B) and not regions:
             self._prove_layouts(per_example_losses, probes)
-        self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms))
+        self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
+                              reentrant=bool(regions))
         if self._sample_request is not None:
             self._pass.samples = self._start_samples(B)
         try:
             with self._region("ghostdp.pass1"):
-                if probes:
-                    # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
-                    retain = self.mode.continues_backward or self._graph_needed_after_pass1
-                    _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses), retain)
-                self._finish()
+                if regions:
+                    self._reentrant_pass_one(per_example_losses, audited)
+                else:
+                    if probes:
+                        # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
+                        retain = self.mode.continues_backward or self._graph_needed_after_pass1
+                        _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses),
+                                            retain)
+                    self._finish()
             if self._pass.samples is not None:
                 self._write_samples(self._pass.samples, B)
             sq = self._pass.total_sq()

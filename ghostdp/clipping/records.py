@@ -53,9 +53,15 @@ class NormPass:
     the queue gives k rows at once), and summed over layers once, at the end.
     """
 
-    def __init__(self, batch_size, proving=False, groups=1):
+    def __init__(self, batch_size, proving=False, groups=1, reentrant=False):
         self.batch_size = batch_size
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
+        self.reentrant = reentrant        # the graph has reentrant checkpoints (clipping/reentrant.py):
+        self.region_calls = []            # the calls their recomputations made, in order
+        self.deferred = []                # calls whose layouts the proof after pass 1 settles
+        self.eager_ids = set()            # ids of parameters reduced on arrival
+        self.uses = defaultdict(int)      # id(parameter) -> calls of it this pass
+        self.losses = None                # the per-example losses, for that proof
         self.sq_parts = [[] for _ in range(groups)]  # per clipping group: (k, B) squared norms of k layers
         self.masses = []                  # (k, B) bounds of sum_t |G_t| |A_t| of k layers (precision.py)
         self.mass_dtype = None

@@ -1,0 +1,123 @@
+"""Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``).
+
+A reentrant checkpoint runs its region's forward without a graph; its backward node recomputes the
+region and runs a backward of its own on it (``torch.autograd.backward``). So the region's graph
+exists only inside that node's backward, and only a backward without ``inputs`` may enter it: the
+norm pass then cannot be ``autograd.grad`` towards the probes. With such regions in the step:
+
+- pass 1 is ``torch.autograd.backward`` of the per-example losses. It also accumulates every
+  parameter's unclipped gradient, so the gradients of the model's trainable parameters and of the
+  graph's other leaves are set aside before it and put back after it (``stashed_grads``);
+- the module calls of a region are recorded when pass 1's recomputation makes them: the forward
+  hooks see ``RegionWatch.depth > 0``. Recomputations in the layout proof record calls that only
+  project their output grads; those in pass 2 record nothing (inert probes);
+- the audit of a region's graph runs after pass 1: while a region is recomputed in pass 1,
+  ``RegionTracer`` (a TorchFunctionMode entered by the checkpoint node's pre-hook, left by its
+  post-hook) keeps the autograd node of every tensor the recomputation makes or reads, the
+  region's outputs included, so the walk from those nodes reaches every edge of the region.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from .audit import accumulate_grad_type
+
+
+class RegionTracer(TorchFunctionMode):
+    """Keeps the autograd node of every tensor argument and result of the torch calls it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._keep(args)
+        if kwargs:
+            self._keep(kwargs.values())
+        self._keep(out if isinstance(out, (tuple, list)) else (out,))
+        return out
+
+    def _keep(self, values):
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                node = t.grad_fn
+                if node is not None:
+                    self.nodes.add(node)
+            elif isinstance(t, (tuple, list)):
+                self._keep(t)
+
+
+class RegionWatch:
+    """Whether a reentrant checkpoint's backward (its recomputation and its own backward) is running,
+    and the tracer of pass 1's recomputations."""
+
+    def __init__(self):
+        self.depth = 0
+        self.tracer = None    # a RegionTracer while pass 1 runs
+        self._entered = []    # per running region: the tracer its pre-hook entered, or None
+
+    def watch(self, nodes) -> None:
+        """Hook the checkpoint nodes of this step's graph (they live as long as the graph)."""
+        for node in nodes:
+            node.register_prehook(self._enter)
+            node.register_hook(self._leave)
+
+    def _enter(self, grad_outputs):
+        self.depth += 1
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.__enter__()
+        self._entered.append(tracer)
+
+    def _leave(self, grad_inputs, grad_outputs):
+        self.depth -= 1
+        tracer = self._entered.pop() if self._entered else None
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def tracing(self):
+        """Pass 1: trace the regions it recomputes; afterwards nothing runs and nothing is traced."""
+        self.tracer = RegionTracer()
+        try:
+            yield self.tracer
+        finally:
+            while self._entered:  # a region's backward raised: its post-hook never ran
+                tracer = self._entered.pop()
+                if tracer is not None and tracer in _get_current_function_mode_stack():
+                    tracer.__exit__(None, None, None)
+            self.tracer, self.depth = None, 0
+
+
+def leaves_below(node) -> list:
+    """The tensors whose gradient accumulators the graph below ``node`` reaches."""
+    accumulator = accumulate_grad_type()
+    leaves, seen, stack = [], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if type(current) is accumulator:
+            leaves.append(current.variable)
+        else:
+            stack.extend(nxt for nxt, _ in current.next_functions)
+    return leaves
+
+
+@contextlib.contextmanager
+def stashed_grads(tensors):
+    """``.grad`` of each tensor set aside (None) inside the block and put back after it."""
+    unique = list({id(t): t for t in tensors}.values())
+    saved = [t.grad for t in unique]
+    for t in unique:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, grad in zip(unique, saved):
+            t.grad = grad

@@ -1,0 +1,281 @@
+"""Reentrant activation checkpointing (use_reentrant=True): pass 1 is a backward without inputs that
+recomputes each region, records its calls there, audits its graph afterwards and proves new layouts
+after it (ghostdp/clipping/reentrant.py). Exact in float64 against the per-example loop of the same
+weights without checkpointing, over two steps of one controller (the first learns which parameters
+several calls share and proves the layouts), in both clipping modes; every refusal is triggered."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ghostdp
+from ghostdp import per_example_loss
+from ghostdp.clipping import controller as controller_module
+from conftest import CLIPPING_MODES, Scale, clipped_sum, reference_per_example_grads, relative_error, trainable
+from test_models import B, classification_loss, padded_text
+
+CE = nn.CrossEntropyLoss()
+
+
+def assert_exact_over_steps(model, plain, call, loss_of_output, steps=2, rtol=1e-9):
+    """ghostdp on ``model`` (reentrant checkpoints) == the per-example loop on ``plain`` (the same weights,
+    no checkpointing), for ``steps`` steps of one controller, every example clipped and none clipped."""
+    per_example = reference_per_example_grads(plain, lambda i: loss_of_output(call(plain, slice(i, i + 1)),
+                                                                              slice(i, i + 1)).sum(), B)
+    _, norms = clipped_sum(per_example, 1.0)
+    for C in (0.5 * float(norms.min()), 2.0 * float(norms.max())):
+        ref, ref_norms = clipped_sum(per_example, C)
+        for clipping in CLIPPING_MODES:
+            controller = ghostdp.GhostClipping(model, C, clipping=clipping)
+            try:
+                for step in range(steps):
+                    model.zero_grad(set_to_none=True)
+                    controller.loss(loss_of_output(call(model, slice(None)), slice(None)), reduction="sum").backward()
+                    got = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in trainable(model)}
+                    norms_off = float(((controller.last_norms - ref_norms).abs() / ref_norms).max())
+                    assert norms_off < rtol, (clipping, step, controller.last_norms, ref_norms)
+                    err = relative_error(got, ref)
+                    assert err < rtol, f"{clipping}, step {step}: clipped sum off by {err:.3e} at C={C}"
+            finally:
+                controller.detach()
+                model.zero_grad(set_to_none=True)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Embedding, blocks (each its own region unless ``checkpointed`` is False), head. ``order`` lists
+    the block called at each position: a block listed twice is one module in two regions (ALBERT)."""
+
+    def __init__(self, blocks=2, order=None, region=None):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.blocks = nn.ModuleList(Block(8) for _ in range(blocks))
+        self.head = nn.Linear(8, 3)
+        self.order = list(range(blocks)) if order is None else order
+        self.region = region  # h, block -> the region's function of h (default: the block itself)
+        self.checkpointed = True
+        self.checkpoint = lambda function, h: checkpoint(function, h, use_reentrant=True)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for k in self.order:
+            function = self.blocks[k] if self.region is None else (lambda x, b=self.blocks[k]: self.region(x, b))
+            h = self.checkpoint(function, h) if self.checkpointed else function(h)
+        return self.head(h.mean(1))
+
+
+def plain_copy(model):
+    plain = copy.deepcopy(model)
+    plain.checkpointed = False
+    return plain
+
+
+def net_call(model, sl, ids):
+    return model(ids[sl])
+
+
+def check_net(model, ids, steps=2):
+    labels = torch.randint(0, 3, (B,))
+    assert_exact_over_steps(model, plain_copy(model), lambda m, sl: net_call(m, sl, ids),
+                            classification_loss(labels), steps)
+
+
+def test_a_users_reentrant_checkpointed_blocks_are_exact_over_two_steps():
+    check_net(Net(), torch.randint(0, 20, (B, 6)))
+
+
+def test_a_subclass_of_torchs_checkpoint_function_is_exact():
+    from torch.utils.checkpoint import CheckpointFunction
+
+    class MyCheckpoint(CheckpointFunction):
+        pass
+
+    model = Net()
+    model.checkpoint = lambda function, h: MyCheckpoint.apply(function, True, h)
+    check_net(model, torch.randint(0, 20, (B, 6)))
+
+
+def test_a_region_that_is_a_plain_function_of_modules_is_exact():
+    check_net(Net(region=lambda h, block: 0.5 * block(h) + h), torch.randint(0, 20, (B, 6)))
+
+
+def test_one_block_in_two_regions_is_exact_from_the_first_step():
+    # The first step reduces nothing on arrival: the second region's use of the block is not known yet.
+    check_net(Net(blocks=1, order=[0, 0]), torch.randint(0, 20, (B, 6)), steps=3)
+
+
+def test_a_sequence_first_layer_with_as_many_tokens_as_examples_gets_its_layout_proven_inside_a_region():
+    # (T, B, d) with T == B: only the proof can tell that dim 1 holds the examples.
+    check_net(Net(region=lambda h, block: block(h.transpose(0, 1)).transpose(0, 1)), torch.randint(0, 20, (B, B)))
+
+
+def test_a_layer_that_mixes_examples_inside_a_region_is_refused():
+    mix = nn.Linear(B, B)
+    model = Net(region=lambda h, block: block(mix(h.transpose(0, 2)).transpose(0, 2)))
+    model.mix = mix
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="mixes several examples"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+
+
+def test_the_whole_model_checkpointed_leaves_the_inputs_gradient_as_without_reentrant_checkpointing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(B, 4)
+    grads = {}
+    for clipping in CLIPPING_MODES:
+        for reentrant in (True, False):
+            controller = ghostdp.GhostClipping(model, 0.1, clipping=clipping)
+            leaf = x.clone().requires_grad_()
+            model.zero_grad(set_to_none=True)
+            controller.loss(checkpoint(model, leaf, use_reentrant=reentrant).pow(2).sum(1)).backward()
+            controller.detach()
+            grads[clipping, reentrant] = (leaf.grad, [p.grad.clone() for p in model.parameters()])
+        (x_reentrant, p_reentrant), (x_plain, p_plain) = grads[clipping, True], grads[clipping, False]
+        # Pass 1's unclipped gradient of the input is set aside: only pass 2's clipped one (ghost) remains.
+        assert (x_reentrant is None) == (x_plain is None) == (clipping == "bookkeeping")
+        if x_plain is not None:
+            torch.testing.assert_close(x_reentrant, x_plain, rtol=1e-12, atol=0)
+        for a, b in zip(p_reentrant, p_plain):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+def test_gradients_accumulated_before_the_step_are_kept():
+    model = Net()
+    ids = torch.randint(0, 20, (B, 6))
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    controller.loss(model(ids).pow(2).sum(1)).backward()
+    first = [p.grad.clone() for p in model.parameters()]
+    controller.loss(model(ids).pow(2).sum(1)).backward()  # a second physical batch adds to p.grad
+    for p, g in zip(model.parameters(), first):
+        torch.testing.assert_close(p.grad, 2 * g, rtol=1e-12, atol=0)
+
+
+def test_a_parameter_read_directly_inside_a_region_is_refused():
+    class Reader(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h):
+            return self.lin(h) + 0.1 * (h @ self.lin.weight.T)  # the second use: outside the Linear's call
+
+    model = Net(region=lambda h, block: model.reader(block(h)))
+    model.reader = Reader()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="'reader.lin.weight' outside the forward of the module"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing was written
+
+
+def test_a_region_that_uses_a_parameter_without_any_module_call_is_refused():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.inner = nn.Module()
+            self.inner.w = nn.Parameter(torch.randn(8, 8))
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, ids):
+            h = checkpoint(lambda x: torch.tanh(x @ self.inner.w), self.emb(ids), use_reentrant=True)
+            return self.head(h.mean(1))
+
+    model = Model()
+    controller = ghostdp.GhostClipping(model, 1.0, check_model=False)
+    with pytest.raises(RuntimeError, match="'inner.w' outside the forward"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+
+
+def test_a_module_without_a_norm_rule_inside_a_region_is_refused_with_the_fix():
+    model = Net(region=lambda h, block: model.scale(block(h)))
+    model.scale = Scale(8)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(NotImplementedError, match="no norm rule, inside a reentrant activation checkpoint"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+
+
+def test_a_reentrant_checkpoint_inside_another_is_refused_with_the_fix():
+    model = Net(region=lambda h, block: checkpoint(block, h, use_reentrant=True))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(NotImplementedError, match="inside another one.*use_reentrant': False"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+
+
+def test_several_processes_are_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
+    model = Net()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(NotImplementedError, match="several processes or FSDP.*use_reentrant=False"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+
+
+def test_a_parameter_used_again_after_its_norm_was_formed_alone_is_refused_then_learned():
+    model = Net(blocks=1, order=[0])
+    ids = torch.randint(0, 20, (B, 6))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.loss(model(ids).pow(2).sum(1)).backward()  # one region per block: learned as single-use
+    model.order = [0, 0]
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="used again in this step"):
+        controller.loss(model(ids).pow(2).sum(1)).backward()
+    assert all(p.grad is None for p in model.parameters())
+    controller.detach()
+    check_net(model, ids)  # and a step after the refusal is exact
+
+
+def checkpointing(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    return model
+
+
+def check_transformers(model, inputs, loss, rtol=1e-9):
+    plain = copy.deepcopy(model)
+    plain.gradient_checkpointing_disable()
+    checkpointing(model)
+
+    def call(m, sl):
+        return m(**{k: v[sl] for k, v in inputs.items()})
+
+    assert_exact_over_steps(model, plain, call, loss, rtol=rtol)
+
+
+def test_bert_with_reentrant_checkpointing():
+    from transformers import BertConfig, BertForSequenceClassification
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+    ids, mask = padded_text(30)
+    check_transformers(model, dict(input_ids=ids, attention_mask=mask), classification_loss(torch.randint(0, 3, (B,))))
+
+
+def test_gpt2_tied_with_reentrant_checkpointing():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=25, n_embd=16, n_layer=2, n_head=2, n_positions=16,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids, mask = padded_text(25)
+    labels = ids.masked_fill(mask == 0, -100)
+    check_transformers(model, dict(input_ids=ids, attention_mask=mask),
+                       lambda out, sl: per_example_loss(CE, out.logits[:, :-1], labels[sl][:, 1:]))
+
+
+def test_llama_with_reentrant_checkpointing():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, num_labels=3, pad_token_id=0))
+    ids, mask = padded_text(30)
+    # LlamaRMSNorm computes in float32 even in a float64 model (as in test_models.py).
+    check_transformers(model, dict(input_ids=ids, attention_mask=mask),
+                       classification_loss(torch.randint(0, 3, (B,))), rtol=1e-6)
