@@ -45,12 +45,20 @@ def trainable(model):
 
 
 def reference_per_example_grads(model, example_loss, batch_size):
-    """[{name: grad}] from one autograd call per example (example_loss(i) -> scalar)."""
+    """[{name: grad}] from one backward per example (example_loss(i) -> scalar). backward(), not
+    autograd.grad: a reentrant activation checkpoint refuses the latter. p.grad is left as it was."""
     params = trainable(model)
+    before = [p.grad for _, p in params]
     out = []
-    for i in range(batch_size):
-        grads = torch.autograd.grad(example_loss(i), [p for _, p in params], allow_unused=True)
-        out.append({n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)})
+    try:
+        for i in range(batch_size):
+            for _, p in params:
+                p.grad = None
+            example_loss(i).backward()
+            out.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in params})
+    finally:
+        for (_, p), grad in zip(params, before):
+            p.grad = grad
     return out
 
 

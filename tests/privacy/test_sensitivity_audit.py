@@ -105,6 +105,11 @@ def _gpt2():
         attn_pdrop=0.0, tie_word_embeddings=True))
 
 
+def _reentrant_checkpointing(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
 def _llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
@@ -226,6 +231,9 @@ ZOO = [
     Arch("bert", _bert, _text, _classify),
     Arch("lora-bert", _lora_bert, _text, _classify),
     Arch("gpt2-tied", _gpt2, lambda n, g: _text(n, g, False), _lm),
+    Arch("bert-reentrant-checkpointing", lambda: _reentrant_checkpointing(_bert()), _text, _classify),
+    Arch("gpt2-tied-reentrant-checkpointing", lambda: _reentrant_checkpointing(_gpt2()),
+         lambda n, g: _text(n, g, False), _lm),
     Arch("llama", _llama, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),  # float32 RMSNorm casts
     Arch("gemma", _gemma, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("opt", _opt, lambda n, g: _text(n, g, False), _lm),
