@@ -4,6 +4,7 @@
     python -m profiling.bench --batches 8 16 32 --budget-mb 2000
     python -m profiling.bench --model gpt2 --freeze-embeddings --device cuda --dtype bf16
     python -m profiling.bench --batches 8 16 32 --checkpointing  # activation checkpointing, every mode
+    python -m profiling.bench --checkpointing reentrant --cpu-memory tensors  # exact tensor bytes on CPU
 
 Modes: plain (non-private, the limit), ghost and bookkeeping (ghostdp), opacus-ghost and
 opacus-hooks (when opacus is installed: pip install ghostdp[compare]). A mode that fails prints
@@ -46,8 +47,7 @@ def build_model(args):
                             n_positions=max(512, args.seq), num_labels=2, pad_token_id=0,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2ForSequenceClassification(config)
-    if getattr(args, "checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _enable_checkpointing(model, args)
     if args.model.endswith("lora"):
         from peft import LoraConfig, get_peft_model
         targets = ["query", "value"] if args.model.startswith("bert") else ["c_attn"]
@@ -61,6 +61,12 @@ def build_model(args):
     return model
 
 
+def _enable_checkpointing(model, args) -> None:
+    kind = getattr(args, "checkpointing", None)
+    if kind:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
+
+
 def _llama_lora(args):
     """A Llama-architecture classifier (GQA: heads // 8 key-value heads) with LoRA r=16 on q/k/v/o."""
     from peft import LoraConfig, get_peft_model
@@ -70,8 +76,7 @@ def _llama_lora(args):
                          num_key_value_heads=max(1, args.heads // 8), max_position_embeddings=max(512, args.seq),
                          num_labels=2, pad_token_id=0)
     model = LlamaForSequenceClassification(config)
-    if getattr(args, "checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _enable_checkpointing(model, args)
     return get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                             lora_dropout=0.0, modules_to_save=["score"]))
 
@@ -178,8 +183,8 @@ def run_fresh(args, mode, batch) -> dict:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     if args.freeze_embeddings:
         argv.append("--freeze-embeddings")
-    if getattr(args, "checkpointing", False):
-        argv.append("--checkpointing")
+    if getattr(args, "checkpointing", None):
+        argv += ["--checkpointing", args.checkpointing]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(argv, capture_output=True, text=True, cwd=root, env=env)
@@ -269,8 +274,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--freeze-embeddings", action="store_true", help="so that Opacus can run on BERT")
-    p.add_argument("--checkpointing", action="store_true",
-                   help="non-reentrant activation checkpointing of every layer, in every mode")
+    p.add_argument("--checkpointing", nargs="?", const="non-reentrant", choices=["non-reentrant", "reentrant"],
+                   help="activation checkpointing of every layer, in every mode (default: non-reentrant)")
 
 
 def parse(argv=None):
@@ -322,7 +327,7 @@ def main(argv=None):
                                 "peak_mb": sorted(r["peak_mb"] for r in runs)[len(runs) // 2]}
     print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} {args.dtype} on {args.device}"
           f"{', embeddings frozen' if args.freeze_embeddings else ''}"
-          f"{', activation checkpointing' if args.checkpointing else ''}; {args.steps} steps, median of the last "
+          f"{f', {args.checkpointing} activation checkpointing' if args.checkpointing else ''}; {args.steps} steps, median of the last "
           f"{args.steps - args.warmup}, each mode in a fresh process")
     print_table(results, modes, args.batches)
     budget = None

@@ -37,9 +37,11 @@ def test_tensor_peak_is_the_largest_set_of_tensors_alive_at_once_above_those_ali
     assert bench.tensor_peak_mb(step) == pytest.approx(4.0, abs=0.01)
 
 
-def test_bench_reads_tensor_bytes_on_cpu_when_asked(tmp_path):
-    args = bench.parse(TINY + ["--out", str(tmp_path), "--cpu-memory", "tensors", "--steps", "2", "--warmup", "1"])
-    ghost = bench.run_fresh(args, "ghost", 2)  # the option reaches the fresh process
+def test_bench_reads_tensor_bytes_on_cpu_and_runs_reentrant_checkpointing_when_asked(tmp_path):
+    args = bench.parse(TINY + ["--out", str(tmp_path), "--cpu-memory", "tensors", "--steps", "2", "--warmup", "1",
+                               "--checkpointing", "reentrant"])
+    assert bench.parse(TINY + ["--checkpointing"]).checkpointing == "non-reentrant"
+    ghost = bench.run_fresh(args, "ghost", 2)  # the options reach the fresh process
     assert "error" not in ghost, ghost
     assert 0 < ghost["peak_mb"] < 5  # a tiny model's step: its tensors, not the process's heap (RSS: ~100 MB)
 

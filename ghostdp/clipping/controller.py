@@ -611,7 +611,7 @@ class GhostClipping:
         """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
         recompute; the gradients it accumulates are set aside and dropped."""
         self._pass.losses = losses
-        with stashed_grads(list(self._trainable().values()) + leaves_below(losses.grad_fn)):
+        with stashed_grads(leaves_below(losses.grad_fn), dropped=list(self._trainable().values())):
             with self._regions.tracing() as tracer:
                 torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
             self._audit_regions(tracer.nodes, audited)

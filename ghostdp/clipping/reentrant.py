@@ -7,7 +7,8 @@ norm pass then cannot be ``autograd.grad`` towards the probes. With such regions
 
 - pass 1 is ``torch.autograd.backward`` of the per-example losses. It also accumulates every
   parameter's unclipped gradient, so the gradients of the model's trainable parameters and of the
-  graph's other leaves are set aside before it and put back after it (``stashed_grads``);
+  graph's other leaves are set aside before it and put back after it, and each parameter's is
+  dropped as soon as it is accumulated (``stashed_grads``);
 - the module calls of a region are recorded when pass 1's recomputation makes them: the forward
   hooks see ``RegionWatch.depth > 0``. Recomputations in the layout proof record calls that only
   project their output grads; those in pass 2 record nothing (inert probes);
@@ -109,15 +110,24 @@ def leaves_below(node) -> list:
     return leaves
 
 
+def _drop_grad(tensor: torch.Tensor) -> None:
+    tensor.grad = None
+
+
 @contextlib.contextmanager
-def stashed_grads(tensors):
-    """``.grad`` of each tensor set aside (None) inside the block and put back after it."""
-    unique = list({id(t): t for t in tensors}.values())
+def stashed_grads(tensors, dropped=()):
+    """``.grad`` of each tensor set aside (None) inside the block and put back after it. The gradients
+    that the block accumulates into ``dropped`` (parameters: a whole model's worth) are freed as soon
+    as they are accumulated, one at a time, instead of all living to the end of the block."""
+    unique = list({id(t): t for t in list(tensors) + list(dropped)}.values())
     saved = [t.grad for t in unique]
     for t in unique:
         t.grad = None
+    hooks = [t.register_post_accumulate_grad_hook(_drop_grad) for t in dropped]
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         for t, grad in zip(unique, saved):
             t.grad = grad
