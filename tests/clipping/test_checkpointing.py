@@ -1,6 +1,7 @@
 """Non-reentrant activation checkpointing: the norm pass unpacks the rules' inputs from the probes'
 saved tensors, which recomputes them inside a checkpoint; exact against the per-example loop in float64
 for a user's own checkpointed module, BERT, GPT-2 (tied) and Llama, in both clipping modes."""
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -96,3 +97,21 @@ def test_llama_with_checkpointing():
     # LlamaRMSNorm computes in float32 even in a float64 model (as in test_models.py).
     assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), classification_loss(torch.randint(0, 3, (B,))),
                        B, rtol=1e-6)
+
+
+def test_book_keeping_with_checkpointing_warns_once_that_ghost_keeps_its_memory_saving():
+    import warnings
+    from transformers import BertConfig, BertForSequenceClassification
+    model = checkpointing(BertForSequenceClassification(BertConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, num_labels=3)).double())
+    ids, mask = padded_text(30)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    with pytest.warns(UserWarning, match="clipping='ghost' stays at the plain checkpointed peak"):
+        controller.loss(model(input_ids=ids, attention_mask=mask).logits.pow(2).sum(1)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        controller.loss(model(input_ids=ids, attention_mask=mask).logits.pow(2).sum(1)).backward()  # once
+        controller.detach()
+        ghost = ghostdp.GhostClipping(model, 1.0)  # ghost: no warning
+        ghost.loss(model(input_ids=ids, attention_mask=mask).logits.pow(2).sum(1)).backward()
