@@ -202,7 +202,8 @@ class GhostClipping:
         self._mass = None
         self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
         self._layouts = LayoutProver()
-        self._regions = RegionWatch()  # reentrant activation checkpoints (reentrant.py)
+        # Reentrant activation checkpoints (reentrant.py): a region's calls start at this index of the pass's.
+        self._regions = RegionWatch(lambda: len(self._pass.region_calls), self._audit_region)
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._warned_of_checkpointing = False
@@ -458,10 +459,14 @@ class GhostClipping:
             self._compute(call)
 
     def _fire_in_reentrant_step(self, call):
-        """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its layout, if
+        """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
+        detached (see below); its layout, if
         not yet proven, waits for the proof after pass 1; its parameters are reduced on arrival only once a
         step has counted their calls (a region recomputed later may use them again)."""
         passed = self._pass
+        # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
+        # down to the checkpoint's detached input and the gradient its backward left there.
+        call.inputs = tuple(x.detach() for x in call.inputs)
         if call.layouts is None and self._layouts.assign([call], passed.batch_size):
             passed.deferred.append(call)
         call.eager = {}
@@ -501,7 +506,7 @@ class GhostClipping:
             with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
                 self._factors(call, B)
         call.inputs, call.grads, call.done = (), (), True
-        if not self._pass.reentrant:  # a reentrant step's audit of its regions reads them after pass 1
+        if not self._pass.reentrant:  # the audit of a reentrant region reads them when its backward is done
             call.edges = ()
         if self._pass.queue.full():
             self._reduce_queue()
@@ -592,10 +597,15 @@ class GhostClipping:
             self._refuse_stray(stray, calls)
         return calls, regions, seen
 
-    def _audit_regions(self, nodes, audited):
-        """After pass 1 of a step with reentrant checkpoints: the graphs its recomputations made (``nodes``,
-        reentrant.RegionTracer), below the nodes the step's audit visited (``audited``)."""
-        stray, _, inner = audit_graph([n for n in nodes if n not in audited], self._trainable(), stop=audited)
+    def _audit_region(self, tracer, first_call):
+        """In pass 1, once a reentrant checkpoint's backward is done: the graph its recomputation made
+        (``tracer.nodes``), below the nodes the step's audit visited. Its calls (from ``first_call`` in the
+        pass's list) then drop their nodes, which would hold the region's graph and inputs' gradients."""
+        audited = self._pass.audited
+        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], self._trainable(), stop=audited)
+        tracer.nodes.clear()
+        for call in self._pass.region_calls[first_call:]:
+            call.edges, call.input_nodes = (), frozenset()
         if inner:
             raise NotImplementedError(
                 "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
@@ -621,11 +631,10 @@ class GhostClipping:
     def _reentrant_pass_one(self, losses, audited):
         """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
         recompute; the gradients it accumulates are set aside and dropped."""
-        self._pass.losses = losses
+        self._pass.losses, self._pass.audited = losses, audited
         with stashed_grads(leaves_below(losses.grad_fn), dropped=list(self._trainable().values())):
-            with self._regions.tracing() as tracer:
+            with self._regions.traced():  # each region is audited when its backward is done
                 torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
-            self._audit_regions(tracer.nodes, audited)
             self._finish()  # after a proof of new layouts, a backward as well
         self._shared_in_regions.update(key for key, n in self._pass.uses.items() if n > 1)
         self._region_uses_known = True

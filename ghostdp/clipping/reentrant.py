@@ -12,10 +12,11 @@ norm pass then cannot be ``autograd.grad`` towards the probes. With such regions
 - the module calls of a region are recorded when pass 1's recomputation makes them: the forward
   hooks see ``RegionWatch.depth > 0``. Recomputations in the layout proof record calls that only
   project their output grads; those in pass 2 record nothing (inert probes);
-- the audit of a region's graph runs after pass 1: while a region is recomputed in pass 1,
-  ``RegionTracer`` (a TorchFunctionMode entered by the checkpoint node's pre-hook, left by its
-  post-hook) keeps the autograd node of every tensor the recomputation makes or reads, the
-  region's outputs included, so the walk from those nodes reaches every edge of the region.
+- the audit of a region's graph runs when the region's backward is done, before any norm is used:
+  while a region is recomputed in pass 1, ``RegionTracer`` (a TorchFunctionMode entered by the
+  checkpoint node's pre-hook, left by its post-hook) keeps the autograd node of every tensor the
+  recomputation makes or reads, the region's outputs included, so the walk from those nodes
+  reaches every edge of the region.
 """
 from __future__ import annotations
 
@@ -53,13 +54,16 @@ class RegionTracer(TorchFunctionMode):
 
 
 class RegionWatch:
-    """Whether a reentrant checkpoint's backward (its recomputation and its own backward) is running,
-    and the tracer of pass 1's recomputations."""
+    """Whether a reentrant checkpoint's backward (its recomputation and its own backward) is running;
+    in pass 1, each region's recomputation is traced and handed to ``audit(tracer, token)`` as soon as
+    the region's backward is done (holding its graph longer would hold its inputs' gradients too).
+    ``token()`` is called when a traced region starts; its value comes back with the tracer."""
 
-    def __init__(self):
+    def __init__(self, token, audit):
         self.depth = 0
-        self.tracer = None    # a RegionTracer while pass 1 runs
-        self._entered = []    # per running region: the tracer its pre-hook entered, or None
+        self.tracing = False  # pass 1 runs
+        self._token, self._audit = token, audit
+        self._entered = []    # per running region: (its tracer, its token), or None when not traced
 
     def watch(self, nodes) -> None:
         """Hook the checkpoint nodes of this step's graph (they live as long as the graph)."""
@@ -69,29 +73,31 @@ class RegionWatch:
 
     def _enter(self, grad_outputs):
         self.depth += 1
-        tracer = self.tracer
-        if tracer is not None:
-            tracer.__enter__()
-        self._entered.append(tracer)
+        entry = None
+        if self.tracing:
+            entry = (RegionTracer(), self._token())
+            entry[0].__enter__()
+        self._entered.append(entry)
 
     def _leave(self, grad_inputs, grad_outputs):
         self.depth -= 1
-        tracer = self._entered.pop() if self._entered else None
-        if tracer is not None:
-            tracer.__exit__(None, None, None)
+        entry = self._entered.pop() if self._entered else None
+        if entry is not None:
+            entry[0].__exit__(None, None, None)
+            self._audit(*entry)
 
     @contextlib.contextmanager
-    def tracing(self):
+    def traced(self):
         """Pass 1: trace the regions it recomputes; afterwards nothing runs and nothing is traced."""
-        self.tracer = RegionTracer()
+        self.tracing = True
         try:
-            yield self.tracer
+            yield
         finally:
             while self._entered:  # a region's backward raised: its post-hook never ran
-                tracer = self._entered.pop()
-                if tracer is not None and tracer in _get_current_function_mode_stack():
-                    tracer.__exit__(None, None, None)
-            self.tracer, self.depth = None, 0
+                entry = self._entered.pop()
+                if entry is not None and entry[0] in _get_current_function_mode_stack():
+                    entry[0].__exit__(None, None, None)
+            self.tracing, self.depth = False, 0
 
 
 def leaves_below(node) -> list:
