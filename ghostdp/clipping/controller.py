@@ -127,6 +127,16 @@ def _backward_to_probes(losses, probes, cotangent, retain):
         raise
 
 
+def _checkpointing_enabled(module) -> bool:
+    """Whether a transformers model has activation checkpointing on (the property's newer name first:
+    reading the older one warns that it is deprecated)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(module), name) or name in getattr(module, "__dict__", {}):
+            return bool(getattr(module, name))
+    base = getattr(module, "base_model", None)  # peft's PeftModel forwards to the model it wraps
+    return base is not None and base is not module and _checkpointing_enabled(base)
+
+
 def _attached_controller(module):
     for m in module.modules():
         controller = _ATTACHED.get(m)
@@ -590,7 +600,7 @@ class GhostClipping:
                 raise NotImplementedError(REENTRANT_DISTRIBUTED)
             self._regions.watch(regions)
         if self.mode.keeps_factors and not self._warned_of_checkpointing and (
-                regions or getattr(self.module, "is_gradient_checkpointing", False)):
+                regions or _checkpointing_enabled(self.module)):
             self._warned_of_checkpointing = True
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
         if stray:

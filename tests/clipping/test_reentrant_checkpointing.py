@@ -14,6 +14,7 @@ import ghostdp
 from ghostdp import per_example_loss
 from ghostdp.clipping import controller as controller_module
 from conftest import CLIPPING_MODES, Scale, clipped_sum, reference_per_example_grads, relative_error, trainable
+from test_checkpointing import Block
 from test_models import B, classification_loss, padded_text
 
 CE = nn.CrossEntropyLoss()
@@ -41,15 +42,6 @@ def assert_exact_over_steps(model, plain, call, loss_of_output, steps=2, rtol=1e
             finally:
                 controller.detach()
                 model.zero_grad(set_to_none=True)
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
 class Net(nn.Module):
