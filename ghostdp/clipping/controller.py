@@ -470,9 +470,9 @@ class GhostClipping:
 
     def _fire_in_reentrant_step(self, call):
         """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
-        detached (see below); its layout, if
-        not yet proven, waits for the proof after pass 1; its parameters are reduced on arrival only once a
-        step has counted their calls (a region recomputed later may use them again)."""
+        detached (see below); its layout, if not yet proven, waits for the proof after pass 1; its
+        parameters are reduced on arrival only once a step has counted their calls (a region recomputed
+        later may use them again)."""
         passed = self._pass
         # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
         # down to the checkpoint's detached input and the gradient its backward left there.
