@@ -213,7 +213,8 @@ class GhostClipping:
         self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
         self._layouts = LayoutProver()
         # Reentrant activation checkpoints (reentrant.py): a region's calls start at this index of the pass's.
-        self._regions = RegionWatch(lambda: len(self._pass.region_calls), self._audit_region)
+        self._regions = RegionWatch(lambda: len(self._pass.region_calls), self._audit_region,
+                                    self._region_leaves, NON_REENTRANT_FIX[5:])
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._warned_of_checkpointing = False
@@ -623,6 +624,10 @@ class GhostClipping:
         if stray:
             self._refuse_stray(stray, calls=True)
 
+    def _region_leaves(self) -> set:
+        """Ids of the leaves that a reentrant region may read with requires_grad (reentrant.RegionTracer)."""
+        return set(self._trainable()) | {id(p) for p in self._probes.values()}
+
     def _refuse_stray(self, stray, calls):
         """Raise for parameters with gradient edges outside every recorded call of their modules."""
         if not calls and not self._live:
@@ -642,7 +647,7 @@ class GhostClipping:
         """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
         recompute; the gradients it accumulates are set aside and dropped."""
         self._pass.losses, self._pass.audited = losses, audited
-        with stashed_grads(leaves_below(losses.grad_fn), dropped=list(self._trainable().values())):
+        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(self._trainable().values())):
             with self._regions.traced():  # each region is audited when its backward is done
                 torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
             self._finish()  # after a proof of new layouts, a backward as well

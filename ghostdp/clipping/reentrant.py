@@ -16,11 +16,14 @@ norm pass then cannot be ``autograd.grad`` towards the probes. With such regions
   while a region is recomputed in pass 1, ``RegionTracer`` (a TorchFunctionMode entered by the
   checkpoint node's pre-hook, left by its post-hook) keeps the autograd node of every tensor the
   recomputation makes or reads, the region's outputs included, so the walk from those nodes
-  reaches every edge of the region.
+  reaches every edge of the region. It also refuses, before the region's backward adds to its
+  ``.grad``, a tensor that requires grad and is not a model parameter (or a tensor the
+  recomputation made, like the checkpoint's detached inputs).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -28,29 +31,54 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from .audit import accumulate_grad_type
 
 
-class RegionTracer(TorchFunctionMode):
-    """Keeps the autograd node of every tensor argument and result of the torch calls it sees."""
+class ForeignLeafError(NotImplementedError):
+    """A reentrant checkpoint's region reads a tensor that requires grad but is not a model parameter."""
 
-    def __init__(self):
+    def __init__(self, leaf, fix):
+        super().__init__(
+            f"a tensor of shape {tuple(leaf.shape)} that requires grad but is not a trainable parameter of the model "
+            "is read inside a reentrant activation checkpoint: ghostdp's norm pass through such a checkpoint is a "
+            "backward() that would add its unclipped gradient to the tensor's .grad. Fix: make it a parameter of "
+            "the model (its gradient is then clipped), detach it or requires_grad_(False), or " + fix)
+
+
+class RegionTracer(TorchFunctionMode):
+    """Keeps the autograd node of every tensor argument and result of the torch calls it sees, and refuses
+    a leaf that requires grad, was not made here (the checkpoint's detached inputs are) and is not in
+    ``allowed`` (ids of the model's trainable parameters and of the probe leaves)."""
+
+    def __init__(self, allowed, fix):
         super().__init__()
         self.nodes = set()
+        self._made = {}  # id -> weak reference, of every tensor a traced call returned
+        self._allowed, self._fix = allowed, fix
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._keep(args)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        recorded = self._keep(outputs)  # whether the call made graph nodes: then its leaf inputs are in the graph
+        self._keep(args, recorded)
         if kwargs:
-            self._keep(kwargs.values())
-        self._keep(out if isinstance(out, (tuple, list)) else (out,))
+            self._keep(kwargs.values(), recorded)
+        self._made.update((id(t), weakref.ref(t)) for t in outputs if isinstance(t, torch.Tensor))
         return out
 
-    def _keep(self, values):
+    def _keep(self, values, check_leaves=False) -> bool:
+        """Keeps the nodes of the tensors among ``values``; whether there was one."""
+        found = False
         for t in values:
             if isinstance(t, torch.Tensor):
                 node = t.grad_fn
                 if node is not None:
                     self.nodes.add(node)
+                    found = True
+                elif check_leaves and t.requires_grad and id(t) not in self._allowed:
+                    made = self._made.get(id(t))
+                    if made is None or made() is not t:
+                        raise ForeignLeafError(t, self._fix)
             elif isinstance(t, (tuple, list)):
-                self._keep(t)
+                found = self._keep(t, check_leaves) or found
+        return found
 
 
 class RegionWatch:
@@ -59,10 +87,11 @@ class RegionWatch:
     the region's backward is done (holding its graph longer would hold its inputs' gradients too).
     ``token()`` is called when a traced region starts; its value comes back with the tracer."""
 
-    def __init__(self, token, audit):
+    def __init__(self, token, audit, allowed, fix):
         self.depth = 0
         self.tracing = False  # pass 1 runs
         self._token, self._audit = token, audit
+        self._allowed, self._fix = allowed, fix  # RegionTracer's: a callable giving the allowed ids; the fix
         self._entered = []    # per running region: (its tracer, its token), or None when not traced
 
     def watch(self, nodes) -> None:
@@ -75,7 +104,7 @@ class RegionWatch:
         self.depth += 1
         entry = None
         if self.tracing:
-            entry = (RegionTracer(), self._token())
+            entry = (RegionTracer(self._allowed(), self._fix), self._token())
             entry[0].__enter__()
         self._entered.append(entry)
 
@@ -100,10 +129,10 @@ class RegionWatch:
             self.tracing, self.depth = False, 0
 
 
-def leaves_below(node) -> list:
-    """The tensors whose gradient accumulators the graph below ``node`` reaches."""
+def leaves_below(roots, stop=frozenset()) -> list:
+    """The tensors whose gradient accumulators the graph below ``roots`` reaches, not entering ``stop``."""
     accumulator = accumulate_grad_type()
-    leaves, seen, stack = [], set(), [node]
+    leaves, seen, stack = [], set(stop), list(roots)
     while stack:
         current = stack.pop()
         if current is None or current in seen:

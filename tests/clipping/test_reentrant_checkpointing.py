@@ -308,3 +308,12 @@ def test_a_regions_graph_and_its_inputs_gradient_are_freed_when_its_backward_is_
     recomputed.clear(), alive_at_next.clear()
     controller.loss(model(ids).pow(2).sum(1)).backward()
     assert alive_at_next[:3] == [[], [False], [False, False]]  # pass 1's regions; ghost's pass 2 follows
+
+
+def test_a_tensor_that_requires_grad_but_is_no_parameter_read_inside_a_region_is_refused_with_the_fix():
+    gain = torch.ones(8, requires_grad=True)  # the region's closure reads it; pass 1 would add to gain.grad
+    model = Net(region=lambda h, block: block(h) * gain)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(NotImplementedError, match=r"shape \(8,\) that requires grad but is not a trainable parameter"):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+    assert gain.grad is None
