@@ -624,9 +624,10 @@ class GhostClipping:
         if stray:
             self._refuse_stray(stray, calls=True)
 
-    def _region_leaves(self) -> set:
-        """Ids of the leaves that a reentrant region may read with requires_grad (reentrant.RegionTracer)."""
-        return set(self._trainable()) | {id(p) for p in self._probes.values()}
+    def _region_leaves(self):
+        """(ids of the leaves that a reentrant region may read with requires_grad, the nodes of the graph
+        outside the regions) for reentrant.RegionTracer."""
+        return set(self._trainable()) | {id(p) for p in self._probes.values()}, self._pass.audited
 
     def _refuse_stray(self, stray, calls):
         """Raise for parameters with gradient edges outside every recorded call of their modules."""

@@ -42,16 +42,28 @@ class ForeignLeafError(NotImplementedError):
             "the model (its gradient is then clipped), detach it or requires_grad_(False), or " + fix)
 
 
-class RegionTracer(TorchFunctionMode):
-    """Keeps the autograd node of every tensor argument and result of the torch calls it sees, and refuses
-    a leaf that requires grad, was not made here (the checkpoint's detached inputs are) and is not in
-    ``allowed`` (ids of the model's trainable parameters and of the probe leaves)."""
+class OutsideTensorError(NotImplementedError):
+    """A reentrant checkpoint's region reads a tensor of the graph outside it without taking it as an input."""
 
-    def __init__(self, allowed, fix):
+    def __init__(self, tensor, fix):
+        super().__init__(
+            f"a tensor of shape {tuple(tensor.shape)} computed outside a reentrant activation checkpoint is read "
+            "inside it without being one of its inputs: the checkpoint's own backward would then run the graph "
+            "outside it, and ghostdp's probes there a second time. Fix: pass the tensor to checkpoint(...) as an "
+            "input, or " + fix)
+
+
+class RegionTracer(TorchFunctionMode):
+    """Keeps the autograd node of every tensor argument and result of the torch calls it sees. Refuses, as
+    inputs of a call that records graph nodes, a leaf that requires grad, was not made here (the
+    checkpoint's detached inputs are) and is not in ``allowed`` (ids of the model's trainable parameters
+    and of the probe leaves), and a tensor whose node is in ``outside`` (the graph outside the regions)."""
+
+    def __init__(self, allowed, outside, fix):
         super().__init__()
         self.nodes = set()
         self._made = {}  # id -> weak reference, of every tensor a traced call returned
-        self._allowed, self._fix = allowed, fix
+        self._allowed, self._outside, self._fix = allowed, outside, fix
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -63,21 +75,24 @@ class RegionTracer(TorchFunctionMode):
         self._made.update((id(t), weakref.ref(t)) for t in outputs if isinstance(t, torch.Tensor))
         return out
 
-    def _keep(self, values, check_leaves=False) -> bool:
-        """Keeps the nodes of the tensors among ``values``; whether there was one."""
+    def _keep(self, values, check=False) -> bool:
+        """Keeps the nodes of the tensors among ``values``; whether there was one. ``check``: refuse the
+        tensors described above."""
         found = False
         for t in values:
             if isinstance(t, torch.Tensor):
                 node = t.grad_fn
                 if node is not None:
+                    if check and node in self._outside:
+                        raise OutsideTensorError(t, self._fix)
                     self.nodes.add(node)
                     found = True
-                elif check_leaves and t.requires_grad and id(t) not in self._allowed:
+                elif check and t.requires_grad and id(t) not in self._allowed:
                     made = self._made.get(id(t))
                     if made is None or made() is not t:
                         raise ForeignLeafError(t, self._fix)
             elif isinstance(t, (tuple, list)):
-                found = self._keep(t, check_leaves) or found
+                found = self._keep(t, check) or found
         return found
 
 
@@ -91,7 +106,7 @@ class RegionWatch:
         self.depth = 0
         self.tracing = False  # pass 1 runs
         self._token, self._audit = token, audit
-        self._allowed, self._fix = allowed, fix  # RegionTracer's: a callable giving the allowed ids; the fix
+        self._allowed, self._fix = allowed, fix  # RegionTracer's: a callable giving (allowed, outside); the fix
         self._entered = []    # per running region: (its tracer, its token), or None when not traced
 
     def watch(self, nodes) -> None:
@@ -104,7 +119,7 @@ class RegionWatch:
         self.depth += 1
         entry = None
         if self.tracing:
-            entry = (RegionTracer(self._allowed(), self._fix), self._token())
+            entry = (RegionTracer(*self._allowed(), self._fix), self._token())
             entry[0].__enter__()
         self._entered.append(entry)
 

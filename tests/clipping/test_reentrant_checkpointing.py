@@ -317,3 +317,27 @@ def test_a_tensor_that_requires_grad_but_is_no_parameter_read_inside_a_region_is
     with pytest.raises(NotImplementedError, match=r"shape \(8,\) that requires grad but is not a trainable parameter"):
         controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
     assert gain.grad is None
+
+
+@pytest.mark.parametrize("used_outside", [True, False])
+def test_a_tensor_from_outside_a_region_read_inside_without_being_its_input_is_refused(used_outside):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.block, self.head = nn.Embedding(20, 8), Block(8), nn.Linear(8, 3)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            context = torch.tanh(h)  # of the graph outside the region, read by its closure
+            out = checkpoint(lambda x: self.block(x) + context, h, use_reentrant=True).mean(1)
+            return self.head(out + context.mean(1) if used_outside else out)
+
+    model = Model()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    # Used outside too, the tensor's node is in the step's audited graph: refused as the region reads it. Used
+    # only inside, the forward (no graph in the region) left it out of that graph; torch refuses the second
+    # backward through it that the checkpoint's own backward causes, before any gradient is written.
+    match = "computed outside a reentrant activation checkpoint" if used_outside else "backward through the graph"
+    with pytest.raises((NotImplementedError, RuntimeError), match=match):
+        controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
+    assert all(p.grad is None for p in model.parameters())
