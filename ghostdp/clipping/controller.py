@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..accounting.base import check_positive
 from ..data import distributed_rank_and_size
-from ..norms.factors import combined_sq_norm, example_chunks
+from ..norms.factors import combined_sq_norm
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
 from ..sharding import has_sharded_parameters, is_sharded, sharded_units
@@ -37,6 +37,7 @@ from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
 from .probe import add_probe
 from .records import ModuleCall, NormPass
 from .reentrant import RegionWatch, leaves_below, stashed_grads
+from .samples import SampleRequest, write_samples
 
 CLIP_EPS = 1e-6
 _EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
@@ -222,7 +223,7 @@ class GhostClipping:
         self.last_norms = None
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
         self.last_group_norms = None    # per-group clipping: (groups, B) norms of each group's gradient
-        self._sample_request = None     # inside grad_samples(): (ids of the parameters wanted or None, max bytes)
+        self._sample_request = None     # inside grad_samples(): a samples.SampleRequest
         # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
         # times the clipped sum, so a scaled loss shows here for the optimizer to check.
         self.last_loss_scale = None
@@ -536,7 +537,7 @@ class GhostClipping:
             finally:
                 self._in_fallback = False
         for n, f in factors.items():
-            if self._pass.samples is not None and self._wants_samples(call.params[n]):
+            if self._pass.samples is not None and self._sample_request.wants(call.params[n]):
                 self._pass.samples[call.params[n]].append(f)
             if self.mode.keeps_factors:
                 self._pass.kept[call.params[n]].append(f)
@@ -709,7 +710,7 @@ class GhostClipping:
         self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
                               reentrant=bool(regions))
         if self._sample_request is not None:
-            self._pass.samples = self._start_samples(B)
+            self._pass.samples = self._sample_request.start(self._parameters.values(), B)
         try:
             with self._region("ghostdp.pass1"):
                 if regions:
@@ -722,7 +723,7 @@ class GhostClipping:
                                             retain)
                     self._finish()
             if self._pass.samples is not None:
-                self._write_samples(self._pass.samples, B)
+                write_samples(self._pass.samples, B)
             sq = self._pass.total_sq()
             self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
@@ -797,39 +798,11 @@ class GhostClipping:
                 raise ValueError(f"grad_samples: {len(foreign)} of the parameters (shapes {foreign[:3]}) are not "
                                  "parameters of the private model")
             wanted = {id(p) for p in params}
-        previous, self._sample_request = self._sample_request, (wanted, max_bytes)
+        previous, self._sample_request = self._sample_request, SampleRequest(wanted, max_bytes)
         try:
             yield self
         finally:
             self._sample_request = previous
-
-    def _wants_samples(self, param) -> bool:
-        wanted = self._sample_request[0]
-        return wanted is None or id(param) in wanted
-
-    def _start_samples(self, B):
-        max_bytes = self._sample_request[1]
-        params = [p for p in self._parameters.values() if p.requires_grad and self._wants_samples(p)]
-        size = B * sum(p.numel() * p.element_size() for p in params)
-        if size > max_bytes:
-            raise ValueError(
-                f"grad_samples would hold {size / 2 ** 20:.1f} MiB of per-example gradients ({B} examples), above "
-                f"max_bytes={max_bytes}. Ask for fewer parameters (params=...), use a smaller physical batch "
-                "(max_physical_batch_size), or raise max_bytes.")
-        for p in params:
-            p.grad_sample = None
-        return new_factor_store()
-
-    @torch.no_grad()
-    def _write_samples(self, samples, B):
-        for param, factors in samples.items():
-            out = torch.empty(B, *param.shape, dtype=param.dtype, device=param.device)
-            for lo, hi in example_chunks(B, param.numel()):
-                part = factors[0].materialize(lo, hi)
-                for factor in factors[1:]:  # further uses of the parameter (tied weights)
-                    part = part + factor.materialize(lo, hi)
-                out[lo:hi] = part.reshape(hi - lo, *param.shape)
-            param.grad_sample = out
 
     # ----------------------------------------------------------------- losses
     def loss(self, per_example_losses: torch.Tensor, reduction: str = "mean", expected_batch_size=None):
