@@ -47,10 +47,11 @@ _RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", 
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
-NON_REENTRANT_FIX = (
-    "Fix: use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+USE_NON_REENTRANT = (
+    "use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
     "{'use_reentrant': False}), TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs="
     "{'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+NON_REENTRANT_FIX = "Fix: " + USE_NON_REENTRANT
 CHECKPOINTING_UNSUPPORTED = (
     "A reentrant activation checkpoint was not recognised (another library's, not torch.utils.checkpoint's): "
     "it refuses ghostdp's norm pass (an autograd.grad call). torch's reentrant checkpoints are supported. "
@@ -214,8 +215,7 @@ class GhostClipping:
         self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
         self._layouts = LayoutProver()
         # Reentrant activation checkpoints (reentrant.py): a region's calls start at this index of the pass's.
-        self._regions = RegionWatch(lambda: len(self._pass.region_calls), self._audit_region,
-                                    self._region_leaves, NON_REENTRANT_FIX[5:])
+        self._regions = RegionWatch(lambda: len(self._pass.region_calls), self._audit_region, USE_NON_REENTRANT)
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._warned_of_checkpointing = False
@@ -349,7 +349,7 @@ class GhostClipping:
             raise NotImplementedError(
                 f"module '{name}' ({type(module).__name__}) has trainable parameters but no norm rule, inside a "
                 "reentrant activation checkpoint: its fallback needs the region's graph after the checkpoint's own "
-                "backward has freed it. Register a norm rule for it, or " + NON_REENTRANT_FIX[5:])
+                "backward has freed it. Register a norm rule for it, or " + USE_NON_REENTRANT)
         if not recording:
             call.fired = True  # nothing to count or refuse; the proof's calls only project their output grads
         elif rule is None and len(slots) > 1:
@@ -490,7 +490,7 @@ class GhostClipping:
                     f"parameter '{n}' of module '{call.name}' is used again in this step, after its norm was "
                     "formed for a single use: with reentrant activation checkpointing ghostdp learns which "
                     "parameters several calls share from the step before, and this step's calls differ. The next "
-                    "step will form its norm over all of its calls; to avoid this, " + NON_REENTRANT_FIX[5:])
+                    "step will form its norm over all of its calls; to avoid this, " + USE_NON_REENTRANT)
             passed.uses[key] += 1
             eager = (self._region_uses_known and self._live[key] == 1 and p not in passed.pending
                      and key not in self._shared_in_regions)
@@ -614,7 +614,7 @@ class GhostClipping:
         (``tracer.nodes``), below the nodes the step's audit visited. Its calls (from ``first_call`` in the
         pass's list) then drop their nodes, which would hold the region's graph and inputs' gradients."""
         audited = self._pass.audited
-        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], self._trainable(), stop=audited)
+        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], self._pass.trainable, stop=audited)
         tracer.nodes.clear()
         for call in self._pass.region_calls[first_call:]:
             call.edges, call.input_nodes = (), frozenset()
@@ -624,11 +624,6 @@ class GhostClipping:
                 "inner region's graph. " + NON_REENTRANT_FIX)
         if stray:
             self._refuse_stray(stray, calls=True)
-
-    def _region_leaves(self):
-        """(ids of the leaves that a reentrant region may read with requires_grad, the nodes of the graph
-        outside the regions) for reentrant.RegionTracer."""
-        return set(self._trainable()) | {id(p) for p in self._probes.values()}, self._pass.audited
 
     def _refuse_stray(self, stray, calls):
         """Raise for parameters with gradient edges outside every recorded call of their modules."""
@@ -648,9 +643,12 @@ class GhostClipping:
     def _reentrant_pass_one(self, losses, audited):
         """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
         recompute; the gradients it accumulates are set aside and dropped."""
-        self._pass.losses, self._pass.audited = losses, audited
-        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(self._trainable().values())):
-            with self._regions.traced():  # each region is audited when its backward is done
+        trainable = self._trainable()
+        self._pass.losses, self._pass.audited, self._pass.trainable = losses, audited, trainable
+        # The leaves a region may read with requires_grad: the trainable parameters and the probes.
+        allowed = set(trainable) | {id(p) for p in self._probes.values()}
+        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
+            with self._regions.traced(allowed, audited):  # each region is audited when its backward is done
                 torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
             self._finish()  # after a proof of new layouts, a backward as well
         self._shared_in_regions.update(key for key, n in self._pass.uses.items() if n > 1)

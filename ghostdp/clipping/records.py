@@ -63,6 +63,7 @@ class NormPass:
         self.uses = defaultdict(int)      # id(parameter) -> calls of it this pass
         self.losses = None                # the per-example losses, for that proof
         self.audited = None               # the nodes the step's audit visited
+        self.trainable = None             # id -> trainable parameter, as that audit read them
         self.sq_parts = [[] for _ in range(groups)]  # per clipping group: (k, B) squared norms of k layers
         self.masses = []                  # (k, B) bounds of sum_t |G_t| |A_t| of k layers (precision.py)
         self.mass_dtype = None

@@ -102,11 +102,10 @@ class RegionWatch:
     the region's backward is done (holding its graph longer would hold its inputs' gradients too).
     ``token()`` is called when a traced region starts; its value comes back with the tracer."""
 
-    def __init__(self, token, audit, allowed, fix):
+    def __init__(self, token, audit, fix):
         self.depth = 0
-        self.tracing = False  # pass 1 runs
-        self._token, self._audit = token, audit
-        self._allowed, self._fix = allowed, fix  # RegionTracer's: a callable giving (allowed, outside); the fix
+        self._tracing = None  # while pass 1 runs: RegionTracer's (allowed, outside)
+        self._token, self._audit, self._fix = token, audit, fix
         self._entered = []    # per running region: (its tracer, its token), or None when not traced
 
     def watch(self, nodes) -> None:
@@ -118,8 +117,8 @@ class RegionWatch:
     def _enter(self, grad_outputs):
         self.depth += 1
         entry = None
-        if self.tracing:
-            entry = (RegionTracer(*self._allowed(), self._fix), self._token())
+        if self._tracing is not None:
+            entry = (RegionTracer(*self._tracing, self._fix), self._token())
             entry[0].__enter__()
         self._entered.append(entry)
 
@@ -131,9 +130,10 @@ class RegionWatch:
             self._audit(*entry)
 
     @contextlib.contextmanager
-    def traced(self):
-        """Pass 1: trace the regions it recomputes; afterwards nothing runs and nothing is traced."""
-        self.tracing = True
+    def traced(self, allowed, outside):
+        """Pass 1: trace the regions it recomputes (RegionTracer's ``allowed`` and ``outside``); afterwards
+        nothing runs and nothing is traced."""
+        self._tracing = (allowed, outside)
         try:
             yield
         finally:
@@ -141,7 +141,7 @@ class RegionWatch:
                 entry = self._entered.pop()
                 if entry is not None and entry[0] in _get_current_function_mode_stack():
                     entry[0].__exit__(None, None, None)
-            self.tracing, self.depth = False, 0
+            self._tracing, self.depth = None, 0
 
 
 def leaves_below(roots, stop=frozenset()) -> list:

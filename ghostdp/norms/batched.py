@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, whole_gram_by_shape, wide_matmul
+from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, wide_matmul
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -157,12 +157,10 @@ def mass_rows(mass):
 
 def _gram_key(f: OuterProduct):
     """The batch of an OuterProduct that takes the one-tile Gram path, or None."""
-    left, right = f.left, f.right
-    B, T, m = left.shape
-    if not whole_gram_by_shape(B, T, m, right.shape[-1], left.device.type):
+    if not f.takes_whole_gram():
         return None
-    wide = torch.float64 if torch.float64 in (left.dtype, right.dtype) else torch.float32  # acc_dtype
-    return ("gram", B, T, left.device, wide)
+    B, T, _ = f.left.shape
+    return ("gram", B, T, f.left.device, acc_dtype(f.left, f.right))
 
 
 def _partition(factors):
