@@ -60,7 +60,7 @@ BOOKKEEPING_WITH_CHECKPOINTING = (
     "clipping='bookkeeping' with activation checkpointing: book-keeping keeps every layer's inputs and output "
     "grads until the clipping coefficients are known, which undoes most of what checkpointing saves (2.5-3.4x "
     "the plain checkpointed step's peak, BERT on CPU). clipping='ghost' stays at the plain checkpointed peak "
-    "(1.00-1.06x) for a second backward.")
+    "(1.00-1.05x) for a second backward.")
 REENTRANT_DISTRIBUTED = (
     "Reentrant activation checkpointing (use_reentrant=True) with several processes or FSDP is not supported: "
     "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
