@@ -147,6 +147,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.last_step_taken = False
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
         self.buckets_last_step = 0        # book-keeping with several processes: all-reduces of the last step
+        self._sums_written_by_mode = None  # this step's backwards wrote their clipped sums past DDP (book-keeping)
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
         self._pending_scheduler_state = None
@@ -258,10 +259,18 @@ class DPOptimizer(torch.optim.Optimizer):
     def _examples_of_this_step(self):
         """(examples clipped, backward calls, unclipped examples or None) of this step's DP-loss backwards."""
         passes, self.controller.passes = self.controller.passes, []
+        written = {wrote for *_, wrote in passes}
+        if len(written) > 1 and self.world_size > 1:
+            raise PrivacyStepError(
+                "this step's backward calls mixed book-keeping's one backward with two passes (activation "
+                "checkpointing was switched on or off between the physical batches of one logical batch): DDP "
+                "summed the ranks' gradients of some of them and not of others. Switch checkpointing only between "
+                "optimizer steps.")
+        self._sums_written_by_mode = written.pop() if written else None
         # One host sync for all of the step's backward calls, at the step rather than inside each backward:
         # their loss scales and, for adaptive clipping, their counts of unclipped examples.
-        values = [s.reshape(()).double() for _, s, _ in passes]
-        values += [u.reshape(()).double() for _, _, u in passes if u is not None]
+        values = [s.reshape(()).double() for _, s, _, _ in passes]
+        values += [u.reshape(()).double() for _, _, u, _ in passes if u is not None]
         if len({v.device for v in values}) > 1:
             values = [v.cpu() for v in values]
         values = torch.stack(values).tolist() if values else []
@@ -274,7 +283,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "The noise is calibrated to the unscaled clipped sum, so call backward() on the loss itself; "
                 "split large batches with max_physical_batch_size instead of scaling.")
         unclipped = sum(counts) if self.adaptive_clipping is not None else None
-        return sum(n for n, _, _ in passes), len(passes), unclipped
+        return sum(n for n, *_ in passes), len(passes), unclipped
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
         # The examples this step must have clipped: given by the caller (DPTrainer runs the logical
@@ -336,7 +345,10 @@ class DPOptimizer(torch.optim.Optimizer):
         sharded = [is_sharded(p.grad) for p in params]
         grads = [local_part(p.grad) for p in params]
         replicated = [p for p, s in zip(params, sharded) if not s]
-        summed_here = distributed and self.controller.mode.keeps_factors  # book-keeping: DDP's reducer never ran
+        # Book-keeping wrote the clipped sums itself: DDP's reducer never ran (a checkpointed book-keeping
+        # step takes two passes, and DDP's reducer runs in its second: modes.mode_of_step).
+        written, self._sums_written_by_mode = self._sums_written_by_mode, None
+        summed_here = distributed and (self.controller.mode.keeps_factors if written is None else written)
         if summed_here:
             self.buckets_last_step = _all_reduce_sum(grads)
         clipped_fingerprint = self._fingerprint(replicated) if distributed and replicated else None

@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,9 +20,15 @@ from ghostdp.optim import PrivacyStepError  # noqa: E402
 N, PER_RANK_BATCH, C, LR = 40, 5, 0.5, 0.5
 
 
-def mlp():
+class CheckpointedSequential(torch.nn.Sequential):
+    def forward(self, x):
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def mlp(checkpointed=False):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    layers = (torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    return CheckpointedSequential(*layers) if checkpointed else torch.nn.Sequential(*layers)
 
 
 def data():
@@ -70,10 +77,11 @@ def train_exact(wrap_first, seed, physical):
             "epsilon": engine.get_epsilon(1e-5)}
 
 
-def train_bookkeeping(seed, physical):
+def train_bookkeeping(seed, physical, checkpointed=False):
     """Book-keeping through a DDP-wrapped forward, noise 0: the step's own all-reduce sums the ranks'
-    clipped sums; the update must equal one process on the union."""
-    model = mlp()
+    clipped sums (under activation checkpointing the steps take two passes, and DDP sums them); the
+    update must equal one process on the union."""
+    model = mlp(checkpointed)
     engine, _, optimizer, criterion, loader = private(model, seed=seed, physical=physical, clipping="bookkeeping")
     ddp = DDP(model)
     steps, buckets = 0, []
@@ -303,6 +311,7 @@ def main(scenario, out):
         result = {"after_chunked": train_exact(wrap_first=False, seed=11, physical=2),
                   "first_unseeded": train_exact(wrap_first=True, seed=None, physical=None),
                   "bookkeeping": train_bookkeeping(seed=11, physical=2),
+                  "bookkeeping_checkpointed": train_bookkeeping(seed=11, physical=2, checkpointed=True),
                   "noise": noise_draws(), "refusals": refusals()}
     elif scenario == "fsdp":
         result = fsdp(out)

@@ -86,7 +86,7 @@ def reference_engine_run(seed, steps):
     return dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("run", ["after_chunked", "first_unseeded", "bookkeeping"])
+@pytest.mark.parametrize("run", ["after_chunked", "first_unseeded", "bookkeeping", "bookkeeping_checkpointed"])
 def test_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples(engine_runs, run):
     ranks = [r[run] for r in engine_runs]
     seed = ranks[0]["seed"]
@@ -140,6 +140,9 @@ def test_bookkeeping_sums_the_ranks_in_one_bucketed_all_reduce_per_step(engine_r
     for rank in engine_runs:
         run = rank["bookkeeping"]
         assert run["buckets"] == [1] * run["steps"]  # 4 parameters, one float64 bucket, once per logical batch
+        # Under checkpointing book-keeping takes two passes, whose second DDP all-reduces: no sum of its own.
+        run = rank["bookkeeping_checkpointed"]
+        assert run["buckets"] == [0] * run["steps"]
 
 
 @pytest.mark.parametrize("runs, run", [("trainer_runs", "exact"), ("accelerate_trainer_runs", "exact"),

@@ -1,5 +1,6 @@
 """PrivacyEngine end to end: the update equals a per-example reference with the same noise; chunks,
 accumulation and resume change nothing; every misuse is refused."""
+import contextlib
 import copy
 import math
 
@@ -440,3 +441,21 @@ def test_a_loop_steps_an_empty_batch_without_a_forward_and_says_which_steps_were
             skipped += 1  # an earlier physical chunk of a logical batch
     assert empty > 0 and skipped > 0 and taken == engine.accountant.steps == len(loader.batch_sampler)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** taken)
+
+
+def test_switching_checkpointing_inside_a_logical_batch_of_book_keeping_is_refused_with_several_processes():
+    # Under saved-tensor hooks book-keeping takes two passes (DDP sums their second); without, it writes the
+    # sums itself (the step sums them): a logical batch with both would be summed over the ranks in part.
+    _, model, opt, crit, loader = private(batch_size=20, max_physical_batch_size=4, clipping="bookkeeping")
+    opt.world_size = 2  # as under torchrun: the refusal comes before any collective
+    for x, y in loader:
+        chunk = opt.tracker.yielded[-1]
+        hooks = torch.autograd.graph.save_on_cpu() if chunk.index == 0 else contextlib.nullcontext()
+        with hooks:
+            output = model(x)
+        crit(output, y).backward()
+        if chunk.is_last:
+            assert chunk.count >= 2  # the seeded draw's first logical batch has several chunks
+            with pytest.raises(PrivacyStepError, match="mixed book-keeping's one backward with two passes"):
+                opt.step()
+            return

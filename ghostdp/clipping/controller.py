@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 import weakref
 from collections import defaultdict
@@ -32,7 +33,7 @@ from ..sharding import has_sharded_parameters, is_sharded, sharded_units
 from .. import validate
 from .audit import audit_graph
 from .layout import LayoutProver
-from .modes import clipping_mode, new_factor_store
+from .modes import clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
 from .probe import add_probe
 from .records import ModuleCall, NormPass
@@ -46,6 +47,9 @@ _EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broad
 _RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", "inert"
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
+# The innermost saved-tensor hooks (pack, unpack), or None: a non-reentrant checkpoint's or an offload's.
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+log = logging.getLogger("ghostdp")
 
 USE_NON_REENTRANT = (
     "use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
@@ -57,10 +61,15 @@ CHECKPOINTING_UNSUPPORTED = (
     "it refuses ghostdp's norm pass (an autograd.grad call). torch's reentrant checkpoints are supported. "
     + NON_REENTRANT_FIX)
 BOOKKEEPING_WITH_CHECKPOINTING = (
-    "clipping='bookkeeping' with activation checkpointing: book-keeping keeps every layer's inputs and output "
-    "grads until the clipping coefficients are known, which undoes most of what checkpointing saves (2.5-3.4x "
-    "the plain checkpointed step's peak, BERT on CPU). clipping='ghost' stays at the plain checkpointed peak "
-    "(1.00-1.05x) for a second backward.")
+    "per-group clipping with activation checkpointing: per-group clipping needs book-keeping, which keeps every "
+    "layer's inputs and output grads until the clipping coefficients are known; that undoes what checkpointing "
+    "saves (2.5-3.4x the plain checkpointed step's peak, BERT on CPU). One max_grad_norm (clipping='ghost', or "
+    "'bookkeeping', which takes ghost's two passes under checkpointing) stays at the plain checkpointed peak "
+    "(1.00-1.05x).")
+TWO_PASSES_UNDER_CHECKPOINTING = (
+    "clipping='bookkeeping' under activation checkpointing (or saved-tensor offloading): these steps take ghost's "
+    "two passes, because keeping every layer's inputs and output grads would undo the memory checkpointing saves. "
+    "The clipped sums are the same; the time and memory are clipping='ghost''s.")
 REENTRANT_DISTRIBUTED = (
     "Reentrant activation checkpointing (use_reentrant=True) with several processes or FSDP is not supported: "
     "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
@@ -219,6 +228,11 @@ class GhostClipping:
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._warned_of_checkpointing = False
+        self._told_two_passes = False
+        # Book-keeping: the forward ran a trained layer under a checkpoint (saved-tensor hooks, or with
+        # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
+        self._watch_checkpoints = self.mode.keeps_factors
+        self._forward_checkpointed = False
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
@@ -227,9 +241,10 @@ class GhostClipping:
         # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
         # times the clipped sum, so a scaled loss shows here for the optimizer to check.
         self.last_loss_scale = None
-        # One (number of examples, incoming gradient) per DP-loss backward since the DP optimizer
-        # last took them (None: nobody listens); and callables run before each norm pass.
-        self.passes: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
+        # One (number of examples, incoming gradient, unclipped count or None, whether the mode wrote
+        # the clipped sums itself) per DP-loss backward since the DP optimizer last took them (None:
+        # nobody listens); and callables run before each norm pass.
+        self.passes: list[tuple[int, torch.Tensor, torch.Tensor | None, bool]] | None = None
         self.count_unclipped = False  # adaptive clipping: passes also carry the count of norms <= C
         self.pass_observers: list = []
         # name -> context manager entered around each marked region (pass 1, each norm rule, the
@@ -302,6 +317,7 @@ class GhostClipping:
             self._batch_hint = _leading_dim(args, kwargs)
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self._regions.depth = 0
+                self._forward_checkpointed = _saved_tensor_hooks(False) is not None
 
     def _on_unit_forward(self, unit, args):
         if self._recording(unit):
@@ -318,10 +334,14 @@ class GhostClipping:
 
     def _on_forward(self, name, entry, module, args, kwargs, output):
         if not self._recording(module):
+            if self._watch_checkpoints and module.training and not self._in_fallback:  # grad off
+                self._forward_checkpointed = self._forward_checkpointed or bool(self._trainable_owned(module))
             return None
         params = self._trainable_owned(module)
         if not params:
             return None
+        if self._watch_checkpoints and not self._forward_checkpointed and _saved_tensor_hooks(False) is not None:
+            self._forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
         if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
                 and output.is_floating_point() and all(isinstance(a, torch.Tensor) for a in args)):
             return self._record_ruled(name, entry, module, args, output, params)
@@ -539,7 +559,7 @@ class GhostClipping:
         for n, f in factors.items():
             if self._pass.samples is not None and self._sample_request.wants(call.params[n]):
                 self._pass.samples[call.params[n]].append(f)
-            if self.mode.keeps_factors:
+            if self._pass.keeps_factors:
                 self._pass.kept[call.params[n]].append(f)
             elif n in missing:  # two passes: see precision.ExactSums
                 self._pass.exact[call.params[n]].append(f)
@@ -586,7 +606,7 @@ class GhostClipping:
         trainable.update((id(p), p) for p in self._gathered.values())
         return trainable
 
-    def _audit(self, per_example_losses):
+    def _audit(self, per_example_losses, mode):
         """This step's graph: refuse a stray parameter; return the recorded calls, the reentrant
         checkpoints' nodes and the nodes visited."""
         trainable = self._trainable()
@@ -601,8 +621,8 @@ class GhostClipping:
             if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
                 raise NotImplementedError(REENTRANT_DISTRIBUTED)
             self._regions.watch(regions)
-        if self.mode.keeps_factors and not self._warned_of_checkpointing and (
-                regions or _checkpointing_enabled(self.module)):
+        if mode.keeps_factors and not self._warned_of_checkpointing and (
+                regions or self._forward_checkpointed or _checkpointing_enabled(self.module)):
             self._warned_of_checkpointing = True
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
         if stray:
@@ -686,8 +706,10 @@ class GhostClipping:
         finally:
             self._pass = None
 
-    def per_example_norms(self, per_example_losses: torch.Tensor) -> torch.Tensor:
-        """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64."""
+    def per_example_norms(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:
+        """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64.
+        ``mode``: the clipping mode of this backward (``mode_for_loss``; default: the controller's)."""
+        mode = self.mode if mode is None else mode
         if per_example_losses.dim() != 1:
             raise ValueError(f"per-example losses must have shape (batch,), got {tuple(per_example_losses.shape)}")
         if not per_example_losses.requires_grad:
@@ -700,13 +722,13 @@ class GhostClipping:
         self._exact_sums.clear()
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
-        calls, regions, audited = self._audit(per_example_losses)
+        calls, regions, audited = self._audit(per_example_losses, mode)
         probes = list(self._probes.values())
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if probes and self._layouts.assign(calls, B) and not regions:
             self._prove_layouts(per_example_losses, probes)
         self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
-                              reentrant=bool(regions))
+                              reentrant=bool(regions), keeps_factors=mode.keeps_factors)
         if self._sample_request is not None:
             self._pass.samples = self._sample_request.start(self._parameters.values(), B)
         try:
@@ -716,14 +738,14 @@ class GhostClipping:
                 else:
                     if probes:
                         # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
-                        retain = self.mode.continues_backward or self._graph_needed_after_pass1
+                        retain = mode.continues_backward or self._graph_needed_after_pass1
                         _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses),
                                             retain)
                     self._finish()
             if self._pass.samples is not None:
                 write_samples(self._pass.samples, B)
             sq = self._pass.total_sq()
-            self._kept = self._pass.kept if self.mode.keeps_factors else self._pass.exact
+            self._kept = self._pass.kept if mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
         finally:
             self._pass = None
@@ -736,13 +758,13 @@ class GhostClipping:
         self.last_group_norms = group_norms
         return sq.sum(0).clamp(min=0).sqrt()
 
-    def clip_coefficients(self, per_example_losses: torch.Tensor) -> torch.Tensor:
+    def clip_coefficients(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:
         """Pass 1 and c_i = min(1, C / (n_i + 1e-6)) (per-group clipping: c_ki = min(1, C_k / (n_ki + 1e-6)),
         shape (groups, B)). Examples with a non-finite loss or norm, or whose gradient terms could round
         the others away (precision.py), raise or get c_i = 0."""
         for observe in self.pass_observers:
             observe(per_example_losses)
-        norms = self.per_example_norms(per_example_losses)
+        norms = self.per_example_norms(per_example_losses, mode)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
         if self.group_norms is None:
             coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
@@ -765,14 +787,27 @@ class GhostClipping:
         self.last_norms, self.last_coefficients = norms, coeffs
         return coeffs
 
-    def grad_of_losses(self, coefficients, grad_output, losses):
+    def grad_of_losses(self, coefficients, grad_output, losses, mode=None):
         """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode
         has written the clipped sum into p.grad itself."""
+        mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
         with self._region("ghostdp.clipped_sum"):
-            if not self.mode.keeps_factors and kept:
+            if not mode.keeps_factors and kept:
                 self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
-            return self.mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
+            return mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
+
+    def mode_for_loss(self):
+        """The clipping mode of the DP loss being built from this forward: the controller's, or two passes
+        for a book-keeping step under activation checkpointing (modes.mode_of_step; logged once)."""
+        if not self.mode.keeps_factors:
+            return self.mode
+        checkpointed = self._forward_checkpointed or _checkpointing_enabled(self.module)
+        mode = mode_of_step(self.mode, checkpointed, per_group=self.group_norms is not None)
+        if mode is not self.mode and not self._told_two_passes:
+            self._told_two_passes = True
+            log.info(TWO_PASSES_UNDER_CHECKPOINTING)
+        return mode
 
     # ----------------------------------------------------------------- per-example gradients on demand
     @contextlib.contextmanager

@@ -14,14 +14,16 @@ class ClippedLoss(torch.autograd.Function):
 
     ``graph_input`` is what the outer backward continues into: the losses themselves (two-pass),
     or a zero-size anchor leaf (book-keeping), so that autograd never walks the model's graph a
-    second time, which pass 1 has already freed.
+    second time, which pass 1 has already freed. ``mode``: this backward's clipping mode, chosen
+    when the loss is built (``GhostClipping.mode_for_loss``).
     """
 
     @staticmethod
-    def forward(ctx, graph_input, held_losses, controller, divisor, examples):
+    def forward(ctx, graph_input, held_losses, controller, divisor, examples, mode):
         ctx.losses = held_losses[0]  # kept with its graph: pass 1 differentiates it again
         ctx.controller = controller
         ctx.examples = examples
+        ctx.mode = mode
         ctx.consumed = False
         return ctx.losses.sum() / divisor
 
@@ -32,15 +34,15 @@ class ClippedLoss(torch.autograd.Function):
                 "this ghostdp loss was already backpropagated once; a second backward would add every "
                 "example's clipped gradient twice and double its privacy cost. Compute a new loss instead.")
         ctx.consumed = True
-        coeffs = ctx.controller.clip_coefficients(ctx.losses)
+        coeffs = ctx.controller.clip_coefficients(ctx.losses, ctx.mode)
         ctx.controller.last_loss_scale = grad_output.detach()
         if ctx.controller.passes is not None:  # tensors: no host sync mid-backward
             unclipped = None
             if ctx.controller.count_unclipped:  # adaptive clipping: examples whose norm is <= C
                 norms = ctx.controller.last_norms
                 unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
-            ctx.controller.passes.append((ctx.examples, grad_output.detach(), unclipped))
-        return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses), None, None, None, None
+            ctx.controller.passes.append((ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors))
+        return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses, ctx.mode), None, None, None, None, None
 
 
 def clipped_loss(controller, per_example_losses, reduction="mean", expected_batch_size=None):
@@ -60,9 +62,9 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
         controller.next_loss_is_padding = False
         per_example_losses, examples = per_example_losses * 0.0, 0
     divisor = float(max(1, per_example_losses.shape[0])) if reduction == "mean" else 1.0
-    graph_input = per_example_losses if controller.mode.continues_backward else controller.anchor(
-        per_example_losses.device)
-    return ClippedLoss.apply(graph_input, (per_example_losses,), controller, divisor, examples)
+    mode = controller.mode_for_loss()
+    graph_input = per_example_losses if mode.continues_backward else controller.anchor(per_example_losses.device)
+    return ClippedLoss.apply(graph_input, (per_example_losses,), controller, divisor, examples, mode)
 
 
 def _token_weights(criterion, target):

@@ -53,8 +53,9 @@ class NormPass:
     the queue gives k rows at once), and summed over layers once, at the end.
     """
 
-    def __init__(self, batch_size, proving=False, groups=1, reentrant=False):
+    def __init__(self, batch_size, proving=False, groups=1, reentrant=False, keeps_factors=False):
         self.batch_size = batch_size
+        self.keeps_factors = keeps_factors  # book-keeping: every factor is kept for the clipped sums
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.reentrant = reentrant        # the graph has reentrant checkpoints (clipping/reentrant.py):
         self.region_calls = []            # the calls their recomputations made, in order

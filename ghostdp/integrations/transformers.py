@@ -51,7 +51,8 @@ class DPArguments:
     same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
     ``max_epsilon`` stops training before the step that would exceed it. ``clipping`` is "ghost"
     (two passes) or "bookkeeping" (one backward, more memory; with several processes the step sums
-    the ranks' clipped sums in one bucketed all-reduce).
+    the ranks' clipped sums in one bucketed all-reduce; with gradient_checkpointing its steps take
+    ghost's two passes, so as to keep checkpointing's memory saving).
     ``noise_scheduler`` builds a noise scheduler on the DP optimizer (e.g.
     ``functools.partial(ghostdp.schedules.ExponentialNoise, gamma=0.9)``), stepped at the end of every
     epoch; ``batch_size_schedule`` (ghostdp.schedules.StepBatchSize, ...) scales the expected batch
