@@ -259,6 +259,61 @@ def fsdp_fallback_error():
                for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def accelerate_sharded(model):
+    """accelerate's own FSDP2 preparation (what Accelerator.prepare runs under an FSDP plugin with
+    fsdp_version=2: each BertLayer, the input embedding, a tail group, the root), called directly: on a
+    CPU accelerate never selects FSDP, so Accelerator(fsdp_plugin=...) alone would run DDP."""
+    from types import SimpleNamespace
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["BertLayer"], cpu_ram_efficient_loading=False)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                  torch_device_mesh=None, parallelism_config=None,
+                                  is_main_process=dist.get_rank() == 0, device=torch.device("cpu"))
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def accelerate_fsdp_errors():
+    """A 2-layer BERT sharded by accelerate's FSDP2 preparation, ghostdp attached after it (the engine's
+    order) and before it (DPTrainer's): each rank's clipped sum of its 4 examples, times 2 (FSDP averages),
+    against one process on all 8; the largest difference relative to the largest gradient element."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def bert():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(BertConfig(
+            vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+
+    def losses(model, rows):
+        return torch.nn.functional.cross_entropy(model(input_ids=ids[rows]).logits, labels[rows], reduction="none")
+
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(1, 30, (8, 6), generator=g), torch.randint(0, 3, (8,), generator=g)
+    reference = bert()
+    controller = ghostdp.GhostClipping(reference, C)
+    controller.loss(losses(reference, slice(None)), "sum").backward()
+    controller.detach()
+    scale = max(float(p.grad.abs().max()) for p in reference.parameters())
+    mine = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    errors = {}
+    for order in ("shard, then attach", "attach, then shard"):
+        model = bert()
+        if order == "attach, then shard":
+            controller = ghostdp.GhostClipping(model, C)
+            model = accelerate_sharded(model)
+        else:
+            model = accelerate_sharded(model)
+            controller = ghostdp.GhostClipping(model, C)
+        controller.loss(losses(model, mine), "sum").backward()
+        controller.detach()
+        ref = dict(reference.named_parameters())
+        errors[order] = max(float((p.grad.full_tensor() * dist.get_world_size() - ref[n].grad).abs().max()) / scale
+                            for n, p in model.named_parameters())
+    return errors
+
+
 class ReadsChildWeight(torch.nn.Module):
     """Reads lin.weight outside lin's forward (and, with ``also_called``, calls lin too)."""
 
@@ -301,7 +356,7 @@ def fsdp(out):
             "noise": fsdp_noise(secure=False), "secure_noise": fsdp_noise(secure=True),
             "bookkeeping": refusal(lambda: private(fully_sharded(mlp()), seed=1, clipping="bookkeeping")),
             "automatic_physical_batch": refusal(lambda: private(fully_sharded(mlp()), seed=1, physical="auto")),
-            "fallback_error": fsdp_fallback_error(),
+            "fallback_error": fsdp_fallback_error(), "accelerate_errors": accelerate_fsdp_errors(),
             "stray_read": {also: fsdp_stray_read(also) for also in (True, False)}}
 
 

@@ -223,6 +223,12 @@ def test_fsdp_unit_without_a_norm_rule_goes_through_the_fallback_exactly(fsdp_ru
         assert rank["fallback_error"] < 1e-10
 
 
+def test_accelerates_fsdp2_preparation_is_exact_whether_ghostdp_attaches_before_or_after_it(fsdp_runs):
+    for rank in fsdp_runs:
+        assert set(rank["accelerate_errors"]) == {"shard, then attach", "attach, then shard"}
+        assert all(error < 1e-10 for error in rank["accelerate_errors"].values()), rank["accelerate_errors"]
+
+
 @pytest.mark.parametrize("also_called", [True, False])
 def test_fsdp_parameter_read_outside_its_module_is_refused(fsdp_runs, also_called):
     # FSDP2 gathers the weight into another tensor for the forward; a read of that tensor alone (never

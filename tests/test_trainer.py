@@ -178,6 +178,23 @@ def test_evaluate_and_save_are_those_of_a_plain_trainer(tmp_path):
     assert loaded.state_dict().keys() == model.state_dict().keys()
 
 
+@pytest.mark.parametrize("sharding, match", [("is_fsdp_enabled", "DPTrainer with FSDP .* is not supported yet"),
+                                             ("is_deepspeed_enabled", "DPTrainer with DeepSpeed is not supported")])
+def test_fsdp_and_deepspeed_are_refused_with_the_fix(tmp_path, monkeypatch, sharding, match):
+    # On a CPU accelerate never shards (it runs DDP): the flag the Trainer reads from accelerate's state is set
+    # here as a GPU run under an FSDP or DeepSpeed config would set it.
+    from transformers import Trainer
+    build = Trainer.create_accelerator_and_postprocess
+
+    def sharded_accelerator(self):
+        build(self)
+        setattr(self, sharding, True)
+
+    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", sharded_accelerator)
+    with pytest.raises(NotImplementedError, match=match):
+        DPTrainer(model=bert(), args=args(tmp_path), train_dataset=Examples(), dp_args=DPArguments(noise_multiplier=1.0))
+
+
 def test_unsupported_settings_are_refused(tmp_path):
     dp = DPArguments(noise_multiplier=1.0)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):

@@ -202,6 +202,20 @@ class DPTrainerMixin:
         if args.n_gpu > 1:
             raise ValueError("DataParallel (several GPUs in one process) is not supported: launch one process "
                              "per GPU (torchrun / accelerate launch) instead.")
+        if self.is_fsdp_enabled:  # accelerate shards the model (on a CPU it ignores an FSDP config: DDP then)
+            raise NotImplementedError(
+                "DPTrainer with FSDP (TrainingArguments(fsdp=...) or an accelerate FSDP config) is not supported "
+                "yet: each FSDP rank draws the noise of the gradient shard it owns from a stream of its own, while "
+                "DPTrainer's checkpoints keep one process's streams, so a resumed run would repeat earlier noise on "
+                "the other ranks' shards; and the path is untested on GPUs. Fix: PrivacyEngine with FSDP2 "
+                "(fully_shard, or accelerate: Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))"
+                ".prepare(model), then make_private; see the README), or DPTrainer with DDP (torchrun / accelerate "
+                "launch without an FSDP config).")
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "DPTrainer with DeepSpeed is not supported: DeepSpeed's engine partitions, reduces and scales the "
+                "gradients itself, past ghostdp's clipped sums and noise. Fix: DDP (torchrun / accelerate launch "
+                "without a DeepSpeed config), or PrivacyEngine with FSDP2 for models past one GPU.")
         if isinstance(self.data_collator, DataCollatorWithFlattening) or getattr(self.data_collator,
                                                                                  "padding_free", False):
             raise ValueError("packing / padding-free collators merge examples into one row, so a row is no "
