@@ -68,8 +68,9 @@ BOOKKEEPING_WITH_CHECKPOINTING = (
     "(1.00-1.05x).")
 TWO_PASSES_UNDER_CHECKPOINTING = (
     "clipping='bookkeeping' under activation checkpointing (or saved-tensor offloading): these steps take ghost's "
-    "two passes, because keeping every layer's inputs and output grads would undo the memory checkpointing saves. "
-    "The clipped sums are the same; the time and memory are clipping='ghost''s.")
+    "two passes, because keeping the layers' inputs and output grads would undo the memory checkpointing saves "
+    "(book-keeping keeps one backward there only when it can keep small explicit per-example gradients instead, "
+    "as for LoRA adapters). The clipped sums are the same; the time and memory are clipping='ghost''s.")
 REENTRANT_DISTRIBUTED = (
     "Reentrant activation checkpointing (use_reentrant=True) with several processes or FSDP is not supported: "
     "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
@@ -233,6 +234,7 @@ class GhostClipping:
         # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
         self._watch_checkpoints = self.mode.keeps_factors
         self._forward_checkpointed = False
+        self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
@@ -557,6 +559,11 @@ class GhostClipping:
             finally:
                 self._in_fallback = False
         for n, f in factors.items():
+            if self._watch_checkpoints:  # what book-keeping would keep, against what the layers hold
+                self._pass.held_bytes += f.held_bytes()
+                self._pass.kept_bytes += f.kept_bytes()
+            if self._pass.keeps_factors:
+                f = f.kept()  # explicit gradients where they hold less (factors.OuterProduct.kept)
             if self._pass.samples is not None and self._sample_request.wants(call.params[n]):
                 self._pass.samples[call.params[n]].append(f)
             if self._pass.keeps_factors:
@@ -745,6 +752,8 @@ class GhostClipping:
             if self._pass.samples is not None:
                 write_samples(self._pass.samples, B)
             sq = self._pass.total_sq()
+            if self._pass.held_bytes:
+                self._kept_fraction = self._pass.kept_bytes / self._pass.held_bytes
             self._kept = self._pass.kept if mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
         finally:
@@ -803,9 +812,9 @@ class GhostClipping:
         if not self.mode.keeps_factors:
             return self.mode
         checkpointed = self._forward_checkpointed or _checkpointing_enabled(self.module)
-        mode = mode_of_step(self.mode, checkpointed, per_group=self.group_norms is not None)
-        if mode is not self.mode and not self._told_two_passes:
-            self._told_two_passes = True
+        mode = mode_of_step(self.mode, checkpointed, self.group_norms is not None, self._kept_fraction)
+        if mode is not self.mode and self._kept_fraction is not None and not self._told_two_passes:
+            self._told_two_passes = True  # decided by a measured pass (the first checkpointed step has none)
             log.info(TWO_PASSES_UNDER_CHECKPOINTING)
         return mode
 

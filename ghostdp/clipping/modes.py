@@ -10,8 +10,11 @@
 A book-keeping step whose forward ran under activation checkpointing (or any saved-tensor hooks, e.g.
 offloading) takes two passes instead (``mode_of_step``): its kept A and G would be every layer's
 activations, the very memory checkpointing frees (BERT L=4, B=16, CPU: 3.4x the plain checkpointed
-peak, as much as book-keeping without checkpointing, and slower). Per-group clipping has no two-pass
-form, so it keeps book-keeping there.
+peak, as much as book-keeping without checkpointing, and slower). Unless what it keeps is small: where
+the explicit per-example gradients are smaller than A and G (adapters: LoRA's rank r << T tokens) it
+keeps those (``PerExampleGrad.kept``), and when the last norm pass found that everything kept would be
+at most KEPT_FRACTION_UNDER_CHECKPOINTING of the bytes the layers' A and G hold, it stays one backward.
+Per-group clipping has no two-pass form, so it keeps book-keeping there.
 """
 from __future__ import annotations
 
@@ -88,10 +91,17 @@ def clipping_mode(name: str):
     return CLIPPING_MODES[name]
 
 
-def mode_of_step(configured, checkpointed: bool, per_group: bool):
+# Book-keeping stays one backward under checkpointing when what it keeps is at most this part of the
+# bytes its layers' inputs and output grads hold (a LoRA model at T=512: about 1/16 in bf16).
+KEPT_FRACTION_UNDER_CHECKPOINTING = 1 / 8
+
+
+def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction: float | None = None):
     """The mode a DP loss's backward runs in: ``configured``, or two passes for a checkpointed
-    book-keeping step (see above)."""
-    if configured.keeps_factors and checkpointed and not per_group:
+    book-keeping step (see above). ``kept_fraction``: kept bytes / held bytes of the last norm pass,
+    None before the first."""
+    keeps_little = kept_fraction is not None and kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING
+    if configured.keeps_factors and checkpointed and not per_group and not keeps_little:
         return CLIPPING_MODES[TwoPass.name]
     return configured
 

@@ -11,6 +11,8 @@ one parameter implicitly, and can give
   (hi - lo, *param.shape), as a last resort for cross terms;
 - ``merge`` / ``dot``: the pieces needed when one parameter is used several
   times in a step (tied weights, a module called twice);
+- ``kept()``: what book-keeping keeps until the clipped sum: the factor itself, or the explicit
+  per-example gradients where they hold less (an adapter's low-rank Linear at T tokens);
 - ``weighted_sum(c)``: sum_i c_i g_i, the clipped sum of book-keeping mode,
   formed without per-example gradients where the factor allows (an embedding's also takes
   ``out_dtype``, the parameter's, to skip a wide copy of a 16-bit table);
@@ -121,6 +123,10 @@ def summed_positions_mass(terms: torch.Tensor, positions: int, dtype, example_di
     return torch.linalg.vector_norm(terms, dim=dims, dtype=dtype) * math.sqrt(positions)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class SqrtProduct(NamedTuple):
     """A token mass sqrt(a * b), a a (B,) tensor and b a (B,) tensor or a number: the norm pass stacks
     every layer's a and b and forms the roots in one expression instead of two small ops per layer."""
@@ -175,6 +181,18 @@ class PerExampleGrad:
     def merge(self, other: "PerExampleGrad") -> "PerExampleGrad | None":
         """A single factor for the sum of both gradients, when exact and cheap; else None."""
         return None
+
+    def kept(self) -> "PerExampleGrad":
+        """The form book-keeping keeps until the clipped sum: this factor, or an equal one holding less."""
+        return self
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors this factor holds (by default: as many as its explicit float32 gradients)."""
+        return self.batch_size * math.prod(self.param_shape) * 4
+
+    def kept_bytes(self) -> int:
+        """Bytes of what ``kept`` would hold, from shapes alone (nothing is formed)."""
+        return self.held_bytes()
 
     def dot(self, other: "PerExampleGrad") -> torch.Tensor:
         """Per-example inner products <g_i, h_i>; by default through materialised chunks."""
@@ -239,6 +257,9 @@ class SummedTokens(Instantiated):
         if self._grads is None:
             self._grads = self.tokens.sum(1, dtype=acc_dtype(self.tokens))
         return self._grads
+
+    def held_bytes(self):
+        return _nbytes(self.tokens)
 
     @property
     def mass(self):
@@ -376,6 +397,23 @@ class OuterProduct(PerExampleGrad):
         g = wide_matmul(left.transpose(1, 2), right, dt)
         return g.reshape(hi - lo, *self.param_shape)
 
+    def held_bytes(self):
+        return _nbytes(self.left) + _nbytes(self.right)
+
+    def _explicit_bytes(self):
+        return self.batch_size * math.prod(self.param_shape) * acc_dtype(self.left, self.right).itemsize
+
+    def kept_bytes(self):
+        return min(self.held_bytes(), self._explicit_bytes())
+
+    def kept(self):
+        """The explicit (B, m, n) gradients where they take fewer bytes than L (B, T, m) and R (B, T, n):
+        m n < T (m + n) at equal widths, e.g. a LoRA factor of rank r << T. Book-keeping then keeps them
+        instead of the layer's input and output grad, and its clipped sum is one (B) x (B, m n) product."""
+        if self.left.shape[1] <= 1 or self._explicit_bytes() >= self.held_bytes():
+            return self
+        return Instantiated(self.materialize(0, self.batch_size), self.token_mass())
+
     def weighted_sum(self, weights):
         return weighted_outer_sum(*self.operands(), weights, acc_dtype(self.left, self.right)).reshape(
             self.param_shape)
@@ -411,6 +449,9 @@ class EmbeddingGather(PerExampleGrad):
         self.padding_idx = padding_idx
         self.batch_size = B
         self.param_shape = torch.Size((num_embeddings, self.grads.shape[-1]))
+
+    def held_bytes(self):
+        return _nbytes(self.ids) + _nbytes(self.grads)
 
     def _valid(self):
         if self.padding_idx is None:

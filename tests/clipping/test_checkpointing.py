@@ -196,3 +196,30 @@ def test_per_group_clipping_under_checkpointing_keeps_book_keeping_is_exact_and_
         warnings.simplefilter("error")  # once
         model.zero_grad(set_to_none=True)
         controller.loss(nn.functional.cross_entropy(model(ids), labels, reduction="none"), reduction="sum").backward()
+
+
+class CheckpointedAdapter(nn.Module):
+    """A rank-2 adapter of 16 features at 32 tokens inside a non-reentrant checkpoint: book-keeping keeps
+    its explicit per-example gradients (2 x 16 values each) instead of inputs and output grads (32 x 18)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down, self.up = nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=False)
+
+    def forward(self, x):
+        return checkpoint(lambda h: self.up(torch.tanh(self.down(h))), x, use_reentrant=False)
+
+
+def test_book_keeping_stays_one_backward_under_checkpointing_when_it_keeps_little_and_is_exact():
+    from conftest import clipped_sum, reference_per_example_grads
+    torch.manual_seed(0)
+    model, x = CheckpointedAdapter().double(), torch.randn(B, 32, 16, dtype=torch.float64)
+    per_example = reference_per_example_grads(model, lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    _, norms = clipped_sum(per_example, 1.0)
+    ref, _ = clipped_sum(per_example, float(norms.median()))
+    controller = ghostdp.GhostClipping(model, float(norms.median()), clipping="bookkeeping")
+    one_backward = [bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1)) for _ in range(3)]
+    assert one_backward == [False, True, True]  # the first step measures what book-keeping would keep
+    assert controller._kept_fraction < 1 / 8
+    for name, p in model.named_parameters():  # the last step's clipped sum (whatever the loss's reduction)
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)

@@ -92,3 +92,39 @@ def test_a_new_tensor_at_a_dead_tensors_address_does_not_find_its_gram_tiles():
     second = torch.from_numpy(buffer)
     tile = grams.tiles(second, torch.float32, 3).get(0, 0, second[:, :3], second[:, :3])
     torch.testing.assert_close(tile, second[:, :3] @ second[:, :3].transpose(1, 2))
+
+
+class LowRank(nn.Module):
+    """An adapter's shape: a rank-2 down and up projection of 16 features (at 12 tokens below)."""
+
+    def __init__(self, bias=True):
+        super().__init__()
+        self.down, self.up = nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=bias)
+
+    def forward(self, x):
+        return self.up(self.down(x))
+
+
+def test_book_keeping_keeps_the_explicit_gradients_of_a_low_rank_layer_and_stays_exact():
+    from conftest import assert_exact_model
+    from ghostdp.norms.factors import Instantiated, OuterProduct, SummedTokens
+    torch.manual_seed(0)
+    model, x = LowRank().double(), torch.randn(6, 12, 16, dtype=torch.float64)
+    # Each weight's per-example gradient (2 x 16 = 32 values) holds less than its input and output grad
+    # (12 tokens x 18 values); the bias's sums over tokens (16) less than its tokens (12 x 16).
+    kept = {}
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    original = controller.grad_of_losses
+
+    def peek(coefficients, grad_output, losses, mode=None):
+        kept.update({name: type(f[0]) for name, p in model.named_parameters() for q, f in controller._kept.items()
+                     if q is p})
+        return original(coefficients, grad_output, losses, mode)
+
+    controller.grad_of_losses = peek
+    controller.loss(model(x).pow(2).sum((1, 2))).backward()
+    controller.detach()
+    assert kept == {"down.weight": Instantiated, "up.weight": Instantiated, "up.bias": SummedTokens}
+    wide = OuterProduct(torch.randn(6, 4, 16), torch.randn(6, 4, 16), (16, 16))
+    assert wide.kept() is wide  # 256 values per example against 4 tokens x 32: the factors stay
+    assert_exact_model(model, x, lambda out, sl: out.pow(2).sum((1, 2)), 6)
