@@ -812,9 +812,14 @@ class GhostClipping:
         if not self.mode.keeps_factors:
             return self.mode
         checkpointed = self._forward_checkpointed or _checkpointing_enabled(self.module)
-        mode = mode_of_step(self.mode, checkpointed, self.group_norms is not None, self._kept_fraction)
-        if mode is not self.mode and self._kept_fraction is not None and not self._told_two_passes:
-            self._told_two_passes = True  # decided by a measured pass (the first checkpointed step has none)
+        # Several processes: every rank must take the same mode (DDP's collectives), and each rank's
+        # measurement is its own (its sequence lengths): no exemption for what book-keeping keeps.
+        several = distributed_rank_and_size()[1] > 1
+        kept_fraction = None if several else self._kept_fraction
+        mode = mode_of_step(self.mode, checkpointed, self.group_norms is not None, kept_fraction)
+        final = several or kept_fraction is not None  # the first checkpointed step has no measurement yet
+        if mode is not self.mode and final and not self._told_two_passes:
+            self._told_two_passes = True
             log.info(TWO_PASSES_UNDER_CHECKPOINTING)
         return mode
 

@@ -223,3 +223,15 @@ def test_book_keeping_stays_one_backward_under_checkpointing_when_it_keeps_littl
     assert controller._kept_fraction < 1 / 8
     for name, p in model.named_parameters():  # the last step's clipped sum (whatever the loss's reduction)
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)
+
+
+def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointing_even_when_it_keeps_little(
+        monkeypatch):
+    # Each rank measures its own batches, and all ranks must take one mode (DDP's collectives in pass 2).
+    import ghostdp.clipping.controller as controller_module
+    monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
+    torch.manual_seed(0)
+    model, x = CheckpointedAdapter().double(), torch.randn(B, 32, 16, dtype=torch.float64)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    assert [bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1)) for _ in range(2)] == [False] * 2
+    assert controller._kept_fraction < 1 / 8
