@@ -137,7 +137,8 @@ class PrivacyEngine:
         draw, and the model must run forward through DistributedDataParallel (before or after this
         call). With clipping="bookkeeping" the step sums the ranks' clipped sums itself (bucketed
         all-reduce; DDP's own hooks never fire), except in steps under activation checkpointing,
-        which take ghost's two passes (DDP sums their second; clipping/modes.py). secure_mode is single-process only, except under FSDP2.
+        which take ghost's two passes (DDP sums their second; clipping/modes.py). secure_mode is
+        single-process only, except under FSDP2.
         FSDP2 (``fully_shard`` before building the optimizer; ghost clipping): each rank adds the noise
         of the gradient shards it owns, from its own stream (sharding.py, randomness.py).
 
