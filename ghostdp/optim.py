@@ -259,7 +259,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _examples_of_this_step(self):
         """(examples clipped, backward calls, unclipped examples or None) of this step's DP-loss backwards."""
         passes, self.controller.passes = self.controller.passes, []
-        written = {wrote for *_, wrote in passes}
+        written = {record.wrote_sums for record in passes}
         if len(written) > 1 and self.world_size > 1:
             raise PrivacyStepError(
                 "this step's backward calls mixed book-keeping's one backward with two passes (activation "
@@ -269,8 +269,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._sums_written_by_mode = written.pop() if written else None
         # One host sync for all of the step's backward calls, at the step rather than inside each backward:
         # their loss scales and, for adaptive clipping, their counts of unclipped examples.
-        values = [s.reshape(()).double() for _, s, _, _ in passes]
-        values += [u.reshape(()).double() for _, _, u, _ in passes if u is not None]
+        values = [record.loss_scale.reshape(()).double() for record in passes]
+        values += [record.unclipped.reshape(()).double() for record in passes if record.unclipped is not None]
         if len({v.device for v in values}) > 1:
             values = [v.cpu() for v in values]
         values = torch.stack(values).tolist() if values else []
@@ -283,7 +283,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "The noise is calibrated to the unscaled clipped sum, so call backward() on the loss itself; "
                 "split large batches with max_physical_batch_size instead of scaling.")
         unclipped = sum(counts) if self.adaptive_clipping is not None else None
-        return sum(n for n, *_ in passes), len(passes), unclipped
+        return sum(record.examples for record in passes), len(passes), unclipped
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
         # The examples this step must have clipped: given by the caller (DPTrainer runs the logical

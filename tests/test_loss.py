@@ -59,10 +59,10 @@ def test_a_padding_loss_adds_nothing_and_counts_no_examples():
     controller.passes = []
     controller.next_loss_is_padding = True
     controller.loss(lin(torch.randn(1, 3)).pow(2).sum(1)).backward()
-    assert torch.equal(lin.weight.grad, torch.zeros(2, 3)) and [(n, float(g)) for n, g, *_ in controller.passes] == [(0, 1.0)]
+    assert torch.equal(lin.weight.grad, torch.zeros(2, 3)) and [(r.examples, float(r.loss_scale)) for r in controller.passes] == [(0, 1.0)]
     assert not controller.next_loss_is_padding  # it applies to one loss only
     controller.loss(lin(torch.randn(1, 3)).pow(2).sum(1)).backward()
-    assert lin.weight.grad.abs().sum() > 0 and (controller.passes[-1][0], float(controller.passes[-1][1])) == (1, 1.0)
+    assert lin.weight.grad.abs().sum() > 0 and (controller.passes[-1].examples, float(controller.passes[-1].loss_scale)) == (1, 1.0)
 
 
 def test_a_scaled_loss_scales_the_clipped_sum_and_is_reported():

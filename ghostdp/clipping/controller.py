@@ -36,7 +36,7 @@ from .layout import LayoutProver
 from .modes import clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
 from .probe import add_probe
-from .records import ModuleCall, NormPass
+from .records import BackwardRecord, ModuleCall, NormPass
 from .reentrant import RegionWatch, leaves_below, stashed_grads
 from .samples import SampleRequest, write_samples
 
@@ -243,10 +243,9 @@ class GhostClipping:
         # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
         # times the clipped sum, so a scaled loss shows here for the optimizer to check.
         self.last_loss_scale = None
-        # One (number of examples, incoming gradient, unclipped count or None, whether the mode wrote
-        # the clipped sums itself) per DP-loss backward since the DP optimizer last took them (None:
+        # One records.BackwardRecord per DP-loss backward since the DP optimizer last took them (None:
         # nobody listens); and callables run before each norm pass.
-        self.passes: list[tuple[int, torch.Tensor, torch.Tensor | None, bool]] | None = None
+        self.passes: list[BackwardRecord] | None = None
         self.count_unclipped = False  # adaptive clipping: passes also carry the count of norms <= C
         self.pass_observers: list = []
         # name -> context manager entered around each marked region (pass 1, each norm rule, the

@@ -5,6 +5,8 @@ import copy
 
 import torch
 
+from .records import BackwardRecord
+
 
 class ClippedLoss(torch.autograd.Function):
     """value = sum_i L_i / divisor (the mean or the sum of this chunk's losses, what a user reads from
@@ -41,7 +43,8 @@ class ClippedLoss(torch.autograd.Function):
             if ctx.controller.count_unclipped:  # adaptive clipping: examples whose norm is <= C
                 norms = ctx.controller.last_norms
                 unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
-            ctx.controller.passes.append((ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors))
+            ctx.controller.passes.append(
+                BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors))
         return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses, ctx.mode), None, None, None, None, None
 
 

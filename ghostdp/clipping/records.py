@@ -1,7 +1,9 @@
-"""What the controller records per step: one ModuleCall per hooked forward, one NormPass per backward."""
+"""What the controller records per step: one ModuleCall per hooked forward, one NormPass per backward,
+and one BackwardRecord per backward of a DP loss for the DP optimizer's checks."""
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
@@ -11,6 +13,14 @@ from .modes import new_factor_store
 
 
 _NO_NODES = frozenset()
+
+
+class BackwardRecord(NamedTuple):
+    """One backward of a DP loss, as the DP optimizer reads it at the step (``GhostClipping.passes``)."""
+    examples: int                      # examples clipped (0 for a padding chunk)
+    loss_scale: torch.Tensor           # the gradient that flowed into the loss: 1 for a plain backward()
+    unclipped: torch.Tensor | None     # adaptive clipping: examples whose norm was <= C
+    wrote_sums: bool                   # the mode wrote the clipped sums itself (book-keeping: no DDP reducer)
 
 
 class ModuleCall:
