@@ -33,7 +33,7 @@ from ..sharding import has_sharded_parameters, is_sharded, sharded_units
 from .. import validate
 from .audit import audit_graph
 from .layout import LayoutProver
-from .modes import clipping_mode, mode_of_step, new_factor_store
+from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
 from .probe import add_probe
 from .records import BackwardRecord, ModuleCall, NormPass
@@ -597,6 +597,16 @@ class GhostClipping:
             if param in self._pass.pending:  # also used by a ruled module: every call's factor
                 self._pass.exact[param] = list(self._pass.pending[param])
 
+    def _warn_of_keeping_under_checkpointing(self, mode, regions):
+        """Once: a pass under checkpointing that kept more than book-keeping's exemption allows (per-group
+        clipping, which has no two-pass form: modes.mode_of_step)."""
+        if (not mode.keeps_factors or self._warned_of_checkpointing
+                or self._kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING):
+            return
+        if regions or self._forward_checkpointed or _checkpointing_enabled(self.module):
+            self._warned_of_checkpointing = True
+            warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
+
     def _group(self, param) -> int:
         if self._group_of is None:
             return 0
@@ -627,10 +637,6 @@ class GhostClipping:
             if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
                 raise NotImplementedError(REENTRANT_DISTRIBUTED)
             self._regions.watch(regions)
-        if mode.keeps_factors and not self._warned_of_checkpointing and (
-                regions or self._forward_checkpointed or _checkpointing_enabled(self.module)):
-            self._warned_of_checkpointing = True
-            warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
         if stray:
             self._refuse_stray(stray, calls)
         return calls, regions, seen
@@ -753,6 +759,7 @@ class GhostClipping:
             sq = self._pass.total_sq()
             if self._pass.held_bytes:
                 self._kept_fraction = self._pass.kept_bytes / self._pass.held_bytes
+                self._warn_of_keeping_under_checkpointing(mode, regions)
             self._kept = self._pass.kept if mode.keeps_factors else self._pass.exact
             self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
         finally:

@@ -14,7 +14,7 @@ peak, as much as book-keeping without checkpointing, and slower). Unless what it
 the explicit per-example gradients are smaller than A and G (adapters: LoRA's rank r << T tokens) it
 keeps those (``PerExampleGrad.kept``), and when the last norm pass found that everything kept would be
 at most KEPT_FRACTION_UNDER_CHECKPOINTING of the bytes the layers' A and G hold, it stays one backward.
-Per-group clipping has no two-pass form, so it keeps book-keeping there.
+Per-group clipping has no two-pass form, so it keeps book-keeping there (and warns when it keeps much).
 """
 from __future__ import annotations
 

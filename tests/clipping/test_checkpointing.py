@@ -235,3 +235,13 @@ def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointin
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     assert [bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1)) for _ in range(2)] == [False] * 2
     assert controller._kept_fraction < 1 / 8
+
+
+def test_per_group_clipping_under_checkpointing_does_not_warn_when_it_keeps_little():
+    import warnings
+    torch.manual_seed(0)
+    model, x = CheckpointedAdapter().double(), torch.randn(B, 32, 16, dtype=torch.float64)
+    controller = ghostdp.GhostClipping(model, [1.0], clipping="bookkeeping", parameter_groups=[list(model.parameters())])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1))
