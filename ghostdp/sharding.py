@@ -30,6 +30,15 @@ def has_sharded_parameters(module: torch.nn.Module) -> bool:
     return any(is_sharded(p) for p in module.parameters())
 
 
+def fsdp1_wrapped(module: torch.nn.Module) -> list[str]:
+    """Names of the modules FSDP1 (``FullyShardedDataParallel``) wraps: its flat parameter shards are plain
+    tensors, not DTensors, so nothing here would know a gradient element is one rank's alone."""
+    if not any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
+        return []  # no import of torch.distributed.fsdp for an ordinary model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return [name or "(the model)" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+
+
 def sharded_units(module: torch.nn.Module) -> list:
     """The modules fully_shard was applied to (each gathers its parameters around its forward)."""
     if not has_sharded_parameters(module):

@@ -199,3 +199,14 @@ def test_a_checkpoint_function_of_another_library_that_refuses_grad_is_refused_w
     out = model(ForeignCheckpoint.apply(model[0](torch.randn(5, 4))))
     with pytest.raises(NotImplementedError, match="not recognised.*use_reentrant=False"):
         controller.loss(out.pow(2).sum(1)).backward()
+
+
+def test_fsdp1_is_refused_with_the_fix():
+    # FSDP1 refuses to build without an accelerator, so the wrapper is made without its __init__: the check
+    # reads only the module types (accelerate's FSDP plugin wraps with it unless fsdp_version=2).
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    torch.nn.Module.__init__(wrapper)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), wrapper)
+    with pytest.raises(NotImplementedError, match=r"FSDP1 .*wrapping \['1'\].*fsdp_version=2"):
+        ghostdp.GhostClipping(model, 1.0)

@@ -29,7 +29,7 @@ from ..data import distributed_rank_and_size
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
-from ..sharding import has_sharded_parameters, is_sharded, sharded_units
+from ..sharding import fsdp1_wrapped, has_sharded_parameters, is_sharded, sharded_units
 from .. import validate
 from .audit import audit_graph
 from .layout import LayoutProver
@@ -194,6 +194,13 @@ class GhostClipping:
             raise TypeError(f"GhostClipping needs a torch.nn.Module, got {type(module).__name__}")
         if nonfinite not in ("error", "skip"):
             raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        wrapped = fsdp1_wrapped(module)
+        if wrapped:
+            raise NotImplementedError(
+                f"FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, wrapping {wrapped[:3]}) is not supported: "
+                "its flat parameter shards are not DTensors, so each rank's noise could not be drawn for the "
+                "elements it owns alone. accelerate's FullyShardedDataParallelPlugin uses FSDP1 by default. Fix: "
+                "FSDP2, with torch.distributed.fsdp.fully_shard or FullyShardedDataParallelPlugin(fsdp_version=2).")
         attached, _ = _attached_controller(module)
         if attached is not None:
             where = "this model" if attached is module else f"its submodule {type(attached).__name__}"
