@@ -325,7 +325,8 @@ class GhostClipping:
             self._batch_hint = _leading_dim(args, kwargs)
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self._regions.depth = 0
-                self._forward_checkpointed = _saved_tensor_hooks(False) is not None
+                if self._watch_checkpoints:
+                    self._forward_checkpointed = _saved_tensor_hooks(False) is not None
 
     def _on_unit_forward(self, unit, args):
         if self._recording(unit):
@@ -610,7 +611,7 @@ class GhostClipping:
         if (not mode.keeps_factors or self._warned_of_checkpointing
                 or self._kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING):
             return
-        if regions or self._forward_checkpointed or _checkpointing_enabled(self.module):
+        if regions or self._forward_was_checkpointed():
             self._warned_of_checkpointing = True
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
 
@@ -819,12 +820,17 @@ class GhostClipping:
                 self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
             return mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
 
+    def _forward_was_checkpointed(self) -> bool:
+        """Book-keeping controllers: the last forward ran a trained layer under a checkpoint (see
+        _on_forward), or the model's transformers flag says it checkpoints."""
+        return self._forward_checkpointed or _checkpointing_enabled(self.module)
+
     def mode_for_loss(self):
         """The clipping mode of the DP loss being built from this forward: the controller's, or two passes
         for a book-keeping step under activation checkpointing (modes.mode_of_step; logged once)."""
         if not self.mode.keeps_factors:
             return self.mode
-        checkpointed = self._forward_checkpointed or _checkpointing_enabled(self.module)
+        checkpointed = self._forward_was_checkpointed()
         # Several processes: every rank must take the same mode (DDP's collectives), and each rank's
         # measurement is its own (its sequence lengths): no exemption for what book-keeping keeps.
         several = distributed_rank_and_size()[1] > 1

@@ -403,14 +403,18 @@ class OuterProduct(PerExampleGrad):
     def _explicit_bytes(self):
         return self.batch_size * math.prod(self.param_shape) * acc_dtype(self.left, self.right).itemsize
 
+    def _keeps_explicit(self) -> bool:
+        """Whether the explicit (B, m, n) gradients take fewer bytes than L (B, T, m) and R (B, T, n):
+        m n < T (m + n) at equal widths, e.g. a LoRA factor of rank r << T (one token: the factors stay)."""
+        return self.left.shape[1] > 1 and self._explicit_bytes() < self.held_bytes()
+
     def kept_bytes(self):
-        return min(self.held_bytes(), self._explicit_bytes())
+        return self._explicit_bytes() if self._keeps_explicit() else self.held_bytes()
 
     def kept(self):
-        """The explicit (B, m, n) gradients where they take fewer bytes than L (B, T, m) and R (B, T, n):
-        m n < T (m + n) at equal widths, e.g. a LoRA factor of rank r << T. Book-keeping then keeps them
+        """The explicit gradients where they hold less (``_keeps_explicit``). Book-keeping then keeps them
         instead of the layer's input and output grad, and its clipped sum is one (B) x (B, m n) product."""
-        if self.left.shape[1] <= 1 or self._explicit_bytes() >= self.held_bytes():
+        if not self._keeps_explicit():
             return self
         return Instantiated(self.materialize(0, self.batch_size), self.token_mass())
 

@@ -112,17 +112,9 @@ def test_book_keeping_keeps_the_explicit_gradients_of_a_low_rank_layer_and_stays
     model, x = LowRank().double(), torch.randn(6, 12, 16, dtype=torch.float64)
     # Each weight's per-example gradient (2 x 16 = 32 values) holds less than its input and output grad
     # (12 tokens x 18 values); the bias's sums over tokens (16) less than its tokens (12 x 16).
-    kept = {}
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
-    original = controller.grad_of_losses
-
-    def peek(coefficients, grad_output, losses, mode=None):
-        kept.update({name: type(f[0]) for name, p in model.named_parameters() for q, f in controller._kept.items()
-                     if q is p})
-        return original(coefficients, grad_output, losses, mode)
-
-    controller.grad_of_losses = peek
-    controller.loss(model(x).pow(2).sum((1, 2))).backward()
+    controller.per_example_norms(model(x).pow(2).sum((1, 2)))  # pass 1 alone: what it keeps for the sums
+    kept = {name: type(controller._kept[p][0]) for name, p in model.named_parameters()}
     controller.detach()
     assert kept == {"down.weight": Instantiated, "up.weight": Instantiated, "up.bias": SummedTokens}
     wide = OuterProduct(torch.randn(6, 4, 16), torch.randn(6, 4, 16), (16, 16))
