@@ -139,14 +139,17 @@ def _backward_to_probes(losses, probes, cotangent, retain):
         raise
 
 
-def _checkpointing_enabled(module) -> bool:
-    """Whether a transformers model has activation checkpointing on (the property's newer name first:
-    reading the older one warns that it is deprecated)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(module), name) or name in getattr(module, "__dict__", {}):
-            return bool(getattr(module, name))
-    base = getattr(module, "base_model", None)  # peft's PeftModel forwards to the model it wraps
-    return base is not None and base is not module and _checkpointing_enabled(base)
+def _checkpointing_flag_holders(module) -> list:
+    """The submodules whose ``gradient_checkpointing`` attribute transformers' ``is_activation_checkpointing``
+    reads (through peft's wrapper too), found once: that property walks every module at each read, and
+    ``gradient_checkpointing_enable`` sets the attribute only on modules that already have it."""
+    model = module  # the property's newer name, then its older one (transformers < 5)
+    while not any(hasattr(type(model), name) for name in ("is_activation_checkpointing", "is_gradient_checkpointing")):
+        base = getattr(model, "base_model", None)  # peft's PeftModel forwards to the model it wraps
+        if base is None or base is model:
+            return []
+        model = base
+    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
 
 def _attached_controller(module):
@@ -241,6 +244,7 @@ class GhostClipping:
         # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
         self._watch_checkpoints = self.mode.keeps_factors
         self._forward_checkpointed = False
+        self._checkpointing_flags = _checkpointing_flag_holders(module) if self._watch_checkpoints else []
         self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
@@ -823,7 +827,7 @@ class GhostClipping:
     def _forward_was_checkpointed(self) -> bool:
         """Book-keeping controllers: the last forward ran a trained layer under a checkpoint (see
         _on_forward), or the model's transformers flag says it checkpoints."""
-        return self._forward_checkpointed or _checkpointing_enabled(self.module)
+        return self._forward_checkpointed or any(m.gradient_checkpointing for m in self._checkpointing_flags)
 
     def mode_for_loss(self):
         """The clipping mode of the DP loss being built from this forward: the controller's, or two passes
