@@ -11,7 +11,14 @@ of a ghost step at B=32), and it ranks the libraries as that GPU does. For each 
 - the median over rounds of each round's step time / plain step time;
 - ATen ops dispatched per step (counted below autograd, forward and backward, noise and optimizer);
 - extra host time per hooked layer: (median step - median plain step) / layers with trainable
-  parameters, the cost the GPU issue counts at about 1 ms per layer.
+  parameters, the cost the GPU issue counts at about 1 ms per layer;
+- two floors, plain steps that do only the work DP-SGD cannot skip, interleaved with the rest:
+  "noise floor" adds ghostdp's noise draw (RandomSource.add_gaussian_, as the DP optimizer calls it)
+  to every trained gradient: book-keeping's floor. "two-pass floor" also runs an activation-gradient
+  pass first (autograd.grad of the loss to the first trained layer's output, as pass 1 reaches every
+  layer's output grad): ghost's. What a mode takes above its floor is its hooks' and rules' work.
+  On this stand-in the noise is compute, not host work (about 5 ns a value on one thread: 2.1M values
+  with trainable embeddings), where a GPU draws it in one kernel per block.
 Timings are the shared machine's: compare the ratios of one run, never seconds across runs.
 """
 from __future__ import annotations
@@ -23,6 +30,48 @@ import os
 
 from profiling.bench import MODES, add_model_arguments, available, build_model, make_step
 from profiling.step_ratio import median
+
+
+FLOORS = ("noise floor", "two-pass floor")
+
+
+def make_floor_step(floor, model, batch):
+    """A plain step (bench.make_step's) plus the work no private step can skip (see the docstring)."""
+    import torch
+    from ghostdp.norms.fallback import hooked_modules
+    from ghostdp.randomness import RandomSource
+    ids, labels = batch
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    criterion = torch.nn.CrossEntropyLoss(reduction="none")
+    noise = RandomSource(seed=0)
+    trained = [m for _, m in hooked_modules(model) if any(p.requires_grad for p in m.parameters(recurse=False))]
+    outputs = []
+    first = []  # the trained layer whose forward runs first, found by the first step
+
+    def record(module, args, output):
+        if not first:
+            first.append(module)
+        if module is first[0]:
+            outputs.append(output)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        watching = trained if not first else first
+        handles = [m.register_forward_hook(record) for m in watching] if floor == "two-pass floor" else []
+        try:
+            losses = criterion(model(input_ids=ids).logits, labels)
+        finally:
+            for h in handles:
+                h.remove()
+        if handles:
+            first_output = outputs[0]
+            outputs.clear()
+            torch.autograd.grad(losses, first_output, torch.ones_like(losses), retain_graph=True)
+        losses.sum().backward()
+        noise.add_gaussian_([p.grad for p in params], 1.0, float(len(labels)))
+        optimizer.step()
+    return step
 
 
 def count_aten_ops(step) -> int:
@@ -66,6 +115,9 @@ def measure(args, freeze_embeddings: bool) -> dict:
         except Exception as error:  # a mode that cannot run this model is reported, not hidden
             steps.pop(mode, None)
             print(f"  {mode}: {type(error).__name__}: {str(error)[:120]}")
+    for floor in FLOORS if args.floors else ():
+        steps[floor] = make_floor_step(floor, copy.deepcopy(template), (ids, labels))
+        steps[floor]()
     ops = {mode: count_aten_ops(step) for mode, step in steps.items()}
     times = {mode: [] for mode in steps}
     for round_ in range(args.warmup + args.rounds):
@@ -87,9 +139,11 @@ def measure(args, freeze_embeddings: bool) -> dict:
 def report(name, rows):
     layers = rows["plain"]["hooked_layers"]
     print(f"\n{name} ({layers} layers with trainable parameters)")
-    print(f"{'mode':<14}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}")
+    print(f"{'mode':<16}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}")
     for mode, r in rows.items():
-        print(f"{mode:<14}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}{r['aten_ops']:>10}"
+        if mode == FLOORS[0]:
+            print("-" * 65)
+        print(f"{mode:<16}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}{r['aten_ops']:>10}"
               f"{r['aten_ops'] / rows['plain']['aten_ops']:>9.2f}x{r['ms_per_layer']:>10.3f}")
 
 
@@ -103,6 +157,8 @@ def parse(argv=None):
     p.add_argument("--embeddings", nargs="+", default=["trainable", "frozen"], choices=["trainable", "frozen"])
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-floors", dest="floors", action="store_false",
+                   help="leave out the noise floor and two-pass floor rows")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
     if args.device != "cpu":
