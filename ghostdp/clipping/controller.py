@@ -32,6 +32,7 @@ from ..norms.registry import lookup_rule
 from ..sharding import fsdp1_wrapped, has_sharded_parameters, is_sharded, sharded_units
 from .. import validate
 from .audit import audit_graph
+from .capture import attach, captured_edge, check_inputs_unchanged
 from .layout import LayoutProver
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
@@ -130,9 +131,10 @@ def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
     return leaves[device]
 
 
-def _backward_to_probes(losses, probes, cotangent, retain):
+def _backward_to_probes(losses, inputs, cotangent, retain):
+    """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
     try:
-        torch.autograd.grad(losses, probes, cotangent, retain_graph=retain, allow_unused=True)
+        return torch.autograd.grad(losses, inputs, cotangent, retain_graph=retain, allow_unused=True)
     except RuntimeError as error:
         if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
             raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
@@ -150,6 +152,14 @@ def _checkpointing_flag_holders(module) -> list:
             return []
         model = base
     return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def _forget_captured_edges(calls) -> None:
+    """Drops the edges the audit gave captured calls: a call lives in its node's metadata, and its edge
+    to that node would keep both alive past the graph (a cycle through C++ that no collector sees)."""
+    for call in calls:
+        if call.captured is not None:
+            call.edges = ()
 
 
 def _attached_controller(module):
@@ -245,6 +255,10 @@ class GhostClipping:
         self._watch_checkpoints = self.mode.keeps_factors
         self._forward_checkpointed = False
         self._checkpointing_flags = _checkpointing_flag_holders(module) if self._watch_checkpoints else []
+        # Book-keeping captures the output grads it keeps whole (capture.py): this forward may, and the
+        # autograd node types of the calls captured so far (the audit looks for them).
+        self._capturing = False
+        self._captured_types = set()
         self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
@@ -331,6 +345,7 @@ class GhostClipping:
                 self._regions.depth = 0
                 if self._watch_checkpoints:
                     self._forward_checkpointed = _saved_tensor_hooks(False) is not None
+                    self._capturing = not any(m.gradient_checkpointing for m in self._checkpointing_flags)
 
     def _on_unit_forward(self, unit, args):
         if self._recording(unit):
@@ -445,6 +460,9 @@ class GhostClipping:
         else:
             call.expanded = _NOT_EXPANDED
         kind = _RECORDED if self._pass is None and not self._regions.depth else self._call_kind()
+        if kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED and self._capture(
+                call, entry, module, args, output):
+            return None  # the output as it is: no probe
         if kind is _RECORDED or kind is _IN_REGION:
             call.edges = (_edge(output),)
             call.shapes = (tuple(t.shape),)
@@ -461,6 +479,27 @@ class GhostClipping:
         else:  # a non-reentrant checkpoint's recomputation, or pass 2's of a reentrant one (see _on_forward)
             call.fired = True
         return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
+
+    def _capture(self, call, entry, module, args, output) -> bool:
+        """Records a book-keeping call whose output grad pass 1 captures (capture.py), where it may."""
+        if (entry.holds_output_grad is None or self._forward_checkpointed or _saved_tensor_hooks(False) is not None
+                or torch._C._current_graph_task_id() != -1 or torch._C._are_functorch_transforms_active()
+                or torch.compiler.is_compiling() or not entry.holds_output_grad(module, args, output, call.params)):
+            return False
+        edge = captured_edge(output)
+        if edge is None:
+            return False
+        call.shapes = (tuple(output.shape),)
+        call.grads = [None]
+        call.inputs = args
+        call.input_versions = tuple(a._version for a in args)
+        call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
+        live = self._live
+        for p in call.params.values():
+            live[id(p)] += 1
+        attach(call, *edge)
+        self._captured_types.add(type(edge[0]))
+        return True
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after
@@ -483,6 +522,21 @@ class GhostClipping:
     def _needs_inputs(self) -> bool:
         """Whether a ruled call's saved inputs must be unpacked now (the layout proof reads only G)."""
         return not self._pass.proving
+
+    def _receive_captured(self, call, grad):
+        """A captured call's output grad (capture.py), shaped as its output."""
+        if not self._pass.proving:
+            check_inputs_unchanged(call)
+        shape = call.shapes[0]
+        self._receive(call, 0, grad if grad.shape == shape else grad.view(shape))
+
+    def _deliver_captured(self, calls, grads):
+        """The grads pass 1's autograd.grad returned for the captured calls, each dropped once received."""
+        grads = list(grads)
+        for k, call in enumerate(calls):
+            grad, grads[k] = grads[k], None
+            if grad is not None:
+                self._receive_captured(call, grad)
 
     def _receive(self, call, slot, grad):
         if self._pass.proving:
@@ -550,7 +604,9 @@ class GhostClipping:
         else:
             with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
                 self._factors(call, B)
-        call.inputs, call.grads, call.done = (), (), True
+        call.grads, call.done = (), True
+        if call.captured is None:  # a captured call keeps its inputs while its graph lives: another pass may read them
+            call.inputs = ()
         if not self._pass.reentrant:  # the audit of a reentrant region reads them when its backward is done
             call.edges = ()
         if self._pass.queue.full():
@@ -639,18 +695,24 @@ class GhostClipping:
         checkpoints' nodes and the nodes visited."""
         trainable = self._trainable()
         seen = set()
-        stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen)
-        replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
-        if replaced:  # parameters swapped in after attaching: audit them too, from now on
-            self._parameters.update(replaced)
-            seen = set()
-            stray, calls, regions = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced}, seen=seen)
-        if regions:
-            if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
-                raise NotImplementedError(REENTRANT_DISTRIBUTED)
-            self._regions.watch(regions)
-        if stray:
-            self._refuse_stray(stray, calls)
+        types = self._captured_types
+        stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types)
+        try:
+            replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
+            if replaced:  # parameters swapped in after attaching: audit them too, from now on
+                self._parameters.update(replaced)
+                seen = set()
+                stray, calls, regions = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced},
+                                                    seen=seen, captured_types=types)
+            if regions:
+                if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
+                    raise NotImplementedError(REENTRANT_DISTRIBUTED)
+                self._regions.watch(regions)
+            if stray:
+                self._refuse_stray(stray, calls)
+        except BaseException:
+            _forget_captured_edges(calls)
+            raise
         return calls, regions, seen
 
     def _audit_region(self, tracer, first_call):
@@ -721,12 +783,14 @@ class GhostClipping:
                 call.projections = twin.projections
         passed.deferred = []
 
-    def _prove_layouts(self, per_example_losses, probes):
+    def _prove_layouts(self, per_example_losses, probes, captured):
         """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
         self._pass = NormPass(per_example_losses.shape[0], proving=True)
         try:
             with self._region("ghostdp.layout_proof"):
-                _backward_to_probes(per_example_losses, probes, self._layouts.cotangent(per_example_losses), True)
+                grads = _backward_to_probes(per_example_losses, probes + [c.edges[0] for c in captured],
+                                            self._layouts.cotangent(per_example_losses), True)
+                self._deliver_captured(captured, grads[len(probes):])
         finally:
             self._pass = None
 
@@ -747,24 +811,34 @@ class GhostClipping:
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls, regions, audited = self._audit(per_example_losses, mode)
+        try:
+            return self._norms_of_calls(per_example_losses, mode, calls, regions, audited)
+        finally:
+            _forget_captured_edges(calls)
+
+    def _norms_of_calls(self, per_example_losses, mode, calls, regions, audited):
+        """per_example_norms after the audit: the layout proof if needed, then pass 1."""
+        B = per_example_losses.shape[0]
         probes = list(self._probes.values())
+        captured = [c for c in calls if c.captured is not None]
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
-        if probes and self._layouts.assign(calls, B) and not regions:
-            self._prove_layouts(per_example_losses, probes)
+        if (probes or captured) and self._layouts.assign(calls, B) and not regions:
+            self._prove_layouts(per_example_losses, probes, captured)
         self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
                               reentrant=bool(regions), keeps_factors=mode.keeps_factors)
         if self._sample_request is not None:
             self._pass.samples = self._sample_request.start(self._parameters.values(), B)
         try:
             with self._region("ghostdp.pass1"):
-                if regions:
+                if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
                     self._reentrant_pass_one(per_example_losses, audited)
                 else:
-                    if probes:
+                    if probes or captured:
                         # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
                         retain = mode.continues_backward or self._graph_needed_after_pass1
-                        _backward_to_probes(per_example_losses, probes, torch.ones_like(per_example_losses),
-                                            retain)
+                        grads = _backward_to_probes(per_example_losses, probes + [c.edges[0] for c in captured],
+                                                    torch.ones_like(per_example_losses), retain)
+                        self._deliver_captured(captured, grads[len(probes):])
                     self._finish()
             if self._pass.samples is not None:
                 write_samples(self._pass.samples, B)

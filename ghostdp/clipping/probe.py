@@ -29,13 +29,19 @@ def can_mark_dirty(t: torch.Tensor) -> bool:
             and not hasattr(t.grad_fn, "_saved_result"))
 
 
-def _reshaped_base(t: torch.Tensor):
-    """The tensor that ``t`` merely reshapes (same elements, same order), if it may be marked dirty."""
+def reshaped_base(t: torch.Tensor):
+    """The tensor that the view ``t`` merely reshapes (same elements, same order), or None."""
     base = t._base if t._is_view() else None
     if (base is None or base.numel() != t.numel() or not base.is_contiguous() or not t.is_contiguous()
-            or t.storage_offset() != base.storage_offset() or not can_mark_dirty(base)):
+            or t.storage_offset() != base.storage_offset()):
         return None
     return base
+
+
+def _reshaped_base(t: torch.Tensor):
+    """The tensor that ``t`` merely reshapes, if it may be marked dirty."""
+    base = reshaped_base(t)
+    return base if base is not None and can_mark_dirty(base) else None
 
 
 _EMPTY = {}

@@ -30,10 +30,13 @@ class ModuleCall:
     ``edges`` (the outputs' gradient edges) and ``input_nodes`` bound the call's region of the
     graph (the audit, the fallback); ``shapes`` and ``layouts`` say where its examples are
     (layout.py); ``fired`` is set when pass 1 reaches it, ``done`` when its norms are formed.
+    ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
+    edge, and ``input_versions`` those of its inputs at the forward.
     """
 
     __slots__ = ("controller", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
-                 "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done")
+                 "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
+                 "captured", "input_versions")
 
     def __init__(self, controller, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -42,7 +45,7 @@ class ModuleCall:
         self.tokenwise = entry is not None and entry.tokenwise
         self.batch_dims = batch_dims
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
-        self.layouts = self.projections = self.eager = None
+        self.layouts = self.projections = self.eager = self.captured = self.input_versions = None
         self.input_nodes = _NO_NODES
         self.fired = self.done = False
 

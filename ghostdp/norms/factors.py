@@ -314,6 +314,15 @@ def weighted_outer_sum(left: torch.Tensor, right: torch.Tensor, weights: torch.T
     return wide_matmul(left.flatten(-3, -2).transpose(-1, -2), right.flatten(-3, -2), dt)
 
 
+def explicit_is_smaller(B: int, T: int, m: int, n: int, left_dtype: torch.dtype, right_dtype: torch.dtype) -> bool:
+    """Whether the explicit (B, m, n) gradients of an outer-product factor with sides L (B, T, m) and
+    R (B, T, n) of these dtypes take fewer bytes than the sides (OuterProduct.kept; one token: never)."""
+    if T <= 1:
+        return False
+    wide = torch.float64 if torch.float64 in (left_dtype, right_dtype) else torch.float32
+    return B * m * n * wide.itemsize < B * T * (m * left_dtype.itemsize + n * right_dtype.itemsize)
+
+
 class OuterProduct(PerExampleGrad):
     """g_i = left_i^T right_i with left (B, T, m) and right (B, T, n), reshaped to param_shape.
 
@@ -406,7 +415,8 @@ class OuterProduct(PerExampleGrad):
     def _keeps_explicit(self) -> bool:
         """Whether the explicit (B, m, n) gradients take fewer bytes than L (B, T, m) and R (B, T, n):
         m n < T (m + n) at equal widths, e.g. a LoRA factor of rank r << T (one token: the factors stay)."""
-        return self.left.shape[1] > 1 and self._explicit_bytes() < self.held_bytes()
+        B, T, m = self.left.shape
+        return explicit_is_smaller(B, T, m, self.right.shape[-1], self.left.dtype, self.right.dtype)
 
     def kept_bytes(self):
         return self._explicit_bytes() if self._keeps_explicit() else self.held_bytes()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .factors import OuterProduct, SummedTokens
+from .factors import OuterProduct, SummedTokens, explicit_is_smaller
 from .registry import register_norm_rule
 
 
@@ -33,13 +33,36 @@ def _linear_factors(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], o
     return out
 
 
-@register_norm_rule(torch.nn.Linear, tokenwise=True)
+def _holds_output_grad(module, inputs, output, trainable, weight_is_out_by_in: bool) -> bool:
+    """Book-keeping keeps G whole: in the bias's summed tokens, or in the weight's factors where its explicit
+    gradients would not be smaller (OuterProduct.kept), as the forward's shapes tell it (batch first)."""
+    if "bias" in trainable:
+        return True
+    if "weight" not in trainable or output.dim() == 0:
+        return False
+    x = inputs[0]
+    B, p, d = output.shape[0], output.shape[-1], x.shape[-1]
+    T = output.numel() // max(1, B * p)
+    if weight_is_out_by_in:  # left = G (B, T, p), right = A (B, T, d)
+        return not explicit_is_smaller(B, T, p, d, output.dtype, x.dtype)
+    return not explicit_is_smaller(B, T, d, p, x.dtype, output.dtype)
+
+
+def _linear_holds_output_grad(module, inputs, output, trainable):
+    return _holds_output_grad(module, inputs, output, trainable, weight_is_out_by_in=True)
+
+
+def _conv1d_holds_output_grad(module, inputs, output, trainable):
+    return _holds_output_grad(module, inputs, output, trainable, weight_is_out_by_in=False)
+
+
+@register_norm_rule(torch.nn.Linear, tokenwise=True, holds_output_grad=_linear_holds_output_grad)
 def linear_rule(module: torch.nn.Linear, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                 trainable: set[str]) -> dict:
     return _linear_factors(module, inputs, output_grad, trainable, weight_is_out_by_in=True)
 
 
-@register_norm_rule("transformers.pytorch_utils.Conv1D", tokenwise=True)
+@register_norm_rule("transformers.pytorch_utils.Conv1D", tokenwise=True, holds_output_grad=_conv1d_holds_output_grad)
 def conv1d_transformers_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                              trainable: set[str]) -> dict:
     """transformers' Conv1D computes x @ W + b with W of shape (in, out)."""

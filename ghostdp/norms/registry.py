@@ -36,6 +36,9 @@ class RuleEntry:
     params: frozenset   # the parameters the rule covers
     tokenwise: bool     # the module maps each position of (..., features) alone: any leading dim may be the batch
     owner: type | str   # the registered class (or its qualified name) whose forward the rule knows
+    # (module, inputs, output, trainable) -> whether book-keeping keeps this call's output grad whole until
+    # the clipped sums: pass 1 may then capture it without a probe (clipping/capture.py). None: never.
+    holds_output_grad: Callable[..., bool] | None = None
 
 
 _RULES: dict[type | str, RuleEntry] = {}
@@ -46,13 +49,17 @@ def qualified_name(cls: type) -> str:
 
 
 def register_norm_rule(module_class: type | str, rule: Rule | None = None, params=("weight", "bias"),
-                       tokenwise: bool = False):
+                       tokenwise: bool = False, holds_output_grad: Callable[..., bool] | None = None):
     """Register ``rule`` for ``module_class`` and its subclasses that keep its ``forward``; usable as a decorator.
 
     ``module_class`` is a ``torch.nn.Module`` subclass or the qualified name of one ("pkg.module.Class").
     ``params`` names the parameters the rule covers: a module owning any other parameter goes to the
     fallback. ``tokenwise``: the module acts on each leading position alone (Linear, Embedding,
     LayerNorm), so its batch may be a later leading dim (sequence-first) or flattened into rows.
+    ``holds_output_grad(module, inputs, output, trainable)``: whether the factors the rule returns for
+    this call keep its output grad whole in book-keeping (``PerExampleGrad.kept``), told from the
+    forward's tensors; book-keeping then captures that grad in pass 1 without a per-call probe. A wrong
+    True costs memory (the grad is held to the end of pass 1), never exactness.
     """
     if isinstance(module_class, str):
         if "." not in module_class:
@@ -62,7 +69,7 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
         raise TypeError(f"register_norm_rule needs a torch.nn.Module subclass, got {module_class!r}")
 
     def add(fn):
-        _RULES[module_class] = RuleEntry(fn, frozenset(params), tokenwise, module_class)
+        _RULES[module_class] = RuleEntry(fn, frozenset(params), tokenwise, module_class, holds_output_grad)
         return fn
 
     return add(rule) if rule is not None else add

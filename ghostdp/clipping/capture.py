@@ -1,0 +1,83 @@
+"""Captured calls: book-keeping's output grads, returned by pass 1's ``autograd.grad`` instead of a probe.
+
+A probe (probe.py) is an ``autograd.Function`` on each hooked output: Python work at every call in the
+forward and again in every backward, the host cost that bounds a GPU step at small batch. Book-keeping
+keeps most Linear layers' output grads G whole until the clipped sums anyway (in their factors; the rule's
+``holds_output_grad`` says which calls). For those calls pass 1 names the output's gradient edge among the
+``inputs`` of its ``autograd.grad``: autograd computes the same activation grads and returns all those G
+together when it is done, held no longer than book-keeping holds them anyway.
+
+The call lives as long as its graph: it is stored in the metadata of the edge's autograd node, and the
+step's audit, which walks the loss's graph anyway, finds it there (the call itself holds no node, so no
+reference cycle through C++ outlives the graph). What the probe does besides, a captured call does so:
+- a backward that did not start from a DP loss: a pre-hook on the node refuses it, as the probe does
+  (the node runs in any such backward; in pass 1 the hook only returns);
+- the rule's inputs: the call holds them from the forward (autograd saved them for the layer's own
+  backward anyway) with their version counters; pass 1 refuses an input modified in place since;
+- a backward without inputs (pass 1 through reentrant checkpoints, reentrant.py): the pre-hook hands
+  the grad over as the node runs.
+
+A call is captured only where nothing else needs the probe: no saved-tensor hooks (a checkpoint or an
+offload would drop the inputs that the call would hold), not in a recomputation or a reentrant region,
+an output not broadcast to the batch, and an output that is the layer's result or a reshape of it
+(F.linear's view of its (B*T, p) matmul: the edge is then the matmul's, which an in-place op on the
+view does not bypass).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from .probe import reshaped_base
+
+CAPTURED_CALL = "ghostdp.captured_call"  # the key of the call in its node's metadata
+
+
+def captured_edge(output: torch.Tensor):
+    """(node, output_nr) whose grad is ``output``'s gradient (a reshaping view: its base's), or None."""
+    t = reshaped_base(output) if output._is_view() else output
+    if t is None:
+        return None
+    node = t.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):  # a Python Function's output: probe it
+        return None
+    return node, t.output_nr
+
+
+def attach(call, node, output_nr: int) -> None:
+    """Ties ``call`` to ``node`` (found there by the audit) and guards the node (see the module doc)."""
+    call.captured = output_nr
+    node.metadata[CAPTURED_CALL] = call
+    node.register_prehook(functools.partial(_on_output_grads, call))
+
+
+def found_call(node):
+    """The captured call on an autograd node of a captured type, with its edge set, or None."""
+    call = node.metadata.get(CAPTURED_CALL)
+    if call is not None:
+        call.edges = (GradientEdge(node, call.captured),)  # until pass 1 is done (controller._forget_edges)
+    return call
+
+
+def _on_output_grads(call, grad_outputs):
+    grad = grad_outputs[call.captured]
+    controller = call.controller
+    if controller._receives_output_grads():
+        if controller._pass.reentrant:  # a backward without inputs: nothing is captured, take it here
+            controller._receive_captured(call, grad)
+        return None
+    if grad is not None and not call.fired and grad.numel():
+        controller._refuse_if_not_from_dp_loss(call)
+    return None
+
+
+def check_inputs_unchanged(call) -> None:
+    """Refuses an input that was modified in place after the call's forward (its rule would read the new values)."""
+    for x, version in zip(call.inputs, call.input_versions):
+        if x._version != version:
+            raise RuntimeError(
+                f"the input of module '{call.name}' ({type(call.module).__name__}) was modified in place after "
+                "its forward; book-keeping reads that input to form the layer's per-example gradient norm. Fix: "
+                "make the operation out of place (x = x * 2, not x.mul_(2); ReLU(inplace=False)).")

@@ -1,0 +1,240 @@
+"""Book-keeping's captured calls (ghostdp/clipping/capture.py): pass 1's autograd.grad returns the output
+grads book-keeping keeps whole, without a probe on those layers. Exact against the per-example loop in
+float64; the probe's other duties (refusing a backward that is not a DP loss's, the inputs' versions, a
+backward without inputs, the graph's lifetime) each triggered."""
+import gc
+import itertools
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ghostdp
+from ghostdp.clipping.capture import CAPTURED_CALL
+from ghostdp.clipping.probe import ProbeIdentity
+from ghostdp.norms.factors import OuterProduct
+from ghostdp.norms.linear import _conv1d_holds_output_grad, _linear_holds_output_grad
+from conftest import assert_exact_model, clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
+from test_models import B, classification_loss, padded_text, tiny_bert
+
+
+def recorded_calls(output):
+    """([captured calls], [probed calls]) in the graph below ``output``."""
+    captured, probed = [], []
+    stack, seen = [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        call = node.metadata.get(CAPTURED_CALL)
+        if call is not None:
+            captured.append(call)
+        if type(node) is ProbeIdentity._backward_cls:
+            probed.append(node.call)
+        stack.extend(n for n, _ in node.next_functions)
+    return captured, probed
+
+
+def recorded_modules(output):
+    """({modules of captured calls}, {modules of probed calls}) in the graph below ``output``."""
+    captured, probed = recorded_calls(output)
+    return {c.module for c in captured}, {c.module for c in probed}
+
+
+class TokenNet(nn.Module):
+    """Linear layers on (B, T, d): with a bias (a view of addmm), without (mm's unsafe view), and one whose
+    output an in-place ReLU modifies; a LayerNorm (always probed) and a head on (B, d)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d, bias=False)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = torch.relu_(self.up(x))
+        return self.head(self.norm(self.down(h) + x).mean(1))
+
+
+def test_book_keeping_captures_linear_layers_and_probes_the_rest():
+    model = TokenNet().train()
+    ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    captured, probed = recorded_modules(model(torch.randn(B, 3, 6)))
+    assert captured == {model.up, model.down, model.head} and probed == {model.norm}
+    # 8 tokens: down's explicit (6, 12) gradients are smaller than its factors, so book-keeping keeps those
+    # and drops G; its G is not held to the end of pass 1 (up keeps G for its bias's summed tokens).
+    captured, probed = recorded_modules(model(torch.randn(B, 8, 6)))
+    assert captured == {model.up, model.head} and probed == {model.norm, model.down}
+    ghost = TokenNet().train()
+    ghostdp.GhostClipping(ghost, 1.0, clipping="ghost")
+    captured, probed = recorded_modules(ghost(torch.randn(B, 3, 6)))
+    assert not captured and probed == {ghost.up, ghost.down, ghost.norm, ghost.head}
+
+
+def test_captured_layers_are_exact_including_an_output_modified_in_place():
+    for tokens in (3, 8):  # down captured, then probed
+        assert_exact_model(TokenNet(), torch.randn(B, tokens, 6), classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_bert_in_book_keeping_captures_every_linear_and_is_exact():
+    model = tiny_bert().train()
+    ids, mask = padded_text(30)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    captured, probed = recorded_modules(model(input_ids=ids, attention_mask=mask).logits)
+    assert captured == {m for m in model.modules() if isinstance(m, nn.Linear)}
+    assert probed and not any(isinstance(m, nn.Linear) for m in probed)  # LayerNorms, embeddings
+    controller.detach()
+    assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
+                       classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_lora_factors_kept_explicit_are_probed_not_captured():
+    """A rank-2 adapter on T=16 tokens: book-keeping keeps its explicit gradients and drops G, so holding
+    every adapter's G to the end of pass 1 would cost memory: those calls keep their probes."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query", "value"])).train()
+    ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    ids = torch.randint(1, 30, (B, 16))
+    captured, probed = recorded_modules(model(input_ids=ids).logits)
+    adapters = {m for n, m in model.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))}
+    assert adapters and adapters <= set(probed) and not adapters & set(captured)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float64, torch.float64)])
+def test_the_forward_predicate_agrees_with_what_book_keeping_keeps(dtypes):
+    """_linear_holds_output_grad (from the forward's shapes) == the weight's factor keeping G (OuterProduct.kept),
+    over widths, token counts and dtypes; with a trainable bias G is always held (its summed tokens)."""
+    out_dtype, in_dtype = dtypes
+    for T, d, p in itertools.product((1, 2, 3, 8, 64), (2, 16, 96), (2, 16, 96)):
+        x, out = torch.zeros(3, T, d, dtype=in_dtype), torch.zeros(3, T, p, dtype=out_dtype)
+        factor = OuterProduct(out, x, (p, d), input_side="right")
+        keeps_g = factor.kept() is factor
+        assert _linear_holds_output_grad(None, (x,), out, {"weight": None}) == keeps_g, (T, d, p)
+        conv = OuterProduct(x, out, (d, p), input_side="left")  # transformers' Conv1D: x @ W
+        assert _conv1d_holds_output_grad(None, (x,), out, {"weight": None}) == (conv.kept() is conv), (T, d, p)
+        assert _linear_holds_output_grad(None, (x,), out, {"weight": None, "bias": None})
+        assert not _linear_holds_output_grad(None, (x,), out, {})
+
+
+def test_a_backward_that_is_not_a_dp_loss_is_refused_at_a_captured_layer():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
+    ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    out = model(torch.randn(B, 4))
+    assert set(recorded_modules(out)[0]) == {model[0], model[2]}
+    with pytest.raises(RuntimeError, match="did not start from a ghostdp loss"):
+        out.sum().backward()
+
+
+def test_an_input_modified_in_place_after_the_forward_is_refused():
+    """Autograd refuses that itself where pass 1 runs the layer's node (it unpacks what the node saved); the
+    lowest captured layer's node never runs in pass 1, so the call checks its inputs' versions."""
+    class ScalesAfter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 2)
+
+        def forward(self, x):
+            out = self.first(x)
+            x.mul_(2.0)  # after first read it: its rule would see the doubled values
+            return out
+
+    model = ScalesAfter().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    losses = model(torch.randn(B, 4)).pow(2).sum(1)
+    with pytest.raises(RuntimeError, match="module 'first' .* was modified in place after its forward"):
+        controller.loss(losses, reduction="sum").backward()
+
+
+def test_two_forwards_under_one_dp_loss_are_exact():
+    """Two views of each example through the same model (a contrastive set-up): every captured call of
+    both forwards is found in the loss's graph, and each parameter's two calls give its cross terms."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).train()
+    a, b = torch.randn(B, 3), torch.randn(B, 3)
+
+    def losses(sl):
+        return (model(a[sl]) * model(b[sl])).sum(1)
+
+    per_example = reference_per_example_grads(model, lambda i: losses(slice(i, i + 1)).sum(), B)
+    ref, ref_norms = clipped_sum(per_example, 0.1)
+    got, got_norms = ghost_clipped_sum(model, lambda: losses(slice(None)), 0.1, "bookkeeping")
+    assert relative_error(got, ref) < 1e-9
+    assert float(((got_norms - ref_norms).abs() / ref_norms).max()) < 1e-9
+
+
+def test_a_forward_without_backward_frees_its_captured_calls_with_its_graph():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    x = torch.randn(B, 4)
+    out = model(x)
+    assert len(recorded_calls(out)[0]) == 2
+    held = weakref.ref(x)  # the first call holds its input
+    del x
+    assert controller._live and held() is not None
+    del out
+    assert held() is None and not controller._live
+
+
+def test_a_refused_step_leaves_no_reference_cycle_through_the_graph():
+    """The audit gives a captured call its edge (a reference to its node, which holds the call): dropped
+    after pass 1 and on a refusal, or the graph would outlive the step."""
+    class ReadsWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + x @ self.lin.weight  # a read outside the module's forward: refused
+
+    model = ReadsWeight().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    for refused in (True, False):
+        x = torch.randn(B, 4)
+        out = model(x) if refused else model.lin(x)
+        assert len(recorded_calls(out)[0]) == 1
+        held = weakref.ref(x)  # the captured call holds its input while it lives
+        loss = controller.loss(out.pow(2).sum(1), reduction="sum")
+        del out, x
+        if refused:
+            with pytest.raises(RuntimeError, match="outside the forward of the module"):
+                loss.backward()
+        else:
+            loss.backward()
+        del loss
+        assert held() is None and not controller._live
+        model.zero_grad(set_to_none=True)
+
+
+def test_reentrant_checkpoints_hand_captured_grads_over_through_the_pre_hook():
+    """Pass 1 through reentrant checkpoints is a backward without inputs: the first layer (captured: it runs
+    before the region; layers after a checkpointed one are probed) gets its grad from its node's pre-hook;
+    exact against the loop without checkpointing."""
+    class Net(nn.Module):
+        def __init__(self, checkpointed):
+            super().__init__()
+            self.first, self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+            self.checkpointed = checkpointed
+
+        def forward(self, x):
+            h = torch.tanh(self.first(x))
+            h = checkpoint(self.body, h, use_reentrant=True) if self.checkpointed else self.body(h)
+            return self.head(torch.tanh(h))
+
+    plain, model = Net(False), Net(True)
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(B, 4)
+    losses = lambda m, sl: m(x[sl]).pow(2).sum(1)
+    per_example = reference_per_example_grads(plain, lambda i: losses(plain, slice(i, i + 1)).sum(), B)
+    ref, _ = clipped_sum(per_example, 0.1)
+    controller = ghostdp.GhostClipping(model.train(), 0.1, clipping="bookkeeping")
+    received = []
+    original = controller._receive_captured
+    controller._receive_captured = lambda call, grad: (received.append(call.module), original(call, grad))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        controller.loss(losses(model, slice(None)), reduction="sum").backward()
+        got = {n: p.grad for n, p in model.named_parameters()}
+        assert relative_error(got, ref) < 1e-9
+    assert set(received) == {model.first} and len(received) >= 2  # each step (and a layout proof)
