@@ -33,6 +33,8 @@ from torch.autograd.graph import GradientEdge
 from .probe import reshaped_base
 
 CAPTURED_CALL = "ghostdp.captured_call"  # the key of the call in its node's metadata
+# The innermost saved-tensor hooks (pack, unpack), or None: a non-reentrant checkpoint's or an offload's.
+saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def captured_edge(output: torch.Tensor):
@@ -46,11 +48,26 @@ def captured_edge(output: torch.Tensor):
     return node, t.output_nr
 
 
-def attach(call, node, output_nr: int) -> None:
-    """Ties ``call`` to ``node`` (found there by the audit) and guards the node (see the module doc)."""
+def capture(call, entry, module, args, output):
+    """Makes a ruled call of book-keeping's forward a captured one where it may be (see the module doc; the
+    controller has checked the step's conditions): the type of its node, or None (it needs a probe)."""
+    if (entry.holds_output_grad is None or saved_tensor_hooks(False) is not None
+            or torch._C._current_graph_task_id() != -1 or torch._C._are_functorch_transforms_active()
+            or torch.compiler.is_compiling() or not entry.holds_output_grad(module, args, output, call.params)):
+        return None
+    edge = captured_edge(output)
+    if edge is None:
+        return None
+    node, output_nr = edge
+    call.shapes = (tuple(output.shape),)
+    call.grads = [None]
+    call.inputs = args
+    call.input_versions = tuple(a._version for a in args)
+    call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
     call.captured = output_nr
-    node.metadata[CAPTURED_CALL] = call
+    node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
     node.register_prehook(functools.partial(_on_output_grads, call))
+    return type(node)
 
 
 def found_call(node):

@@ -32,7 +32,7 @@ from ..norms.registry import lookup_rule
 from ..sharding import fsdp1_wrapped, has_sharded_parameters, is_sharded, sharded_units
 from .. import validate
 from .audit import audit_graph
-from .capture import attach, captured_edge, check_inputs_unchanged
+from .capture import capture, check_inputs_unchanged, saved_tensor_hooks as _saved_tensor_hooks
 from .layout import LayoutProver
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
@@ -48,8 +48,6 @@ _EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broad
 _RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", "inert"
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
-# The innermost saved-tensor hooks (pack, unpack), or None: a non-reentrant checkpoint's or an offload's.
-_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 log = logging.getLogger("ghostdp")
 
 USE_NON_REENTRANT = (
@@ -460,17 +458,18 @@ class GhostClipping:
         else:
             call.expanded = _NOT_EXPANDED
         kind = _RECORDED if self._pass is None and not self._regions.depth else self._call_kind()
-        if kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED and self._capture(
-                call, entry, module, args, output):
-            return None  # the output as it is: no probe
+        if kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED and not self._forward_checkpointed:
+            node_type = capture(call, entry, module, args, output)
+            if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
+                self._captured_types.add(node_type)
+                self._count_uses(call)
+                return None
         if kind is _RECORDED or kind is _IN_REGION:
             call.edges = (_edge(output),)
             call.shapes = (tuple(t.shape),)
             call.grads = [None]
             call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
-            live = self._live
-            for p in params.values():
-                live[id(p)] += 1
+            self._count_uses(call)
             if kind is _IN_REGION:
                 self._note_region_call(call, kind)
         elif kind is _IN_PROOF:
@@ -480,26 +479,11 @@ class GhostClipping:
             call.fired = True
         return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
 
-    def _capture(self, call, entry, module, args, output) -> bool:
-        """Records a book-keeping call whose output grad pass 1 captures (capture.py), where it may."""
-        if (entry.holds_output_grad is None or self._forward_checkpointed or _saved_tensor_hooks(False) is not None
-                or torch._C._current_graph_task_id() != -1 or torch._C._are_functorch_transforms_active()
-                or torch.compiler.is_compiling() or not entry.holds_output_grad(module, args, output, call.params)):
-            return False
-        edge = captured_edge(output)
-        if edge is None:
-            return False
-        call.shapes = (tuple(output.shape),)
-        call.grads = [None]
-        call.inputs = args
-        call.input_versions = tuple(a._version for a in args)
-        call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
+    def _count_uses(self, call):
+        """The call's parameters have one more recorded use that pass 1 has not reached yet."""
         live = self._live
         for p in call.params.values():
             live[id(p)] += 1
-        attach(call, *edge)
-        self._captured_types.add(type(edge[0]))
-        return True
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after
