@@ -21,7 +21,10 @@ A call is captured only where nothing else needs the probe: no saved-tensor hook
 offload would drop the inputs that the call would hold), not in a recomputation or a reentrant region,
 an output not broadcast to the batch, and an output that is the layer's result or a reshape of it
 (F.linear's view of its (B*T, p) matmul: the edge is then the matmul's, which an in-place op on the
-view does not bypass).
+view does not bypass). Once a forward has run a trained layer under a checkpoint (or the model's
+transformers flag says it checkpoints), its later calls are probed: such a step takes ghost's two
+passes (modes.mode_of_step), which free each G once its norm is formed, so only the calls before the
+first checkpointed layer hold theirs to the end of pass 1.
 """
 from __future__ import annotations
 
