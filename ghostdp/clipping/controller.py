@@ -610,7 +610,7 @@ class GhostClipping:
             finally:
                 self._in_fallback = False
         for n, f in factors.items():
-            if self._watch_checkpoints:  # what book-keeping would keep, against what the layers hold
+            if self._pass.measures_kept:  # what book-keeping would keep, against what the layers hold
                 self._pass.held_bytes += f.held_bytes()
                 self._pass.kept_bytes += f.kept_bytes()
             if self._pass.keeps_factors:
@@ -810,6 +810,8 @@ class GhostClipping:
             self._prove_layouts(per_example_losses, probes, captured)
         self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
                               reentrant=bool(regions), keeps_factors=mode.keeps_factors)
+        # Only a checkpointed step's measure decides a mode (mode_for_loss): the first such step takes two passes.
+        self._pass.measures_kept = self._watch_checkpoints and (bool(regions) or self._forward_was_checkpointed())
         if self._sample_request is not None:
             self._pass.samples = self._sample_request.start(self._parameters.values(), B)
         try:

@@ -69,8 +69,9 @@ class NormPass:
     def __init__(self, batch_size, proving=False, groups=1, reentrant=False, keeps_factors=False):
         self.batch_size = batch_size
         self.keeps_factors = keeps_factors  # book-keeping: every factor is kept for the clipped sums
-        self.held_bytes = 0                 # book-keeping configured: bytes the factors hold, and would
-        self.kept_bytes = 0                 # keep (PerExampleGrad.kept), for modes.mode_of_step
+        self.measures_kept = False          # book-keeping configured, forward checkpointed: sum up
+        self.held_bytes = 0                 # the bytes the factors hold, and would keep
+        self.kept_bytes = 0                 # (PerExampleGrad.kept), for modes.mode_of_step
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.reentrant = reentrant        # the graph has reentrant checkpoints (clipping/reentrant.py):
         self.region_calls = []            # the calls their recomputations made, in order

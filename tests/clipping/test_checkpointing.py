@@ -240,6 +240,16 @@ def test_book_keeping_stays_one_backward_under_checkpointing_when_it_keeps_littl
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)
 
 
+def test_book_keeping_measures_what_it_would_keep_only_in_checkpointed_steps():
+    model, x = CheckpointedAdapter().double(), torch.randn(B, 32, 16, dtype=torch.float64)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    plain = lambda: model.up(torch.tanh(model.down(x))).flatten(1)  # the same layers, no checkpoint
+    assert bookkeeping_wrote_the_sums(model, controller, plain)
+    assert controller._kept_fraction is None  # nothing measured: no mode depends on it
+    assert not bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1))
+    assert controller._kept_fraction < 1 / 8
+
+
 def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointing_even_when_it_keeps_little(
         monkeypatch):
     # Each rank measures its own batches, and all ranks must take one mode (DDP's collectives in pass 2).
