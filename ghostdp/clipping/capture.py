@@ -23,8 +23,8 @@ an output not broadcast to the batch, and an output that is the layer's result o
 (F.linear's view of its (B*T, p) matmul: the edge is then the matmul's, which an in-place op on the
 view does not bypass). Once a forward has run a trained layer under a checkpoint (or the model's
 transformers flag says it checkpoints), its later calls are probed: such a step takes ghost's two
-passes (modes.mode_of_step), which free each G once its norm is formed, so only the calls before the
-first checkpointed layer hold theirs to the end of pass 1.
+passes unless book-keeping keeps little there (modes.mode_of_step), and two passes free each G once its
+norm is formed, so only the calls before the first checkpointed layer hold theirs to the end of pass 1.
 """
 from __future__ import annotations
 
