@@ -44,17 +44,6 @@ def _reshaped_base(t: torch.Tensor):
     return base if base is not None and can_mark_dirty(base) else None
 
 
-_EMPTY = {}
-
-
-def _empty_grad(device, dtype) -> torch.Tensor:
-    """The probe's gradient: zero-size, so one shared tensor per device and dtype serves every call."""
-    key = (device, dtype)
-    if key not in _EMPTY:
-        _EMPTY[key] = torch.zeros(0, device=device, dtype=dtype)
-    return _EMPTY[key]
-
-
 class ProbeIdentity(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, probe, spec):
@@ -62,7 +51,6 @@ class ProbeIdentity(torch.autograd.Function):
         # work is per call of every hooked layer.
         call, slot, in_place, output_shape, inputs = spec
         ctx.call, ctx.slot, ctx.output_shape = call, slot, output_shape
-        ctx.probe_meta = (probe.device, probe.dtype)
         ctx.has_inputs = bool(inputs)
         if inputs:  # not inputs of this Function (a tuple argument): no graph edge, only saved
             ctx.save_for_backward(*inputs)
@@ -76,6 +64,8 @@ class ProbeIdentity(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # The probe itself gets no gradient: autograd runs every node on the way to it all the same, and a
+        # zero-size one from each call would be summed into pass 1's result (one op per hooked layer).
         if grad is None:
             return None, None, None
         call = ctx.call
@@ -84,8 +74,7 @@ class ProbeIdentity(torch.autograd.Function):
             if ctx.has_inputs and call.controller._needs_inputs():
                 call.inputs = ctx.saved_tensors  # recomputed here inside an activation checkpoint
             call.controller._receive(call, ctx.slot, shaped)
-            return grad, _empty_grad(*ctx.probe_meta), None
-        if not call.fired and grad.numel():  # a gradient with no rows (an empty batch) carries no example
+        elif not call.fired and grad.numel():  # a gradient with no rows (an empty batch) carries no example
             call.controller._refuse_if_not_from_dp_loss(call)
         return grad, None, None
 
