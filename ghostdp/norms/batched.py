@@ -118,7 +118,7 @@ class NormQueue:
 def _held_elements(factor) -> int:
     if type(factor) is AffineGrad:  # its x and G until formed (then only (B, d) gradients)
         call = factor.call
-        return call.x.numel() + call.G.numel() if call.formed is None else 0
+        return call.x.numel() + call.G.numel() if call.stacked is None else 0
     if isinstance(factor, OuterProduct):
         return factor.left.numel() + factor.right.numel()
     if isinstance(factor, SummedTokens):
@@ -187,7 +187,7 @@ def _partition(factors):
                 by_gram[key].append(r)
             else:
                 alone.append(r)
-        elif kind is AffineGrad and f.call.formed is None:
+        elif kind is AffineGrad and f.call.stacked is None:
             by_layer_norm.setdefault(f.call.batch_key, []).append(r)
         elif kind is Instantiated:
             by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)

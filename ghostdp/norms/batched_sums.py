@@ -10,7 +10,7 @@ import torch
 
 from .batched import device_of, stack_budget, within_budget
 from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, weighted_outer_sum
-from .normalization import AffineGrad
+from .normalization import AffineGrad, stacked_grads
 
 
 def weighted_sums(uses, weights_of) -> dict:
@@ -25,7 +25,9 @@ def weighted_sums(uses, weights_of) -> dict:
         if kind is OuterProduct:
             batch = (kind, key, factor.left.shape, factor.right.shape, factor.left.dtype, factor.right.dtype,
                      factor.left.device)
-        elif kind is Instantiated or kind is SummedTokens or kind is AffineGrad:
+        elif kind is AffineGrad:  # its call's batch key sets its gradients' shape and dtype: nothing is formed here
+            batch = (kind, key, factor.name, factor.call.batch_key)
+        elif kind is Instantiated or kind is SummedTokens:
             tensor = factor.tokens if kind is SummedTokens else factor.grads
             batch = (kind, key, tensor.shape, tensor.dtype, tensor.device)
         else:
@@ -72,7 +74,9 @@ def _shaped(total, factors):
 def _instantiated_sums(factors, summed_tokens: bool, weights_in):
     """sum_i w_i g_i of k explicit gradients of one shape, (k, B, n) stacked: one matmul. For SummedTokens
     each example's gradient is first summed over its tokens."""
-    rows = torch.stack([f.tokens if summed_tokens else f.grads for f in factors])
+    rows = None if summed_tokens or type(factors[0]) is not AffineGrad else stacked_grads(factors)
+    if rows is None:
+        rows = torch.stack([f.tokens if summed_tokens else f.grads for f in factors])
     dt = acc_dtype(rows)
     rows = rows.sum(2, dtype=dt) if summed_tokens else rows.to(dt)
     total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)

@@ -60,15 +60,20 @@ class LayerNormCall:
         self.device = x.device
         self.normalized_shape, self.eps = tuple(normalized_shape), eps
         self.trainable = frozenset(n for n in ("weight", "bias") if n in trainable)
-        self.formed = None  # name -> Instantiated
+        self.stacked = None  # once formed: ({name: (grads, masses) of the calls formed together}, this call's row)
+        self._formed = None  # name -> Instantiated, this call's row of those, picked on first use
         # Calls with equal keys are formed together.
         self.batch_key = (self.x.shape, self.x.dtype, self.G.dtype, self.device, self.normalized_shape, eps,
                           self.trainable)
 
     def form(self):
-        if self.formed is None:
-            form_layer_norms([self])
-        return self.formed
+        if self._formed is None:
+            if self.stacked is None:
+                form_layer_norms([self])
+            stacked, k = self.stacked
+            self._formed = {n: Instantiated(grads[k], mass[k] if mass is not None else None)
+                            for n, (grads, mass) in stacked.items()}
+        return self._formed
 
 
 def form_layer_norms(calls):
@@ -79,12 +84,26 @@ def form_layer_norms(calls):
     G = first.G.unsqueeze(0) if len(calls) == 1 else torch.stack([c.G for c in calls])
     xhat = F.layer_norm(x, first.normalized_shape, eps=first.eps)
     reduce_dims = tuple(d + 1 for d in _leading_dims(first.x, len(first.normalized_shape)))
-    stacked = _affine_grads(xhat, G, first.trainable, reduce_dims, example_dims=2)
-    for k, call in enumerate(calls):
-        call.formed = {n: Instantiated(f.grads[k], f.mass[k] if f.mass is not None else None)
-                       for n, f in stacked.items()}
+    stacked = {n: (f.grads, f.mass) for n, f in _affine_grads(xhat, G, first.trainable, reduce_dims,
+                                                               example_dims=2).items()}
+    for k, call in enumerate(calls):  # a call's own row is picked only if it is read alone (LayerNormCall.form)
+        call.stacked = (stacked, k)
         call.x = call.G = None  # only the (B, d) gradients are kept (book-keeping holds them to the end)
-    return {n: (f.grads, f.mass) for n, f in stacked.items()}
+    return stacked
+
+
+def stacked_grads(factors):
+    """The (k, B, *shape) per-example gradients of k AffineGrads as ``form_layer_norms`` stacked them, where
+    they are exactly its rows in order (no row picked and stacked again); else None."""
+    first = factors[0].call.stacked
+    if first is None or not all(type(f) is AffineGrad and f.name == factors[0].name for f in factors):
+        return None
+    stacked = first[0]
+    grads = stacked[factors[0].name][0]
+    if grads.shape[0] != len(factors) or any(f.call.stacked is None or f.call.stacked[0] is not stacked
+                                             or f.call.stacked[1] != k for k, f in enumerate(factors)):
+        return None
+    return grads
 
 
 class AffineGrad(Instantiated):

@@ -123,3 +123,25 @@ def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping
     monkeypatch.setattr(batched.NormQueue, "reduce", lambda self: reductions.append(1) or reduce(self))
     torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
     assert len(reductions) > 2
+
+
+def test_layer_norm_gradients_formed_together_are_summed_from_their_stack():
+    """Book-keeping's clipped sums read LayerNorm gradients formed in one stack as that stack (no row picked
+    and stacked again) when the factors are its rows in order; in any other order, row by row. Equal either way."""
+    from ghostdp.norms.normalization import form_layer_norms, stacked_grads
+    g = torch.Generator().manual_seed(1)
+    calls = [LayerNormCall(torch.randn(B, T, 8, generator=g, dtype=torch.float64),
+                           torch.randn(B, T, 8, generator=g, dtype=torch.float64), (8,), 1e-5, {"weight", "bias"})
+             for _ in range(3)]
+    in_order = [AffineGrad(c, "weight") for c in calls]
+    mixed = [AffineGrad(calls[0], "weight"), AffineGrad(calls[1], "bias")]
+    stacked = form_layer_norms(calls)
+    weights = torch.rand(B, dtype=torch.float64, generator=g)
+    assert stacked_grads(in_order) is stacked["weight"][0]
+    for factors in (in_order, in_order[::-1], in_order[:2], mixed):
+        if factors is not in_order:
+            assert stacked_grads(factors) is None
+        sums = batched_sums.weighted_sums([(f, 0) for f in factors], lambda group, dt: weights.to(dt))
+        for k, f in enumerate(factors):
+            expected = weights @ f.grads.reshape(B, -1)
+            torch.testing.assert_close(sums[k], expected.reshape(f.param_shape), rtol=1e-12, atol=1e-14)
