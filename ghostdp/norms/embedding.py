@@ -12,7 +12,12 @@ from .factors import EmbeddingGather
 from .registry import register_norm_rule
 
 
-@register_norm_rule(torch.nn.Embedding, params=("weight",), tokenwise=True)
+def _holds_output_grad(module, inputs, output, trainable) -> bool:
+    """Book-keeping keeps G itself in the EmbeddingGather (the scaled rules below keep s G, a copy: not these)."""
+    return "weight" in trainable
+
+
+@register_norm_rule(torch.nn.Embedding, params=("weight",), tokenwise=True, holds_output_grad=_holds_output_grad)
 def embedding_rule(module: torch.nn.Embedding, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                    trainable: set[str]) -> dict:
     if "weight" not in trainable:

@@ -78,13 +78,16 @@ def test_captured_layers_are_exact_including_an_output_modified_in_place():
         assert_exact_model(TokenNet(), torch.randn(B, tokens, 6), classification_loss(torch.randint(0, 3, (B,))), B)
 
 
-def test_bert_in_book_keeping_captures_every_linear_and_is_exact():
+def test_bert_in_book_keeping_captures_every_linear_and_the_word_embeddings_and_is_exact():
     model = tiny_bert().train()
     ids, mask = padded_text(30)
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     captured, probed = recorded_modules(model(input_ids=ids, attention_mask=mask).logits)
-    assert captured == {m for m in model.modules() if isinstance(m, nn.Linear)}
-    assert probed and not any(isinstance(m, nn.Linear) for m in probed)  # LayerNorms, embeddings
+    embeddings = model.bert.embeddings
+    # The position embeddings' output is one row for the whole batch, broadcast to it by a probe.
+    assert captured == {m for m in model.modules() if isinstance(m, nn.Linear)} | {
+        embeddings.word_embeddings, embeddings.token_type_embeddings}
+    assert probed == {m for m in model.modules() if isinstance(m, nn.LayerNorm)} | {embeddings.position_embeddings}
     controller.detach()
     assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
                        classification_loss(torch.randint(0, 3, (B,))), B)
