@@ -38,14 +38,13 @@ FLOORS = ("noise floor", "two-pass floor")
 def make_floor_step(floor, model, batch):
     """A plain step (bench.make_step's) plus the work no private step can skip (see the docstring)."""
     import torch
-    from ghostdp.norms.fallback import hooked_modules
     from ghostdp.randomness import RandomSource
     ids, labels = batch
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     criterion = torch.nn.CrossEntropyLoss(reduction="none")
     noise = RandomSource(seed=0)
-    trained = [m for _, m in hooked_modules(model) if any(p.requires_grad for p in m.parameters(recurse=False))]
+    trained = trained_layers(model)
     outputs = []
     first = []  # the trained layer whose forward runs first, found by the first step
 
@@ -90,9 +89,10 @@ def count_aten_ops(step) -> int:
     return Counter.count
 
 
-def hooked_layers(model) -> int:
+def trained_layers(model) -> list:
+    """The hooked modules that own a trainable parameter."""
     from ghostdp.norms.fallback import hooked_modules
-    return sum(1 for _, m in hooked_modules(model) if any(p.requires_grad for p in m.parameters(recurse=False)))
+    return [m for _, m in hooked_modules(model) if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
 def measure(args, freeze_embeddings: bool) -> dict:
@@ -104,7 +104,7 @@ def measure(args, freeze_embeddings: bool) -> dict:
     args = copy.copy(args)
     args.freeze_embeddings = freeze_embeddings
     template = build_model(args).train()
-    layers = hooked_layers(template)
+    layers = len(trained_layers(template))
     ids = torch.randint(1, args.vocab, (args.batch, args.seq))
     labels = torch.randint(0, 2, (args.batch,))
     steps = {}

@@ -33,7 +33,7 @@ import functools
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .probe import reshaped_base
+from .probe import reshaped_base, tracing_or_transforming
 
 CAPTURED_CALL = "ghostdp.captured_call"  # the key of the call in its node's metadata
 # The innermost saved-tensor hooks (pack, unpack), or None: a non-reentrant checkpoint's or an offload's.
@@ -52,21 +52,19 @@ def captured_edge(output: torch.Tensor):
 
 
 def capture(call, entry, module, args, output):
-    """Makes a ruled call of book-keeping's forward a captured one where it may be (see the module doc; the
-    controller has checked the step's conditions): the type of its node, or None (it needs a probe)."""
+    """Makes a recorded ruled call of book-keeping's forward a captured one where it may be (see the module
+    doc; the controller has checked the step's conditions and recorded the call): the type of its node, or
+    None (it needs a probe)."""
     if (entry.holds_output_grad is None or saved_tensor_hooks(False) is not None
-            or torch._C._current_graph_task_id() != -1 or torch._C._are_functorch_transforms_active()
-            or torch.compiler.is_compiling() or not entry.holds_output_grad(module, args, output, call.params)):
+            or torch._C._current_graph_task_id() != -1 or tracing_or_transforming()
+            or not entry.holds_output_grad(module, args, output, call.params)):
         return None
     edge = captured_edge(output)
     if edge is None:
         return None
     node, output_nr = edge
-    call.shapes = (tuple(output.shape),)
-    call.grads = [None]
     call.inputs = args
     call.input_versions = tuple(a._version for a in args)
-    call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
     call.captured = output_nr
     node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
     node.register_prehook(functools.partial(_on_output_grads, call))

@@ -343,7 +343,7 @@ class GhostClipping:
                 self._regions.depth = 0
                 if self._watch_checkpoints:
                     self._forward_checkpointed = _saved_tensor_hooks(False) is not None
-                    self._capturing = not any(m.gradient_checkpointing for m in self._checkpointing_flags)
+                    self._capturing = not self._checkpointing_flag_set()
 
     def _on_unit_forward(self, unit, args):
         if self._recording(unit):
@@ -458,18 +458,18 @@ class GhostClipping:
         else:
             call.expanded = _NOT_EXPANDED
         kind = _RECORDED if self._pass is None and not self._regions.depth else self._call_kind()
-        if kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED and not self._forward_checkpointed:
-            node_type = capture(call, entry, module, args, output)
-            if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
-                self._captured_types.add(node_type)
-                self._count_uses(call)
-                return None
         if kind is _RECORDED or kind is _IN_REGION:
-            call.edges = (_edge(output),)
             call.shapes = (tuple(t.shape),)
             call.grads = [None]
             call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
             self._count_uses(call)
+            if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
+                    and not self._forward_checkpointed):
+                node_type = capture(call, entry, module, args, output)
+                if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
+                    self._captured_types.add(node_type)
+                    return None
+            call.edges = (_edge(output),)
             if kind is _IN_REGION:
                 self._note_region_call(call, kind)
         elif kind is _IN_PROOF:
@@ -514,10 +514,11 @@ class GhostClipping:
         shape = call.shapes[0]
         self._receive(call, 0, grad if grad.shape == shape else grad.view(shape))
 
-    def _deliver_captured(self, calls, grads):
-        """The grads pass 1's autograd.grad returned for the captured calls, each dropped once received."""
-        grads = list(grads)
-        for k, call in enumerate(calls):
+    def _backward_to_outputs(self, losses, probes, captured, cotangent, retain):
+        """Pass 1's (or the layout proof's) backward towards the probes and the captured calls' edges; the
+        captured grads it returns are received in turn, each dropped once received."""
+        grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in captured], cotangent, retain))
+        for k, call in enumerate(captured, start=len(probes)):
             grad, grads[k] = grads[k], None
             if grad is not None:
                 self._receive_captured(call, grad)
@@ -772,9 +773,8 @@ class GhostClipping:
         self._pass = NormPass(per_example_losses.shape[0], proving=True)
         try:
             with self._region("ghostdp.layout_proof"):
-                grads = _backward_to_probes(per_example_losses, probes + [c.edges[0] for c in captured],
-                                            self._layouts.cotangent(per_example_losses), True)
-                self._deliver_captured(captured, grads[len(probes):])
+                self._backward_to_outputs(per_example_losses, probes, captured,
+                                          self._layouts.cotangent(per_example_losses), True)
         finally:
             self._pass = None
 
@@ -808,10 +808,10 @@ class GhostClipping:
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if (probes or captured) and self._layouts.assign(calls, B) and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
-        self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
-                              reentrant=bool(regions), keeps_factors=mode.keeps_factors)
         # Only a checkpointed step's measure decides a mode (mode_for_loss): the first such step takes two passes.
-        self._pass.measures_kept = self._watch_checkpoints and (bool(regions) or self._forward_was_checkpointed())
+        measures_kept = self._watch_checkpoints and (bool(regions) or self._forward_was_checkpointed())
+        self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
+                              reentrant=bool(regions), keeps_factors=mode.keeps_factors, measures_kept=measures_kept)
         if self._sample_request is not None:
             self._pass.samples = self._sample_request.start(self._parameters.values(), B)
         try:
@@ -822,9 +822,8 @@ class GhostClipping:
                     if probes or captured:
                         # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
                         retain = mode.continues_backward or self._graph_needed_after_pass1
-                        grads = _backward_to_probes(per_example_losses, probes + [c.edges[0] for c in captured],
-                                                    torch.ones_like(per_example_losses), retain)
-                        self._deliver_captured(captured, grads[len(probes):])
+                        self._backward_to_outputs(per_example_losses, probes, captured,
+                                                  torch.ones_like(per_example_losses), retain)
                     self._finish()
             if self._pass.samples is not None:
                 write_samples(self._pass.samples, B)
@@ -887,7 +886,11 @@ class GhostClipping:
     def _forward_was_checkpointed(self) -> bool:
         """Book-keeping controllers: the last forward ran a trained layer under a checkpoint (see
         _on_forward), or the model's transformers flag says it checkpoints."""
-        return self._forward_checkpointed or any(m.gradient_checkpointing for m in self._checkpointing_flags)
+        return self._forward_checkpointed or self._checkpointing_flag_set()
+
+    def _checkpointing_flag_set(self) -> bool:
+        """The model's transformers flag says it checkpoints (book-keeping controllers)."""
+        return any(m.gradient_checkpointing for m in self._checkpointing_flags)
 
     def mode_for_loss(self):
         """The clipping mode of the DP loss being built from this forward: the controller's, or two passes

@@ -85,8 +85,14 @@ class ProbeIdentity(torch.autograd.Function):
 _DIRECT_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, ProbeIdentity)
 
 
+def tracing_or_transforming() -> bool:
+    """Whether functorch transforms are active or torch.compile is tracing: a probe then needs
+    Function.apply's preamble, and a call is not captured (capture.py)."""
+    return torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+
+
 def _apply(out, probe, spec):
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+    if tracing_or_transforming():
         return ProbeIdentity.apply(out, probe, spec)
     return _DIRECT_APPLY(out, probe, spec)
 

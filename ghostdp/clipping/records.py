@@ -66,10 +66,11 @@ class NormPass:
     the queue gives k rows at once), and summed over layers once, at the end.
     """
 
-    def __init__(self, batch_size, proving=False, groups=1, reentrant=False, keeps_factors=False):
+    def __init__(self, batch_size, proving=False, groups=1, reentrant=False, keeps_factors=False,
+                 measures_kept=False):
         self.batch_size = batch_size
         self.keeps_factors = keeps_factors  # book-keeping: every factor is kept for the clipped sums
-        self.measures_kept = False          # book-keeping configured, forward checkpointed: sum up
+        self.measures_kept = measures_kept  # book-keeping configured, forward checkpointed: sum up
         self.held_bytes = 0                 # the bytes the factors hold, and would keep
         self.kept_bytes = 0                 # (PerExampleGrad.kept), for modes.mode_of_step
         self.proving = proving            # collect projections of G for the layout proof, compute nothing

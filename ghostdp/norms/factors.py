@@ -41,7 +41,12 @@ ELEMENT_BUDGET = 1 << 25
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32: norms never accumulate in 16 bits."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return acc_dtype_of(*(t.dtype for t in tensors))
+
+
+def acc_dtype_of(*dtypes: torch.dtype) -> torch.dtype:
+    """acc_dtype for tensors of these dtypes."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 @functools.cache
@@ -319,8 +324,8 @@ def explicit_is_smaller(B: int, T: int, m: int, n: int, left_dtype: torch.dtype,
     R (B, T, n) of these dtypes take fewer bytes than the sides (OuterProduct.kept; one token: never)."""
     if T <= 1:
         return False
-    wide = torch.float64 if torch.float64 in (left_dtype, right_dtype) else torch.float32
-    return B * m * n * wide.itemsize < B * T * (m * left_dtype.itemsize + n * right_dtype.itemsize)
+    explicit = B * m * n * acc_dtype_of(left_dtype, right_dtype).itemsize
+    return explicit < B * T * (m * left_dtype.itemsize + n * right_dtype.itemsize)
 
 
 class OuterProduct(PerExampleGrad):

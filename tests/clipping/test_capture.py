@@ -17,6 +17,7 @@ from ghostdp.clipping.probe import ProbeIdentity
 from ghostdp.norms.factors import OuterProduct
 from ghostdp.norms.linear import _conv1d_holds_output_grad, _linear_holds_output_grad
 from conftest import assert_exact_model, clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
+from test_graph_audit import ReadsChildWeightSometimes
 from test_models import B, classification_loss, padded_text, tiny_bert
 
 
@@ -183,19 +184,13 @@ def test_a_forward_without_backward_frees_its_captured_calls_with_its_graph():
 def test_a_refused_step_leaves_no_reference_cycle_through_the_graph():
     """The audit gives a captured call its edge (a reference to its node, which holds the call): dropped
     after pass 1 and on a refusal, or the graph would outlive the step."""
-    class ReadsWeight(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.lin(x) + x @ self.lin.weight  # a read outside the module's forward: refused
-
-    model = ReadsWeight().train()
+    model = ReadsChildWeightSometimes().train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     for refused in (True, False):
         x = torch.randn(B, 4)
-        out = model(x) if refused else model.lin(x)
+        if refused:
+            x[0, 0] = 7.0  # takes the path that reads the child's weight outside its forward
+        out = model(x)
         assert len(recorded_calls(out)[0]) == 1
         held = weakref.ref(x)  # the captured call holds its input while it lives
         loss = controller.loss(out.pow(2).sum(1), reduction="sum")
