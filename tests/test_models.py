@@ -109,7 +109,7 @@ def test_peft_lora(base):
     controller = ghostdp.GhostClipping(model, 1.0)
     out = model(input_ids=ids, attention_mask=mask)  # its graph keeps the recorded uses alive
     trainable_params = {p for p in model.parameters() if p.requires_grad}
-    assert set(controller._live) == {id(p) for p in trainable_params}
+    assert set(controller.recorder.live) == {id(p) for p in trainable_params}
     assert len(trainable_params) < len(list(model.parameters())) / 2 and out.logits.requires_grad
     controller.detach()
 

@@ -71,13 +71,13 @@ def test_eval_and_no_grad_forwards_record_nothing():
     controller = ghostdp.GhostClipping(model, 1.0)
     model.eval()
     out = model(x)
-    assert not controller._live and out.grad_fn is not None
+    assert not controller.recorder.live and out.grad_fn is not None
     with pytest.raises(RuntimeError, match=r"eval\(\) mode"):
         controller.loss(out.pow(2).sum(1)).backward()
     model.train()
     with torch.no_grad():
         model(x)
-    assert not controller._live
+    assert not controller.recorder.live
     with torch.no_grad():
         loss = controller.loss(model(x).pow(2).sum(1))
     assert loss.grad_fn is None  # nothing to backpropagate, so no clipping can be skipped
@@ -89,9 +89,9 @@ def test_forward_without_backward_leaves_no_state():
     model, x = Branchy(), torch.randn(5, 4)
     controller = ghostdp.GhostClipping(model, 1.0)
     out = model(x)
-    assert controller._live
+    assert controller.recorder.live
     del out
-    assert not controller._live
+    assert not controller.recorder.live
 
 
 def test_backward_of_a_loss_that_is_not_a_dp_loss_is_refused():

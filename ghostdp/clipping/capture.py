@@ -75,7 +75,7 @@ def found_call(node):
     """The captured call on an autograd node of a captured type, with its edge set, or None."""
     call = node.metadata.get(CAPTURED_CALL)
     if call is not None:
-        call.edges = (GradientEdge(node, call.captured),)  # until pass 1 is done (controller._forget_edges)
+        call.edges = (GradientEdge(node, call.captured),)  # until pass 1 is done (controller._forget_captured_edges)
     return call
 
 

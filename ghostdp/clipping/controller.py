@@ -9,52 +9,40 @@ and call ``backward()`` as usual:
   per-example squared norms, which are summed over layers;
 - clip coefficients c_i = min(1, C / (n_i + 1e-6));
 - pass 2: autograd continues with grad c_i for loss i, leaving sum_i c_i g_i in p.grad.
+
+The forward hooks that record each layer call are the ``ForwardRecorder``'s (recording.py).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 import weakref
-from collections import defaultdict
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..accounting.base import check_positive
 from ..data import distributed_rank_and_size
 from ..norms.factors import combined_sq_norm
-from ..norms.fallback import OPAQUE_MODULES, fallback_grads, hooked_modules, output_batch_dims, owned_parameters
-from ..norms.registry import lookup_rule
-from ..sharding import fsdp1_wrapped, has_sharded_parameters, is_sharded, sharded_units
+from ..norms.fallback import fallback_grads
+from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .audit import audit_graph
-from .capture import capture, check_inputs_unchanged, saved_tensor_hooks as _saved_tensor_hooks
+from .capture import check_inputs_unchanged
 from .layout import LayoutProver
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
-from .probe import add_probe
-from .records import BackwardRecord, ModuleCall, NormPass
-from .reentrant import RegionWatch, leaves_below, stashed_grads
+from .records import BackwardRecord, NormPass
+from .recording import ForwardRecorder, zero_size_leaf
+from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch, leaves_below, stashed_grads
 from .samples import SampleRequest, write_samples
 
 CLIP_EPS = 1e-6
-_EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
-# What a forward hook records (GhostClipping._call_kind): a call of the forward; a call of a reentrant
-# checkpoint's region, recomputed by pass 1 or by the layout proof; nothing (an inert probe).
-_RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", "inert"
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 log = logging.getLogger("ghostdp")
 
-USE_NON_REENTRANT = (
-    "use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-    "{'use_reentrant': False}), TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs="
-    "{'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
-NON_REENTRANT_FIX = "Fix: " + USE_NON_REENTRANT
 CHECKPOINTING_UNSUPPORTED = (
     "A reentrant activation checkpoint was not recognised (another library's, not torch.utils.checkpoint's): "
     "it refuses ghostdp's norm pass (an autograd.grad call). torch's reentrant checkpoints are supported. "
@@ -122,13 +110,6 @@ def _clipping_groups(max_grad_norm, parameter_groups, mode):
     return tuple(float(c) for c in max_grad_norm), group_of
 
 
-def _zero_size_leaf(leaves: dict, device) -> torch.Tensor:
-    """The leaf of ``leaves`` for this device, made on first use: an empty tensor that requires grad."""
-    if device not in leaves:
-        leaves[device] = torch.zeros(0, device=device, requires_grad=True)
-    return leaves[device]
-
-
 def _backward_to_probes(losses, inputs, cotangent, retain):
     """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
     try:
@@ -137,19 +118,6 @@ def _backward_to_probes(losses, inputs, cotangent, retain):
         if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
             raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
         raise
-
-
-def _checkpointing_flag_holders(module) -> list:
-    """The submodules whose ``gradient_checkpointing`` attribute transformers' ``is_activation_checkpointing``
-    reads (through peft's wrapper too), found once: that property walks every module at each read, and
-    ``gradient_checkpointing_enable`` sets the attribute only on modules that already have it."""
-    model = module  # the property's newer name, then its older one (transformers < 5)
-    while not any(hasattr(type(model), name) for name in ("is_activation_checkpointing", "is_gradient_checkpointing")):
-        base = getattr(model, "base_model", None)  # peft's PeftModel forwards to the model it wraps
-        if base is None or base is model:
-            return []
-        model = base
-    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
 
 def _forget_captured_edges(calls) -> None:
@@ -166,23 +134,6 @@ def _attached_controller(module):
         if controller is not None and controller._handles:
             return m, controller
     return None, None
-
-
-def _edge(t: torch.Tensor) -> GradientEdge:
-    """t's gradient edge. For the output of a C++ op this is (grad_fn, output_nr); get_gradient_edge
-    would also make an ownership token (an extra view op) for a Python Function's output, and find
-    the accumulator of a leaf."""
-    node = t.grad_fn
-    if node is None or isinstance(node, torch._C._FunctionBase):
-        return get_gradient_edge(t)
-    return GradientEdge(node, t.output_nr)
-
-
-def _leading_dim(args, kwargs):
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return t.shape[0]
-    return None
 
 
 class GhostClipping:
@@ -231,13 +182,9 @@ class GhostClipping:
         self.group_norms, self._group_of = _clipping_groups(max_grad_norm, parameter_groups, self.mode)
         self.max_grad_norm = max_grad_norm if self.group_norms is None else sum(c * c for c in self.group_norms) ** 0.5
         self.nonfinite = nonfinite
-        self._probes = {}
         self._anchors = {}
-        self._graph_needed_after_pass1 = False
-        self._live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
         self._pass = None
         self._in_fallback = False
-        self._batch_hint = None
         self._kept = new_factor_store()
         self._mass = None
         self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
@@ -248,15 +195,6 @@ class GhostClipping:
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._warned_of_checkpointing = False
         self._told_two_passes = False
-        # Book-keeping: the forward ran a trained layer under a checkpoint (saved-tensor hooks, or with
-        # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
-        self._watch_checkpoints = self.mode.keeps_factors
-        self._forward_checkpointed = False
-        self._checkpointing_flags = _checkpointing_flag_holders(module) if self._watch_checkpoints else []
-        # Book-keeping captures the output grads it keeps whole (capture.py): this forward may, and the
-        # autograd node types of the calls captured so far (the audit looks for them).
-        self._capturing = False
-        self._captured_types = set()
         self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
@@ -277,23 +215,9 @@ class GhostClipping:
         self.region_timer = None
         # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
         self.next_loss_is_padding = False
-        self._handles = [module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)]
-        self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
-        for name, m in hooked_modules(module):
-            entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
-            if entry is not None and not set(owned_parameters(m)) <= entry.params:
-                entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
-            # First among the forward hooks: FSDP2's own puts the sharded parameters back after the forward,
-            # and the call must record the gathered ones that the forward used (and autograd will reach).
-            self._handles.append(m.register_forward_hook(functools.partial(self._on_forward, name, entry),
-                                                         with_kwargs=True, prepend=True))
-            if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
-                self._plain_owners.add(id(m))
-        # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
-        # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
-        self._gathered = {}  # (id(unit), name) -> the gathered parameter of this step
-        for unit in sharded_units(module):
-            self._handles.append(unit.register_forward_pre_hook(self._on_unit_forward))
+        # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
+        self.recorder = ForwardRecorder(self, watch_checkpoints=self.mode.keeps_factors)
+        self._handles = self.recorder.attach(module)
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
@@ -333,171 +257,9 @@ class GhostClipping:
         return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
 
     # ----------------------------------------------------------------- forward
-    def _recording(self, module) -> bool:
-        return module.training and torch.is_grad_enabled() and not self._in_fallback
-
-    def _on_root_forward(self, module, args, kwargs):
-        if self._recording(module):
-            self._batch_hint = _leading_dim(args, kwargs)
-            if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
-                self._regions.depth = 0
-                if self._watch_checkpoints:
-                    self._forward_checkpointed = _saved_tensor_hooks(False) is not None
-                    self._capturing = not self._checkpointing_flag_set()
-
-    def _on_unit_forward(self, unit, args):
-        if self._recording(unit):
-            for name, p in unit.named_parameters():
-                if p.requires_grad and not is_sharded(p):
-                    self._gathered[(id(unit), name)] = p
-
     def anchor(self, device):
         """A zero-size leaf for a DP loss whose backward must not continue into the model (book-keeping)."""
-        return _zero_size_leaf(self._anchors, device)
-
-    def _probe(self, device):
-        return _zero_size_leaf(self._probes, device)
-
-    def _on_forward(self, name, entry, module, args, kwargs, output):
-        if not self._recording(module):
-            if self._watch_checkpoints and module.training and not self._in_fallback:  # grad off
-                self._forward_checkpointed = self._forward_checkpointed or bool(self._trainable_owned(module))
-            return None
-        params = self._trainable_owned(module)
-        if not params:
-            return None
-        if self._watch_checkpoints and not self._forward_checkpointed and _saved_tensor_hooks(False) is not None:
-            self._forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
-        if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
-                and output.is_floating_point() and all(isinstance(a, torch.Tensor) for a in args)):
-            return self._record_ruled(name, entry, module, args, output, params)
-        if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
-            flat, spec = [output], None
-        else:
-            flat, spec = tree_flatten(output)
-        slots = [i for i, t in enumerate(flat)
-                 if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-        if not slots:
-            return None
-        if entry is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
-            entry = None
-        rule = entry.rule if entry is not None else None
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            inputs = list(args)
-        else:
-            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        call = ModuleCall(self, name, module, entry, params,
-                          (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
-        call.edges, call.expanded, call.shapes = [], [], []
-        kind = self._call_kind()
-        recording = kind is _RECORDED or kind is _IN_REGION
-        if kind is _IN_REGION and rule is None:
-            raise NotImplementedError(
-                f"module '{name}' ({type(module).__name__}) has trainable parameters but no norm rule, inside a "
-                "reentrant activation checkpoint: its fallback needs the region's graph after the checkpoint's own "
-                "backward has freed it. Register a norm rule for it, or " + USE_NON_REENTRANT)
-        if not recording:
-            call.fired = True  # nothing to count or refuse; the proof's calls only project their output grads
-        elif rule is None and len(slots) > 1:
-            # Its fallback runs after pass 1 has gone below it, through the module's own graph.
-            self._graph_needed_after_pass1 = True
-        B = self._batch_hint
-        new_flat = list(flat)
-        for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
-            t = flat[i]
-            # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
-            # batch here so that its output grad stays per example.
-            expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
-            if expanded:
-                t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
-            if recording or kind is _IN_PROOF:
-                call.edges.append(_edge(flat[i]))
-                call.expanded.append(expanded)
-                call.shapes.append(tuple(t.shape))
-            saved = ()
-            if rule is not None:  # one output; the rule's activations, saved on the probe's node (probe.py)
-                saved = tuple(a.expand(B, *a.shape[1:]) if expanded and a.dim() > 0 and a.shape[0] == 1 else a
-                              for a in inputs)
-            new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None,
-                                    inputs=saved)
-        if recording:
-            call.grads = [None] * len(slots)
-            # The nodes that bound the call's region below (the audit stops there); a leaf input has
-            # only its gradient accumulator below, where the audit stops anyway.
-            call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
-            for p in params.values():
-                self._live[id(p)] += 1
-        if kind is _IN_REGION or kind is _IN_PROOF:
-            self._note_region_call(call, kind)
-        return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
-
-    def _call_kind(self):
-        """What a forward records now: an ordinary call; a call of a reentrant checkpoint's region recomputed
-        by pass 1 (reentrant.py); one recomputed by the layout proof; or nothing (any other recomputation)."""
-        if self._regions.depth:
-            if self._pass is None:
-                return _INERT  # pass 2 recomputing a region
-            return _IN_PROOF if self._pass.proving else _IN_REGION
-        return _RECORDED if self._pass is None else _INERT
-
-    def _note_region_call(self, call, kind):
-        self._pass.region_calls.append(call)
-        if kind is _IN_PROOF:
-            call.projections = [None] * len(call.shapes)
-
-    def _record_ruled(self, name, entry, module, args, output, params):
-        """_on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
-        tensor output (Linear, LayerNorm, Embedding, ...)."""
-        call = ModuleCall(self, name, module, entry, params)
-        B = self._batch_hint
-        t, saved = output, args
-        if B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1:  # shared by the batch: see below
-            t = t.expand(B, *t.shape[1:])
-            saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
-            call.expanded = _EXPANDED
-        else:
-            call.expanded = _NOT_EXPANDED
-        kind = _RECORDED if self._pass is None and not self._regions.depth else self._call_kind()
-        if kind is _RECORDED or kind is _IN_REGION:
-            call.shapes = (tuple(t.shape),)
-            call.grads = [None]
-            call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
-            self._count_uses(call)
-            if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
-                    and not self._forward_checkpointed):
-                node_type = capture(call, entry, module, args, output)
-                if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
-                    self._captured_types.add(node_type)
-                    return None
-            call.edges = (_edge(output),)
-            if kind is _IN_REGION:
-                self._note_region_call(call, kind)
-        elif kind is _IN_PROOF:
-            call.shapes, call.fired = (tuple(t.shape),), True
-            self._note_region_call(call, kind)
-        else:  # a non-reentrant checkpoint's recomputation, or pass 2's of a reentrant one (see _on_forward)
-            call.fired = True
-        return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
-
-    def _count_uses(self, call):
-        """The call's parameters have one more recorded use that pass 1 has not reached yet."""
-        live = self._live
-        for p in call.params.values():
-            live[id(p)] += 1
-
-    def _trainable_owned(self, module) -> dict:
-        """The module's own parameters that require grad now (read at every forward: freezing after
-        attaching works), from its parameter dict directly where it owns no parameter containers."""
-        if id(module) in self._plain_owners:
-            return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-        return {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
-
-    def _forget(self, call):
-        for p in call.params.values():
-            key = id(p)
-            self._live[key] -= 1
-            if self._live[key] <= 0:
-                del self._live[key]
+        return zero_size_leaf(self._anchors, device)
 
     # ----------------------------------------------------------------- pass 1
     def _receives_output_grads(self) -> bool:
@@ -537,8 +299,9 @@ class GhostClipping:
             else:
                 # A parameter with a single live use can be reduced to its norm now and its G freed;
                 # one with several uses waits for all of them (cross terms).
-                call.eager = {n: self._live[id(p)] == 1 and p not in self._pass.pending for n, p in call.params.items()}
-            self._forget(call)
+                live, pending = self.recorder.live, self._pass.pending
+                call.eager = {n: live[id(p)] == 1 and p not in pending for n, p in call.params.items()}
+            self.recorder.forget(call)
         if len(call.grads) == 1 and not (self._pass.reentrant and call.layouts is None):
             self._compute(call)
 
@@ -564,7 +327,7 @@ class GhostClipping:
                     "parameters several calls share from the step before, and this step's calls differ. The next "
                     "step will form its norm over all of its calls; to avoid this, " + USE_NON_REENTRANT)
             passed.uses[key] += 1
-            eager = (self._region_uses_known and self._live[key] == 1 and p not in passed.pending
+            eager = (self._region_uses_known and self.recorder.live[key] == 1 and p not in passed.pending
                      and key not in self._shared_in_regions)
             if eager:
                 passed.eager_ids.add(key)
@@ -656,7 +419,7 @@ class GhostClipping:
         if (not mode.keeps_factors or self._warned_of_checkpointing
                 or self._kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING):
             return
-        if regions or self._forward_was_checkpointed():
+        if regions or self.recorder.forward_was_checkpointed():
             self._warned_of_checkpointing = True
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
 
@@ -672,7 +435,7 @@ class GhostClipping:
 
     def _trainable(self) -> dict:
         trainable = {k: p for k, p in self._parameters.items() if p.requires_grad}
-        trainable.update((id(p), p) for p in self._gathered.values())
+        trainable.update((id(p), p) for p in self.recorder.gathered.values())
         return trainable
 
     def _audit(self, per_example_losses, mode):
@@ -680,7 +443,7 @@ class GhostClipping:
         checkpoints' nodes and the nodes visited."""
         trainable = self._trainable()
         seen = set()
-        types = self._captured_types
+        types = self.recorder.captured_types
         stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types)
         try:
             replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
@@ -718,7 +481,7 @@ class GhostClipping:
 
     def _refuse_stray(self, stray, calls):
         """Raise for parameters with gradient edges outside every recorded call of their modules."""
-        if not calls and not self._live:
+        if not calls and not self.recorder.live:
             raise RuntimeError(
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
                 "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
@@ -737,7 +500,7 @@ class GhostClipping:
         trainable = self._trainable()
         self._pass.losses, self._pass.audited, self._pass.trainable = losses, audited, trainable
         # The leaves a region may read with requires_grad: the trainable parameters and the probes.
-        allowed = set(trainable) | {id(p) for p in self._probes.values()}
+        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
         with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
             with self._regions.traced(allowed, audited):  # each region is audited when its backward is done
                 torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
@@ -803,13 +566,13 @@ class GhostClipping:
     def _norms_of_calls(self, per_example_losses, mode, calls, regions, audited):
         """per_example_norms after the audit: the layout proof if needed, then pass 1."""
         B = per_example_losses.shape[0]
-        probes = list(self._probes.values())
+        probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if (probes or captured) and self._layouts.assign(calls, B) and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
         # Only a checkpointed step's measure decides a mode (mode_for_loss): the first such step takes two passes.
-        measures_kept = self._watch_checkpoints and (bool(regions) or self._forward_was_checkpointed())
+        measures_kept = self.recorder.watch_checkpoints and (bool(regions) or self.recorder.forward_was_checkpointed())
         self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
                               reentrant=bool(regions), keeps_factors=mode.keeps_factors, measures_kept=measures_kept)
         if self._sample_request is not None:
@@ -821,7 +584,7 @@ class GhostClipping:
                 else:
                     if probes or captured:
                         # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
-                        retain = mode.continues_backward or self._graph_needed_after_pass1
+                        retain = mode.continues_backward or self.recorder.graph_needed_after_pass1
                         self._backward_to_outputs(per_example_losses, probes, captured,
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
@@ -883,21 +646,12 @@ class GhostClipping:
                 self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
             return mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
 
-    def _forward_was_checkpointed(self) -> bool:
-        """Book-keeping controllers: the last forward ran a trained layer under a checkpoint (see
-        _on_forward), or the model's transformers flag says it checkpoints."""
-        return self._forward_checkpointed or self._checkpointing_flag_set()
-
-    def _checkpointing_flag_set(self) -> bool:
-        """The model's transformers flag says it checkpoints (book-keeping controllers)."""
-        return any(m.gradient_checkpointing for m in self._checkpointing_flags)
-
     def mode_for_loss(self):
         """The clipping mode of the DP loss being built from this forward: the controller's, or two passes
         for a book-keeping step under activation checkpointing (modes.mode_of_step; logged once)."""
         if not self.mode.keeps_factors:
             return self.mode
-        checkpointed = self._forward_was_checkpointed()
+        checkpointed = self.recorder.forward_was_checkpointed()
         # Several processes: every rank must take the same mode (DDP's collectives), and each rank's
         # measurement is its own (its sequence lengths): no exemption for what book-keeping keeps.
         several = distributed_rank_and_size()[1] > 1

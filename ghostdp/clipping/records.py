@@ -52,7 +52,7 @@ class ModuleCall:
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
         if not getattr(self, "fired", True):
-            self.controller._forget(self)
+            self.controller.recorder.forget(self)
 
 
 def _device(groups):

@@ -30,6 +30,12 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .audit import accumulate_grad_type
 
+USE_NON_REENTRANT = (
+    "use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}), TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+NON_REENTRANT_FIX = "Fix: " + USE_NON_REENTRANT
+
 
 class ForeignLeafError(NotImplementedError):
     """A reentrant checkpoint's region reads a tensor that requires grad but is not a model parameter."""

@@ -176,9 +176,9 @@ def test_a_forward_without_backward_frees_its_captured_calls_with_its_graph():
     assert len(recorded_calls(out)[0]) == 2
     held = weakref.ref(x)  # the first call holds its input
     del x
-    assert controller._live and held() is not None
+    assert controller.recorder.live and held() is not None
     del out
-    assert held() is None and not controller._live
+    assert held() is None and not controller.recorder.live
 
 
 def test_a_refused_step_leaves_no_reference_cycle_through_the_graph():
@@ -201,7 +201,7 @@ def test_a_refused_step_leaves_no_reference_cycle_through_the_graph():
         else:
             loss.backward()
         del loss
-        assert held() is None and not controller._live
+        assert held() is None and not controller.recorder.live
         model.zero_grad(set_to_none=True)
 
 

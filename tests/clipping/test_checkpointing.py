@@ -154,12 +154,12 @@ def test_the_transformers_flag_is_read_through_peft_and_when_set_after_attaching
         vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
         max_position_embeddings=16, num_labels=3)), LoraConfig(r=2, target_modules=["query", "value"]))
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
-    assert not controller._forward_was_checkpointed()
+    assert not controller.recorder.forward_was_checkpointed()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.base_model.model.is_activation_checkpointing
-    assert controller._forward_was_checkpointed()
+    assert controller.recorder.forward_was_checkpointed()
     model.base_model.model.gradient_checkpointing_disable()
-    assert not controller._forward_was_checkpointed()
+    assert not controller.recorder.forward_was_checkpointed()
 
 
 def test_book_keeping_under_checkpointing_stays_at_the_plain_checkpointed_peak():

@@ -1,0 +1,289 @@
+"""The forward side of the controller: every call of a hooked module in a training forward.
+
+Each call of a module with trainable parameters becomes a ``ModuleCall`` (records.py): its inputs, the
+gradient edges of its outputs, its shapes. Pass 1 then needs each call's output grads G: a probe on each
+output (probe.py) hands them over as autograd passes; book-keeping's calls whose G it keeps whole are
+captured instead (capture.py). The recorder also counts each parameter's recorded uses that pass 1 has
+not reached yet (a parameter with one use is reduced to its norm as soon as its G arrives), knows the
+batch size from the model's first tensor argument, and, for book-keeping, whether the forward ran a
+trained layer under an activation checkpoint (its loss then takes two passes: modes.mode_of_step).
+
+What a call records depends on when it runs (``_call_kind``): an ordinary forward records it; a reentrant
+checkpoint's recomputation records it for pass 1 or for the layout proof (reentrant.py); any other
+recomputation records nothing (its probes are inert).
+"""
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..norms.fallback import OPAQUE_MODULES, hooked_modules, output_batch_dims, owned_parameters
+from ..norms.registry import lookup_rule
+from ..sharding import is_sharded, sharded_units
+from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
+from .probe import add_probe
+from .records import ModuleCall
+from .reentrant import USE_NON_REENTRANT
+
+_EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
+# What a forward hook records (ForwardRecorder._call_kind): a call of the forward; a call of a reentrant
+# checkpoint's region, recomputed by pass 1 or by the layout proof; nothing (an inert probe).
+_RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", "inert"
+
+
+def zero_size_leaf(leaves: dict, device) -> torch.Tensor:
+    """The leaf of ``leaves`` for this device, made on first use: an empty tensor that requires grad."""
+    if device not in leaves:
+        leaves[device] = torch.zeros(0, device=device, requires_grad=True)
+    return leaves[device]
+
+
+def _checkpointing_flag_holders(module) -> list:
+    """The submodules whose ``gradient_checkpointing`` attribute transformers' ``is_activation_checkpointing``
+    reads (through peft's wrapper too), found once: that property walks every module at each read, and
+    ``gradient_checkpointing_enable`` sets the attribute only on modules that already have it."""
+    model = module  # the property's newer name, then its older one (transformers < 5)
+    while not any(hasattr(type(model), name) for name in ("is_activation_checkpointing", "is_gradient_checkpointing")):
+        base = getattr(model, "base_model", None)  # peft's PeftModel forwards to the model it wraps
+        if base is None or base is model:
+            return []
+        model = base
+    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def _edge(t: torch.Tensor) -> GradientEdge:
+    """t's gradient edge. For the output of a C++ op this is (grad_fn, output_nr); get_gradient_edge
+    would also make an ownership token (an extra view op) for a Python Function's output, and find
+    the accumulator of a leaf."""
+    node = t.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):
+        return get_gradient_edge(t)
+    return GradientEdge(node, t.output_nr)
+
+
+def _leading_dim(args, kwargs):
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return t.shape[0]
+    return None
+
+
+class ForwardRecorder:
+    """The forward hooks of one controller (``controller``: the ``GhostClipping`` whose pass, reentrant
+    regions and fallback state decide what a call records)."""
+
+    def __init__(self, controller, watch_checkpoints: bool):
+        self.controller = controller
+        self.live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
+        self.probes = {}              # device -> the probe leaf of the calls' probes
+        self._batch_hint = None
+        # A call without a rule and with several outputs: its fallback runs after pass 1 has gone below it.
+        self.graph_needed_after_pass1 = False
+        # Book-keeping: the forward ran a trained layer under a checkpoint (saved-tensor hooks, or with
+        # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
+        self.watch_checkpoints = watch_checkpoints
+        self.forward_checkpointed = False
+        self._checkpointing_flags = []
+        # Book-keeping captures the output grads it keeps whole (capture.py): this forward may, and the
+        # autograd node types of the calls captured so far (the audit looks for them).
+        self._capturing = False
+        self.captured_types = set()
+        self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
+        # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
+        # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
+        self.gathered = {}  # (id(unit), name) -> the gathered parameter of this step
+
+    def attach(self, module) -> list:
+        """Hooks ``module`` and its hooked submodules; the handles."""
+        if self.watch_checkpoints:
+            self._checkpointing_flags = _checkpointing_flag_holders(module)
+        handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True)]
+        for name, m in hooked_modules(module):
+            entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
+            if entry is not None and not set(owned_parameters(m)) <= entry.params:
+                entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
+            # First among the forward hooks: FSDP2's own puts the sharded parameters back after the forward,
+            # and the call must record the gathered ones that the forward used (and autograd will reach).
+            handles.append(m.register_forward_hook(functools.partial(self.on_forward, name, entry),
+                                                   with_kwargs=True, prepend=True))
+            if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
+                self._plain_owners.add(id(m))
+        for unit in sharded_units(module):
+            handles.append(unit.register_forward_pre_hook(self.on_unit_forward))
+        return handles
+
+    def forward_was_checkpointed(self) -> bool:
+        """Book-keeping: the last forward ran a trained layer under a checkpoint (see on_forward), or the
+        model's transformers flag says it checkpoints."""
+        return self.forward_checkpointed or self._checkpointing_flag_set()
+
+    def _checkpointing_flag_set(self) -> bool:
+        """The model's transformers flag says it checkpoints (book-keeping controllers)."""
+        return any(m.gradient_checkpointing for m in self._checkpointing_flags)
+
+    def _recording(self, module) -> bool:
+        return module.training and torch.is_grad_enabled() and not self.controller._in_fallback
+
+    def on_root_forward(self, module, args, kwargs):
+        if self._recording(module):
+            self._batch_hint = _leading_dim(args, kwargs)
+            if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
+                self.controller._regions.depth = 0
+                if self.watch_checkpoints:
+                    self.forward_checkpointed = _saved_tensor_hooks(False) is not None
+                    self._capturing = not self._checkpointing_flag_set()
+
+    def on_unit_forward(self, unit, args):
+        if self._recording(unit):
+            for name, p in unit.named_parameters():
+                if p.requires_grad and not is_sharded(p):
+                    self.gathered[(id(unit), name)] = p
+
+    def _probe(self, device):
+        return zero_size_leaf(self.probes, device)
+
+    def on_forward(self, name, entry, module, args, kwargs, output):
+        if not self._recording(module):
+            if self.watch_checkpoints and module.training and not self.controller._in_fallback:  # grad off
+                self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))
+            return None
+        params = self._trainable_owned(module)
+        if not params:
+            return None
+        if self.watch_checkpoints and not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
+            self.forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
+        if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
+                and output.is_floating_point() and all(isinstance(a, torch.Tensor) for a in args)):
+            return self._record_ruled(name, entry, module, args, output, params)
+        if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
+            flat, spec = [output], None
+        else:
+            flat, spec = tree_flatten(output)
+        slots = [i for i, t in enumerate(flat)
+                 if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+        if not slots:
+            return None
+        if entry is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
+            entry = None
+        rule = entry.rule if entry is not None else None
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            inputs = list(args)
+        else:
+            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        call = ModuleCall(self.controller, name, module, entry, params,
+                          (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
+        call.edges, call.expanded, call.shapes = [], [], []
+        kind = self._call_kind()
+        recording = kind is _RECORDED or kind is _IN_REGION
+        if kind is _IN_REGION and rule is None:
+            raise NotImplementedError(
+                f"module '{name}' ({type(module).__name__}) has trainable parameters but no norm rule, inside a "
+                "reentrant activation checkpoint: its fallback needs the region's graph after the checkpoint's own "
+                "backward has freed it. Register a norm rule for it, or " + USE_NON_REENTRANT)
+        if not recording:
+            call.fired = True  # nothing to count or refuse; the proof's calls only project their output grads
+        elif rule is None and len(slots) > 1:
+            # Its fallback runs after pass 1 has gone below it, through the module's own graph.
+            self.graph_needed_after_pass1 = True
+        B = self._batch_hint
+        new_flat = list(flat)
+        for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
+            t = flat[i]
+            # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
+            # batch here so that its output grad stays per example.
+            expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
+            if expanded:
+                t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
+            if recording or kind is _IN_PROOF:
+                call.edges.append(_edge(flat[i]))
+                call.expanded.append(expanded)
+                call.shapes.append(tuple(t.shape))
+            saved = ()
+            if rule is not None:  # one output; the rule's activations, saved on the probe's node (probe.py)
+                saved = tuple(a.expand(B, *a.shape[1:]) if expanded and a.dim() > 0 and a.shape[0] == 1 else a
+                              for a in inputs)
+            new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None,
+                                    inputs=saved)
+        if recording:
+            call.grads = [None] * len(slots)
+            # The nodes that bound the call's region below (the audit stops there); a leaf input has
+            # only its gradient accumulator below, where the audit stops anyway.
+            call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
+            for p in params.values():
+                self.live[id(p)] += 1
+        if kind is _IN_REGION or kind is _IN_PROOF:
+            self._note_region_call(call, kind)
+        return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _call_kind(self):
+        """What a forward records now: an ordinary call; a call of a reentrant checkpoint's region recomputed
+        by pass 1 (reentrant.py); one recomputed by the layout proof; or nothing (any other recomputation)."""
+        if self.controller._regions.depth:
+            if self.controller._pass is None:
+                return _INERT  # pass 2 recomputing a region
+            return _IN_PROOF if self.controller._pass.proving else _IN_REGION
+        return _RECORDED if self.controller._pass is None else _INERT
+
+    def _note_region_call(self, call, kind):
+        self.controller._pass.region_calls.append(call)
+        if kind is _IN_PROOF:
+            call.projections = [None] * len(call.shapes)
+
+    def _record_ruled(self, name, entry, module, args, output, params):
+        """on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
+        tensor output (Linear, LayerNorm, Embedding, ...)."""
+        call = ModuleCall(self.controller, name, module, entry, params)
+        B = self._batch_hint
+        t, saved = output, args
+        if B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1:  # shared by the batch: see on_forward
+            t = t.expand(B, *t.shape[1:])
+            saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
+            call.expanded = _EXPANDED
+        else:
+            call.expanded = _NOT_EXPANDED
+        kind = _RECORDED if self.controller._pass is None and not self.controller._regions.depth else self._call_kind()
+        if kind is _RECORDED or kind is _IN_REGION:
+            call.shapes = (tuple(t.shape),)
+            call.grads = [None]
+            call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
+            self._count_uses(call)
+            if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
+                    and not self.forward_checkpointed):
+                node_type = capture(call, entry, module, args, output)
+                if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
+                    self.captured_types.add(node_type)
+                    return None
+            call.edges = (_edge(output),)
+            if kind is _IN_REGION:
+                self._note_region_call(call, kind)
+        elif kind is _IN_PROOF:
+            call.shapes, call.fired = (tuple(t.shape),), True
+            self._note_region_call(call, kind)
+        else:  # a non-reentrant checkpoint's recomputation, or pass 2's of a reentrant one (see on_forward)
+            call.fired = True
+        return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
+
+    def _count_uses(self, call):
+        """The call's parameters have one more recorded use that pass 1 has not reached yet."""
+        live = self.live
+        for p in call.params.values():
+            live[id(p)] += 1
+
+    def _trainable_owned(self, module) -> dict:
+        """The module's own parameters that require grad now (read at every forward: freezing after
+        attaching works), from its parameter dict directly where it owns no parameter containers."""
+        if id(module) in self._plain_owners:
+            return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        return {n: p for n, p in owned_parameters(module).items() if p.requires_grad}
+
+    def forget(self, call):
+        """The call's uses are consumed: pass 1 reached it, or it was freed unreached (records.ModuleCall)."""
+        for p in call.params.values():
+            key = id(p)
+            self.live[key] -= 1
+            if self.live[key] <= 0:
+                del self.live[key]
