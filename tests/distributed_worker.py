@@ -56,7 +56,7 @@ def train_exact(wrap_first, seed, physical):
     in_norm_pass = []
 
     def record_allreduce(state, bucket):
-        in_norm_pass.append(engine.controller._pass is not None)
+        in_norm_pass.append(engine.controller.pass_one.current is not None)
         future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
         return future.then(lambda f: f.value()[0] / dist.get_world_size())
 

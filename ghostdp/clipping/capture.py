@@ -81,13 +81,13 @@ def found_call(node):
 
 def _on_output_grads(call, grad_outputs):
     grad = grad_outputs[call.captured]
-    controller = call.controller
-    if controller._receives_output_grads():
-        if controller._pass.reentrant:  # a backward without inputs: nothing is captured, take it here
-            controller._receive_captured(call, grad)
+    receiver = call.recorder.pass_one
+    if receiver.receives_output_grads():
+        if receiver.current.reentrant:  # a backward without inputs: nothing is captured, take it here
+            receiver.receive_captured(call, grad)
         return None
     if grad is not None and not call.fired and grad.numel():
-        controller._refuse_if_not_from_dp_loss(call)
+        receiver.refuse_if_not_from_dp_loss(call)
     return None
 
 

@@ -24,29 +24,22 @@ from torch.autograd.profiler import record_function
 
 from ..accounting.base import check_positive
 from ..data import distributed_rank_and_size
-from ..norms.factors import combined_sq_norm
-from ..norms.fallback import fallback_grads
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .audit import audit_graph
-from .capture import check_inputs_unchanged
-from .layout import LayoutProver
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
-from .records import BackwardRecord, NormPass
+from .pass_one import PassOne
+from .records import BackwardRecord
 from .recording import ForwardRecorder, zero_size_leaf
-from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch, leaves_below, stashed_grads
-from .samples import SampleRequest, write_samples
+from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
+from .samples import SampleRequest
 
 CLIP_EPS = 1e-6
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 log = logging.getLogger("ghostdp")
 
-CHECKPOINTING_UNSUPPORTED = (
-    "A reentrant activation checkpoint was not recognised (another library's, not torch.utils.checkpoint's): "
-    "it refuses ghostdp's norm pass (an autograd.grad call). torch's reentrant checkpoints are supported. "
-    + NON_REENTRANT_FIX)
 BOOKKEEPING_WITH_CHECKPOINTING = (
     "per-group clipping with activation checkpointing: per-group clipping needs book-keeping, which keeps every "
     "layer's inputs and output grads until the clipping coefficients are known; that undoes what checkpointing "
@@ -108,16 +101,6 @@ def _clipping_groups(max_grad_norm, parameter_groups, mode):
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is in parameter groups {group_of[id(p)]} "
                                  f"and {k}; each parameter must be clipped in one group")
     return tuple(float(c) for c in max_grad_norm), group_of
-
-
-def _backward_to_probes(losses, inputs, cotangent, retain):
-    """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
-    try:
-        return torch.autograd.grad(losses, inputs, cotangent, retain_graph=retain, allow_unused=True)
-    except RuntimeError as error:
-        if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
-            raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
-        raise
 
 
 def _forget_captured_edges(calls) -> None:
@@ -183,16 +166,12 @@ class GhostClipping:
         self.max_grad_norm = max_grad_norm if self.group_norms is None else sum(c * c for c in self.group_norms) ** 0.5
         self.nonfinite = nonfinite
         self._anchors = {}
-        self._pass = None
-        self._in_fallback = False
         self._kept = new_factor_store()
         self._mass = None
         self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
-        self._layouts = LayoutProver()
         # Reentrant activation checkpoints (reentrant.py): a region's calls start at this index of the pass's.
-        self._regions = RegionWatch(lambda: len(self._pass.region_calls), self._audit_region, USE_NON_REENTRANT)
-        self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
-        self._region_uses_known = False  # a reentrant step has counted every parameter's calls
+        self._regions = RegionWatch(lambda: len(self.pass_one.current.region_calls), self._audit_region,
+                                    USE_NON_REENTRANT)
         self._warned_of_checkpointing = False
         self._told_two_passes = False
         self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
@@ -216,7 +195,8 @@ class GhostClipping:
         # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
         self.next_loss_is_padding = False
         # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
-        self.recorder = ForwardRecorder(self, watch_checkpoints=self.mode.keeps_factors)
+        self.recorder = ForwardRecorder(self._regions, watch_checkpoints=self.mode.keeps_factors)
+        self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
         self._handles = self.recorder.attach(module)
         _ATTACHED[module] = self
 
@@ -248,7 +228,7 @@ class GhostClipping:
             self.passes.clear()
         self._kept = new_factor_store()
         self._exact_sums.clear()
-        self._pass = None
+        self.pass_one.current = None
         self.next_loss_is_padding = False
 
     def _region(self, name: str):
@@ -260,158 +240,6 @@ class GhostClipping:
     def anchor(self, device):
         """A zero-size leaf for a DP loss whose backward must not continue into the model (book-keeping)."""
         return zero_size_leaf(self._anchors, device)
-
-    # ----------------------------------------------------------------- pass 1
-    def _receives_output_grads(self) -> bool:
-        return self._pass is not None and not self._in_fallback
-
-    def _needs_inputs(self) -> bool:
-        """Whether a ruled call's saved inputs must be unpacked now (the layout proof reads only G)."""
-        return not self._pass.proving
-
-    def _receive_captured(self, call, grad):
-        """A captured call's output grad (capture.py), shaped as its output."""
-        if not self._pass.proving:
-            check_inputs_unchanged(call)
-        shape = call.shapes[0]
-        self._receive(call, 0, grad if grad.shape == shape else grad.view(shape))
-
-    def _backward_to_outputs(self, losses, probes, captured, cotangent, retain):
-        """Pass 1's (or the layout proof's) backward towards the probes and the captured calls' edges; the
-        captured grads it returns are received in turn, each dropped once received."""
-        grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in captured], cotangent, retain))
-        for k, call in enumerate(captured, start=len(probes)):
-            grad, grads[k] = grads[k], None
-            if grad is not None:
-                self._receive_captured(call, grad)
-
-    def _receive(self, call, slot, grad):
-        if self._pass.proving:
-            if call.projections is not None:
-                call.projections[slot] = self._layouts.project(grad)
-            return
-        call.grads[slot] = grad
-        if not call.fired:
-            call.fired = True
-            self._pass.calls.append(call)
-            if self._pass.reentrant:
-                self._fire_in_reentrant_step(call)
-            else:
-                # A parameter with a single live use can be reduced to its norm now and its G freed;
-                # one with several uses waits for all of them (cross terms).
-                live, pending = self.recorder.live, self._pass.pending
-                call.eager = {n: live[id(p)] == 1 and p not in pending for n, p in call.params.items()}
-            self.recorder.forget(call)
-        if len(call.grads) == 1 and not (self._pass.reentrant and call.layouts is None):
-            self._compute(call)
-
-    def _fire_in_reentrant_step(self, call):
-        """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
-        detached (see below); its layout, if not yet proven, waits for the proof after pass 1; its
-        parameters are reduced on arrival only once a step has counted their calls (a region recomputed
-        later may use them again)."""
-        passed = self._pass
-        # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
-        # down to the checkpoint's detached input and the gradient its backward left there.
-        call.inputs = tuple(x.detach() for x in call.inputs)
-        if call.layouts is None and self._layouts.assign([call], passed.batch_size):
-            passed.deferred.append(call)
-        call.eager = {}
-        for n, p in call.params.items():
-            key = id(p)
-            if key in passed.eager_ids:  # reduced alone on an earlier call: the cross terms are lost
-                self._shared_in_regions.add(key)
-                raise RuntimeError(
-                    f"parameter '{n}' of module '{call.name}' is used again in this step, after its norm was "
-                    "formed for a single use: with reentrant activation checkpointing ghostdp learns which "
-                    "parameters several calls share from the step before, and this step's calls differ. The next "
-                    "step will form its norm over all of its calls; to avoid this, " + USE_NON_REENTRANT)
-            passed.uses[key] += 1
-            eager = (self._region_uses_known and self.recorder.live[key] == 1 and p not in passed.pending
-                     and key not in self._shared_in_regions)
-            if eager:
-                passed.eager_ids.add(key)
-            call.eager[n] = eager
-
-    def _refuse_if_not_from_dp_loss(self, call):
-        if self._in_fallback or call.fired:
-            return
-        raise RuntimeError(
-            f"a gradient reached module '{call.name}' through a backward that did not start from a ghostdp "
-            "loss, so it would not be clipped. Fix: build every loss you backpropagate through this model "
-            "with GhostClipping.loss / the DP criterion, or call detach() on the controller first.")
-
-    # ----------------------------------------------------------------- norms
-    def _compute(self, call):
-        B = self._pass.batch_size
-        if call.projections is not None:
-            self._layouts.resolve(call, B)
-        self._layouts.batch_first(call, B)
-        if self.region_timer is None and not _profiler_enabled():
-            self._factors(call, B)
-        else:
-            with self._region(f"ghostdp.norms.{type(call.module).__name__}"):
-                self._factors(call, B)
-        call.grads, call.done = (), True
-        if call.captured is None:  # a captured call keeps its inputs while its graph lives: another pass may read them
-            call.inputs = ()
-        if not self._pass.reentrant:  # the audit of a reentrant region reads them when its backward is done
-            call.edges = ()
-        if self._pass.queue.full():
-            self._reduce_queue()
-
-    def _factors(self, call, B):
-        """The call's factors, kept, queued or pending as the mode and the parameter's uses need."""
-        factors = {}
-        if call.rule is not None:
-            # The names as a set-like view of the call's parameters (no copy per call).
-            factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
-        missing = {n: p for n, p in call.params.items() if n not in factors}
-        if missing:
-            self._in_fallback = True
-            try:
-                factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
-            finally:
-                self._in_fallback = False
-        for n, f in factors.items():
-            if self._pass.measures_kept:  # what book-keeping would keep, against what the layers hold
-                self._pass.held_bytes += f.held_bytes()
-                self._pass.kept_bytes += f.kept_bytes()
-            if self._pass.keeps_factors:
-                f = f.kept()  # explicit gradients where they hold less (factors.OuterProduct.kept)
-            if self._pass.samples is not None and self._sample_request.wants(call.params[n]):
-                self._pass.samples[call.params[n]].append(f)
-            if self._pass.keeps_factors:
-                self._pass.kept[call.params[n]].append(f)
-            elif n in missing:  # two passes: see precision.ExactSums
-                self._pass.exact[call.params[n]].append(f)
-            if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
-                self._pass.queue.push(f, self._group(call.params[n]))
-            else:
-                self._pass.add_mass(f)
-                self._pass.pending[call.params[n]].append(f)
-
-    def _reduce_queue(self):
-        with self._region("ghostdp.norms.batched"):
-            self._pass.reduce_queue()
-
-    def _finish(self):
-        """The norms of calls whose output grads came in pieces, of the queue, and of shared parameters."""
-        if self._pass.deferred:
-            self._prove_deferred_layouts()
-        for call in self._pass.calls:
-            if not call.done:
-                self._compute(call)
-        self._reduce_queue()
-        with self._region("ghostdp.norms.shared_parameters"):
-            self._finish_shared()
-
-    def _finish_shared(self):
-        for param, factors in self._pass.pending.items():
-            self._pass.add(combined_sq_norm(factors), self._group(param))
-        for param in self._pass.exact:
-            if param in self._pass.pending:  # also used by a ruled module: every call's factor
-                self._pass.exact[param] = list(self._pass.pending[param])
 
     def _warn_of_keeping_under_checkpointing(self, mode, regions):
         """Once: a pass under checkpointing that kept more than book-keeping's exemption allows (per-group
@@ -467,10 +295,11 @@ class GhostClipping:
         """In pass 1, once a reentrant checkpoint's backward is done: the graph its recomputation made
         (``tracer.nodes``), below the nodes the step's audit visited. Its calls (from ``first_call`` in the
         pass's list) then drop their nodes, which would hold the region's graph and inputs' gradients."""
-        audited = self._pass.audited
-        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], self._pass.trainable, stop=audited)
+        passed = self.pass_one.current
+        audited = passed.audited
+        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited)
         tracer.nodes.clear()
-        for call in self._pass.region_calls[first_call:]:
+        for call in passed.region_calls[first_call:]:
             call.edges, call.input_nodes = (), frozenset()
         if inner:
             raise NotImplementedError(
@@ -494,53 +323,6 @@ class GhostClipping:
             "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
             "its parameter, freeze the parameter, or register a norm rule for the parent module.")
 
-    def _reentrant_pass_one(self, losses, audited):
-        """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
-        recompute; the gradients it accumulates are set aside and dropped."""
-        trainable = self._trainable()
-        self._pass.losses, self._pass.audited, self._pass.trainable = losses, audited, trainable
-        # The leaves a region may read with requires_grad: the trainable parameters and the probes.
-        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
-        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
-            with self._regions.traced(allowed, audited):  # each region is audited when its backward is done
-                torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
-            self._finish()  # after a proof of new layouts, a backward as well
-        self._shared_in_regions.update(key for key, n in self._pass.uses.items() if n > 1)
-        self._region_uses_known = True
-
-    def _prove_deferred_layouts(self):
-        """The layout proof after pass 1 of a reentrant step, for the calls whose layouts are new. Its
-        backward recomputes the regions again: their calls are matched to pass 1's in order."""
-        passed = self._pass
-        proof = NormPass(passed.batch_size, proving=True, reentrant=True)
-        self._pass = proof
-        try:
-            with self._region("ghostdp.layout_proof"):
-                torch.autograd.backward(passed.losses, self._layouts.cotangent(passed.losses), retain_graph=True)
-        finally:
-            self._pass = passed
-        ours, theirs = passed.region_calls, proof.region_calls
-        if len(ours) != len(theirs) or any(a.module is not b.module or list(a.shapes) != list(b.shapes)
-                                           for a, b in zip(ours, theirs)):
-            raise RuntimeError(
-                "a reentrant activation checkpoint recomputed different module calls in two backward passes of one "
-                "step (a forward that depends on state other than its inputs and the random generators?), so "
-                "ghostdp cannot prove where each example's gradient is. " + NON_REENTRANT_FIX)
-        for call, twin in zip(ours, theirs):
-            if call.projections is not None:
-                call.projections = twin.projections
-        passed.deferred = []
-
-    def _prove_layouts(self, per_example_losses, probes, captured):
-        """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
-        self._pass = NormPass(per_example_losses.shape[0], proving=True)
-        try:
-            with self._region("ghostdp.layout_proof"):
-                self._backward_to_outputs(per_example_losses, probes, captured,
-                                          self._layouts.cotangent(per_example_losses), True)
-        finally:
-            self._pass = None
-
     def per_example_norms(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:
         """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64.
         ``mode``: the clipping mode of this backward (``mode_for_loss``; default: the controller's)."""
@@ -550,7 +332,7 @@ class GhostClipping:
         if not per_example_losses.requires_grad:
             raise ValueError("the per-example losses do not require grad: no trainable parameter was used "
                              "(is the forward under torch.no_grad(), or is every parameter frozen?)")
-        if self._pass is not None:
+        if self.pass_one.current is not None:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
         self._mass = None
@@ -559,48 +341,21 @@ class GhostClipping:
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls, regions, audited = self._audit(per_example_losses, mode)
         try:
-            return self._norms_of_calls(per_example_losses, mode, calls, regions, audited)
+            # Only a checkpointed step's measure decides a mode (mode_for_loss): its first step takes two passes.
+            recorder = self.recorder
+            measures_kept = recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed())
+            groups = 1 if self.group_norms is None else len(self.group_norms)
+            passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept)
         finally:
             _forget_captured_edges(calls)
-
-    def _norms_of_calls(self, per_example_losses, mode, calls, regions, audited):
-        """per_example_norms after the audit: the layout proof if needed, then pass 1."""
-        B = per_example_losses.shape[0]
-        probes = list(self.recorder.probes.values())
-        captured = [c for c in calls if c.captured is not None]
-        # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
-        if (probes or captured) and self._layouts.assign(calls, B) and not regions:
-            self._prove_layouts(per_example_losses, probes, captured)
-        # Only a checkpointed step's measure decides a mode (mode_for_loss): the first such step takes two passes.
-        measures_kept = self.recorder.watch_checkpoints and (bool(regions) or self.recorder.forward_was_checkpointed())
-        self._pass = NormPass(B, groups=1 if self.group_norms is None else len(self.group_norms),
-                              reentrant=bool(regions), keeps_factors=mode.keeps_factors, measures_kept=measures_kept)
-        if self._sample_request is not None:
-            self._pass.samples = self._sample_request.start(self._parameters.values(), B)
-        try:
-            with self._region("ghostdp.pass1"):
-                if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
-                    self._reentrant_pass_one(per_example_losses, audited)
-                else:
-                    if probes or captured:
-                        # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
-                        retain = mode.continues_backward or self.recorder.graph_needed_after_pass1
-                        self._backward_to_outputs(per_example_losses, probes, captured,
-                                                  torch.ones_like(per_example_losses), retain)
-                    self._finish()
-            if self._pass.samples is not None:
-                write_samples(self._pass.samples, B)
-            sq = self._pass.total_sq()
-            if self._pass.held_bytes:
-                self._kept_fraction = self._pass.kept_bytes / self._pass.held_bytes
-                self._warn_of_keeping_under_checkpointing(mode, regions)
-            self._kept = self._pass.kept if mode.keeps_factors else self._pass.exact
-            self._mass = (self._pass.total_mass(), self._pass.mass_dtype)
-        finally:
-            self._pass = None
+        if passed.held_bytes:
+            self._kept_fraction = passed.kept_bytes / passed.held_bytes
+            self._warn_of_keeping_under_checkpointing(mode, regions)
+        self._kept = passed.kept if mode.keeps_factors else passed.exact
+        self._mass = (passed.total_mass(), passed.mass_dtype)
+        sq = passed.total_sq()
         if sq is None:
-            sq = torch.zeros(1 if self.group_norms is None else len(self.group_norms), B, dtype=torch.float64,
-                             device=per_example_losses.device)
+            sq = torch.zeros(groups, B, dtype=torch.float64, device=per_example_losses.device)
         group_norms = sq.clamp(min=0).sqrt()
         if self.group_norms is None:
             return group_norms[0]

@@ -69,13 +69,14 @@ class ProbeIdentity(torch.autograd.Function):
         if grad is None:
             return None, None, None
         call = ctx.call
-        if call.controller._receives_output_grads():
+        receiver = call.recorder.pass_one
+        if receiver.receives_output_grads():
             shaped = grad if ctx.output_shape is None else grad.view(ctx.output_shape)
-            if ctx.has_inputs and call.controller._needs_inputs():
+            if ctx.has_inputs and receiver.needs_inputs():
                 call.inputs = ctx.saved_tensors  # recomputed here inside an activation checkpoint
-            call.controller._receive(call, ctx.slot, shaped)
+            receiver.receive(call, ctx.slot, shaped)
         elif not call.fired and grad.numel():  # a gradient with no rows (an empty batch) carries no example
-            call.controller._refuse_if_not_from_dp_loss(call)
+            receiver.refuse_if_not_from_dp_loss(call)
         return grad, None, None
 
 

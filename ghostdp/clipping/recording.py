@@ -73,11 +73,13 @@ def _leading_dim(args, kwargs):
 
 
 class ForwardRecorder:
-    """The forward hooks of one controller (``controller``: the ``GhostClipping`` whose pass, reentrant
-    regions and fallback state decide what a call records)."""
+    """The forward hooks of one controller. What a call records depends on its pass 1 (``pass_one``,
+    pass_one.py, set by the controller: the running pass, a fallback's backward) and on ``regions``
+    (reentrant.RegionWatch: a reentrant checkpoint's backward is running)."""
 
-    def __init__(self, controller, watch_checkpoints: bool):
-        self.controller = controller
+    def __init__(self, regions, watch_checkpoints: bool):
+        self.regions = regions
+        self.pass_one = None
         self.live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
         self.probes = {}              # device -> the probe leaf of the calls' probes
         self._batch_hint = None
@@ -126,13 +128,13 @@ class ForwardRecorder:
         return any(m.gradient_checkpointing for m in self._checkpointing_flags)
 
     def _recording(self, module) -> bool:
-        return module.training and torch.is_grad_enabled() and not self.controller._in_fallback
+        return module.training and torch.is_grad_enabled() and not self.pass_one.in_fallback
 
     def on_root_forward(self, module, args, kwargs):
         if self._recording(module):
             self._batch_hint = _leading_dim(args, kwargs)
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
-                self.controller._regions.depth = 0
+                self.regions.depth = 0
                 if self.watch_checkpoints:
                     self.forward_checkpointed = _saved_tensor_hooks(False) is not None
                     self._capturing = not self._checkpointing_flag_set()
@@ -148,7 +150,7 @@ class ForwardRecorder:
 
     def on_forward(self, name, entry, module, args, kwargs, output):
         if not self._recording(module):
-            if self.watch_checkpoints and module.training and not self.controller._in_fallback:  # grad off
+            if self.watch_checkpoints and module.training and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))
             return None
         params = self._trainable_owned(module)
@@ -174,7 +176,7 @@ class ForwardRecorder:
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        call = ModuleCall(self.controller, name, module, entry, params,
+        call = ModuleCall(self, name, module, entry, params,
                           (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
         call.edges, call.expanded, call.shapes = [], [], []
         kind = self._call_kind()
@@ -222,21 +224,21 @@ class ForwardRecorder:
     def _call_kind(self):
         """What a forward records now: an ordinary call; a call of a reentrant checkpoint's region recomputed
         by pass 1 (reentrant.py); one recomputed by the layout proof; or nothing (any other recomputation)."""
-        if self.controller._regions.depth:
-            if self.controller._pass is None:
+        if self.regions.depth:
+            if self.pass_one.current is None:
                 return _INERT  # pass 2 recomputing a region
-            return _IN_PROOF if self.controller._pass.proving else _IN_REGION
-        return _RECORDED if self.controller._pass is None else _INERT
+            return _IN_PROOF if self.pass_one.current.proving else _IN_REGION
+        return _RECORDED if self.pass_one.current is None else _INERT
 
     def _note_region_call(self, call, kind):
-        self.controller._pass.region_calls.append(call)
+        self.pass_one.current.region_calls.append(call)
         if kind is _IN_PROOF:
             call.projections = [None] * len(call.shapes)
 
     def _record_ruled(self, name, entry, module, args, output, params):
         """on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
         tensor output (Linear, LayerNorm, Embedding, ...)."""
-        call = ModuleCall(self.controller, name, module, entry, params)
+        call = ModuleCall(self, name, module, entry, params)
         B = self._batch_hint
         t, saved = output, args
         if B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1:  # shared by the batch: see on_forward
@@ -245,7 +247,7 @@ class ForwardRecorder:
             call.expanded = _EXPANDED
         else:
             call.expanded = _NOT_EXPANDED
-        kind = _RECORDED if self.controller._pass is None and not self.controller._regions.depth else self._call_kind()
+        kind = _RECORDED if self.pass_one.current is None and not self.regions.depth else self._call_kind()
         if kind is _RECORDED or kind is _IN_REGION:
             call.shapes = (tuple(t.shape),)
             call.grads = [None]

@@ -34,13 +34,13 @@ class ModuleCall:
     edge, and ``input_versions`` those of its inputs at the forward.
     """
 
-    __slots__ = ("controller", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
+    __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
                  "captured", "input_versions")
 
-    def __init__(self, controller, name, module, entry, params, batch_dims=(0,)):
+    def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
-        self.controller, self.name, self.module, self.params = controller, name, module, params
+        self.recorder, self.name, self.module, self.params = recorder, name, module, params
         self.rule = entry.rule if entry is not None else None
         self.tokenwise = entry is not None and entry.tokenwise
         self.batch_dims = batch_dims
@@ -52,7 +52,7 @@ class ModuleCall:
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
         if not getattr(self, "fired", True):
-            self.controller.recorder.forget(self)
+            self.recorder.forget(self)
 
 
 def _device(groups):

@@ -1,0 +1,281 @@
+"""Pass 1 of a controller: every recorded call's output grads G, its norm rule, the per-example norms.
+
+``run`` starts a ``NormPass`` (records.py) after the step's audit: the layout proof first where a call's
+shapes are new (layout.py), then one backward of the per-example losses towards the probes (probe.py) and
+the captured calls' edges (capture.py). Each call's G arrives through ``receive``; its rule turns (inputs,
+G) into factors (norms/factors.py), which are queued and reduced to squared norms in batches of layers
+(norms/batched.py), or, for a parameter that several calls share, kept until all of its calls are in
+(cross terms). Book-keeping also keeps every factor for its clipped sums. With reentrant checkpoints the
+pass is a backward without inputs that recomputes each region (reentrant.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..norms.factors import combined_sq_norm
+from ..norms.fallback import fallback_grads
+from .capture import check_inputs_unchanged
+from .layout import LayoutProver
+from .records import NormPass
+from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
+from .samples import write_samples
+
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+CHECKPOINTING_UNSUPPORTED = (
+    "A reentrant activation checkpoint was not recognised (another library's, not torch.utils.checkpoint's): "
+    "it refuses ghostdp's norm pass (an autograd.grad call). torch's reentrant checkpoints are supported. "
+    + NON_REENTRANT_FIX)
+
+
+def _backward_to_probes(losses, inputs, cotangent, retain):
+    """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
+    try:
+        return torch.autograd.grad(losses, inputs, cotangent, retain_graph=retain, allow_unused=True)
+    except RuntimeError as error:
+        if "checkpoint" in str(error).lower() and ".grad()" in str(error):  # reentrant checkpointing
+            raise NotImplementedError(CHECKPOINTING_UNSUPPORTED) from error
+        raise
+
+
+class PassOne:
+    """The norm pass of one controller (``controller``: its recorder, clipping groups, sample request,
+    timed regions and reentrant regions). ``current`` is the running NormPass, or None."""
+
+    def __init__(self, controller, recorder):
+        self.controller = controller
+        self.recorder = recorder
+        self.current = None
+        self.in_fallback = False         # a fallback's own backward is running (its probes stay quiet)
+        self.layouts = LayoutProver()
+        self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
+        self._region_uses_known = False  # a reentrant step has counted every parameter's calls
+
+    def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool) -> NormPass:
+        """The layout proof if needed, then pass 1, over the audited ``calls``: the finished NormPass."""
+        B = per_example_losses.shape[0]
+        probes = list(self.recorder.probes.values())
+        captured = [c for c in calls if c.captured is not None]
+        # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
+        if (probes or captured) and self.layouts.assign(calls, B) and not regions:
+            self._prove_layouts(per_example_losses, probes, captured)
+        passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
+                          measures_kept=measures_kept)
+        request = self.controller._sample_request
+        if request is not None:
+            passed.samples = request.start(self.controller._parameters.values(), B)
+        self.current = passed
+        try:
+            with self.controller._region("ghostdp.pass1"):
+                if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
+                    self._reentrant_pass_one(per_example_losses, audited)
+                else:
+                    if probes or captured:
+                        # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
+                        retain = mode.continues_backward or self.recorder.graph_needed_after_pass1
+                        self._backward_to_outputs(per_example_losses, probes, captured,
+                                                  torch.ones_like(per_example_losses), retain)
+                    self._finish()
+            if passed.samples is not None:
+                write_samples(passed.samples, B)
+        finally:
+            self.current = None
+        return passed
+
+    def receives_output_grads(self) -> bool:
+        return self.current is not None and not self.in_fallback
+
+    def needs_inputs(self) -> bool:
+        """Whether a ruled call's saved inputs must be unpacked now (the layout proof reads only G)."""
+        return not self.current.proving
+
+    def receive_captured(self, call, grad):
+        """A captured call's output grad (capture.py), shaped as its output."""
+        if not self.current.proving:
+            check_inputs_unchanged(call)
+        shape = call.shapes[0]
+        self.receive(call, 0, grad if grad.shape == shape else grad.view(shape))
+
+    def _backward_to_outputs(self, losses, probes, captured, cotangent, retain):
+        """Pass 1's (or the layout proof's) backward towards the probes and the captured calls' edges; the
+        captured grads it returns are received in turn, each dropped once received."""
+        grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in captured], cotangent, retain))
+        for k, call in enumerate(captured, start=len(probes)):
+            grad, grads[k] = grads[k], None
+            if grad is not None:
+                self.receive_captured(call, grad)
+
+    def receive(self, call, slot, grad):
+        if self.current.proving:
+            if call.projections is not None:
+                call.projections[slot] = self.layouts.project(grad)
+            return
+        call.grads[slot] = grad
+        if not call.fired:
+            call.fired = True
+            self.current.calls.append(call)
+            if self.current.reentrant:
+                self._fire_in_reentrant_step(call)
+            else:
+                # A parameter with a single live use can be reduced to its norm now and its G freed;
+                # one with several uses waits for all of them (cross terms).
+                live, pending = self.recorder.live, self.current.pending
+                call.eager = {n: live[id(p)] == 1 and p not in pending for n, p in call.params.items()}
+            self.recorder.forget(call)
+        if len(call.grads) == 1 and not (self.current.reentrant and call.layouts is None):
+            self._compute(call)
+
+    def _fire_in_reentrant_step(self, call):
+        """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
+        detached (see below); its layout, if not yet proven, waits for the proof after pass 1; its
+        parameters are reduced on arrival only once a step has counted their calls (a region recomputed
+        later may use them again)."""
+        passed = self.current
+        # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
+        # down to the checkpoint's detached input and the gradient its backward left there.
+        call.inputs = tuple(x.detach() for x in call.inputs)
+        if call.layouts is None and self.layouts.assign([call], passed.batch_size):
+            passed.deferred.append(call)
+        call.eager = {}
+        for n, p in call.params.items():
+            key = id(p)
+            if key in passed.eager_ids:  # reduced alone on an earlier call: the cross terms are lost
+                self._shared_in_regions.add(key)
+                raise RuntimeError(
+                    f"parameter '{n}' of module '{call.name}' is used again in this step, after its norm was "
+                    "formed for a single use: with reentrant activation checkpointing ghostdp learns which "
+                    "parameters several calls share from the step before, and this step's calls differ. The next "
+                    "step will form its norm over all of its calls; to avoid this, " + USE_NON_REENTRANT)
+            passed.uses[key] += 1
+            eager = (self._region_uses_known and self.recorder.live[key] == 1 and p not in passed.pending
+                     and key not in self._shared_in_regions)
+            if eager:
+                passed.eager_ids.add(key)
+            call.eager[n] = eager
+
+    def refuse_if_not_from_dp_loss(self, call):
+        if self.in_fallback or call.fired:
+            return
+        raise RuntimeError(
+            f"a gradient reached module '{call.name}' through a backward that did not start from a ghostdp "
+            "loss, so it would not be clipped. Fix: build every loss you backpropagate through this model "
+            "with GhostClipping.loss / the DP criterion, or call detach() on the controller first.")
+
+    # ----------------------------------------------------------------- norms
+    def _compute(self, call):
+        B = self.current.batch_size
+        if call.projections is not None:
+            self.layouts.resolve(call, B)
+        self.layouts.batch_first(call, B)
+        if self.controller.region_timer is None and not _profiler_enabled():
+            self._factors(call, B)
+        else:
+            with self.controller._region(f"ghostdp.norms.{type(call.module).__name__}"):
+                self._factors(call, B)
+        call.grads, call.done = (), True
+        if call.captured is None:  # a captured call keeps its inputs while its graph lives: another pass may read them
+            call.inputs = ()
+        if not self.current.reentrant:  # the audit of a reentrant region reads them when its backward is done
+            call.edges = ()
+        if self.current.queue.full():
+            self._reduce_queue()
+
+    def _factors(self, call, B):
+        """The call's factors, kept, queued or pending as the mode and the parameter's uses need."""
+        factors = {}
+        if call.rule is not None:
+            # The names as a set-like view of the call's parameters (no copy per call).
+            factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
+        missing = {n: p for n, p in call.params.items() if n not in factors}
+        if missing:
+            self.in_fallback = True
+            try:
+                factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
+            finally:
+                self.in_fallback = False
+        for n, f in factors.items():
+            if self.current.measures_kept:  # what book-keeping would keep, against what the layers hold
+                self.current.held_bytes += f.held_bytes()
+                self.current.kept_bytes += f.kept_bytes()
+            if self.current.keeps_factors:
+                f = f.kept()  # explicit gradients where they hold less (factors.OuterProduct.kept)
+            if self.current.samples is not None and self.controller._sample_request.wants(call.params[n]):
+                self.current.samples[call.params[n]].append(f)
+            if self.current.keeps_factors:
+                self.current.kept[call.params[n]].append(f)
+            elif n in missing:  # two passes: see precision.ExactSums
+                self.current.exact[call.params[n]].append(f)
+            if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
+                self.current.queue.push(f, self.controller._group(call.params[n]))
+            else:
+                self.current.add_mass(f)
+                self.current.pending[call.params[n]].append(f)
+
+    def _reduce_queue(self):
+        with self.controller._region("ghostdp.norms.batched"):
+            self.current.reduce_queue()
+
+    def _finish(self):
+        """The norms of calls whose output grads came in pieces, of the queue, and of shared parameters."""
+        if self.current.deferred:
+            self._prove_deferred_layouts()
+        for call in self.current.calls:
+            if not call.done:
+                self._compute(call)
+        self._reduce_queue()
+        with self.controller._region("ghostdp.norms.shared_parameters"):
+            self._finish_shared()
+
+    def _finish_shared(self):
+        for param, factors in self.current.pending.items():
+            self.current.add(combined_sq_norm(factors), self.controller._group(param))
+        for param in self.current.exact:
+            if param in self.current.pending:  # also used by a ruled module: every call's factor
+                self.current.exact[param] = list(self.current.pending[param])
+
+    def _reentrant_pass_one(self, losses, audited):
+        """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
+        recompute; the gradients it accumulates are set aside and dropped."""
+        trainable = self.controller._trainable()
+        self.current.losses, self.current.audited, self.current.trainable = losses, audited, trainable
+        # The leaves a region may read with requires_grad: the trainable parameters and the probes.
+        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
+        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
+            with self.controller._regions.traced(allowed, audited):  # each region is audited when its backward is done
+                torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
+            self._finish()  # after a proof of new layouts, a backward as well
+        self._shared_in_regions.update(key for key, n in self.current.uses.items() if n > 1)
+        self._region_uses_known = True
+
+    def _prove_deferred_layouts(self):
+        """The layout proof after pass 1 of a reentrant step, for the calls whose layouts are new. Its
+        backward recomputes the regions again: their calls are matched to pass 1's in order."""
+        passed = self.current
+        proof = NormPass(passed.batch_size, proving=True, reentrant=True)
+        self.current = proof
+        try:
+            with self.controller._region("ghostdp.layout_proof"):
+                torch.autograd.backward(passed.losses, self.layouts.cotangent(passed.losses), retain_graph=True)
+        finally:
+            self.current = passed
+        ours, theirs = passed.region_calls, proof.region_calls
+        if len(ours) != len(theirs) or any(a.module is not b.module or list(a.shapes) != list(b.shapes)
+                                           for a, b in zip(ours, theirs)):
+            raise RuntimeError(
+                "a reentrant activation checkpoint recomputed different module calls in two backward passes of one "
+                "step (a forward that depends on state other than its inputs and the random generators?), so "
+                "ghostdp cannot prove where each example's gradient is. " + NON_REENTRANT_FIX)
+        for call, twin in zip(ours, theirs):
+            if call.projections is not None:
+                call.projections = twin.projections
+        passed.deferred = []
+
+    def _prove_layouts(self, per_example_losses, probes, captured):
+        """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
+        self.current = NormPass(per_example_losses.shape[0], proving=True)
+        try:
+            with self.controller._region("ghostdp.layout_proof"):
+                self._backward_to_outputs(per_example_losses, probes, captured,
+                                          self.layouts.cotangent(per_example_losses), True)
+        finally:
+            self.current = None
