@@ -106,24 +106,38 @@ class PassOne:
                 self.receive_captured(call, grad)
 
     def receive(self, call, slot, grad):
-        if self.current.proving:
+        """One output grad of a recorded call: from its probe (probe.py), or, captured, from pass 1's result."""
+        passed = self.current
+        if passed.proving:
             if call.projections is not None:
                 call.projections[slot] = self.layouts.project(grad)
             return
         call.grads[slot] = grad
         if not call.fired:
             call.fired = True
-            self.current.calls.append(call)
-            if self.current.reentrant:
+            passed.calls.append(call)
+            if passed.reentrant:
                 self._fire_in_reentrant_step(call)
+                self.recorder.forget(call)
             else:
-                # A parameter with a single live use can be reduced to its norm now and its G freed;
-                # one with several uses waits for all of them (cross terms).
-                live, pending = self.recorder.live, self.current.pending
-                call.eager = {n: live[id(p)] == 1 and p not in pending for n, p in call.params.items()}
-            self.recorder.forget(call)
-        if len(call.grads) == 1 and not (self.current.reentrant and call.layouts is None):
+                self._consume_uses(call)
+        if len(call.grads) == 1 and not (passed.reentrant and call.layouts is None):
             self._compute(call)
+
+    def _consume_uses(self, call):
+        """A call's first output grad outside reentrant regions: its parameters' recorded uses are consumed.
+        A parameter with a single live use can be reduced to its norm now and its G freed (``call.eager``);
+        one with several uses waits for all of them (cross terms)."""
+        live, pending = self.recorder.live, self.current.pending
+        call.eager = eager = {}
+        for n, p in call.params.items():
+            key = id(p)
+            uses = live[key]
+            eager[n] = uses == 1 and p not in pending
+            if uses > 1:
+                live[key] = uses - 1
+            else:
+                del live[key]
 
     def _fire_in_reentrant_step(self, call):
         """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
@@ -193,23 +207,25 @@ class PassOne:
                 factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
             finally:
                 self.in_fallback = False
+        passed = self.current
         for n, f in factors.items():
-            if self.current.measures_kept:  # what book-keeping would keep, against what the layers hold
-                self.current.held_bytes += f.held_bytes()
-                self.current.kept_bytes += f.kept_bytes()
-            if self.current.keeps_factors:
+            param = call.params[n]
+            if passed.measures_kept:  # what book-keeping would keep, against what the layers hold
+                passed.held_bytes += f.held_bytes()
+                passed.kept_bytes += f.kept_bytes()
+            if passed.keeps_factors:
                 f = f.kept()  # explicit gradients where they hold less (factors.OuterProduct.kept)
-            if self.current.samples is not None and self.controller._sample_request.wants(call.params[n]):
-                self.current.samples[call.params[n]].append(f)
-            if self.current.keeps_factors:
-                self.current.kept[call.params[n]].append(f)
+            if passed.samples is not None and self.controller._sample_request.wants(param):
+                passed.samples[param].append(f)
+            if passed.keeps_factors:
+                passed.kept[param].append(f)
             elif n in missing:  # two passes: see precision.ExactSums
-                self.current.exact[call.params[n]].append(f)
+                passed.exact[param].append(f)
             if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
-                self.current.queue.push(f, self.controller._group(call.params[n]))
+                passed.queue.push(f, self.controller._group(param))
             else:
-                self.current.add_mass(f)
-                self.current.pending[call.params[n]].append(f)
+                passed.add_mass(f)
+                passed.pending[param].append(f)
 
     def _reduce_queue(self):
         with self.controller._region("ghostdp.norms.batched"):
