@@ -1,19 +1,28 @@
-"""Captured calls: book-keeping's output grads, returned by pass 1's ``autograd.grad`` instead of a probe.
+"""Captured calls: a layer's output grads G taken from its autograd node instead of a probe.
 
 A probe (probe.py) is an ``autograd.Function`` on each hooked output: Python work at every call in the
-forward and again in every backward, the host cost that bounds a GPU step at small batch. Book-keeping
-keeps most Linear layers' output grads G whole until the clipped sums anyway (in their factors; the rule's
-``holds_output_grad`` says which calls). For those calls pass 1 names the output's gradient edge among the
-``inputs`` of its ``autograd.grad``: autograd computes the same activation grads and returns all those G
-together when it is done, held no longer than book-keeping holds them anyway.
+forward and again in every backward, the host cost that bounds a GPU step at small batch. A captured call
+has none; pass 1 gets its G from its output's gradient edge, one of two ways:
+
+- **Book-keeping** keeps most Linear layers' G whole until the clipped sums anyway (in their factors; the
+  rule's ``holds_output_grad`` says which calls). Pass 1 names those edges among the ``inputs`` of its
+  ``autograd.grad``, which returns all those G together when it is done, held no longer than book-keeping
+  holds them anyway.
+- **Two passes** free each G once its norm is formed, so pass 1 names only the probes, and a pre-hook on
+  each captured call's node hands G over as autograd reaches the node. Autograd runs a node only if a
+  named input lies below it, so the lowest ruled calls (no input with a graph: the first layers, or the
+  first trained ones) keep their probes, the sinks below the others; a captured call whose node was not
+  run all the same is named in a second backward (pass_one.py). Calls of rules with
+  ``holds_output_grad`` (Linear, Conv1D, Embedding) are captured; LayerNorms keep their probes.
 
 The call lives as long as its graph: it is stored in the metadata of the edge's autograd node, and the
 step's audit, which walks the loss's graph anyway, finds it there (the call itself holds no node, so no
 reference cycle through C++ outlives the graph). What the probe does besides, a captured call does so:
-- a backward that did not start from a DP loss: a pre-hook on the node refuses it, as the probe does
-  (the node runs in any such backward; in pass 1 the hook only returns);
-- the rule's inputs: the call holds them from the forward (autograd saved them for the layer's own
-  backward anyway) with their version counters; pass 1 refuses an input modified in place since;
+- a backward that did not start from a DP loss: the pre-hook refuses it, as the probe does (the node
+  runs in any such backward; in book-keeping's pass 1 the hook only returns);
+- the rule's inputs: the call holds them from the forward until its norm is formed (autograd saved them
+  for the layer's own backward anyway) with their version counters; pass 1 refuses an input modified in
+  place since;
 - a backward without inputs (pass 1 through reentrant checkpoints, reentrant.py): the pre-hook hands
   the grad over as the node runs.
 
@@ -21,10 +30,11 @@ A call is captured only where nothing else needs the probe: no saved-tensor hook
 offload would drop the inputs that the call would hold), not in a recomputation or a reentrant region,
 an output not broadcast to the batch, and an output that is the layer's result or a reshape of it
 (F.linear's view of its (B*T, p) matmul: the edge is then the matmul's, which an in-place op on the
-view does not bypass). Once a forward has run a trained layer under a checkpoint (or the model's
-transformers flag says it checkpoints), its later calls are probed: such a step takes ghost's two
-passes unless book-keeping keeps little there (modes.mode_of_step), and two passes free each G once its
-norm is formed, so only the calls before the first checkpointed layer hold theirs to the end of pass 1.
+view does not bypass). In book-keeping, once a forward has run a trained layer under a checkpoint (or
+the model's transformers flag says it checkpoints), its later calls are probed: such a step takes ghost's
+two passes unless book-keeping keeps little there (modes.mode_of_step), and two passes free each G once
+its norm is formed, so only the calls before the first checkpointed layer hold theirs to the end of
+pass 1.
 """
 from __future__ import annotations
 
@@ -51,13 +61,17 @@ def captured_edge(output: torch.Tensor):
     return node, t.output_nr
 
 
-def capture(call, entry, module, args, output):
-    """Makes a recorded ruled call of book-keeping's forward a captured one where it may be (see the module
-    doc; the controller has checked the step's conditions and recorded the call): the type of its node, or
-    None (it needs a probe)."""
+def capture(call, entry, module, args, output, by_hooks: bool):
+    """Makes a recorded ruled call a captured one where it may be (see the module doc; the recorder has checked
+    the step's conditions and recorded the call): the type of its node, or None (it needs a probe).
+    ``by_hooks``: two passes, where pass 1 receives G from the node's pre-hook; else book-keeping's."""
     if (entry.holds_output_grad is None or saved_tensor_hooks(False) is not None
-            or torch._C._current_graph_task_id() != -1 or tracing_or_transforming()
-            or not entry.holds_output_grad(module, args, output, call.params)):
+            or torch._C._current_graph_task_id() != -1 or tracing_or_transforming()):
+        return None
+    if by_hooks:
+        if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
+            return None
+    elif not entry.holds_output_grad(module, args, output, call.params):
         return None
     edge = captured_edge(output)
     if edge is None:
@@ -83,7 +97,9 @@ def _on_output_grads(call, grad_outputs):
     grad = grad_outputs[call.captured]
     receiver = call.recorder.pass_one
     if receiver.receives_output_grads():
-        if receiver.current.reentrant:  # a backward without inputs: nothing is captured, take it here
+        passed = receiver.current
+        # A backward without inputs (nothing is captured), or two passes' pass 1 that names only the probes.
+        if (passed.reentrant or passed.delivers_by_hooks) and grad is not None:
             receiver.receive_captured(call, grad)
         return None
     if grad is not None and not call.fired and grad.numel():

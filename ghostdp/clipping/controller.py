@@ -195,7 +195,7 @@ class GhostClipping:
         # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
         self.next_loss_is_padding = False
         # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
-        self.recorder = ForwardRecorder(self._regions, watch_checkpoints=self.mode.keeps_factors)
+        self.recorder = ForwardRecorder(self._regions, keeps_factors=self.mode.keeps_factors)
         self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
         self._handles = self.recorder.attach(module)
         _ATTACHED[module] = self

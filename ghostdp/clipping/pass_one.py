@@ -91,6 +91,7 @@ class PassOne:
 
     def receive_captured(self, call, grad):
         """A captured call's output grad (capture.py), shaped as its output."""
+        self.current.captured_received.add(id(call))
         if not self.current.proving:
             check_inputs_unchanged(call)
         shape = call.shapes[0]
@@ -98,7 +99,25 @@ class PassOne:
 
     def _backward_to_outputs(self, losses, probes, captured, cotangent, retain):
         """Pass 1's (or the layout proof's) backward towards the probes and the captured calls' edges; the
-        captured grads it returns are received in turn, each dropped once received."""
+        captured grads it returns are received in turn, each dropped once received.
+
+        Two passes (the recorder's ``hooks_deliver``) name only the probes: each captured call's G is received
+        from its node's pre-hook as autograd reaches it, and freed once its norm is formed, as a probe's is.
+        Autograd runs a node only if a named input lies below it; a captured call whose node this backward
+        did not run (nothing probed below it) is named in a second backward. With no probe at all, the
+        captured calls are named in the first."""
+        passed = self.current
+        if self.recorder.hooks_deliver and probes and captured:
+            passed.delivers_by_hooks = True
+            try:
+                _backward_to_probes(losses, probes, cotangent, True)
+            finally:
+                passed.delivers_by_hooks = False
+            captured = [c for c in captured if id(c) not in passed.captured_received]
+            if not captured:
+                return
+            probes = []
+            passed.probes_received = True  # the second backward runs probed nodes again: they stay quiet
         grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in captured], cotangent, retain))
         for k, call in enumerate(captured, start=len(probes)):
             grad, grads[k] = grads[k], None
@@ -108,6 +127,8 @@ class PassOne:
     def receive(self, call, slot, grad):
         """One output grad of a recorded call: from its probe (probe.py), or, captured, from pass 1's result."""
         passed = self.current
+        if passed.probes_received and call.captured is None:
+            return
         if passed.proving:
             if call.projections is not None:
                 call.projections[slot] = self.layouts.project(grad)
@@ -186,9 +207,9 @@ class PassOne:
         else:
             with self.controller._region(f"ghostdp.norms.{type(call.module).__name__}"):
                 self._factors(call, B)
-        call.grads, call.done = (), True
-        if call.captured is None:  # a captured call keeps its inputs while its graph lives: another pass may read them
-            call.inputs = ()
+        # The inputs go too: a captured call would otherwise hold them as long as its graph, through pass 2,
+        # which frees the graph's saved activations as it goes (capture.py).
+        call.grads, call.inputs, call.done = (), (), True
         if not self.current.reentrant:  # the audit of a reentrant region reads them when its backward is done
             call.edges = ()
         if self.current.queue.full():

@@ -77,7 +77,7 @@ class ForwardRecorder:
     pass_one.py, set by the controller: the running pass, a fallback's backward) and on ``regions``
     (reentrant.RegionWatch: a reentrant checkpoint's backward is running)."""
 
-    def __init__(self, regions, watch_checkpoints: bool):
+    def __init__(self, regions, keeps_factors: bool):
         self.regions = regions
         self.pass_one = None
         self.live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
@@ -87,12 +87,15 @@ class ForwardRecorder:
         self.graph_needed_after_pass1 = False
         # Book-keeping: the forward ran a trained layer under a checkpoint (saved-tensor hooks, or with
         # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
-        self.watch_checkpoints = watch_checkpoints
+        self.watch_checkpoints = keeps_factors
         self.forward_checkpointed = False
         self._checkpointing_flags = []
-        # Book-keeping captures the output grads it keeps whole (capture.py): this forward may, and the
-        # autograd node types of the calls captured so far (the audit looks for them).
-        self._capturing = False
+        # Calls captured instead of probed (capture.py): book-keeping's whose G it keeps whole (named in its
+        # pass 1: this forward may capture, unless checkpointed); with two passes, every call above the
+        # lowest ones (pass 1 receives G from their nodes' pre-hooks). And the autograd node types of the
+        # calls captured so far (the audit looks for them).
+        self.hooks_deliver = not keeps_factors
+        self._capturing = self.hooks_deliver
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
         # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
@@ -255,7 +258,7 @@ class ForwardRecorder:
             self._count_uses(call)
             if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
                     and not self.forward_checkpointed):
-                node_type = capture(call, entry, module, args, output)
+                node_type = capture(call, entry, module, args, output, self.hooks_deliver)
                 if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
                     self.captured_types.add(node_type)
                     return None

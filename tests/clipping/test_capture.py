@@ -1,5 +1,5 @@
-"""Book-keeping's captured calls (ghostdp/clipping/capture.py): pass 1's autograd.grad returns the output
-grads book-keeping keeps whole, without a probe on those layers. Exact against the per-example loop in
+"""Captured calls (ghostdp/clipping/capture.py): no probe on those layers. Book-keeping's pass 1 names the
+edges of the output grads it keeps whole; with two passes their nodes' pre-hooks hand G over. Exact against the per-example loop in
 float64; the probe's other duties (refusing a backward that is not a DP loss's, the inputs' versions, a
 backward without inputs, the graph's lifetime) each triggered."""
 import gc
@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ghostdp
+import ghostdp.clipping.pass_one as pass_one_module
 from ghostdp.clipping.capture import CAPTURED_CALL
 from ghostdp.clipping.probe import ProbeIdentity
 from ghostdp.norms.factors import OuterProduct
@@ -68,10 +69,70 @@ def test_book_keeping_captures_linear_layers_and_probes_the_rest():
     # and drops G; its G is not held to the end of pass 1 (up keeps G for its bias's summed tokens).
     captured, probed = recorded_modules(model(torch.randn(B, 8, 6)))
     assert captured == {model.up, model.head} and probed == {model.norm, model.down}
-    ghost = TokenNet().train()
-    ghostdp.GhostClipping(ghost, 1.0, clipping="ghost")
-    captured, probed = recorded_modules(ghost(torch.randn(B, 3, 6)))
-    assert not captured and probed == {ghost.up, ghost.down, ghost.norm, ghost.head}
+
+
+def watch_pass_one(controller, monkeypatch):
+    """Lists how many inputs each backward of pass 1 names, and whether each captured grad came by a hook."""
+    named, by_hooks = [], []
+    backward = pass_one_module._backward_to_probes
+    monkeypatch.setattr(pass_one_module, "_backward_to_probes",
+                        lambda losses, inputs, *a: (named.append(len(inputs)), backward(losses, inputs, *a))[1])
+    receive = controller.pass_one.receive_captured
+    controller.pass_one.receive_captured = lambda call, grad: (
+        by_hooks.append((call.module, controller.pass_one.current.delivers_by_hooks)), receive(call, grad))
+    return named, by_hooks
+
+
+def test_two_passes_capture_every_call_above_the_lowest_and_take_their_grads_from_hooks(monkeypatch):
+    """Ghost: the lowest ruled call (no input with a graph) keeps its probe, a sink of pass 1; pass 1 names
+    only the probes, and the captured calls' G come from their nodes' pre-hooks as autograd reaches them
+    (none is held to the end of pass 1). Exact against the per-example loop."""
+    model = TokenNet().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    captured, probed = recorded_modules(model(torch.randn(B, 3, 6)))
+    assert captured == {model.down, model.head} and probed == {model.up, model.norm}
+    named, by_hooks = watch_pass_one(controller, monkeypatch)
+    for _ in range(2):  # the first step proves the layouts: a backward of its own
+        controller.loss(model(torch.randn(B, 3, 6)).pow(2).sum((1,))).backward()
+    assert named == [1, 1, 1]  # the one probe leaf, in the proof and in each pass 1
+    assert {m for m, _ in by_hooks} == {model.down, model.head} and all(hooked for _, hooked in by_hooks)
+    assert len(by_hooks) == 6
+    # Once its norm is formed a captured call holds its inputs no longer: pass 2 frees the saved activations.
+    out = model(torch.randn(B, 3, 6))
+    controller.per_example_norms(out.pow(2).sum((1,)))
+    calls = recorded_calls(out)[0]
+    assert {c.module for c in calls} == {model.down, model.head} and all(c.inputs == () for c in calls)
+    controller.detach()
+    assert_exact_model(model, torch.randn(B, 3, 6), classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(monkeypatch):
+    """An input that requires grad gives the first layer's input a graph, so two passes capture it; but no
+    probe lies below it, so the backward that names the probes does not run its node: a second backward
+    names its edge. With no probe at all, the first backward names every captured call. Exact."""
+    model = TokenNet().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    x = torch.randn(B, 3, 6, requires_grad=True)
+    captured, probed = recorded_modules(model(x * 1.0))
+    assert captured == {model.up, model.down, model.head} and probed == {model.norm}
+    named, by_hooks = watch_pass_one(controller, monkeypatch)
+    controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
+    controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
+    # The layout proof, then pass 1, then the next step's pass 1: each names the probe (the nodes of up and
+    # down, below the probe, do not run), then up's and down's edges.
+    assert named == [1, 2] * 3
+    assert {m for m, hooked in by_hooks if not hooked} == {model.up, model.down}
+    controller.detach()
+    assert_exact_model(model, x, classification_loss(torch.randint(0, 3, (B,))), B)
+    mlp = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
+    controller = ghostdp.GhostClipping(mlp, 1.0, clipping="ghost")
+    inputs = torch.randn(B, 4, requires_grad=True)
+    assert recorded_modules(mlp(inputs * 1.0)) == ({mlp[0], mlp[2]}, set())
+    named, by_hooks = watch_pass_one(controller, monkeypatch)
+    controller.loss(mlp(inputs * 1.0).pow(2).sum(1)).backward()
+    assert named == [2, 2] and not any(hooked for _, hooked in by_hooks)  # the proof, then pass 1
+    controller.detach()
+    assert_exact_model(mlp, inputs, lambda out, sl: out.pow(2).sum(1), B)
 
 
 def test_captured_layers_are_exact_including_an_output_modified_in_place():
