@@ -12,8 +12,7 @@ has none; pass 1 gets its G from its output's gradient edge, one of two ways:
   each captured call's node hands G over as autograd reaches the node. Autograd runs a node only if a
   named input lies below it, so the lowest ruled calls (no input with a graph: the first layers, or the
   first trained ones) keep their probes, the sinks below the others; a captured call whose node was not
-  run all the same is named in a second backward (pass_one.py). Calls of rules with
-  ``holds_output_grad`` (Linear, Conv1D, Embedding) are captured; LayerNorms keep their probes.
+  run all the same is named in a second backward (pass_one.py). Any ruled call may be captured so.
 
 The call lives as long as its graph: it is stored in the metadata of the edge's autograd node, and the
 step's audit, which walks the loss's graph anyway, finds it there (the call itself holds no node, so no
@@ -65,13 +64,12 @@ def capture(call, entry, module, args, output, by_hooks: bool):
     """Makes a recorded ruled call a captured one where it may be (see the module doc; the recorder has checked
     the step's conditions and recorded the call): the type of its node, or None (it needs a probe).
     ``by_hooks``: two passes, where pass 1 receives G from the node's pre-hook; else book-keeping's."""
-    if (entry.holds_output_grad is None or saved_tensor_hooks(False) is not None
-            or torch._C._current_graph_task_id() != -1 or tracing_or_transforming()):
+    if saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1 or tracing_or_transforming():
         return None
     if by_hooks:
         if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
             return None
-    elif not entry.holds_output_grad(module, args, output, call.params):
+    elif entry.holds_output_grad is None or not entry.holds_output_grad(module, args, output, call.params):
         return None
     edge = captured_edge(output)
     if edge is None:

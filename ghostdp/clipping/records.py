@@ -31,7 +31,8 @@ class ModuleCall:
     graph (the audit, the fallback); ``shapes`` and ``layouts`` say where its examples are
     (layout.py); ``fired`` is set when pass 1 reaches it, ``done`` when its norms are formed.
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
-    edge, and ``input_versions`` those of its inputs at the forward.
+    edge, and ``input_versions`` those of its inputs at the forward. ``recorder``: the ForwardRecorder
+    (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
     """
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",

@@ -1,7 +1,7 @@
 """Captured calls (ghostdp/clipping/capture.py): no probe on those layers. Book-keeping's pass 1 names the
-edges of the output grads it keeps whole; with two passes their nodes' pre-hooks hand G over. Exact against the per-example loop in
-float64; the probe's other duties (refusing a backward that is not a DP loss's, the inputs' versions, a
-backward without inputs, the graph's lifetime) each triggered."""
+edges of the output grads it keeps whole; with two passes their nodes' pre-hooks hand G over. Exact
+against the per-example loop in float64; the probe's other duties (refusing a backward that is not a DP
+loss's, the inputs' versions, a backward without inputs, the graph's lifetime) each triggered."""
 import gc
 import itertools
 import weakref
@@ -84,44 +84,53 @@ def watch_pass_one(controller, monkeypatch):
 
 
 def test_two_passes_capture_every_call_above_the_lowest_and_take_their_grads_from_hooks(monkeypatch):
-    """Ghost: the lowest ruled call (no input with a graph) keeps its probe, a sink of pass 1; pass 1 names
-    only the probes, and the captured calls' G come from their nodes' pre-hooks as autograd reaches them
-    (none is held to the end of pass 1). Exact against the per-example loop."""
+    """Ghost: the lowest ruled call (no input with a graph) keeps its probe, a sink of pass 1; every other one
+    is captured, LayerNorms too. Pass 1 names only the probes, and the captured calls' G come from their
+    nodes' pre-hooks as autograd reaches them (none is held to the end of pass 1). Exact against the loop."""
     model = TokenNet().train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
     captured, probed = recorded_modules(model(torch.randn(B, 3, 6)))
-    assert captured == {model.down, model.head} and probed == {model.up, model.norm}
+    assert captured == {model.down, model.norm, model.head} and probed == {model.up}
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     for _ in range(2):  # the first step proves the layouts: a backward of its own
         controller.loss(model(torch.randn(B, 3, 6)).pow(2).sum((1,))).backward()
     assert named == [1, 1, 1]  # the one probe leaf, in the proof and in each pass 1
-    assert {m for m, _ in by_hooks} == {model.down, model.head} and all(hooked for _, hooked in by_hooks)
-    assert len(by_hooks) == 6
+    assert {m for m, _ in by_hooks} == {model.down, model.norm, model.head} and all(h for _, h in by_hooks)
+    assert len(by_hooks) == 9
     # Once its norm is formed a captured call holds its inputs no longer: pass 2 frees the saved activations.
     out = model(torch.randn(B, 3, 6))
     controller.per_example_norms(out.pow(2).sum((1,)))
     calls = recorded_calls(out)[0]
-    assert {c.module for c in calls} == {model.down, model.head} and all(c.inputs == () for c in calls)
+    assert {c.module for c in calls} == {model.down, model.norm, model.head} and all(c.inputs == () for c in calls)
     controller.detach()
     assert_exact_model(model, torch.randn(B, 3, 6), classification_loss(torch.randint(0, 3, (B,))), B)
 
 
+class SideBranch(nn.Module):
+    """A probed side branch (its input has no graph) next to a layer whose input does."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.up, self.side, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.up(x) + self.side(torch.ones_like(x))))
+
+
 def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(monkeypatch):
-    """An input that requires grad gives the first layer's input a graph, so two passes capture it; but no
-    probe lies below it, so the backward that names the probes does not run its node: a second backward
-    names its edge. With no probe at all, the first backward names every captured call. Exact."""
-    model = TokenNet().train()
+    """An input that requires grad gives the first layer's input a graph, so two passes capture it; but the
+    one probe (the side branch's) is not below it, so the backward that names the probes does not run its
+    node: a second backward names its edge. With no probe at all, the first backward names every captured
+    call. Exact."""
+    model = SideBranch().train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
-    x = torch.randn(B, 3, 6, requires_grad=True)
-    captured, probed = recorded_modules(model(x * 1.0))
-    assert captured == {model.up, model.down, model.head} and probed == {model.norm}
+    x = torch.randn(B, 6, requires_grad=True)
+    assert recorded_modules(model(x * 1.0)) == ({model.up, model.head}, {model.side})
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
     controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
-    # The layout proof, then pass 1, then the next step's pass 1: each names the probe (the nodes of up and
-    # down, below the probe, do not run), then up's and down's edges.
-    assert named == [1, 2] * 3
-    assert {m for m, hooked in by_hooks if not hooked} == {model.up, model.down}
+    assert named == [1, 1] * 3  # the layout proof, pass 1, the next pass 1: the probe, then up's edge
+    assert by_hooks == [(model.head, True), (model.up, False)] * 3
     controller.detach()
     assert_exact_model(model, x, classification_loss(torch.randint(0, 3, (B,))), B)
     mlp = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
