@@ -109,7 +109,7 @@ class PassOne:
         passed = self.current
         if self.recorder.hooks_deliver and probes and captured:
             passed.delivers_by_hooks = True
-            try:
+            try:  # the graph is kept: a second backward may follow (and pass 2 follows anyway)
                 _backward_to_probes(losses, probes, cotangent, True)
             finally:
                 passed.delivers_by_hooks = False
@@ -117,7 +117,7 @@ class PassOne:
             if not captured:
                 return
             probes = []
-            passed.probes_received = True  # the second backward runs probed nodes again: they stay quiet
+            passed.captured_only = True  # the second backward runs probed nodes again: they stay quiet
         grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in captured], cotangent, retain))
         for k, call in enumerate(captured, start=len(probes)):
             grad, grads[k] = grads[k], None
@@ -125,9 +125,10 @@ class PassOne:
                 self.receive_captured(call, grad)
 
     def receive(self, call, slot, grad):
-        """One output grad of a recorded call: from its probe (probe.py), or, captured, from pass 1's result."""
+        """One output grad of a recorded call: from its probe (probe.py); captured (capture.py), from pass 1's
+        result or its node's pre-hook."""
         passed = self.current
-        if passed.probes_received and call.captured is None:
+        if passed.captured_only and call.captured is None:
             return
         if passed.proving:
             if call.projections is not None:

@@ -2,11 +2,12 @@
 
 Each call of a module with trainable parameters becomes a ``ModuleCall`` (records.py): its inputs, the
 gradient edges of its outputs, its shapes. Pass 1 then needs each call's output grads G: a probe on each
-output (probe.py) hands them over as autograd passes; book-keeping's calls whose G it keeps whole are
-captured instead (capture.py). The recorder also counts each parameter's recorded uses that pass 1 has
-not reached yet (a parameter with one use is reduced to its norm as soon as its G arrives), knows the
-batch size from the model's first tensor argument, and, for book-keeping, whether the forward ran a
-trained layer under an activation checkpoint (its loss then takes two passes: modes.mode_of_step).
+output (probe.py) hands them over as autograd passes, unless the call is captured (capture.py): book-keeping's
+calls whose G it keeps whole, and with two passes every ruled call above the lowest ones. The recorder
+also counts each parameter's recorded uses that pass 1 has not reached yet (a parameter with one use is
+reduced to its norm as soon as its G arrives), knows the batch size from the model's first tensor
+argument, and, for book-keeping, whether the forward ran a trained layer under an activation checkpoint
+(its loss then takes two passes: modes.mode_of_step).
 
 What a call records depends on when it runs (``_call_kind``): an ordinary forward records it; a reentrant
 checkpoint's recomputation records it for pass 1 or for the layout proof (reentrant.py); any other

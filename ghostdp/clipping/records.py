@@ -93,7 +93,7 @@ class NormPass:
         self.calls = []
         self.delivers_by_hooks = False    # captured calls' grads come from their nodes' pre-hooks (capture.py)
         self.captured_received = set()    # ids of the captured calls received
-        self.probes_received = False      # a second backward for captured calls only (PassOne._backward_to_outputs)
+        self.captured_only = False        # a second backward for captured calls only (PassOne._backward_to_outputs)
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
         self.queue = NormQueue(self.grams)  # factors of single-use parameters, reduced in batches
 
