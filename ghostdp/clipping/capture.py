@@ -42,9 +42,11 @@ import functools
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .probe import reshaped_base, tracing_or_transforming
+from .probe import ProbeIdentity, reshaped_base, tracing_or_transforming
 
 CAPTURED_CALL = "ghostdp.captured_call"  # the key of the call in its node's metadata
+SINK_SEARCH_NODES = 8  # nodes sink_below visits at most (it stops at the first recorded call's node)
+_PROBE_NODE = ProbeIdentity._backward_cls
 # The innermost saved-tensor hooks (pack, unpack), or None: a non-reentrant checkpoint's or an offload's.
 saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -60,16 +62,22 @@ def captured_edge(output: torch.Tensor):
     return node, t.output_nr
 
 
-def capture(call, entry, module, args, output, by_hooks: bool):
+def capture(call, entry, module, args, output, by_hooks: bool, captured_types):
     """Makes a recorded ruled call a captured one where it may be (see the module doc; the recorder has checked
     the step's conditions and recorded the call): the type of its node, or None (it needs a probe).
-    ``by_hooks``: two passes, where pass 1 receives G from the node's pre-hook; else book-keeping's."""
+    ``by_hooks``: two passes, where pass 1 receives G from the node's pre-hook; else book-keeping's.
+    ``captured_types``: the node types of the calls captured so far."""
     if saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1 or tracing_or_transforming():
         return None
     if by_hooks:
         if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
             return None
-    elif entry.holds_output_grad is None or not entry.holds_output_grad(module, args, output, call.params):
+        call.named = False
+    elif entry.holds_output_grad is not None and entry.holds_output_grad(module, args, output, call.params):
+        call.named = True
+    elif call.input_nodes and sink_below(call.input_nodes, captured_types):
+        call.named = False
+    else:
         return None
     edge = captured_edge(output)
     if edge is None:
@@ -81,6 +89,22 @@ def capture(call, entry, module, args, output, by_hooks: bool):
     node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
     node.register_prehook(functools.partial(_on_output_grads, call))
     return type(node)
+
+
+def sink_below(nodes, captured_types, limit=SINK_SEARCH_NODES) -> bool:
+    """Whether a probed or captured call's node lies below ``nodes`` within ``limit`` nodes of the graph: then
+    book-keeping's pass 1 runs a node above them (a probe, or an edge it names, lies below that call's)."""
+    stack, seen = list(nodes), set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kind = type(node)
+        if kind is _PROBE_NODE or (kind in captured_types and CAPTURED_CALL in node.metadata):
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def found_call(node):
@@ -96,8 +120,8 @@ def _on_output_grads(call, grad_outputs):
     receiver = call.recorder.pass_one
     if receiver.receives_output_grads():
         passed = receiver.current
-        # A backward without inputs (nothing is captured), or two passes' pass 1 that names only the probes.
-        if (passed.reentrant or passed.delivers_by_hooks) and grad is not None:
+        # A backward without inputs (nothing is captured), or a pass 1 that does not name this call's edge.
+        if (passed.reentrant or (passed.delivers_by_hooks and not call.named)) and grad is not None:
             receiver.receive_captured(call, grad)
         return None
     if grad is not None and not call.fired and grad.numel():

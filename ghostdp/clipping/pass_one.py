@@ -98,28 +98,40 @@ class PassOne:
         self.receive(call, 0, grad if grad.shape == shape else grad.view(shape))
 
     def _backward_to_outputs(self, losses, probes, captured, cotangent, retain):
-        """Pass 1's (or the layout proof's) backward towards the probes and the captured calls' edges; the
-        captured grads it returns are received in turn, each dropped once received.
+        """Pass 1's (or the layout proof's) backward towards the probes and the captured calls' edges (capture.py).
 
-        Two passes (the recorder's ``hooks_deliver``) name only the probes: each captured call's G is received
-        from its node's pre-hook as autograd reaches it, and freed once its norm is formed, as a probe's is.
-        Autograd runs a node only if a named input lies below it; a captured call whose node this backward
-        did not run (nothing probed below it) is named in a second backward. With no probe at all, the
-        captured calls are named in the first."""
+        A captured call whose G book-keeping keeps whole is ``named``: its edge is an input of this backward,
+        which returns its G at the end. Any other captured call's G is received from its node's pre-hook as
+        autograd reaches the node, and freed once its norm is formed, as a probe's is. Autograd runs a node
+        only if a named input lies below it. Book-keeping captures a call so only when a probe or named call
+        lies below it (capture.sink_below); two passes capture every call above the lowest ones, and name
+        a call whose node this backward did not run in a second one. With nothing named below any of them
+        (no probe, no named call), the first backward names them all."""
         passed = self.current
-        if self.recorder.hooks_deliver and probes and captured:
-            passed.delivers_by_hooks = True
-            try:  # the graph is kept: a second backward may follow (and pass 2 follows anyway)
-                _backward_to_probes(losses, probes, cotangent, True)
-            finally:
-                passed.delivers_by_hooks = False
-            captured = [c for c in captured if id(c) not in passed.captured_received]
-            if not captured:
-                return
-            probes = []
+        named = [c for c in captured if c.named]
+        hooked = [c for c in captured if not c.named]
+        if hooked and not (probes or named):
+            named, hooked = captured, []
+        self._receive_named(losses, probes, named, cotangent, retain, by_hooks=bool(hooked))
+        missed = [c for c in hooked if id(c) not in passed.captured_received]
+        if missed:
+            if not retain:
+                raise RuntimeError(
+                    f"internal error: pass 1 did not reach the captured layer '{missed[0].name}' although a probe "
+                    "or a named layer lies below it; please report this with the model")
             passed.captured_only = True  # the second backward runs probed nodes again: they stay quiet
-        grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in captured], cotangent, retain))
-        for k, call in enumerate(captured, start=len(probes)):
+            self._receive_named(losses, [], missed, cotangent, retain)
+
+    def _receive_named(self, losses, probes, named, cotangent, retain, by_hooks=False):
+        """One backward towards the probes and the named calls' edges (``by_hooks``: the other captured calls'
+        pre-hooks hand their G over meanwhile); each named call's G is received in turn and dropped once
+        received."""
+        self.current.delivers_by_hooks = by_hooks
+        try:
+            grads = list(_backward_to_probes(losses, probes + [c.edges[0] for c in named], cotangent, retain))
+        finally:
+            self.current.delivers_by_hooks = False
+        for k, call in enumerate(named, start=len(probes)):
             grad, grads[k] = grads[k], None
             if grad is not None:
                 self.receive_captured(call, grad)

@@ -259,7 +259,7 @@ class ForwardRecorder:
             self._count_uses(call)
             if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
                     and not self.forward_checkpointed):
-                node_type = capture(call, entry, module, args, output, self.hooks_deliver)
+                node_type = capture(call, entry, module, args, output, self.hooks_deliver, self.captured_types)
                 if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
                     self.captured_types.add(node_type)
                     return None

@@ -31,13 +31,14 @@ class ModuleCall:
     graph (the audit, the fallback); ``shapes`` and ``layouts`` say where its examples are
     (layout.py); ``fired`` is set when pass 1 reaches it, ``done`` when its norms are formed.
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
-    edge, and ``input_versions`` those of its inputs at the forward. ``recorder``: the ForwardRecorder
+    edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole) rather than take G from
+    the node's pre-hook, and ``input_versions`` those of its inputs at the forward. ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
     """
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "input_versions")
+                 "captured", "named", "input_versions")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -48,7 +49,7 @@ class ModuleCall:
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = None
         self.input_nodes = _NO_NODES
-        self.fired = self.done = False
+        self.fired = self.done = self.named = False
 
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.

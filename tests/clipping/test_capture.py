@@ -60,15 +60,29 @@ class TokenNet(nn.Module):
         return self.head(self.norm(self.down(h) + x).mean(1))
 
 
-def test_book_keeping_captures_linear_layers_and_probes_the_rest():
+def named_modules_of(output):
+    """{modules of captured calls whose edge pass 1 names}, {modules of the other captured calls}."""
+    calls = recorded_calls(output)[0]
+    return {c.module for c in calls if c.named}, {c.module for c in calls if not c.named}
+
+
+def test_book_keeping_names_the_layers_whose_g_it_keeps_and_hooks_the_rest_above_them(monkeypatch):
+    """Book-keeping names the edges of the layers whose G it keeps whole (Linear layers in full fine-tuning);
+    a layer above one of those (the LayerNorm) is captured too, its G taken from its node's pre-hook."""
     model = TokenNet().train()
-    ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
-    captured, probed = recorded_modules(model(torch.randn(B, 3, 6)))
-    assert captured == {model.up, model.down, model.head} and probed == {model.norm}
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    out = model(torch.randn(B, 3, 6))
+    assert recorded_modules(out) == ({model.up, model.down, model.norm, model.head}, set())
+    assert named_modules_of(out) == ({model.up, model.down, model.head}, {model.norm})
     # 8 tokens: down's explicit (6, 12) gradients are smaller than its factors, so book-keeping keeps those
-    # and drops G; its G is not held to the end of pass 1 (up keeps G for its bias's summed tokens).
-    captured, probed = recorded_modules(model(torch.randn(B, 8, 6)))
-    assert captured == {model.up, model.head} and probed == {model.norm, model.down}
+    # and drops G: its G is not held to the end of pass 1 but taken from its node's pre-hook.
+    out = model(torch.randn(B, 8, 6))
+    assert named_modules_of(out) == ({model.up, model.head}, {model.down, model.norm})
+    named, by_hooks = watch_pass_one(controller, monkeypatch)
+    controller.loss(out.pow(2).sum(1)).backward()
+    assert named == [2, 2]  # the layout proof, then pass 1: up's and head's edges, no probe
+    assert {m for m, hooked in by_hooks if hooked} == {model.down, model.norm}
+    assert {m for m, hooked in by_hooks if not hooked} == {model.up, model.head}
 
 
 def watch_pass_one(controller, monkeypatch):
@@ -149,31 +163,43 @@ def test_captured_layers_are_exact_including_an_output_modified_in_place():
         assert_exact_model(TokenNet(), torch.randn(B, tokens, 6), classification_loss(torch.randint(0, 3, (B,))), B)
 
 
-def test_bert_in_book_keeping_captures_every_linear_and_the_word_embeddings_and_is_exact():
+def test_bert_in_book_keeping_captures_every_layer_but_the_position_embeddings_and_is_exact():
     model = tiny_bert().train()
     ids, mask = padded_text(30)
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
-    captured, probed = recorded_modules(model(input_ids=ids, attention_mask=mask).logits)
+    out = model(input_ids=ids, attention_mask=mask).logits
+    captured, probed = recorded_modules(out)
     embeddings = model.bert.embeddings
-    # The position embeddings' output is one row for the whole batch, broadcast to it by a probe.
-    assert captured == {m for m in model.modules() if isinstance(m, nn.Linear)} | {
-        embeddings.word_embeddings, embeddings.token_type_embeddings}
-    assert probed == {m for m in model.modules() if isinstance(m, nn.LayerNorm)} | {embeddings.position_embeddings}
+    linear = {m for m in model.modules() if isinstance(m, nn.Linear)}
+    layer_norms = {m for m in model.modules() if isinstance(m, nn.LayerNorm)}
+    # The position embeddings' output is one row for the whole batch, broadcast to it by a probe. The
+    # LayerNorms, whose G book-keeping does not keep, are captured above the named layers.
+    assert named_modules_of(out) == (linear | {embeddings.word_embeddings, embeddings.token_type_embeddings},
+                                     layer_norms)
+    assert probed == {embeddings.position_embeddings}
     controller.detach()
     assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
                        classification_loss(torch.randint(0, 3, (B,))), B)
 
 
-def test_lora_factors_kept_explicit_are_probed_not_captured():
+def test_lora_factors_kept_explicit_are_not_named_and_the_lowest_are_probed():
     """A rank-2 adapter on T=16 tokens: book-keeping keeps its explicit gradients and drops G, so holding
-    every adapter's G to the end of pass 1 would cost memory: those calls keep their probes."""
+    every adapter's G to the end of pass 1 would cost memory: no adapter's edge is named. The adapters with
+    a probed or captured call below them take G from their nodes' pre-hooks; the lowest (the first layer's
+    lora_A, whose input has no graph: everything below is frozen) keep their probes. Exact."""
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query", "value"])).train()
-    ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     ids = torch.randint(1, 30, (B, 16))
-    captured, probed = recorded_modules(model(input_ids=ids).logits)
-    adapters = {m for n, m in model.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))}
-    assert adapters and adapters <= set(probed) and not adapters & set(captured)
+    out = model(input_ids=ids).logits
+    named = {n: m for n, m in model.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))}
+    adapters = set(named.values())
+    lowest = {m for n, m in named.items() if ".layer.0." in n and "lora_A" in n}
+    captured, probed = recorded_modules(out)
+    assert len(lowest) == 2 and probed & adapters == lowest and captured & adapters == adapters - lowest
+    assert not named_modules_of(out)[0] & adapters
+    controller.detach()
+    assert_exact_model(model, {"input_ids": ids}, classification_loss(torch.randint(0, 3, (B,))), B)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
