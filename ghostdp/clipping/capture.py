@@ -62,14 +62,14 @@ def captured_edge(output: torch.Tensor):
     return node, t.output_nr
 
 
-def capture(call, entry, module, args, output, by_hooks: bool, captured_types):
+def capture(call, entry, module, args, output, two_passes: bool, captured_types):
     """Makes a recorded ruled call a captured one where it may be (see the module doc; the recorder has checked
     the step's conditions and recorded the call): the type of its node, or None (it needs a probe).
-    ``by_hooks``: two passes, where pass 1 receives G from the node's pre-hook; else book-keeping's.
+    ``two_passes``: the controller's mode is two passes (else book-keeping).
     ``captured_types``: the node types of the calls captured so far."""
     if saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1 or tracing_or_transforming():
         return None
-    if by_hooks:
+    if two_passes:
         if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
             return None
         call.named = False

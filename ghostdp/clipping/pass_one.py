@@ -152,26 +152,18 @@ class PassOne:
             passed.calls.append(call)
             if passed.reentrant:
                 self._fire_in_reentrant_step(call)
-                self.recorder.forget(call)
             else:
-                self._consume_uses(call)
+                self._mark_eager(call)
+            self.recorder.forget(call)
         if len(call.grads) == 1 and not (passed.reentrant and call.layouts is None):
             self._compute(call)
 
-    def _consume_uses(self, call):
-        """A call's first output grad outside reentrant regions: its parameters' recorded uses are consumed.
-        A parameter with a single live use can be reduced to its norm now and its G freed (``call.eager``);
-        one with several uses waits for all of them (cross terms)."""
+    def _mark_eager(self, call):
+        """A call's first output grad outside reentrant regions, before its uses are consumed: a parameter with
+        a single live use can be reduced to its norm now and its G freed (``call.eager``); one with several
+        uses waits for all of them (cross terms)."""
         live, pending = self.recorder.live, self.current.pending
-        call.eager = eager = {}
-        for n, p in call.params.items():
-            key = id(p)
-            uses = live[key]
-            eager[n] = uses == 1 and p not in pending
-            if uses > 1:
-                live[key] = uses - 1
-            else:
-                del live[key]
+        call.eager = {n: live[id(p)] == 1 and p not in pending for n, p in call.params.items()}
 
     def _fire_in_reentrant_step(self, call):
         """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are

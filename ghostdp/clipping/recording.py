@@ -91,12 +91,11 @@ class ForwardRecorder:
         self.watch_checkpoints = keeps_factors
         self.forward_checkpointed = False
         self._checkpointing_flags = []
-        # Calls captured instead of probed (capture.py): book-keeping's whose G it keeps whole (named in its
-        # pass 1: this forward may capture, unless checkpointed); with two passes, every call above the
-        # lowest ones (pass 1 receives G from their nodes' pre-hooks). And the autograd node types of the
-        # calls captured so far (the audit looks for them).
-        self.hooks_deliver = not keeps_factors
-        self._capturing = self.hooks_deliver
+        # Calls captured instead of probed (capture.capture says which): this forward may capture (book-keeping:
+        # unless checkpointed), and the autograd node types of the calls captured so far (the audit looks
+        # for them).
+        self.two_passes = not keeps_factors
+        self._capturing = self.two_passes
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
         # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
@@ -259,7 +258,7 @@ class ForwardRecorder:
             self._count_uses(call)
             if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
                     and not self.forward_checkpointed):
-                node_type = capture(call, entry, module, args, output, self.hooks_deliver, self.captured_types)
+                node_type = capture(call, entry, module, args, output, self.two_passes, self.captured_types)
                 if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
                     self.captured_types.add(node_type)
                     return None
