@@ -104,9 +104,35 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
                 calls[id(call)] = call
         else:
             reentrant.append(node)
-    attributed = set()
-    for call in calls.values():
-        own = {id(p): p for p in call.params.values()}
-        attributed.update(_edges_into_parameters([e.node for e in call.edges], own, stop=call.input_nodes)[0])
+    attributed = _edges_in_regions(calls.values())
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     return list(stray.values()), list(calls.values()), reentrant
+
+
+def _edges_in_regions(calls) -> set:
+    """The edges (node, input index) into each call's own parameters that lie in its region: from its
+    outputs' nodes down to, not into, its input nodes. One small walk per call, so written without
+    _edges_into_parameters' general set-up."""
+    accumulator = accumulate_grad_type()
+    attributed = set()
+    for call in calls:
+        own = {id(p) for p in call.params.values()}
+        stop = call.input_nodes
+        stack = [e.node for e in call.edges]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            idx = -1
+            for nxt, _ in node.next_functions:
+                idx += 1
+                if nxt is None or nxt in seen:
+                    continue
+                if type(nxt) is accumulator:
+                    if id(nxt.variable) in own:
+                        attributed.add((node, idx))
+                elif nxt not in stop:
+                    stack.append(nxt)
+    return attributed

@@ -84,7 +84,7 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
         return None
     node, output_nr = edge
     call.inputs = args
-    call.input_versions = tuple(a._version for a in args)
+    call.input_versions = tuple([a._version for a in args])
     call.captured = output_nr
     node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
     node.register_prehook(functools.partial(_on_output_grads, call))

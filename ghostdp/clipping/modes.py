@@ -75,7 +75,8 @@ class BookKeeping:
 
     @staticmethod
     def _write(param, clipped):
-        clipped = clipped.to(param.dtype)
+        if clipped.dtype != param.dtype:
+            clipped = clipped.to(param.dtype)
         if param.grad is None:
             param.grad = clipped
         else:

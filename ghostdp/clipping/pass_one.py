@@ -226,8 +226,9 @@ class PassOne:
         if call.rule is not None:
             # The names as a set-like view of the call's parameters (no copy per call).
             factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
-        missing = {n: p for n, p in call.params.items() if n not in factors}
-        if missing:
+        missing = None  # the parameters the rule has no factor for (most calls: none, and no dict built)
+        if len(factors) < len(call.params):
+            missing = {n: p for n, p in call.params.items() if n not in factors}
             self.in_fallback = True
             try:
                 factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
@@ -245,7 +246,7 @@ class PassOne:
                 passed.samples[param].append(f)
             if passed.keeps_factors:
                 passed.kept[param].append(f)
-            elif n in missing:  # two passes: see precision.ExactSums
+            elif missing is not None and n in missing:  # two passes: see precision.ExactSums
                 passed.exact[param].append(f)
             if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
                 passed.queue.push(f, self.controller._group(param))

@@ -16,6 +16,7 @@ recomputation records nothing (its probes are inert).
 from __future__ import annotations
 
 import functools
+import operator
 from collections import defaultdict
 
 import torch
@@ -64,6 +65,21 @@ def _edge(t: torch.Tensor) -> GradientEdge:
     if node is None or isinstance(node, torch._C._FunctionBase):
         return get_gradient_edge(t)
     return GradientEdge(node, t.output_nr)
+
+
+def _all_tensors(args) -> bool:
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            return False
+    return True
+
+
+def _grad_fns(tensors) -> frozenset:
+    """The autograd nodes that made ``tensors`` (none for a leaf or a tensor without grad)."""
+    return frozenset([node for node in map(_GRAD_FN, tensors) if node is not None])
+
+
+_GRAD_FN = operator.attrgetter("grad_fn")
 
 
 def _leading_dim(args, kwargs):
@@ -162,7 +178,7 @@ class ForwardRecorder:
         if self.watch_checkpoints and not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
             self.forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
         if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
-                and output.is_floating_point() and all(isinstance(a, torch.Tensor) for a in args)):
+                and output.is_floating_point() and _all_tensors(args)):
             return self._record_ruled(name, entry, module, args, output, params)
         if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
             flat, spec = [output], None
@@ -175,7 +191,7 @@ class ForwardRecorder:
         if entry is not None and not (isinstance(output, torch.Tensor) and slots == [0]):
             entry = None
         rule = entry.rule if entry is not None else None
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        if not kwargs and _all_tensors(args):
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -217,7 +233,7 @@ class ForwardRecorder:
             call.grads = [None] * len(slots)
             # The nodes that bound the call's region below (the audit stops there); a leaf input has
             # only its gradient accumulator below, where the audit stops anyway.
-            call.input_nodes = frozenset(a.grad_fn for a in inputs if a.grad_fn is not None)
+            call.input_nodes = _grad_fns(inputs)
             for p in params.values():
                 self.live[id(p)] += 1
         if kind is _IN_REGION or kind is _IN_PROOF:
@@ -254,8 +270,10 @@ class ForwardRecorder:
         if kind is _RECORDED or kind is _IN_REGION:
             call.shapes = (tuple(t.shape),)
             call.grads = [None]
-            call.input_nodes = frozenset([a.grad_fn for a in args if a.grad_fn is not None])
-            self._count_uses(call)
+            call.input_nodes = _grad_fns(args)
+            live = self.live  # the call's parameters have one more recorded use that pass 1 has not reached
+            for p in params.values():
+                live[id(p)] += 1
             if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
                     and not self.forward_checkpointed):
                 node_type = capture(call, entry, module, args, output, self.two_passes, self.captured_types)
@@ -271,12 +289,6 @@ class ForwardRecorder:
         else:  # a non-reentrant checkpoint's recomputation, or pass 2's of a reentrant one (see on_forward)
             call.fired = True
         return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
-
-    def _count_uses(self, call):
-        """The call's parameters have one more recorded use that pass 1 has not reached yet."""
-        live = self.live
-        for p in call.params.values():
-            live[id(p)] += 1
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after

@@ -48,6 +48,10 @@ def stack_budget(device) -> int:
     return STACK_ELEMENTS.get(device.type, ACCELERATOR_STACK_ELEMENTS)
 
 
+def _smallest_budget() -> int:
+    return min(*STACK_ELEMENTS.values(), ACCELERATOR_STACK_ELEMENTS)
+
+
 _INDEX_PATTERNS = 256  # index tensors kept per device, for this many patterns of layers
 
 
@@ -97,7 +101,8 @@ class NormQueue:
 
     def push(self, factor, group: int) -> None:
         held = _held_elements(factor)
-        if held and held > stack_budget(device_of(factor)):
+        # The device's budget is looked up only for a factor that could exceed it (per-call host work).
+        if held > _smallest_budget() and held > stack_budget(device_of(factor)):
             self.large = True  # nothing to batch it with: holding it longer would only cost memory
         self.factors.append(factor)
         self.groups.append(group)

@@ -342,7 +342,7 @@ class OuterProduct(PerExampleGrad):
         assert input_side in (None, "left", "right"), input_side
         self.left, self.right = left, right
         self.batch_size = left.shape[0]
-        self.param_shape = torch.Size(param_shape)
+        self.param_shape = param_shape if type(param_shape) is torch.Size else torch.Size(param_shape)
         self.input_side = input_side
 
     @property

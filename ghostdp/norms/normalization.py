@@ -25,7 +25,8 @@ def _working(x, G):
     if x.dtype in SIXTEEN_BIT or G.dtype in SIXTEEN_BIT:
         return x, G
     dt = acc_dtype(x, G)
-    return x.to(dt), G.to(dt)
+    # Tensor.to is a dispatched op even where the dtype matches (some microseconds a call on the host).
+    return x if x.dtype == dt else x.to(dt), G if G.dtype == dt else G.to(dt)
 
 
 def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias"), example_dims=1):
@@ -59,7 +60,8 @@ class LayerNormCall:
         self.x, self.G = _working(x, G)
         self.device = x.device
         self.normalized_shape, self.eps = tuple(normalized_shape), eps
-        self.trainable = frozenset(n for n in ("weight", "bias") if n in trainable)
+        self.param_shape = torch.Size(self.normalized_shape)  # its weight's and bias's
+        self.trainable = frozenset([n for n in ("weight", "bias") if n in trainable])
         self.stacked = None  # once formed: ({name: (grads, masses) of the calls formed together}, this call's row)
         self._formed = None  # name -> Instantiated, this call's row of those, picked on first use
         # Calls with equal keys are formed together.
@@ -112,7 +114,7 @@ class AffineGrad(Instantiated):
     def __init__(self, call: LayerNormCall, name: str):
         self.call, self.name = call, name
         self.batch_size = call.x.shape[0]
-        self.param_shape = torch.Size(call.normalized_shape)
+        self.param_shape = call.param_shape
 
     @property
     def grads(self):
