@@ -6,8 +6,11 @@ has none; pass 1 gets its G from its output's gradient edge, one of two ways:
 
 - **Book-keeping** keeps most Linear layers' G whole until the clipped sums anyway (in their factors; the
   rule's ``holds_output_grad`` says which calls). Pass 1 names those edges among the ``inputs`` of its
-  ``autograd.grad``, which returns all those G together when it is done, held no longer than book-keeping
-  holds them anyway.
+  ``autograd.grad``, which holds all those G to its end, no longer than book-keeping holds them anyway.
+  It names a call's edge too where its G is small beside its input (``narrow_output``: an adapter's
+  lora_A), rather than keep a probe as the sink below the layer above; where such a call's node runs
+  (something named lies below it), its pre-hook hands G over then, so that its explicit gradients are
+  formed during the pass and its input dropped there (``ModuleCall.by_hook``).
 - **Two passes** free each G once its norm is formed, so pass 1 names only the probes, and a pre-hook on
   each captured call's node hands G over as autograd reaches the node. Autograd runs a node only if a
   named input lies below it, so the lowest ruled calls (no input with a graph: the first layers, or the
@@ -18,7 +21,7 @@ The call lives as long as its graph: it is stored in the metadata of the edge's 
 step's audit, which walks the loss's graph anyway, finds it there (the call itself holds no node, so no
 reference cycle through C++ outlives the graph). What the probe does besides, a captured call does so:
 - a backward that did not start from a DP loss: the pre-hook refuses it, as the probe does (the node
-  runs in any such backward; in book-keeping's pass 1 the hook only returns);
+  runs in any such backward);
 - the rule's inputs: the call holds them from the forward until its norm is formed (autograd saved them
   for the layer's own backward anyway) with their version counters; pass 1 refuses an input modified in
   place since;
@@ -46,6 +49,7 @@ from .probe import ProbeIdentity, reshaped_base, tracing_or_transforming
 
 CAPTURED_CALL = "ghostdp.captured_call"  # the key of the call in its node's metadata
 SINK_SEARCH_NODES = 8  # nodes sink_below visits at most (it stops at the first recorded call's node)
+NARROW_OUTPUT = 8  # book-keeping names the edge of a call whose output is this many times smaller than its input
 _PROBE_NODE = ProbeIdentity._backward_cls
 # The innermost saved-tensor hooks (pack, unpack), or None: a non-reentrant checkpoint's or an offload's.
 saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -72,11 +76,13 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     if two_passes:
         if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
             return None
-        call.named = False
+        call.named, call.by_hook = False, True
     elif entry.holds_output_grad is not None and entry.holds_output_grad(module, args, output, call.params):
-        call.named = True
+        call.named, call.by_hook = True, False  # its factors hold G and its inputs to the clipped sums anyway
+    elif narrow_output(args, output):  # its G held to the end of pass 1 costs little (an adapter's lora_A)
+        call.named, call.by_hook = True, True  # its inputs are dropped once its explicit gradients are formed
     elif call.input_nodes and sink_below(call.input_nodes, captured_types):
-        call.named = False
+        call.named, call.by_hook = False, True
     else:
         return None
     edge = captured_edge(output)
@@ -89,6 +95,13 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
     node.register_prehook(functools.partial(_on_output_grads, call))
     return type(node)
+
+
+def narrow_output(args, output) -> bool:
+    """Whether the output (so its grad G) has at most 1/NARROW_OUTPUT of the elements of the call's largest
+    input: book-keeping may then hold G to the end of pass 1 (name its edge), as it holds far more for the
+    layer anyway (an adapter's lora_A: G is (B, T, r) beside its (B, T, d) input and (B, r, d) kept gradients)."""
+    return output.numel() * NARROW_OUTPUT <= max((a.numel() for a in args), default=0)
 
 
 def sink_below(nodes, captured_types, limit=SINK_SEARCH_NODES) -> bool:
@@ -120,9 +133,14 @@ def _on_output_grads(call, grad_outputs):
     receiver = call.recorder.pass_one
     if receiver.receives_output_grads():
         passed = receiver.current
-        # A backward without inputs (nothing is captured), or a pass 1 that does not name this call's edge.
-        if (passed.reentrant or (passed.delivers_by_hooks and not call.named)) and grad is not None:
+        if grad is None:
+            return None
+        if passed.reentrant:  # a backward without inputs (reentrant checkpoints): received as the node runs
             receiver.receive_captured(call, grad)
+        # A backward towards named edges; once per pass (a second backward for calls the first one missed
+        # runs the others' nodes again).
+        elif passed.delivers_by_hooks and call.by_hook and id(call) not in passed.captured_received:
+            receiver.arrive(call, grad)
         return None
     if grad is not None and not call.fired and grad.numel():
         receiver.refuse_if_not_from_dp_loss(call)

@@ -31,14 +31,15 @@ class ModuleCall:
     graph (the audit, the fallback); ``shapes`` and ``layouts`` say where its examples are
     (layout.py); ``fired`` is set when pass 1 reaches it, ``done`` when its norms are formed.
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
-    edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole) rather than take G from
-    the node's pre-hook, and ``input_versions`` those of its inputs at the forward. ``recorder``: the ForwardRecorder
+    edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole, or G is small), ``by_hook``
+    whether the node's pre-hook hands G over when the node runs in pass 1 (else a named call's G comes from
+    the backward's result), and ``input_versions`` those of its inputs at the forward. ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
     """
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "named", "input_versions")
+                 "captured", "named", "by_hook", "input_versions")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -49,7 +50,7 @@ class ModuleCall:
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = None
         self.input_nodes = _NO_NODES
-        self.fired = self.done = self.named = False
+        self.fired = self.done = self.named = self.by_hook = False
 
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
@@ -92,8 +93,10 @@ class NormPass:
         self.exact = new_factor_store()   # two passes: the fallback's factors (precision.ExactSums)
         self.samples = None               # inside grad_samples(): parameter -> factors to materialise
         self.calls = []
-        self.delivers_by_hooks = False    # captured calls' grads come from their nodes' pre-hooks (capture.py)
-        self.captured_received = set()    # ids of the captured calls received
+        self.delivers_by_hooks = False    # a backward of pass 1 runs: captured calls' nodes' pre-hooks deliver G
+        self.captured_received = set()    # ids of the captured calls received (or arrived)
+        self.arrived = []                 # (call, G) from pre-hooks, to receive once the backward is done
+        self.arrived_elements = 0         # (PassOne.arrive)
         self.captured_only = False        # a second backward for captured calls only (PassOne._backward_to_outputs)
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
         self.queue = NormQueue(self.grams)  # factors of single-use parameters, reduced in batches

@@ -66,6 +66,32 @@ def named_modules_of(output):
     return {c.module for c in calls if c.named}, {c.module for c in calls if not c.named}
 
 
+@pytest.mark.parametrize("budget", [None, 1])
+def test_arrived_grads_wait_for_the_end_of_the_backward_unless_they_fill_the_queue_budget(monkeypatch, budget):
+    """PassOne.arrive: the G that pre-hooks hand over are received once the backward is done (the Python work
+    runs faster so), unless they and the norm queue hold batched.QUEUE_ELEMENTS: then each is received at
+    once, inside the backward. Exact either way, in both modes."""
+    from ghostdp.norms import batched
+    if budget is not None:
+        monkeypatch.setattr(batched, "QUEUE_ELEMENTS", budget)
+    model = TokenNet().double().train()
+    x = torch.randn(B, 8, 6, dtype=torch.float64)
+    for clipping in ("ghost", "bookkeeping"):
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        inside = []
+        receive = controller.pass_one.receive_captured
+        controller.pass_one.receive_captured = lambda call, grad: (
+            inside.append((call.module, controller.pass_one.current.delivers_by_hooks)), receive(call, grad))
+        for _ in range(2):  # the layout proof's backward, then pass 1's alone
+            controller.loss(model(x).pow(2).sum(1)).backward()
+        # Book-keeping names up's and head's edges (it keeps their G whole): their G come from the result.
+        from_result = {model.up, model.head} if clipping == "bookkeeping" else set()
+        assert {m for m, _ in inside} == {model.up, model.down, model.norm, model.head} - ({model.up} - from_result)
+        assert all(during == (budget is not None and m not in from_result) for m, during in inside)
+        controller.detach()
+    assert_exact_model(model, x, lambda out, sl: out.pow(2).sum(1), B)
+
+
 def test_book_keeping_names_the_layers_whose_g_it_keeps_and_hooks_the_rest_above_them(monkeypatch):
     """Book-keeping names the edges of the layers whose G it keeps whole (Linear layers in full fine-tuning);
     a layer above one of those (the LayerNorm) is captured too, its G taken from its node's pre-hook."""
@@ -83,17 +109,29 @@ def test_book_keeping_names_the_layers_whose_g_it_keeps_and_hooks_the_rest_above
     assert named == [2, 2]  # the layout proof, then pass 1: up's and head's edges, no probe
     assert {m for m, hooked in by_hooks if hooked} == {model.down, model.norm}
     assert {m for m, hooked in by_hooks if not hooked} == {model.up, model.head}
+    assert len(by_hooks) == 8  # each call once in the proof and once in pass 1
 
 
 def watch_pass_one(controller, monkeypatch):
-    """Lists how many inputs each backward of pass 1 names, and whether each captured grad came by a hook."""
-    named, by_hooks = [], []
+    """Lists how many inputs each backward of pass 1 names, and for each captured grad received whether its
+    node's pre-hook handed it over during the backward (PassOne.arrive), else the backward's result."""
+    named, by_hooks, arrived = [], [], set()
     backward = pass_one_module._backward_to_probes
     monkeypatch.setattr(pass_one_module, "_backward_to_probes",
                         lambda losses, inputs, *a: (named.append(len(inputs)), backward(losses, inputs, *a))[1])
-    receive = controller.pass_one.receive_captured
-    controller.pass_one.receive_captured = lambda call, grad: (
-        by_hooks.append((call.module, controller.pass_one.current.delivers_by_hooks)), receive(call, grad))
+    arrive, receive = controller.pass_one.arrive, controller.pass_one.receive_captured
+
+    def watched_arrive(call, grad):
+        assert controller.pass_one.current.delivers_by_hooks  # during a backward of pass 1
+        arrived.add(id(call))
+        arrive(call, grad)
+
+    def watched_receive(call, grad):
+        by_hooks.append((call.module, id(call) in arrived))
+        arrived.discard(id(call))
+        receive(call, grad)
+
+    controller.pass_one.arrive, controller.pass_one.receive_captured = watched_arrive, watched_receive
     return named, by_hooks
 
 
@@ -135,7 +173,7 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     """An input that requires grad gives the first layer's input a graph, so two passes capture it; but the
     one probe (the side branch's) is not below it, so the backward that names the probes does not run its
     node: a second backward names its edge. With no probe at all, the first backward names every captured
-    call. Exact."""
+    call, and each call whose node runs hands its G over by its pre-hook. Exact."""
     model = SideBranch().train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
     x = torch.randn(B, 6, requires_grad=True)
@@ -153,7 +191,9 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     assert recorded_modules(mlp(inputs * 1.0)) == ({mlp[0], mlp[2]}, set())
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     controller.loss(mlp(inputs * 1.0).pow(2).sum(1)).backward()
-    assert named == [2, 2] and not any(hooked for _, hooked in by_hooks)  # the proof, then pass 1
+    assert named == [2, 2]  # the proof, then pass 1
+    # The top layer's node runs (the first layer's named edge lies below it): its G comes by its pre-hook.
+    assert by_hooks == [(mlp[2], True), (mlp[0], False)] * 2
     controller.detach()
     assert_exact_model(mlp, inputs, lambda out, sl: out.pow(2).sum(1), B)
 
@@ -182,11 +222,11 @@ def test_bert_in_book_keeping_captures_every_layer_but_the_position_embeddings_a
                        classification_loss(torch.randint(0, 3, (B,))), B)
 
 
-def test_lora_factors_kept_explicit_are_not_named_and_hooked_above_a_probe():
-    """A rank-2 adapter on T=16 tokens: book-keeping keeps its explicit gradients and drops G, so holding
-    every adapter's G to the end of pass 1 would cost memory: no adapter's edge is named. lora_B, with
-    lora_A's probe right below it, takes G from its node's pre-hook; lora_A, whose nearest recorded call
-    below lies beyond capture.sink_below's reach (the frozen layers in between), keeps its probe. Exact."""
+def test_lora_a_is_named_for_its_narrow_output_and_lora_b_hooked_above_it():
+    """A rank-2 adapter on T=16 tokens: book-keeping keeps its explicit gradients and drops G. lora_A's G
+    (B, T, 2) is a sixteenth of its (B, T, 32) input (capture.narrow_output), so pass 1 names its edge and
+    holds that small G instead of probing it; lora_B (a wide output), with lora_A's named node right below
+    it, takes G from its node's pre-hook and is not named. No adapter keeps a probe. Exact."""
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query", "value"])).train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
@@ -194,12 +234,31 @@ def test_lora_factors_kept_explicit_are_not_named_and_hooked_above_a_probe():
     out = model(input_ids=ids).logits
     lora_a = {m for n, m in model.named_modules() if n.endswith("lora_A.default")}
     lora_b = {m for n, m in model.named_modules() if n.endswith("lora_B.default")}
-    adapters = lora_a | lora_b
     captured, probed = recorded_modules(out)
-    assert len(lora_a) == 4 and probed & adapters == lora_a and captured & adapters == lora_b
-    assert not named_modules_of(out)[0] & adapters
+    assert len(lora_a) == 4 and not probed & (lora_a | lora_b) and captured >= lora_a | lora_b
+    named, hooked = named_modules_of(out)
+    assert named & (lora_a | lora_b) == lora_a and hooked & (lora_a | lora_b) == lora_b
     controller.detach()
     assert_exact_model(model, {"input_ids": ids}, classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_a_narrow_output_is_named_only_by_book_keeping():
+    """capture.narrow_output: an output with at most 1/8 of its input's elements. Book-keeping names such a
+    layer's edge though it keeps explicit gradients (a lowest call, no sink below: it would otherwise be
+    probed); with two passes the lowest call stays a probe. Exact in both modes."""
+    from ghostdp.clipping.capture import narrow_output
+    assert narrow_output((torch.zeros(2, 4, 16),), torch.zeros(2, 4, 2))
+    assert not narrow_output((torch.zeros(2, 4, 16),), torch.zeros(2, 4, 3))
+    model = nn.Sequential(nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=False)).double().train()
+    x = torch.randn(B, 32, 16, dtype=torch.float64)
+    for clipping, named in (("bookkeeping", {model[0]}), ("ghost", set())):
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        out = model(x)
+        assert named_modules_of(out)[0] == named
+        assert (model[0] in recorded_modules(out)[1]) == (clipping == "ghost")
+        del out
+        controller.detach()
+    assert_exact_model(model, x, lambda out, sl: out.pow(2).sum((1, 2)), B)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
