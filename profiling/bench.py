@@ -296,7 +296,11 @@ def parse(argv=None):
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the median is taken over the "
+                "steps after the warm-up ones")
+    return args
 
 
 def main(argv=None):

@@ -51,6 +51,13 @@ def test_a_failing_mode_is_reported_not_hidden(tmp_path):
     assert "error" in bench.run_fresh(args, "ghost", 2)
 
 
+def test_bench_refuses_no_steps_after_the_warm_up(capsys):
+    from profiling.bench import parse
+    with pytest.raises(SystemExit):
+        parse(["--steps", "1", "--warmup", "1"])
+    assert "--steps (1) must exceed --warmup (1)" in capsys.readouterr().err
+
+
 def test_the_budget_search_finds_the_largest_batch_that_fits(monkeypatch):
     monkeypatch.setattr(bench, "run_fresh", lambda args, mode, batch: {"median_ms": 1.0, "peak_mb": 10.0 * batch})
     found = bench.largest_batch(None, "ghost", budget_mb=1000.0, start=16)
