@@ -23,8 +23,9 @@ from .samples import write_samples
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 # The calls waiting to be received (PassOne.arrive) hold at most 1/ARRIVALS_PER_QUEUE of what the norm queue
-# may hold: with a quarter, ghost's peak stays that of receiving each at once (BERT L=2 H=256 T=128 B=8,
-# CPU tensor bytes: 43.5 MB; waiting up to the queue's whole bound: 47.5 MB).
+# may hold (1 MB in float32): every peak measured then stays that of receiving each call at once (CPU tensor
+# bytes, BERT L=2 H=256 T=128 B=8, ghost: 43.5 MB; waiting up to the queue's whole bound: 47.5 MB; a quarter of
+# it still raised the Llama-shaped LoRA model's by 1 MB at B=4).
 ARRIVALS_PER_QUEUE = 16
 
 CHECKPOINTING_UNSUPPORTED = (
