@@ -90,17 +90,22 @@ def weight_dtype(args):
     return getattr(torch, WEIGHT_DTYPES[args.dtype])
 
 
-def make_step(mode, model, args, batch):
-    """A closure running one full training step (forward, backward, optimizer step)."""
+GHOSTDP_MODES = ("ghost", "bookkeeping")  # the modes trained with a ghostdp package
+
+
+def make_step(mode, model, args, batch, library=None):
+    """A closure running one full training step (forward, backward, optimizer step). ``library``: the
+    ghostdp package to train with (another version of it: profiling.step_ratio --against); default ghostdp."""
     import torch
     ids, labels = batch
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     criterion = torch.nn.CrossEntropyLoss()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
-    if mode in ("ghost", "bookkeeping"):
-        import ghostdp
-        engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
+    if mode in GHOSTDP_MODES:
+        if library is None:
+            import ghostdp as library
+        engine = library.PrivacyEngine(accountant="rdp", seed=0)
         model, optimizer, criterion, _ = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
             noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)

@@ -2,6 +2,7 @@
 
     python -m profiling.overhead                         # 12-layer BERT, H=64, 4 heads, B=2, T=8, 1 thread
     python -m profiling.overhead --rounds 30 --modes plain ghost bookkeeping opacus-ghost
+    python -m profiling.overhead --against HEAD          # a change against its parent, in the same rounds
 
 A BERT so small that its arithmetic vanishes spends its step in Python and in dispatching ATen
 ops, as a BERT-base step on an H100 does at small batch (../shared/measurements: the GPU idles 87%
@@ -28,7 +29,8 @@ import copy
 import json
 import os
 
-from profiling.bench import MODES, add_model_arguments, available, build_model, make_step
+from profiling.bench import GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, make_step
+from profiling.revision import ghostdp_at
 from profiling.step_ratio import median
 
 
@@ -95,8 +97,9 @@ def trained_layers(model) -> list:
     return [m for _, m in hooked_modules(model) if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
-def measure(args, freeze_embeddings: bool) -> dict:
-    """{mode: {"ratio", "median_ms", "aten_ops", "ms_per_layer"}} for one embedding setting."""
+def measure(args, freeze_embeddings: bool, against=None) -> dict:
+    """{mode: {"ratio", "median_ms", "aten_ops", "ms_per_layer"}} for one embedding setting; ``against``:
+    (revision, its ghostdp package), whose ghostdp modes run as "mode@revision" in the same rounds."""
     import time
 
     import torch
@@ -108,13 +111,17 @@ def measure(args, freeze_embeddings: bool) -> dict:
     ids = torch.randint(1, args.vocab, (args.batch, args.seq))
     labels = torch.randint(0, 2, (args.batch,))
     steps = {}
-    for mode in args.modes:
+    runs = [(mode, mode, None) for mode in args.modes]
+    if against is not None:
+        revision, library = against
+        runs += [(f"{mode}@{revision}", mode, library) for mode in args.modes if mode in GHOSTDP_MODES]
+    for name, mode, library in runs:
         try:
-            steps[mode] = make_step(mode, copy.deepcopy(template), args, (ids, labels))
-            steps[mode]()
+            steps[name] = make_step(mode, copy.deepcopy(template), args, (ids, labels), library)
+            steps[name]()
         except Exception as error:  # a mode that cannot run this model is reported, not hidden
-            steps.pop(mode, None)
-            print(f"  {mode}: {type(error).__name__}: {str(error)[:120]}")
+            steps.pop(name, None)
+            print(f"  {name}: {type(error).__name__}: {str(error)[:120]}")
     for floor in FLOORS if args.floors else ():
         steps[floor] = make_floor_step(floor, copy.deepcopy(template), (ids, labels))
         steps[floor]()
@@ -139,11 +146,12 @@ def measure(args, freeze_embeddings: bool) -> dict:
 def report(name, rows):
     layers = rows["plain"]["hooked_layers"]
     print(f"\n{name} ({layers} layers with trainable parameters)")
-    print(f"{'mode':<16}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}")
+    width = max(16, *(len(mode) + 2 for mode in rows))
+    print(f"{'mode':<{width}}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}")
     for mode, r in rows.items():
         if mode == FLOORS[0]:
-            print("-" * 65)
-        print(f"{mode:<16}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}{r['aten_ops']:>10}"
+            print("-" * (width + 49))
+        print(f"{mode:<{width}}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}{r['aten_ops']:>10}"
               f"{r['aten_ops'] / rows['plain']['aten_ops']:>9.2f}x{r['ms_per_layer']:>10.3f}")
 
 
@@ -160,6 +168,8 @@ def parse(argv=None):
     p.add_argument("--no-floors", dest="floors", action="store_false",
                    help="leave out the noise floor and two-pass floor rows")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--against", metavar="REF", help="also run the ghostdp modes with git revision REF's ghostdp "
+                   "(profiling.revision), in the same rounds")
     args = p.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("profiling.overhead measures host work on the CPU; on a GPU use profiling.bench")
@@ -175,12 +185,13 @@ def main(argv=None):
     missing = [m for m in args.modes if not available(m)]
     if missing:
         raise SystemExit(f"{missing}: opacus is not installed (pip install 'ghostdp[compare]')")
+    against = (args.against, ghostdp_at(args.against)) if args.against else None
     torch.set_num_threads(args.threads)
     print(f"{args.model} L={args.layers} H={args.hidden} heads={args.heads} B={args.batch} T={args.seq}, "
           f"{args.threads} thread(s), {args.rounds} interleaved rounds")
     results = {}
     for setting in args.embeddings:
-        results[setting] = measure(args, freeze_embeddings=setting == "frozen")
+        results[setting] = measure(args, freeze_embeddings=setting == "frozen", against=against)
         report(f"embeddings {setting}", results[setting])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

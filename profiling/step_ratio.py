@@ -2,12 +2,18 @@
 
     python -m profiling.step_ratio                       # BERT L=2 H=256, B=16, T=128, CPU
     python -m profiling.step_ratio --modes plain bookkeeping --rounds 30
+    python -m profiling.step_ratio --against 7664c8d    # this checkout's ghostdp against that commit's
 
 Each mode gets its own copy of the model (same weights) and its own optimizer; one round runs one
 full step of every mode in turn (forward, backward, noise, optimizer step). A machine whose speed
 drifts (a shared VM: +-15% between runs) slows all modes of a round alike, so the median over rounds
 of each round's time ratio is far steadier than a ratio of medians taken in separate processes.
 Memory is not measured here (the models share one process): use profiling.bench for that.
+
+``--against REF`` also runs each ghostdp mode with the ghostdp package of git revision REF (rows
+"ghost@REF"), extracted from this checkout's repository and imported under another name, in the same
+rounds: a change is then measured against its parent in one process, where separate runs of this
+machine's stand-in moved by +-0.1x between processes.
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ import argparse
 import copy
 import time
 
-from profiling.bench import MODES, WEIGHT_DTYPES, add_model_arguments, available, build_model, make_step, weight_dtype
+from profiling.bench import (GHOSTDP_MODES, MODES, WEIGHT_DTYPES, add_model_arguments, available, build_model,
+                             make_step, weight_dtype)
+from profiling.revision import ghostdp_at
 
 
 def median(values):
@@ -24,15 +32,21 @@ def median(values):
 
 
 def interleaved_times(args) -> dict:
-    """{mode: [seconds of its step in each measured round]}."""
+    """{mode: [seconds of its step in each measured round]}; with ``args.against``, also "mode@REF" for each
+    ghostdp mode, trained with that revision's ghostdp."""
     import torch
+    against = getattr(args, "against", None)
+    library = ghostdp_at(against) if against is not None else None
     torch.manual_seed(0)
     device = torch.device(args.device)
     template = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
     labels = torch.randint(0, 2, (args.batch,), device=device)
     steps = {mode: make_step(mode, copy.deepcopy(template), args, (ids, labels)) for mode in args.modes}
-    times = {mode: [] for mode in args.modes}
+    if library is not None:
+        for mode in [m for m in args.modes if m in GHOSTDP_MODES]:
+            steps[f"{mode}@{against}"] = make_step(mode, copy.deepcopy(template), args, (ids, labels), library)
+    times = {mode: [] for mode in steps}
     for round_ in range(args.warmup + args.rounds):
         for mode, step in steps.items():
             if device.type == "cuda":
@@ -50,11 +64,12 @@ def report(times) -> dict:
     """{mode: (median ms, median of the per-round ratios to plain)}, printed as a table."""
     plain = times["plain"]
     rows = {}
-    print(f"{'mode':<14}{'median ms':>10}{'ratio':>8}   (ratio: median over rounds of step / plain step)")
+    width = max(14, *(len(mode) + 2 for mode in times))
+    print(f"{'mode':<{width}}{'median ms':>10}{'ratio':>8}   (ratio: median over rounds of step / plain step)")
     for mode, ts in times.items():
         ratio = median([t / p for t, p in zip(ts, plain)])
         rows[mode] = (1e3 * median(ts), ratio)
-        print(f"{mode:<14}{rows[mode][0]:>10.1f}{ratio:>7.2f}x")
+        print(f"{mode:<{width}}{rows[mode][0]:>10.1f}{ratio:>7.2f}x")
     return rows
 
 
@@ -67,6 +82,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES))
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--against", metavar="REF", help="also run the ghostdp modes with git revision REF's ghostdp")
     args = p.parse_args(argv)
     missing = [m for m in args.modes if not available(m)]
     if missing:

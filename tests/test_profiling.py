@@ -1,10 +1,13 @@
 """The profiling tools run end to end on a tiny model (their figures are printed, never asserted)."""
+import io
 import json
 import math
+import subprocess
+import tarfile
 
 import pytest
 
-from profiling import bench, layers, step_ratio
+from profiling import bench, layers, revision, step_ratio
 from ghostdp.norms.factors import gram_tile, prefers_gram
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8"]
@@ -85,6 +88,31 @@ def test_step_ratio_interleaves_the_modes_and_pairs_each_round_with_plain(capsys
     assert step_ratio.report(times)["ghost"] == (3000.0, 2.0)
 
 
+def test_step_ratio_runs_the_ghostdp_modes_of_another_revision_in_the_same_rounds(capsys):
+    rows = step_ratio.main(TINY + ["--batch", "2", "--rounds", "2", "--warmup", "0", "--modes", "ghost", "bookkeeping",
+                                   "--against", "HEAD"])
+    assert set(rows) == {"plain", "ghost", "bookkeeping", "ghost@HEAD", "bookkeeping@HEAD"}
+    assert all(math.isfinite(ratio) and ratio > 0 for _, ratio in rows.values())
+    assert "bookkeeping@HEAD" in capsys.readouterr().out
+
+
+def test_step_ratio_refuses_a_revision_it_cannot_load(monkeypatch):
+    with pytest.raises(SystemExit, match="cannot read ghostdp at that revision"):
+        step_ratio.main(TINY + ["--rounds", "1", "--against", "no-such-revision"])
+    # A revision whose ghostdp imports itself by name would load this checkout's modules, not its own.
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        source = b"from ghostdp.engine import PrivacyEngine\n"
+        info = tarfile.TarInfo("ghostdp/__init__.py")
+        info.size = len(source)
+        tar.addfile(info, io.BytesIO(source))
+    answers = iter([subprocess.CompletedProcess([], 0, stdout="abc1234\n"),
+                    subprocess.CompletedProcess([], 0, stdout=buffer.getvalue())])
+    monkeypatch.setattr(revision.subprocess, "run", lambda *a, **k: next(answers))
+    with pytest.raises(SystemExit, match="imports itself by name"):
+        revision.ghostdp_at("abc1234")
+
+
 def test_step_ratio_says_when_opacus_is_missing(monkeypatch):
     monkeypatch.setattr(step_ratio, "available", lambda mode: not mode.startswith("opacus"))
     with pytest.raises(SystemExit, match="opacus is not installed"):
@@ -108,6 +136,16 @@ def test_overhead_benchmark_reports_ratios_ops_and_per_layer_cost_for_both_embed
     assert rows["plain"]["hooked_layers"] < results["trainable"]["plain"]["hooked_layers"]  # frozen embeddings
     assert json.loads(out.read_text())["frozen"]["ghost"]["aten_ops"] == results["frozen"]["ghost"]["aten_ops"]
     assert "ms/layer" in capsys.readouterr().out
+
+
+def test_overhead_benchmark_runs_another_revisions_ghostdp_in_the_same_rounds(capsys):
+    from profiling import overhead
+    results = overhead.main(["--layers", "1", "--hidden", "16", "--heads", "2", "--vocab", "64", "--rounds", "1",
+                             "--warmup", "0", "--embeddings", "frozen", "--no-floors", "--against", "HEAD"])
+    rows = results["frozen"]
+    assert set(rows) == {"plain", "ghost", "bookkeeping", "ghost@HEAD", "bookkeeping@HEAD"}
+    assert all(r["aten_ops"] > rows["plain"]["aten_ops"] for m, r in rows.items() if m != "plain")
+    assert "bookkeeping@HEAD" in capsys.readouterr().out
 
 
 def test_the_gpu_suite_runs_every_row_scaled_down_and_writes_json_and_plot(tmp_path, capsys):
