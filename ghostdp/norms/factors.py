@@ -69,7 +69,11 @@ def wide_matmul(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tens
     """
     if _tensor_core_path(a, b, dt):
         return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=dt)
-    return torch.matmul(a.to(dt), b.to(dt))
+    # Tensor.to is a dispatched op even where the dtype matches; bmm and mm skip matmul's shape handling.
+    a, b = (a if a.dtype == dt else a.to(dt)), (b if b.dtype == dt else b.to(dt))
+    if a.dim() == b.dim() == 3:
+        return torch.bmm(a, b)
+    return torch.mm(a, b) if a.dim() == b.dim() == 2 else torch.matmul(a, b)
 
 
 def _tensor_core_path(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> bool:
@@ -358,7 +362,8 @@ class OuterProduct(PerExampleGrad):
 
     def operands(self, lo=0, hi=None):
         cast = self.operand_dtype
-        left, right = (self.left, self.right) if lo == 0 and hi is None else (self.left[lo:hi], self.right[lo:hi])
+        whole = lo == 0 and (hi is None or hi >= self.batch_size)  # no slicing ops for the whole batch
+        left, right = (self.left, self.right) if whole else (self.left[lo:hi], self.right[lo:hi])
         return (left, right) if cast is None else (left.to(cast), right.to(cast))
 
     def takes_whole_gram(self) -> bool:
