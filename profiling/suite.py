@@ -2,6 +2,7 @@
 
     python -m profiling.suite --device cuda --out suite_h100      # BERT-base rows, GPT-2 + LoRA, Llama LoRA
     python -m profiling.suite --tiny                              # the same rows scaled down, on CPU (a test)
+    python -m profiling.suite --device cuda --against d9e76db     # also that revision's ghostdp, same rounds
 
 Rows: BERT-base (L=12, H=768, T=128, bf16 weights) at B=32 and B=256 with embeddings frozen and
 trainable; fp32 weights under bf16 autocast (B=256, frozen); T=512 (B=32, frozen); GPT-2 with LoRA r=8
@@ -11,7 +12,8 @@ q/k/v/o (T=512, B=16). Modes: plain, ghost, bookkeeping, and opacus-ghost when O
 in one process and the modes alternate round by round; time is the median over rounds of each
 round's step / plain step, memory the step's working set (CUDA: peak allocated above the allocation
 before the step; CPU: peak resident above resident) over plain's. Writes suite.json and suite.png
-into --out and prints the table.
+into --out and prints the table. ``--against REF`` adds columns ghost@REF and bookkeeping@REF, trained
+with git revision REF's ghostdp in the same rounds (see profiling.step_ratio).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import os
 import time
 
 from ghostdp.memory import peak_mb_since, reset_peak
-from profiling.bench import available, build_model, make_step, weight_dtype
+from profiling.bench import GHOSTDP_MODES, available, build_model, make_step, weight_dtype
+from profiling.revision import ghostdp_at
 from profiling.step_ratio import median
 
 BERT = dict(model="bert", layers=12, hidden=768, heads=12, vocab=30522, seq=128, dtype="bf16")
@@ -62,8 +65,9 @@ def _working_set(step, device) -> tuple[float, float]:
     return time.perf_counter() - start, peak_mb_since(device, base)
 
 
-def measure_row(args, modes, rounds, warmup) -> dict:
-    """{mode: {"ms", "ratio", "mb", "mem_ratio"} or {"error"}} for one row, modes interleaved."""
+def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
+    """{mode: {"ms", "ratio", "mb", "mem_ratio"} or {"error"}} for one row, modes interleaved.
+    ``libraries``: {column: (mode, ghostdp package)} for columns trained with another revision's ghostdp."""
     import torch
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -71,9 +75,11 @@ def measure_row(args, modes, rounds, warmup) -> dict:
     ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
     labels = torch.randint(0, 2, (args.batch,), device=device)
     steps, out = {}, {}
-    for mode in modes:
+    columns = {mode: (mode, None) for mode in modes if mode not in (libraries or {})}
+    columns.update(libraries or {})
+    for mode, (trained, library) in columns.items():
         try:
-            steps[mode] = make_step(mode, copy.deepcopy(template), args, (ids, labels))
+            steps[mode] = make_step(trained, copy.deepcopy(template), args, (ids, labels), library)
             steps[mode]()
         except Exception as error:  # reported in the table, not hidden
             steps.pop(mode, None)
@@ -154,25 +160,31 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="profiling_output/suite")
+    p.add_argument("--against", metavar="REF", help="also run the ghostdp modes with git revision REF's ghostdp")
     args = p.parse_args(argv)
     modes = [m for m in args.modes if available(m)]
     if len(modes) < len(args.modes):
         print(f"skipped {sorted(set(args.modes) - set(modes))}: opacus is not installed (pip install 'ghostdp[compare]')")
     if "plain" not in modes:
         modes.insert(0, "plain")
+    libraries = {}
+    if args.against is not None:
+        library = ghostdp_at(args.against)
+        libraries = {f"{m}@{args.against}": (m, library) for m in modes if m in GHOSTDP_MODES}
+        modes += list(libraries)
     rows = [ROWS[i] for i in args.rows] if args.rows else ROWS
     results = {}
     started = time.perf_counter()
     for name, settings in rows:
         row_args = row_settings(settings, args.tiny, args.device)
-        results[name] = measure_row(row_args, modes, args.rounds, args.warmup)
+        results[name] = measure_row(row_args, modes, args.rounds, args.warmup, libraries)
         print(f"  measured '{name}' ({time.perf_counter() - started:.0f} s so far)", flush=True)
     print(f"ghostdp suite on {args.device}{' (tiny rows)' if args.tiny else ''}; {args.rounds} interleaved rounds "
           "per row; time: median of per-round ratios to plain; memory: the step's working set over plain's")
     print_table(results, modes)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "suite.json"), "w") as f:
-        json.dump({"device": args.device, "tiny": args.tiny, "rounds": args.rounds, "modes": modes,
+        json.dump({"device": args.device, "tiny": args.tiny, "rounds": args.rounds, "modes": modes, "against": args.against,
                    "rows": {name: dict(settings) for name, settings in rows}, "results": results}, f, indent=1)
     plot(results, modes, os.path.join(args.out, "suite.png"))
     print(f"wrote {args.out}/suite.json and suite.png")

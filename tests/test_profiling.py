@@ -163,6 +163,16 @@ def test_the_gpu_suite_runs_every_row_scaled_down_and_writes_json_and_plot(tmp_p
     assert "Llama-shaped" in capsys.readouterr().out
 
 
+def test_the_gpu_suite_runs_another_revisions_ghostdp_in_the_same_rounds(tmp_path):
+    from profiling import suite
+    results = suite.main(["--tiny", "--rows", "0", "--rounds", "1", "--warmup", "1", "--modes", "plain", "ghost",
+                          "bookkeeping", "--against", "HEAD", "--out", str(tmp_path)])
+    row = results[suite.ROWS[0][0]]
+    assert set(row) == {"plain", "ghost", "bookkeeping", "ghost@HEAD", "bookkeeping@HEAD"}
+    assert all("error" not in r and r["ratio"] > 0 for r in row.values()), row
+    assert json.loads((tmp_path / "suite.json").read_text())["against"] == "HEAD"
+
+
 def test_bench_runs_fp32_weights_under_bf16_autocast(tmp_path):
     results = bench.main(TINY + ["--batches", "2", "--steps", "2", "--warmup", "1", "--modes", "plain", "ghost",
                                  "bookkeeping", "--dtype", "amp", "--out", str(tmp_path)])
