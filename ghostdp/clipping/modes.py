@@ -56,21 +56,31 @@ class BookKeeping:
                 return factor.weighted_sum(all_weights if group is None else all_weights[group], **options)
             return factor.weighted_sum(weights_of(group, factor.sum_dtype()), **options)
 
-        uses, owners = [], []  # (factor, group) per use; (param, its positions in uses)
+        uses, owner = [], []  # (factor, group) per use; the index in ``params`` of the parameter it belongs to
+        params, left = [], []  # the parameters summed in batches; how many of their uses are still to come
         for param, factors in kept.items():
             group = None if group_of is None else group_of[id(param)]
             if len(factors) == 1 and isinstance(factors[0], EmbeddingGather):
                 self._write(param, weighted_sum(factors[0], group, out_dtype=param.dtype))  # no wide copy of a 16-bit table
                 continue
-            owners.append((param, range(len(uses), len(uses) + len(factors))))
+            owner.extend([len(params)] * len(factors))
             uses.extend((f, group) for f in factors)
-        sums = weighted_sums(uses, weights_of)  # equal shapes in batches (norms/batched.py)
-        for param, positions in owners:
-            parts = [sums[i] if i in sums else weighted_sum(*uses[i]) for i in positions]
-            clipped = parts[0]
-            for part in parts[1:]:  # further uses of the same parameter (tied weights)
-                clipped = clipped + part
-            self._write(param, clipped)
+            params.append(param)
+            left.append(len(factors))
+        kept.clear()  # the factors live on in ``uses`` only, each until its sum is formed
+        factors = None  # (the loop's name would hold the last parameter's factors to the end)
+        partial = {}  # parameter index -> the sum of its uses so far (tied weights)
+        # Each sum is written as its batch is formed (equal shapes in batches, norms/batched_sums.py), and its
+        # factors dropped: the gradients written replace the activations and output grads that were kept.
+        for position, part in weighted_sums(uses, weights_of, weighted_sum):
+            uses[position] = None
+            k = owner[position]
+            clipped = part if k not in partial else partial.pop(k) + part
+            left[k] -= 1
+            if left[k]:
+                partial[k] = clipped
+            else:
+                self._write(params[k], clipped)
         return None  # nothing flows further back: p.grad already holds the clipped sum
 
     @staticmethod

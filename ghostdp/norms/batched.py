@@ -9,7 +9,8 @@ it queues them (``NormQueue``) and reduces them in groups:
   matmul per width (inputs shared by query, key and value count once), and then
   |g_i|^2 = <L_i L_i^T, R_i R_i^T> for all weights, |sum_t G_t|^2 = sum of G_i G_i^T for all biases,
   and the token masses sqrt(tr(L L^T) tr(R R^T)) and sqrt(T tr(G G^T)) (precision.py) come from a
-  handful of indexed reductions over the stacked Grams;
+  handful of reductions over strided views of the stacked Grams (indexed copies only where the layers'
+  Grams do not lie at equal steps);
 - LayerNorms of one shape (``AffineGrad``): their per-example gradients formed in one stacked
   expression (normalization.form_layer_norms), then one dot product per parameter name;
 - explicit per-example gradients (``Instantiated``: biases of 2-D inputs, the fallback's) of equal
@@ -244,48 +245,78 @@ def _gram_batch(factors, rows) -> list[Reduced]:
         read_as[id(x)] = key
         return key
 
-    weights, biases = [], []
-    for r, f in zip(rows, factors):
-        if isinstance(f, OuterProduct):
-            cast = f.operand_dtype
-            weights.append((r, slot(f.left, cast), slot(f.right, cast)))
+    # All left sides first, then all right sides: k layers' sides then lie at equal steps (views in pick).
+    outer = [(r, f) for r, f in zip(rows, factors) if isinstance(f, OuterProduct)]
+    lefts = [slot(f.left, f.operand_dtype) for _, f in outer]
+    weights = [(r, left, slot(f.right, f.operand_dtype)) for (r, f), left in zip(outer, lefts)]
+    biases = []
     for r, f in zip(rows, factors):
         if isinstance(f, SummedTokens):
             biases.append((r, read_as[id(f.tokens)]))  # its weight's output grad (_partition), as the weight cast it
-    # One Gram per distinct tensor, one batched matmul per width: (U, B, T, T) in group order.
+    # One Gram per distinct tensor, one batched matmul per width and stack: parts of (U, B, T, T) in group order.
     offsets, parts, start = {}, [], 0
     budget = stack_budget(first.left.device)
     for group, members in widths.items():
+        offsets[group] = start
         for run in within_budget(members, [m.numel() for m in members], budget):
             x = run[0].unsqueeze(0) if len(run) == 1 else torch.stack(run)
             x = x.reshape(len(run) * B, T, group[0])
-            parts.append(wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T))
-        offsets[group] = start
-        start += len(members)
-    gram = parts[0] if len(parts) == 1 else torch.cat(parts)
-    trace = torch.diagonal(gram, 0, 2, 3).sum(-1)  # (U, B): |X_i|_F^2
+            parts.append(_GramPart(start, wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T)))
+            start += len(run)
+    whole = {}  # the parts concatenated, only for a pattern that no view of one part gives
 
-    def index(keys):
+    def pick(keys, traces: bool):
+        """The Grams (U', B, T, T) or their traces |X_i|_F^2 (U', B) of ``keys``, in their order: a view of
+        one part where they are evenly spaced in it (no kernel), else indexed from all parts."""
         pattern = tuple(offsets[position[k][0]] + position[k][1] for k in keys)
-        if pattern == tuple(range(gram.shape[0])):
-            return None
-        return _INDICES.get(pattern, gram.device)
-
-    def pick(t, idx):
-        return t if idx is None else t.index_select(0, idx)
+        view = _spaced_view(parts, pattern, traces)
+        if view is not None:
+            return view
+        if traces not in whole:
+            whole[traces] = torch.cat([p.trace() if traces else p.gram for p in parts])
+        return whole[traces].index_select(0, _INDICES.get(pattern, parts[0].gram.device))
 
     out = []
     if weights:
-        left, right = index([w[1] for w in weights]), index([w[2] for w in weights])
-        sq = torch.linalg.vecdot(pick(gram, left).flatten(2), pick(gram, right).flatten(2))
-        mass = (pick(trace, left) * pick(trace, right)).clamp(min=0).sqrt()
+        left, right = [w[1] for w in weights], [w[2] for w in weights]
+        sq = torch.linalg.vecdot(pick(left, False).flatten(2), pick(right, False).flatten(2))
+        mass = (pick(left, True) * pick(right, True)).clamp(min=0).sqrt()
         out.append(Reduced([w[0] for w in weights], sq, mass, dt))
     if biases:
-        tokens = index([b[1] for b in biases])
-        sq = pick(gram, tokens).sum((2, 3))
-        mass = (pick(trace, tokens) * float(T)).clamp(min=0).sqrt()
+        tokens = [b[1] for b in biases]
+        sq = pick(tokens, False).sum((2, 3))
+        mass = (pick(tokens, True) * float(T)).clamp(min=0).sqrt()
         out.append(Reduced([b[0] for b in biases], sq, mass, dt))
     return out
+
+
+class _GramPart:
+    """The Grams of one batched matmul, (n, B, T, T), rows ``start`` to ``start + n`` of the batch's Grams."""
+
+    def __init__(self, start: int, gram: torch.Tensor):
+        self.start, self.gram, self._trace = start, gram, None
+
+    def trace(self) -> torch.Tensor:  # (n, B): tr(X_i X_i^T) = |X_i|_F^2, formed once
+        if self._trace is None:
+            self._trace = torch.diagonal(self.gram, 0, 2, 3).sum(-1)
+        return self._trace
+
+
+def _spaced_view(parts, pattern: tuple, traces: bool):
+    """Rows ``pattern`` of the Grams (or traces) as a view of one part, if they lie in one part at equal
+    steps forward (strided) or are one row repeated (expanded: an input shared by several layers); else None."""
+    first, k = pattern[0], len(pattern)
+    step = pattern[1] - first if k > 1 else 1
+    if step < 0 or pattern != tuple(first + step * j for j in range(k)):
+        return None
+    for part in parts:
+        if part.start <= first and pattern[-1] < part.start + part.gram.shape[0]:
+            rows = part.trace() if traces else part.gram
+            lo = first - part.start
+            if step == 0:
+                return rows[lo:lo + 1].expand(k, *rows.shape[1:])
+            return rows if (lo, step, k) == (0, 1, rows.shape[0]) else rows[lo:lo + step * (k - 1) + 1:step]
+    return None
 
 
 def _layer_norm_batch(factors, rows) -> list[Reduced]:

@@ -91,8 +91,10 @@ def test_weighted_sums_equal_each_factor_alone(monkeypatch, budget):
     factors = _mixed_factors()
     weights = {0: torch.rand(B, dtype=torch.float64), 1: torch.rand(B, dtype=torch.float64)}
     uses = [(f, k % 2) for k, f in enumerate(factors)]  # two clipping groups, so batches split by weights
-    sums = batched_sums.weighted_sums(uses, lambda group, dt: weights[group].to(dt))
-    assert sorted(sums) == list(range(len(factors)))
+    alone = []
+    sums = dict(batched_sums.weighted_sums(uses, lambda group, dt: weights[group].to(dt),
+                                           lambda f, group: alone.append(f) or f.weighted_sum(weights[group])))
+    assert sorted(sums) == list(range(len(factors))) and alone == []  # every kind here is batched
     for k, f in enumerate(_mixed_factors()):
         group = k % 2
         torch.testing.assert_close(sums[k], f.weighted_sum(weights[group]), rtol=1e-12, atol=1e-14)
@@ -141,7 +143,79 @@ def test_layer_norm_gradients_formed_together_are_summed_from_their_stack():
     for factors in (in_order, in_order[::-1], in_order[:2], mixed):
         if factors is not in_order:
             assert stacked_grads(factors) is None
-        sums = batched_sums.weighted_sums([(f, 0) for f in factors], lambda group, dt: weights.to(dt))
+        sums = dict(batched_sums.weighted_sums([(f, 0) for f in factors], lambda group, dt: weights.to(dt), None))
         for k, f in enumerate(factors):
             expected = weights @ f.grads.reshape(B, -1)
             torch.testing.assert_close(sums[k], expected.reshape(f.param_shape), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("shared_input", [False, True])  # three layers with their own inputs; query, key, value
+def test_layers_whose_grams_lie_at_equal_steps_are_read_through_views(monkeypatch, shared_input):
+    """Three Linear-like layers of one width: their output grads' Grams are consecutive in one stacked matmul
+    and their inputs' follow them (or are one, repeated), so each side is a view of it (no index tensor, no
+    indexed copy), and the norms and masses equal each layer's alone."""
+    g = torch.Generator().manual_seed(2)
+
+    def layers():
+        sides = [torch.randn(B, T, 8, generator=g, dtype=torch.float64) for _ in range(6)]
+        inputs = [sides[0]] * 3 if shared_input else sides[0::2]
+        return [f for k in range(3) for f in (OuterProduct(sides[2 * k + 1], inputs[k], (8, 8), input_side="right"),
+                                               SummedTokens(sides[2 * k + 1]))]
+
+    def no_index(pattern, device):
+        raise AssertionError(f"an index tensor for {pattern}: these Grams lie at equal steps")
+
+    monkeypatch.setattr(batched._INDICES, "get", no_index)
+    factors = layers()
+    g.manual_seed(2)
+    found = {r: (done.sq[k], done.mass[k]) for done in batched.reduce_factors(factors) for k, r in enumerate(done.rows)}
+    g.manual_seed(2)
+    for r, f in enumerate(layers()):
+        torch.testing.assert_close(found[r][0], f.sq_norm(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(found[r][1], _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
+
+
+def test_weighted_sums_are_formed_one_batch_at_a_time(monkeypatch):
+    """The caller can write and drop each batch's sums before the next batch is formed."""
+    factors = [f for f in _mixed_factors() if isinstance(f, OuterProduct)]
+    formed = []
+    summed_batch = batched_sums._summed_batch
+    monkeypatch.setattr(batched_sums, "_summed_batch",
+                        lambda kind, key, fs, positions, w: formed.append(len(fs)) or summed_batch(kind, key, fs, positions, w))
+    weights = torch.rand(B, dtype=torch.float64)
+    sums = batched_sums.weighted_sums([(f, 0) for f in factors], lambda group, dt: weights.to(dt), None)
+    assert formed == []
+    next(sums)
+    assert len(formed) == 1
+    assert len(list(sums)) + 1 == len(factors) and len(formed) > 1
+
+
+def test_book_keeping_drops_each_factor_once_its_sum_is_written(monkeypatch):
+    """What book-keeping kept is released parameter by parameter while the clipped sums are written, so the
+    gradients written replace it instead of adding to it; the sums equal each factor's alone."""
+    import weakref
+
+    from ghostdp.clipping.modes import BookKeeping, new_factor_store
+    g = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.zeros(n, 8, dtype=torch.float64)) for n in (4, 6, 10)]  # three shapes
+    kept, alive = new_factor_store(), []
+    for p in params:
+        left = torch.randn(B, T, p.shape[0], generator=g, dtype=torch.float64)
+        right = torch.randn(B, T, 8, generator=g, dtype=torch.float64)
+        kept[p].append(OuterProduct(left, right, tuple(p.shape), input_side="right"))
+        alive.append((weakref.ref(left), weakref.ref(right)))
+    c = torch.rand(B, dtype=torch.float64, generator=g)
+    expected = [kept[p][0].weighted_sum(c) for p in params]
+    seen = []
+    write = BookKeeping._write
+
+    def watch(param, clipped):
+        seen.append(sum(left() is not None for left, _ in alive))
+        write(param, clipped)
+
+    monkeypatch.setattr(BookKeeping, "_write", staticmethod(watch))
+    del left, right
+    assert BookKeeping().grad_of_losses(kept, c, torch.ones(B, dtype=torch.float64), torch.zeros(B)) is None
+    assert seen == [2, 1, 0] and not kept  # at each write, only the factors still to be summed are alive
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=0)
