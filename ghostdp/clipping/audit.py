@@ -40,12 +40,13 @@ def accumulate_grad_type() -> type:
 
 
 def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=False, seen=None,
-                           captured_types=frozenset()):
+                           captured_types=frozenset(), recorded=None):
     """({(node, input index): parameter}, [probe and checkpoint nodes]) for every edge below ``roots``
     into the gradient accumulator of one of ``parameters`` (id -> parameter), not entering ``stop``
     nodes; with ``marked``, the probe and reentrant checkpoint nodes reached are listed, and the nodes
-    of ``captured_types``. ``seen``: a set that receives the nodes visited. One visit per node, no
-    generator and few calls per node: this runs every step."""
+    of ``captured_types``. ``seen``: a set that receives the nodes visited. ``recorded``: node -> its
+    next_functions, read while it was alive (released_edges). One visit per node, no generator and few
+    calls per node: this runs every step."""
     edges = {}
     found = []
     seen = set() if seen is None else seen
@@ -61,7 +62,11 @@ def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=Fal
             continue
         visit(node)
         idx = -1
-        for nxt, _ in node.next_functions:
+        try:
+            below = node.next_functions
+        except RuntimeError:
+            below = released_edges(node, recorded)
+        for nxt, _ in below:
             idx += 1
             if nxt is None or nxt in seen:
                 continue
@@ -80,16 +85,34 @@ def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=Fal
     return edges, found
 
 
-def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset()):
+def released_edges(node, recorded):
+    """The next_functions of a Python Function's node that its graph no longer holds: up to torch 2.11, such a
+    node's Python object outlives its C++ node (a reentrant checkpoint's recomputed graph, freed by its own
+    backward), and reading its edges raises. ``recorded`` holds the edges read while it was alive."""
+    if recorded is not None and node in recorded:
+        return recorded[node]
+    raise RuntimeError(
+        f"ghostdp's graph audit cannot read the edges of the autograd node {type(node).__name__}: its graph was "
+        f"freed before the audit reached it (torch {torch.__version__} keeps no edges for a released node of a "
+        "Python autograd.Function), so it cannot check that no gradient reaches a parameter outside its "
+        "layer. Fix: " + RELEASED_NODE_FIX)
+
+
+RELEASED_NODE_FIX = ("use non-reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=False), "
+                     "or gradient_checkpointing_kwargs={'use_reentrant': False} in transformers), or upgrade torch.")
+
+
+def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset(), recorded=None):
     """(stray parameters, recorded calls, reentrant checkpoint nodes) of the graph below ``roots``.
 
     ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
     use_reentrant=True) hides its region's graph until its own backward recomputes it (reentrant.py).
     ``stop``: nodes not entered (audited before); ``seen`` receives the nodes visited;
-    ``captured_types``: the node types of the controller's captured calls (their edges are set here).
+    ``captured_types``: the node types of the controller's captured calls (their edges are set here);
+    ``recorded``: the edges of Python Functions' nodes, read while they were alive (released_edges).
     """
-    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types)
+    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded)
     calls = {}
     reentrant = []
     for node in found:

@@ -297,8 +297,10 @@ class GhostClipping:
         pass's list) then drop their nodes, which would hold the region's graph and inputs' gradients."""
         passed = self.pass_one.current
         audited = passed.audited
-        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited)
+        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited,
+                                      recorded=tracer.function_edges)
         tracer.nodes.clear()
+        tracer.function_edges.clear()
         for call in passed.region_calls[first_call:]:
             call.edges, call.input_nodes = (), frozenset()
         if inner:

@@ -26,6 +26,7 @@ import contextlib
 import weakref
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .audit import accumulate_grad_type
@@ -68,6 +69,7 @@ class RegionTracer(TorchFunctionMode):
     def __init__(self, allowed, outside, fix):
         super().__init__()
         self.nodes = set()
+        self.function_edges = {}  # Python Function's node -> its next_functions (audit.released_edges)
         self._made = {}  # id -> weak reference, of every tensor a traced call returned
         self._allowed, self._outside, self._fix = allowed, outside, fix
 
@@ -91,7 +93,10 @@ class RegionTracer(TorchFunctionMode):
                 if node is not None:
                     if check and node in self._outside:
                         raise OutsideTensorError(t, self._fix)
-                    self.nodes.add(node)
+                    if node not in self.nodes:
+                        self.nodes.add(node)
+                        if isinstance(node, BackwardCFunction):  # read while alive: torch <= 2.11 frees them
+                            self.function_edges[node] = node.next_functions
                     found = True
                 elif check and t.requires_grad and id(t) not in self._allowed:
                     made = self._made.get(id(t))

@@ -65,3 +65,43 @@ def test_an_input_made_to_require_grad_is_no_stray_parameter():
         return ce(model(input_ids=ids[i:i + 1]).logits, labels[i:i + 1]).sum()
 
     assert_exact(model, batch_losses, example_loss, 3)
+
+
+class _ReleasedNode:
+    """A Python Function's node as torch 2.11 leaves it once its graph is freed: its edges cannot be read."""
+
+    @property
+    def next_functions(self):
+        raise RuntimeError("Attribute 'next_functions' is invalid for this instance of _C._FunctionBase.")
+
+
+def test_a_released_node_is_walked_through_its_recorded_edges_and_refused_without_them():
+    from ghostdp.clipping.audit import audit_graph
+    weight = nn.Parameter(torch.randn(3))
+    edge = weight.view(3).grad_fn.next_functions[0]  # (weight's gradient accumulator, 0)
+    node = _ReleasedNode()
+    stray, calls, _ = audit_graph([node], {id(weight): weight}, recorded={node: (edge,)})
+    assert stray == [weight] and calls == []  # the recorded edge into the weight is seen (no call covers it)
+    with pytest.raises(RuntimeError, match=r"cannot read the edges of the autograd node _ReleasedNode.*use_reentrant=False"):
+        audit_graph([node], {id(weight): weight})
+
+
+def test_a_region_tracer_records_the_edges_of_python_functions_nodes_while_they_are_alive():
+    from ghostdp.clipping.reentrant import RegionTracer
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * grad
+
+    x = torch.randn(2, 3, requires_grad=True)
+    with RegionTracer({id(x)}, frozenset(), "fix") as tracer:
+        y = Double.apply(x.cos())
+        z = y.sin()
+    node = y.grad_fn
+    assert node in tracer.nodes and z.grad_fn in tracer.nodes
+    assert tracer.function_edges == {node: node.next_functions}  # only the Python Function's node
