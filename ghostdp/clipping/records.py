@@ -87,6 +87,7 @@ class NormPass:
         self.trainable = None             # id -> trainable parameter, as that audit read them
         self.sq_parts = [[] for _ in range(groups)]  # per clipping group: (k, B) squared norms of k layers
         self.masses = []                  # (k, B) bounds of sum_t |G_t| |A_t| of k layers (precision.py)
+        self.squared_masses = []          # (k, B) squares of such bounds, rooted together (batched.Reduced)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several calls
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
@@ -118,7 +119,7 @@ class NormPass:
                 for k, r in enumerate(done.rows):
                     self.add(done.sq[k], groups[r])
             if done.mass is not None:
-                self._add_mass_rows(done.mass, done.mass_dtype)
+                self._add_mass_rows(done.mass, done.mass_dtype, done.rooted)
 
     def add_mass(self, factor):
         """The token mass of one factor that is not queued (a parameter with several uses)."""
@@ -126,8 +127,8 @@ class NormPass:
         if mass is not None:
             self._add_mass_rows(mass, factor.sum_dtype())
 
-    def _add_mass_rows(self, mass, dtype):
-        self.masses.append(mass)
+    def _add_mass_rows(self, mass, dtype, rooted=True):
+        (self.masses if rooted else self.squared_masses).append(mass)
         if self.mass_dtype is None or torch.finfo(dtype).eps > torch.finfo(self.mass_dtype).eps:
             self.mass_dtype = dtype
 
@@ -145,7 +146,13 @@ class NormPass:
 
     def total_mass(self):
         """(B,) sum over layers of the examples' token masses, or None if no layer has one."""
-        return _sum_rows(self.masses) if self.masses else None
+        blocks = list(self.masses)
+        by_dtype = {}
+        for squares in self.squared_masses:
+            by_dtype.setdefault(squares.dtype, []).append(squares)
+        for squares in by_dtype.values():
+            blocks.append((squares[0] if len(squares) == 1 else torch.cat(squares)).clamp(min=0).sqrt())
+        return _sum_rows(blocks) if blocks else None
 
 
 def _sum_rows(blocks):

@@ -51,7 +51,7 @@ def test_reductions_equal_each_factor_alone(monkeypatch, budget):
     for done in batched.reduce_factors(factors):
         for k, r in enumerate(done.rows):
             assert r not in found
-            found[r] = (done.sq[k], None if done.mass is None else done.mass[k])
+            found[r] = (done.sq[k], None if done.mass is None else done.masses()[k])
     assert sorted(found) == list(range(len(factors)))
     for r, f in enumerate(_mixed_factors()):  # the same factors, not yet reduced: each alone
         sq, mass = found[r]
@@ -168,7 +168,7 @@ def test_layers_whose_grams_lie_at_equal_steps_are_read_through_views(monkeypatc
     monkeypatch.setattr(batched._INDICES, "get", no_index)
     factors = layers()
     g.manual_seed(2)
-    found = {r: (done.sq[k], done.mass[k]) for done in batched.reduce_factors(factors) for k, r in enumerate(done.rows)}
+    found = {r: (done.sq[k], done.masses()[k]) for done in batched.reduce_factors(factors) for k, r in enumerate(done.rows)}
     g.manual_seed(2)
     for r, f in enumerate(layers()):
         torch.testing.assert_close(found[r][0], f.sq_norm(), rtol=1e-12, atol=0)
@@ -219,3 +219,19 @@ def test_book_keeping_drops_each_factor_once_its_sum_is_written(monkeypatch):
     assert seen == [2, 1, 0] and not kept  # at each write, only the factors still to be summed are alive
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=0)
+
+
+def test_squared_masses_are_rooted_together_with_the_masses_of_other_reductions():
+    """A Gram batch hands over the squares of its token masses; the pass roots all of them in one expression
+    and adds the masses that came rooted: the total equals each factor's own mass summed, in any dtype mix."""
+    from ghostdp.clipping.records import NormPass
+    factors = _mixed_factors()
+    reductions = batched.reduce_factors(factors)
+    assert any(not done.rooted for done in reductions) and any(done.rooted and done.mass is not None for done in reductions)
+    passed = NormPass(B)
+    for done in reductions:
+        if done.mass is not None:
+            passed._add_mass_rows(done.mass, done.mass_dtype, done.rooted)
+    passed._add_mass_rows(torch.ones(2, B, dtype=torch.float32) * 4, torch.float32, rooted=False)  # another dtype
+    expected = sum(_as_tensor(f.token_mass()) for f in _mixed_factors() if f.token_mass() is not None) + 2 * 2
+    torch.testing.assert_close(passed.total_mass(), expected, rtol=1e-12, atol=0)
