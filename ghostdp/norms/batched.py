@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, wide_matmul
+from .factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens, acc_dtype, wide_matmul
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -147,14 +147,23 @@ def reduce_factors(factors, grams=None) -> list[Reduced]:
     for rows in by_layer_norm.values():
         out.extend(_layer_norm_batch([factors[r] for r in rows], rows))
     for rows in by_gram.values():
+        if grams is not None and sum(type(factors[r]) is OuterProduct for r in rows) == 1:
+            # One layer (on a GPU, where a layer's tensors are too large to stack, every layer): alone, with
+            # its bias, through the pass's Gram cache, which a shared input's next layers read too.
+            alone.extend(rows)
+            continue
         out.extend(_gram_batch([factors[r] for r in rows], rows))
     for rows in by_shape.values():
         out.append(_instantiated_batch([factors[r] for r in rows], rows))
+    alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
     for r in alone:
         f = factors[r]
         mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
         sq = f.sq_norm(grams)
-        out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
+        if isinstance(mass, SqrtProduct):  # rooted with the pass's other squared masses (Reduced)
+            out.append(Reduced([r], sq.unsqueeze(0), (mass.a * mass.b).unsqueeze(0), f.sum_dtype(), rooted=False))
+        else:
+            out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
     return out
 
 

@@ -235,3 +235,26 @@ def test_squared_masses_are_rooted_together_with_the_masses_of_other_reductions(
     passed._add_mass_rows(torch.ones(2, B, dtype=torch.float32) * 4, torch.float32, rooted=False)  # another dtype
     expected = sum(_as_tensor(f.token_mass()) for f in _mixed_factors() if f.token_mass() is not None) + 2 * 2
     torch.testing.assert_close(passed.total_mass(), expected, rtol=1e-12, atol=0)
+
+
+def test_layers_reduced_one_at_a_time_share_their_inputs_gram_through_the_pass_cache(monkeypatch):
+    """Where each reduction holds one layer (on a GPU, a BERT-base layer's tensors are too large to stack),
+    the layer is reduced alone through the pass's Gram cache: query, key and value form their shared input's
+    Gram once, and the norms and masses equal each factor's own."""
+    from ghostdp.norms import factors as factors_module
+    from ghostdp.norms.factors import InputGrams
+    layers = _mixed_factors()[5:11]  # query, key, value weights (one input) and the query's and key's biases
+    per_layer = [[layers[0], layers[1]], [layers[2], layers[3]], [layers[4]]]
+    formed = []
+    wide_matmul = factors_module.wide_matmul
+    monkeypatch.setattr(factors_module, "wide_matmul", lambda a, b, dt: formed.append(a.shape) or wide_matmul(a, b, dt))
+    grams = InputGrams()
+    found = []
+    for queued in per_layer:
+        found.extend(done for done in batched.reduce_factors(queued, grams))
+    assert len(formed) == 4  # the shared input once, and each layer's output grad
+    expected = [f for f in _mixed_factors()[5:11]]
+    rows = [(done.sq[0], done.masses()[0]) for done in found]
+    for (sq, mass), f in zip(rows, expected):
+        torch.testing.assert_close(sq, f.sq_norm(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(mass, _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
