@@ -214,3 +214,23 @@ def test_rules_against_their_floors_run_and_report_every_time(capsys):
     rows = layers.rules_against_floors(args, points=[(2, 8, 16), (2, 4, 8)])
     assert len(rows) == 2 and all(len(r) == 8 and all(v > 0 for v in r[3:]) for r in rows)
     assert "LN rule" in capsys.readouterr().out
+
+
+def test_overhead_per_layer_reduces_one_layer_at_a_time_and_restores_the_budgets():
+    from ghostdp.norms import batched
+    from profiling import overhead
+    stack, queue = batched.STACK_ELEMENTS, batched.QUEUE_ELEMENTS
+    reductions = []
+    reduce = batched.NormQueue.reduce
+    small = ["--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "64", "--rounds", "1", "--warmup", "0",
+             "--embeddings", "frozen", "--no-floors", "--modes", "plain", "ghost"]
+    try:
+        batched.NormQueue.reduce = lambda self: reductions.append(len(self.factors)) or reduce(self)
+        batched_rows = overhead.main(small)["frozen"]
+        batched_reductions, reductions[:] = list(reductions), []
+        per_layer_rows = overhead.main(small + ["--per-layer"])["frozen"]
+    finally:
+        batched.NormQueue.reduce = reduce
+    assert (batched.STACK_ELEMENTS, batched.QUEUE_ELEMENTS) == (stack, queue)
+    assert max(reductions) <= 2 < max(batched_reductions)  # a weight and its bias at most, against many layers
+    assert per_layer_rows["ghost"]["aten_ops"] > batched_rows["ghost"]["aten_ops"]
