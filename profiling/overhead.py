@@ -24,7 +24,8 @@ of a ghost step at B=32), and it ranks the libraries as that GPU does. For each 
 ``--per-layer``: the stand-in's tensors are so small that the norm queue stacks every layer into a few
 reductions. On an H100 at BERT-base sizes no layer's tensors fit the GPU's stack budget (B=32, T=128:
 3.1M elements each against 4M for a stack), so the queue reduces one layer at a time, and so does it
-with this flag (stack budget and queue bound of one element, for this ghostdp and the --against one).
+with this flag: the stack budget and the queue bound are set to 4/3 of one (B, T, H) activation, as 4M
+elements are at BERT-base B=32 on the GPU (for this ghostdp and the --against one).
 Measured 2026-11-24: ghost 3.6x and book-keeping 3.5-3.7x per layer against 2.4x and 2.2x batched, as
 the H100 read 3.6-3.9x at B=32: this is the stand-in for the GPU's BERT-base rows.
 Timings are the shared machine's: compare the ratios of one run, never seconds across runs.
@@ -190,17 +191,23 @@ def parse(argv=None):
     return args
 
 
+# The GPU's stack budget and queue bound (4M elements) over one BERT-base activation at B=32, T=128.
+GPU_BUDGET_PER_ACTIVATION = (1 << 22) / (32 * 128 * 768)
+
+
 @contextlib.contextmanager
-def per_layer_reductions(packages):
-    """The norm queue of each ghostdp package reduces every layer alone and stacks nothing, as on a GPU
-    whose layers exceed its stack budget (the module's own budgets, restored on exit)."""
+def per_layer_reductions(packages, activation_elements: int):
+    """The norm queue of each ghostdp package with the stack budget and queue bound that a GPU has at
+    BERT-base B=32, in proportion to this model's (B, T, H) activation: no layer's input and output
+    grad fit together, so every layer is reduced alone (the modules' own budgets, restored on exit)."""
+    budget = int(GPU_BUDGET_PER_ACTIVATION * activation_elements)
     saved = []
     try:
         for package in packages:
             batched = importlib.import_module(f"{package.__name__}.norms.batched")
             saved.append((batched, batched.STACK_ELEMENTS, batched.QUEUE_ELEMENTS))
-            batched.STACK_ELEMENTS = {device: 1 for device in batched.STACK_ELEMENTS}
-            batched.QUEUE_ELEMENTS = 1
+            batched.STACK_ELEMENTS = {device: budget for device in batched.STACK_ELEMENTS}
+            batched.QUEUE_ELEMENTS = budget
         yield
     finally:
         for batched, stack, queue in saved:
@@ -223,7 +230,8 @@ def main(argv=None):
         print("the norm queue reduces one layer at a time (--per-layer), as on an H100 at BERT-base sizes")
     results = {}
     packages = [ghostdp] + ([against[1]] if against else [])
-    with per_layer_reductions(packages) if args.per_layer else contextlib.nullcontext():
+    per_layer = per_layer_reductions(packages, args.batch * args.seq * args.hidden)
+    with per_layer if args.per_layer else contextlib.nullcontext():
         for setting in args.embeddings:
             results[setting] = measure(args, freeze_embeddings=setting == "frozen", against=against)
             report(f"embeddings {setting}", results[setting])

@@ -50,8 +50,8 @@ def _batch_of(factor, key):
 def _stacked_elements(factor) -> int:
     if type(factor) is OuterProduct:
         return factor.left.numel() + factor.right.numel()
-    if type(factor) is SummedTokens:
-        return factor.tokens.numel()
+    if type(factor) is SummedTokens:  # at most its (B, n) sum over tokens is stacked (_instantiated_sums)
+        return factor.tokens.shape[0] * factor.tokens.shape[-1]
     return factor.batch_size * factor.param_shape.numel()
 
 
@@ -81,10 +81,19 @@ def _shaped(total, factors):
 def _instantiated_sums(factors, summed_tokens: bool, weights_in):
     """sum_i w_i g_i of k explicit gradients of one shape, (k, B, n) stacked: one matmul. For SummedTokens
     each example's gradient is first summed over its tokens."""
-    rows = None if summed_tokens or type(factors[0]) is not AffineGrad else stacked_grads(factors)
-    if rows is None:
-        rows = torch.stack([f.tokens if summed_tokens else f.grads for f in factors])
-    dt = acc_dtype(rows)
-    rows = rows.sum(2, dtype=dt) if summed_tokens else rows.to(dt)
+    if summed_tokens:
+        tokens = [f.tokens for f in factors]
+        dt = acc_dtype(tokens[0])
+        if sum(t.numel() for t in tokens) <= stack_budget(tokens[0].device):  # small: one stack, one sum
+            rows = torch.stack(tokens).sum(2, dtype=dt)
+        else:  # each output grad summed over its tokens where it lies, no stacked copy of the G
+            rows = [t.sum(1, dtype=dt) for t in tokens]
+            rows = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+    else:
+        rows = stacked_grads(factors) if type(factors[0]) is AffineGrad else None
+        if rows is None:
+            rows = torch.stack([f.grads for f in factors])
+        dt = acc_dtype(rows)
+        rows = rows.to(dt)
     total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)
     return _shaped(total, factors)

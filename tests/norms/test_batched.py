@@ -84,7 +84,8 @@ def test_shared_input_gets_one_gram_and_biases_reuse_their_weights_grams(monkeyp
     assert sorted(rows) == [B, 2 * B]  # width 16: x and the query's output grad; width 12: the key's
 
 
-@pytest.mark.parametrize("budget", [None, 1])  # 1: no stacking, every factor alone
+# 1: no stacking, every factor alone; 100: biases batched by their (B, n) sums, their tokens too large to stack
+@pytest.mark.parametrize("budget", [None, 1, 100])
 def test_weighted_sums_equal_each_factor_alone(monkeypatch, budget):
     if budget is not None:
         monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": budget})
