@@ -158,6 +158,11 @@ def reduce_factors(factors, grams=None) -> list[Reduced]:
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
     for r in alone:
         f = factors[r]
+        kind = type(f)
+        both = f.cached_norms(grams) if kind is OuterProduct or kind is SummedTokens else None
+        if both is not None:  # from the pass's cached Grams, one lookup per tensor
+            out.append(Reduced([r], both[0].unsqueeze(0), both[1].unsqueeze(0), f.sum_dtype(), rooted=False))
+            continue
         mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
         sq = f.sq_norm(grams)
         if isinstance(mass, SqrtProduct):  # rooted with the pass's other squared masses (Reduced)

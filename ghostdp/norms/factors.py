@@ -296,6 +296,15 @@ class SummedTokens(Instantiated):
         cached = self._cached(grams)
         return grams.whole(self.tokens, *cached).sum((1, 2)) if cached else super().sq_norm()
 
+    def cached_norms(self, grams):
+        """(squared norm, squared token mass T tr(G G^T)), both (B,), from the Gram its weight left in the
+        pass's cache (one lookup for both), or None where there is none."""
+        cached = self._cached(grams)
+        if cached is None:
+            return None
+        gram, trace = grams.whole_and_trace(self.tokens, *cached)
+        return gram.sum((1, 2)), trace * float(self.tokens.shape[1])
+
 
 def _scaled(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x * w in dtype. The product is formed in the wider of x's and w's dtypes and rounded once on
@@ -377,6 +386,17 @@ class OuterProduct(PerExampleGrad):
 
     def _gram(self, grams, x):
         return grams.whole(x, acc_dtype(self.left, self.right), self.operand_dtype)
+
+    def cached_norms(self, grams):
+        """(squared norm, squared token mass tr(L L^T) tr(R R^T)), both (B,), on the one-tile Gram path with
+        the pass's Gram cache (one lookup per side for both; what sq_norm and token_mass give), or None off
+        that path."""
+        if grams is None or self.left.shape[1] <= 1 or not self.takes_whole_gram():
+            return None
+        dt, cast = acc_dtype(self.left, self.right), self.operand_dtype
+        left, left_trace = grams.whole_and_trace(self.left, dt, cast)
+        right, right_trace = grams.whole_and_trace(self.right, dt, cast)
+        return torch.linalg.vecdot(left.flatten(1), right.flatten(1)), left_trace * right_trace
 
     def token_mass(self, grams=None):
         # sum_t |L_t| |R_t| <= |L|_F |R|_F (Cauchy-Schwarz), which bounds the entrywise sum of the terms
@@ -654,6 +674,13 @@ class InputGrams:
         if entry[2] is None:
             entry[2] = _trace(entry[1])
         return entry[2]
+
+    def whole_and_trace(self, x: torch.Tensor, dt, operand_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``whole`` and ``whole_trace`` of x with one cache lookup."""
+        entry = self._entry(x, dt, operand_dtype)
+        if entry[2] is None:
+            entry[2] = _trace(entry[1])
+        return entry[1], entry[2]
 
     def _entry(self, x, dt, operand_dtype):
         key = self._whole_key(x, dt, operand_dtype)
