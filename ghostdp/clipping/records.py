@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..norms.batched import NormQueue, mass_rows
+from ..norms.batched import NormQueue, mass_roots, mass_rows
 from ..norms.factors import InputGrams
 from .modes import new_factor_store
 
@@ -151,7 +151,7 @@ class NormPass:
         for squares in self.squared_masses:
             by_dtype.setdefault(squares.dtype, []).append(squares)
         for squares in by_dtype.values():
-            blocks.append((squares[0] if len(squares) == 1 else torch.cat(squares)).clamp(min=0).sqrt())
+            blocks.append(mass_roots(squares[0] if len(squares) == 1 else torch.cat(squares)))
         return _sum_rows(blocks) if blocks else None
 
 

@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from .factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens, acc_dtype, wide_matmul
+from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, gram_trace, wide_matmul
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -93,7 +93,12 @@ class Reduced:
 
     def masses(self):
         """The (k, B) token masses, rooted, or None."""
-        return self.mass if self.rooted or self.mass is None else self.mass.clamp(min=0).sqrt()
+        return self.mass if self.rooted or self.mass is None else mass_roots(self.mass)
+
+
+def mass_roots(squares: torch.Tensor) -> torch.Tensor:
+    """Token masses from their squares (products of traces: rounding may leave them a hair below zero)."""
+    return squares.clamp(min=0).sqrt()
 
 
 class NormQueue:
@@ -158,17 +163,13 @@ def reduce_factors(factors, grams=None) -> list[Reduced]:
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
     for r in alone:
         f = factors[r]
-        kind = type(f)
-        both = f.cached_norms(grams) if kind is OuterProduct or kind is SummedTokens else None
-        if both is not None:  # from the pass's cached Grams, one lookup per tensor
+        both = f.cached_norms(grams)
+        if both is not None:  # from the pass's cached Grams, one lookup per tensor; rooted with the pass's others
             out.append(Reduced([r], both[0].unsqueeze(0), both[1].unsqueeze(0), f.sum_dtype(), rooted=False))
             continue
         mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
         sq = f.sq_norm(grams)
-        if isinstance(mass, SqrtProduct):  # rooted with the pass's other squared masses (Reduced)
-            out.append(Reduced([r], sq.unsqueeze(0), (mass.a * mass.b).unsqueeze(0), f.sum_dtype(), rooted=False))
-        else:
-            out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
+        out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
     return out
 
 
@@ -177,7 +178,7 @@ def mass_rows(mass):
     if mass is None:
         return None
     if not isinstance(mass, torch.Tensor):  # SqrtProduct
-        mass = (mass.a * mass.b).clamp(min=0).sqrt()
+        mass = mass_roots(mass.a * mass.b)
     return mass.unsqueeze(0)
 
 
@@ -219,7 +220,6 @@ def _partition(factors):
             by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)
         else:
             alone.append(r)
-    alone.sort()  # in queue order: the factors reduced alone share the pass's Gram cache in that order
     return by_gram, by_shape, by_layer_norm, alone
 
 
@@ -313,12 +313,12 @@ class _GramPart:
     """The Grams of one batched matmul, (n, B, T, T), rows ``start`` to ``start + n`` of the batch's Grams."""
 
     def __init__(self, start: int, gram: torch.Tensor):
-        self.start, self.gram, self._trace = start, gram, None
+        self.start, self.gram, self._traces = start, gram, None
 
     def trace(self) -> torch.Tensor:  # (n, B): tr(X_i X_i^T) = |X_i|_F^2, formed once
-        if self._trace is None:
-            self._trace = torch.diagonal(self.gram, 0, 2, 3).sum(-1)
-        return self._trace
+        if self._traces is None:
+            self._traces = gram_trace(self.gram)
+        return self._traces
 
 
 def _spaced_view(parts, pattern: tuple, traces: bool):

@@ -143,9 +143,9 @@ class SqrtProduct(NamedTuple):
     b: "torch.Tensor | float"
 
 
-def _trace(gram: torch.Tensor) -> torch.Tensor:
-    """(B,) traces of (B, T, T) Grams: sum_t |X_t|^2 = |X_i|_F^2."""
-    return torch.diagonal(gram, 0, 1, 2).sum(-1)
+def gram_trace(gram: torch.Tensor) -> torch.Tensor:
+    """(..., B) traces of (..., B, T, T) Grams: sum_t |X_t|^2 = |X_i|_F^2."""
+    return torch.diagonal(gram, 0, -2, -1).sum(-1)
 
 
 def example_chunks(batch: int, per_example: int):
@@ -172,6 +172,11 @@ class PerExampleGrad:
         raise NotImplementedError
 
     def token_mass(self, grams=None) -> torch.Tensor | SqrtProduct | None:
+        return None
+
+    def cached_norms(self, grams) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(squared norm, squared token mass), both (B,), from Grams in the pass's cache (``grams``), for a
+        factor whose norm and mass are read from them; None for the others (sq_norm and token_mass)."""
         return None
 
     def sum_dtype(self) -> torch.dtype:
@@ -670,16 +675,13 @@ class InputGrams:
 
     def whole_trace(self, x: torch.Tensor, dt, operand_dtype=None) -> torch.Tensor:
         """(B,) traces of ``whole(x, ...)``: |X_i|_F^2, formed once with the Gram."""
-        entry = self._entry(x, dt, operand_dtype)
-        if entry[2] is None:
-            entry[2] = _trace(entry[1])
-        return entry[2]
+        return self.whole_and_trace(x, dt, operand_dtype)[1]
 
     def whole_and_trace(self, x: torch.Tensor, dt, operand_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``whole`` and ``whole_trace`` of x with one cache lookup."""
         entry = self._entry(x, dt, operand_dtype)
         if entry[2] is None:
-            entry[2] = _trace(entry[1])
+            entry[2] = gram_trace(entry[1])
         return entry[1], entry[2]
 
     def _entry(self, x, dt, operand_dtype):
