@@ -58,7 +58,19 @@ def build_model(args):
         for name, p in model.named_parameters():
             if "embeddings" in name or ".wte." in name or ".wpe." in name:
                 p.requires_grad_(False)
+    if getattr(args, "train", "all") == "last-layer":
+        _train_last_layer_only(model)
     return model
+
+
+def _train_last_layer_only(model) -> None:
+    """Freezes all but the last encoder layer, the pooler and the classifier: the Fast Gradient Clipping
+    post's set-up (BERT-base, ~7.6M trained parameters)."""
+    if not hasattr(model, "bert"):
+        raise ValueError("--train last-layer is the BERT set-up of the Fast Gradient Clipping post: use --model bert")
+    last = len(model.bert.encoder.layer) - 1
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith((f"bert.encoder.layer.{last}.", "bert.pooler.", "classifier.")))
 
 
 def _enable_checkpointing(model, args) -> None:
@@ -188,6 +200,8 @@ def run_fresh(args, mode, batch) -> dict:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     if args.freeze_embeddings:
         argv.append("--freeze-embeddings")
+    if args.train != "all":
+        argv += ["--train", args.train]
     if getattr(args, "checkpointing", None):
         argv += ["--checkpointing", args.checkpointing]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -279,6 +293,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--freeze-embeddings", action="store_true", help="so that Opacus can run on BERT")
+    p.add_argument("--train", default="all", choices=["all", "last-layer"],
+                   help="last-layer: only BERT's last encoder layer, pooler and classifier train (the Fast "
+                        "Gradient Clipping post's set-up)")
     p.add_argument("--checkpointing", nargs="?", const="non-reentrant", choices=["non-reentrant", "reentrant"],
                    help="activation checkpointing of every layer, in every mode (default: non-reentrant)")
 
@@ -336,6 +353,7 @@ def main(argv=None):
                                 "peak_mb": sorted(r["peak_mb"] for r in runs)[len(runs) // 2]}
     print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} {args.dtype} on {args.device}"
           f"{', embeddings frozen' if args.freeze_embeddings else ''}"
+          f"{', only the last layer, pooler and classifier train' if args.train == 'last-layer' else ''}"
           f"{f', {args.checkpointing} activation checkpointing' if args.checkpointing else ''}; {args.steps} steps, median of the last "
           f"{args.steps - args.warmup}, each mode in a fresh process")
     print_table(results, modes, args.batches)

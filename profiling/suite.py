@@ -7,7 +7,9 @@
 Rows: BERT-base (L=12, H=768, T=128, bf16 weights) at B=32 and B=256 with embeddings frozen and
 trainable; fp32 weights under bf16 autocast (B=256, frozen); T=512 (B=32, frozen); GPT-2 with LoRA r=8
 on c_attn (B=64); a Llama-shaped 1.1B model (22 layers, H=2048, GQA 32/4 heads) with LoRA r=16 on
-q/k/v/o (T=512, B=16). Modes: plain, ghost, bookkeeping, and opacus-ghost when Opacus is installed
+q/k/v/o (T=512, B=16); the Fast Gradient Clipping post's set-up (BERT-base in fp32, only the last
+encoder layer, the pooler and the classifier train; B=512 and 2048). Modes: plain, ghost, bookkeeping,
+and opacus-ghost when Opacus is installed
 (a mode that cannot run a row is reported with its error). Within a row, every mode's step is built
 in one process and the modes alternate round by round; time is the median over rounds of each
 round's step / plain step, memory the step's working set (CUDA: peak allocated above the allocation
@@ -42,6 +44,10 @@ ROWS = [
     ("Llama-shaped 1.1B + LoRA r=16, T=512, B=16", dict(model="llama-lora", layers=22, hidden=2048, heads=32,
                                                          vocab=32000, seq=512, batch=16, dtype="bf16",
                                                          freeze_embeddings=False)),
+    ("FGC set-up: fp32, last layer + pooler + classifier, B=512", dict(BERT, batch=512, dtype="fp32",
+                                                                      freeze_embeddings=False, train="last-layer")),
+    ("FGC set-up: fp32, last layer + pooler + classifier, B=2048", dict(BERT, batch=2048, dtype="fp32",
+                                                                       freeze_embeddings=False, train="last-layer")),
 ]
 # --tiny: the same rows with compute that vanishes (a CPU test that keeps the suite from rotting).
 TINY = dict(layers=1, hidden=32, heads=2, vocab=64)

@@ -74,6 +74,22 @@ def _all_tensors(args) -> bool:
     return True
 
 
+def _compact_views(args) -> tuple:
+    """The inputs that a book-keeping call holds until its clipped sums: a view of a storage over twice its
+    size is copied (a pooler's first token would otherwise keep the (B, T, d) hidden states alive)."""
+    for a in args:
+        if a._is_view():
+            return tuple([_compact(a) for a in args])
+    return args
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    if t._is_view() and t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size():
+        with torch.no_grad():
+            return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _grad_fns(tensors) -> frozenset:
     """The autograd nodes that made ``tensors`` (none for a leaf or a tensor without grad)."""
     return frozenset([node for node in map(_GRAD_FN, tensors) if node is not None])
@@ -266,6 +282,8 @@ class ForwardRecorder:
             call.expanded = _EXPANDED
         else:
             call.expanded = _NOT_EXPANDED
+            if not self.two_passes:
+                saved = _compact_views(args)
         kind = _RECORDED if self.pass_one.current is None and not self.regions.depth else self._call_kind()
         if kind is _RECORDED or kind is _IN_REGION:
             call.shapes = (tuple(t.shape),)
@@ -276,7 +294,7 @@ class ForwardRecorder:
                 live[id(p)] += 1
             if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
                     and not self.forward_checkpointed):
-                node_type = capture(call, entry, module, args, output, self.two_passes, self.captured_types)
+                node_type = capture(call, entry, module, saved, output, self.two_passes, self.captured_types)
                 if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
                     self.captured_types.add(node_type)
                     return None

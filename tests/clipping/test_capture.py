@@ -222,6 +222,40 @@ def test_bert_in_book_keeping_captures_every_layer_but_the_position_embeddings_a
                        classification_loss(torch.randint(0, 3, (B,))), B)
 
 
+class FirstTokenHead(nn.Module):
+    """A pooler: a Linear on the first token of (B, T, d) hidden states, as BERT's. ``hidden_alive`` lists, for
+    each backward that reaches the body's output grad, whether the hidden states were alive then."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.body, self.pooler = nn.Linear(d, d), nn.Linear(d, 3)
+        self.hidden_alive = []
+
+    def forward(self, x):
+        below = self.body(x)
+        hidden = below * 2.0  # saves no tensor for its backward: only the pooler's input holds hidden
+        alive = weakref.ref(hidden)
+        below.register_hook(lambda grad: self.hidden_alive.append(alive() is not None))
+        return self.pooler(hidden[:, 0])
+
+
+def test_book_keeping_holds_a_copy_of_a_first_token_not_the_whole_hidden_states():
+    """The pooler's input is a view of the (B, T, d) hidden states. Book-keeping holds the inputs of its layers
+    until the clipped sums; holding that view would keep all T tokens alive through pass 1, where the layer's own
+    backward frees them once it has run. It holds a copy of the first token: the hidden states are freed before
+    pass 1 reaches the layer below, and the step stays exact. (Ghost's pass 2 needs the whole graph again.)"""
+    model = FirstTokenHead().double().train()
+    x = torch.randn(B, 16, 6, dtype=torch.float64)
+    for clipping, alive in (("bookkeeping", False), ("ghost", True)):
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        for _ in range(2):  # the layout proof's backward and pass 1, then pass 1 alone
+            model.hidden_alive.clear()
+            controller.loss(model(x).pow(2).sum(1)).backward()
+        assert model.hidden_alive[0] is alive, clipping  # pass 1's (ghost's pass 2 follows)
+        controller.detach()
+    assert_exact_model(model, x, lambda out, sl: out.pow(2).sum(1), B)
+
+
 def test_lora_a_is_named_for_its_narrow_output_and_lora_b_hooked_above_it():
     """A rank-2 adapter on T=16 tokens: book-keeping keeps its explicit gradients and drops G. lora_A's G
     (B, T, 2) is a sixteenth of its (B, T, 32) input (capture.narrow_output), so pass 1 names its edge and
