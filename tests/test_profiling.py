@@ -235,3 +235,14 @@ def test_overhead_per_layer_reduces_one_layer_at_a_time_and_restores_the_budgets
     # Mostly a weight and its bias (a few small layers, e.g. the pooler and classifier, still batch) against many layers.
     assert sorted(reductions)[len(reductions) // 2] <= 2 < max(batched_reductions) and len(reductions) > 2 * len(batched_reductions)
     assert per_layer_rows["ghost"]["aten_ops"] > batched_rows["ghost"]["aten_ops"]
+
+
+def test_bench_trains_only_the_last_layer_pooler_and_classifier_in_the_fgc_set_up():
+    args = bench.parse(["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--train", "last-layer"])
+    trained = {n for n, p in bench.build_model(args).named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith(("bert.encoder.layer.1.", "bert.pooler.", "classifier.")) for n in trained)
+    assert any(n.startswith("bert.encoder.layer.1.") for n in trained)
+    args = bench.parse(["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                        "--train", "last-layer"])
+    with pytest.raises(ValueError, match="--model bert"):
+        bench.build_model(args)
