@@ -225,7 +225,7 @@ def test_overhead_per_layer_reduces_one_layer_at_a_time_and_restores_the_budgets
     small = ["--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "64", "--rounds", "1", "--warmup", "0",
              "--embeddings", "frozen", "--no-floors", "--modes", "plain", "ghost"]
     try:
-        batched.NormQueue.reduce = lambda self: reductions.append(len(self.factors)) or reduce(self)
+        batched.NormQueue.reduce = lambda self, final=False: reductions.append(len(self.factors)) or reduce(self, final)
         batched_rows = overhead.main(small)["frozen"]
         batched_reductions, reductions[:] = list(reductions), []
         per_layer_rows = overhead.main(small + ["--per-layer"])["frozen"]

@@ -284,9 +284,9 @@ class PassOne:
                 passed.add_mass(f)
                 passed.pending[param].append(f)
 
-    def _reduce_queue(self):
+    def _reduce_queue(self, final: bool = False):
         with self.controller._region("ghostdp.norms.batched"):
-            self.current.reduce_queue()
+            self.current.reduce_queue(final)
 
     def _finish(self):
         """The norms of calls whose output grads came in pieces, of the queue, and of shared parameters."""
@@ -295,7 +295,7 @@ class PassOne:
         for call in self.current.calls:
             if not call.done:
                 self._compute(call)
-        self._reduce_queue()
+        self._reduce_queue(final=True)
         with self.controller._region("ghostdp.norms.shared_parameters"):
             self._finish_shared()
 

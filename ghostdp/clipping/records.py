@@ -106,11 +106,11 @@ class NormPass:
         """(B,) squared norms of one layer, or (k, B) of k layers, for clipping group ``group``."""
         self.sq_parts[group].append(sq if sq.dim() == 2 else sq.unsqueeze(0))
 
-    def reduce_queue(self):
-        """Reduce the queued factors into norms and masses."""
-        if not self.queue.factors:
+    def reduce_queue(self, final: bool = False):
+        """Reduce the queued factors into norms and masses (``final``: all of them, the pass is done)."""
+        if not self.queue.pending():
             return
-        reductions, groups = self.queue.reduce()
+        reductions, groups = self.queue.reduce(final)
         for done in reductions:
             row_groups = {groups[r] for r in done.rows}
             if len(row_groups) == 1:
@@ -134,6 +134,9 @@ class NormPass:
 
     def total_sq(self):
         """(groups, B) float64 sums of the squared norms of each clipping group's layers, or None."""
+        if self.queue.pending():  # a layer left out of the norms would be clipped too little
+            raise RuntimeError("ghostdp internal error: per-example norms were read while the norm queue still "
+                               "held layers; please report this")
         if not any(self.sq_parts):
             return None
         totals = []

@@ -15,7 +15,9 @@ it queues them (``NormQueue``) and reduces them in groups:
   expression (normalization.form_layer_norms), then one dot product per parameter name;
 - explicit per-example gradients (``Instantiated``: biases of 2-D inputs, the fallback's) of equal
   shape: one stacked dot product;
-- anything else alone, as ``sq_norm`` and ``token_mass`` give it.
+- anything else alone, as ``sq_norm`` and ``token_mass`` give it; a weight or bias on the whole-Gram
+  path reduced alone (too large to stack, as every BERT-base layer on a GPU) leaves its Grams in
+  ``DeferredGrams``, which takes the products of several such layers at once.
 
 Book-keeping's clipped sums are batched the same way (batched_sums.py). Stacks hold at most
 STACK_ELEMENTS elements: larger tensors are reduced one by one, without a copy. The index tensors
@@ -106,6 +108,7 @@ class NormQueue:
 
     def __init__(self, grams):
         self.grams = grams        # the pass's InputGrams, for the factors reduced alone
+        self.deferred = DeferredGrams()  # the Grams of layers reduced alone, their products not yet taken
         self.factors = []
         self.groups = []
         self.elements = 0
@@ -125,11 +128,23 @@ class NormQueue:
         last factor of a layer call, so that a bias is reduced with its weight)."""
         return self.large or self.elements >= QUEUE_ELEMENTS
 
-    def reduce(self) -> tuple[list[Reduced], list[int]]:
-        """The reductions of the queued factors and the clipping group of each queue position; empties it."""
+    def reduce(self, final: bool = False) -> tuple[list[Reduced], list[int]]:
+        """The reductions of the queued factors and the clipping group of each of their rows; empties the
+        queue. Layers reduced alone leave their Grams in ``deferred``, whose products are taken once they
+        fill a stack budget, or with ``final`` (the end of the pass); their rows follow the queue's."""
         factors, groups = self.factors, self.groups
         self.factors, self.groups, self.elements, self.large = [], [], 0, False
-        return reduce_factors(factors, self.grams), groups
+        out = reduce_factors(factors, self.grams, self.deferred, groups)
+        if self.deferred.weights or self.deferred.biases:
+            if final or self.deferred.full():
+                done, deferred_groups = self.deferred.reduce(first_row=len(groups))
+                out.extend(done)
+                groups = groups + deferred_groups
+        return out, groups
+
+    def pending(self) -> bool:
+        """Whether factors or deferred Grams wait for their norms."""
+        return bool(self.factors or self.deferred.weights or self.deferred.biases)
 
 
 def _held_elements(factor) -> int:
@@ -145,8 +160,10 @@ def _held_elements(factor) -> int:
     return 0
 
 
-def reduce_factors(factors, grams=None) -> list[Reduced]:
-    """The squared norms and token masses of ``factors``, in batches where their kinds allow."""
+def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Reduced]:
+    """The squared norms and token masses of ``factors``, in batches where their kinds allow. With
+    ``deferred`` (a DeferredGrams) and ``groups`` (the clipping group of each factor), a layer reduced
+    alone through the pass's Gram cache leaves its Grams there instead (their rows are not in the result)."""
     by_gram, by_shape, by_layer_norm, alone = _partition(factors)
     out = []
     for rows in by_layer_norm.values():
@@ -163,6 +180,8 @@ def reduce_factors(factors, grams=None) -> list[Reduced]:
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
     for r in alone:
         f = factors[r]
+        if deferred is not None and deferred.take(f, grams, groups[r]):
+            continue
         both = f.cached_norms(grams)
         if both is not None:  # from the pass's cached Grams, one lookup per tensor; rooted with the pass's others
             out.append(Reduced([r], both[0].unsqueeze(0), both[1].unsqueeze(0), f.sum_dtype(), rooted=False))
@@ -283,12 +302,22 @@ def _gram_batch(factors, rows) -> list[Reduced]:
             x = x.reshape(len(run) * B, T, group[0])
             parts.append(_GramPart(start, wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T)))
             start += len(run)
+    index = {key: offsets[group] + k for key, (group, k) in position.items()}
+    return _gram_products(parts, [(r, index[left], index[right]) for r, left, right in weights],
+                          [(r, index[key]) for r, key in biases], T, dt)
+
+
+def _gram_products(parts, weights, biases, T: int, dt) -> list[Reduced]:
+    """The norms and squared token masses of ``weights`` [(row, left Gram, right Gram)] and ``biases``
+    [(row, tokens' Gram)], the Grams given as indices into the rows of ``parts`` (_GramPart, in order):
+    |g|^2 = <L L^T, R R^T> and tr(L L^T) tr(R R^T) for a weight, the Gram's sum and T tr(G G^T) for a bias,
+    each a few reductions for all."""
     whole = {}  # the parts concatenated, only for a pattern that no view of one part gives
 
-    def pick(keys, traces: bool):
-        """The Grams (U', B, T, T) or their traces |X_i|_F^2 (U', B) of ``keys``, in their order: a view of
+    def pick(pattern, traces: bool):
+        """The Grams (U', B, T, T) or their traces |X_i|_F^2 (U', B) at ``pattern``, in its order: a view of
         one part where they are evenly spaced in it (no kernel), else indexed from all parts."""
-        pattern = tuple(offsets[position[k][0]] + position[k][1] for k in keys)
+        pattern = tuple(pattern)
         view = _spaced_view(parts, pattern, traces)
         if view is not None:
             return view
@@ -307,6 +336,101 @@ def _gram_batch(factors, rows) -> list[Reduced]:
         sq = pick(tokens, False).sum((2, 3))
         out.append(Reduced([b[0] for b in biases], sq, pick(tokens, True) * float(T), dt, rooted=False))  # T tr(G G^T)
     return out
+
+
+class DeferredGrams:
+    """The Grams of layers reduced alone, kept until their products are taken for many layers at once.
+
+    On a GPU at BERT-base sizes no layer's input and output grad fit a stack together, so the norm queue
+    reduces one layer at a time, through the pass's Gram cache (InputGrams): each layer's own Grams, then
+    a dot product, two traces, a product, and its bias's sum and trace, some 15 ops a layer. The Grams
+    (B, T, T) are H/T times smaller than the tensors they come from, so they are kept here instead
+    (``take``); once they fill half a stack budget (_deferred_budget), or the pass ends, the left Grams
+    and the right Grams are stacked in the layers' order (two copies, no indexing after them; a bias reads
+    its weight's left Gram) and every layer's norm and squared token mass come from the few reductions of
+    ``_gram_products``. Per-layer stand-in (profiling.overhead --per-layer): ATen ops per step 4636 -> 3792.
+    """
+
+    def __init__(self):
+        self._clear()
+
+    def _clear(self):
+        self.weights = []       # (clipping group, left Gram, right Gram)
+        self.biases = []        # (clipping group, tokens' Gram)
+        self.held = set()       # ids of the distinct Grams held
+        self.elements = 0       # their elements
+        self.key = None         # (shape, dtype, device) of the Grams held
+
+    def take(self, factor, grams, group) -> bool:
+        """Keeps the Grams of ``factor`` (a weight or bias on the whole-Gram path with the pass's cache, whose
+        Grams fit a stack); False where it takes another path (it is then reduced on its own)."""
+        if grams is None:
+            return False
+        kind = type(factor)
+        if kind is OuterProduct:
+            if factor.left.shape[1] <= 1 or not factor.takes_whole_gram():
+                return False
+            dt, cast = acc_dtype(factor.left, factor.right), factor.operand_dtype
+            tensor, reads = factor.left, ((factor.left, dt, cast), (factor.right, dt, cast))
+        elif kind is SummedTokens:
+            cached = factor._cached(grams)
+            if cached is None:
+                return False
+            tensor, reads = factor.tokens, ((factor.tokens, *cached),)
+        else:
+            return False
+        B, T = tensor.shape[0], tensor.shape[1]
+        key = ((B, T, T), reads[0][1], tensor.device)
+        if 2 * B * T * T > _deferred_budget(tensor.device) or (self.key is not None and key != self.key):
+            return False  # two Grams exceed the budget, or Grams of another shape or dtype are held
+        self.key = key
+        held = [grams.whole(*args) for args in reads]
+        for gram in held:
+            if id(gram) not in self.held:
+                self.held.add(id(gram))
+                self.elements += gram.numel()
+        if kind is OuterProduct:
+            self.weights.append((group, held[0], held[1]))
+        else:
+            self.biases.append((group, held[0]))
+        return True
+
+    def full(self) -> bool:
+        return self.elements >= _deferred_budget(self.key[2])
+
+    def reduce(self, first_row: int) -> tuple[list[Reduced], list[int]]:
+        """The norms of the layers whose Grams are held, as rows ``first_row`` onwards, and the clipping
+        group of each row; empties the store."""
+        (B, T, _), dt, _ = self.key
+        parts, weights, biases = [], [], []
+        k = len(self.weights)
+        if k:
+            parts += [_GramPart(0, _stacked([w[1] for w in self.weights])),
+                      _GramPart(k, _stacked([w[2] for w in self.weights]))]
+            weights = [(first_row + j, j, k + j) for j in range(k)]
+        if self.biases:
+            # A Linear's bias reads its weight's output grad: the same Gram as the weight's left side, picked
+            # from that stack (a view where they lie at equal steps), else stacked on their own.
+            as_left = {id(w[1]): j for j, w in enumerate(self.weights)}
+            rows = [as_left.get(id(b[1])) for b in self.biases]
+            if None in rows or _spaced_view(parts[:1], tuple(rows), False) is None:
+                parts.append(_GramPart(2 * k, _stacked([b[1] for b in self.biases])))
+                rows = [2 * k + j for j in range(len(self.biases))]
+            biases = [(first_row + k + j, row) for j, row in enumerate(rows)]
+        groups = [w[0] for w in self.weights] + [b[0] for b in self.biases]
+        out = _gram_products(parts, weights, biases, T, dt)
+        self._clear()
+        return out, groups
+
+
+def _deferred_budget(device) -> int:
+    """Elements of Grams DeferredGrams holds: half a stack budget, since its stacks copy about as many again
+    (a GPU at BERT-base B=32: 2M elements, four Grams, 8 MB held and some 20 MB while they are reduced)."""
+    return stack_budget(device) // 2
+
+
+def _stacked(tensors):
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
 class _GramPart:

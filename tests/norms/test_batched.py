@@ -123,7 +123,8 @@ def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping
         monkeypatch.setattr(batched, knob, 2 * B * T * 8)  # about one layer
     else:
         monkeypatch.setattr(batched, knob, {"cpu": B * T * 8})  # one tensor: no layer can be stacked
-    monkeypatch.setattr(batched.NormQueue, "reduce", lambda self: reductions.append(1) or reduce(self))
+    monkeypatch.setattr(batched.NormQueue, "reduce",
+                        lambda self, final=False: reductions.append(1) or reduce(self, final))
     torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
     assert len(reductions) > 2
 
@@ -259,3 +260,81 @@ def test_layers_reduced_one_at_a_time_share_their_inputs_gram_through_the_pass_c
     for (sq, mass), f in zip(rows, expected):
         torch.testing.assert_close(sq, f.sq_norm(), rtol=1e-12, atol=0)
         torch.testing.assert_close(mass, _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
+
+
+def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(monkeypatch):
+    """Layers too large to stack are reduced one at a time, but their Grams (B, T, T) are small: they wait in
+    the queue's DeferredGrams and their norms and squared masses are taken for several layers at once, once
+    the Grams fill half a stack budget or the pass ends. Each row equals its factor's own norm and mass, with
+    its clipping group: weights sharing an input (one Gram for it), biases that read their weight's left Gram
+    (query, key) or its right one (a Conv1D-like layer: stacked on their own), and a layer of another T
+    (reduced alone: the Grams held are of one shape)."""
+    from ghostdp.norms.factors import InputGrams
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * B * T * T})  # two Grams held, no layer stacked
+    g = torch.Generator().manual_seed(3)
+    longer = OuterProduct(torch.randn(B, T + 2, 6, generator=g, dtype=torch.float64),
+                          torch.randn(B, T + 2, 9, generator=g, dtype=torch.float64), (6, 9))
+    layers = [_mixed_factors()[5:7], _mixed_factors()[7:9], _mixed_factors()[9:10], [longer],
+              _mixed_factors()[10:12]]
+    reference = [f for layer in [_mixed_factors()[5:7], _mixed_factors()[7:9], _mixed_factors()[9:10], [longer],
+                                 _mixed_factors()[10:12]] for f in layer]
+    flushes = []
+    deferred_reduce = batched.DeferredGrams.reduce
+    monkeypatch.setattr(batched.DeferredGrams, "reduce",
+                        lambda self, first_row: flushes.append(len(self.weights) + len(self.biases))
+                        or deferred_reduce(self, first_row))
+    queue = batched.NormQueue(InputGrams())
+    rows, position = [], 0  # (squared norm, mass, clipping group) of every row reduced
+    for n, layer in enumerate(layers):
+        for f in layer:
+            queue.push(f, group=position % 2)
+            position += 1
+        assert queue.full()  # every layer is too large to stack
+        reductions, groups = queue.reduce(final=n == len(layers) - 1)
+        rows += [(done.sq[k], done.masses()[k], groups[r]) for done in reductions for k, r in enumerate(done.rows)]
+    assert flushes and max(flushes) > 1 and sum(flushes) == len(reference) - 1  # all but the longer layer
+    assert not queue.pending() and len(rows) == len(reference)
+    for position, f in enumerate(reference):  # each factor's norm and mass come back once, with its group
+        match = [(mass, group) for sq, mass, group in rows if torch.allclose(sq, f.sq_norm(), rtol=1e-12, atol=0)]
+        assert len(match) == 1 and match[0][1] == position % 2
+        torch.testing.assert_close(match[0][0], _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
+
+
+def test_norms_read_while_layers_wait_in_the_queue_are_refused():
+    """The pass's totals are read only once every queued factor and deferred Gram is reduced: a layer left out
+    would be clipped too little."""
+    from ghostdp.clipping.records import NormPass
+    passed = NormPass(B)
+    passed.queue.push(_mixed_factors()[5], 0)
+    with pytest.raises(RuntimeError, match="norm queue still held layers"):
+        passed.total_sq()
+    passed.reduce_queue(final=True)
+    assert passed.total_sq().shape == (1, B)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams(monkeypatch, clipping):
+    """The per-layer regime of a GPU at BERT-base sizes, scaled down: each layer's input and output grad exceed
+    the queue's bound, their Grams fit half a stack. The norms equal those of the batched reductions."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Tanh())
+                                  for _ in range(5)]).double()
+    x = torch.randn(B, T, 16, dtype=torch.float64)  # 16 wide: the Gram path (T (d + p) < d p)
+
+    def norms():
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        try:
+            return controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
+        finally:
+            controller.detach()
+
+    whole = norms()
+    flushes = []
+    deferred_reduce = batched.DeferredGrams.reduce
+    monkeypatch.setattr(batched.DeferredGrams, "reduce",
+                        lambda self, first_row: flushes.append(len(self.weights)) or deferred_reduce(self, first_row))
+    activation = B * T * 16
+    monkeypatch.setattr(batched, "QUEUE_ELEMENTS", activation + activation // 3)  # one layer fills it
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 8 * B * T * T})  # two layers' Grams, no stack of A, G
+    torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
+    assert sum(flushes) == 5 and max(flushes) == 2  # pairs of layers, the last one with the end of the pass
