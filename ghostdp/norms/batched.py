@@ -17,7 +17,8 @@ it queues them (``NormQueue``) and reduces them in groups:
   shape: one stacked dot product;
 - anything else alone, as ``sq_norm`` and ``token_mass`` give it; a weight or bias on the whole-Gram
   path reduced alone (too large to stack, as every BERT-base layer on a GPU) leaves its Grams in
-  ``DeferredGrams``, which takes the products of several such layers at once.
+  ``DeferredGrams``, which takes the products of several such layers at once (and the dot products of
+  LayerNorms formed alone).
 
 Book-keeping's clipped sums are batched the same way (batched_sums.py). Stacks hold at most
 STACK_ELEMENTS elements: larger tensors are reduced one by one, without a copy. The index tensors
@@ -135,16 +136,15 @@ class NormQueue:
         factors, groups = self.factors, self.groups
         self.factors, self.groups, self.elements, self.large = [], [], 0, False
         out = reduce_factors(factors, self.grams, self.deferred, groups)
-        if self.deferred.weights or self.deferred.biases:
-            if final or self.deferred.full():
-                done, deferred_groups = self.deferred.reduce(first_row=len(groups))
-                out.extend(done)
-                groups = groups + deferred_groups
+        if self.deferred.holds():
+            done, deferred_groups = self.deferred.reduce(first_row=len(groups), final=final)
+            out.extend(done)
+            groups = groups + deferred_groups
         return out, groups
 
     def pending(self) -> bool:
         """Whether factors or deferred Grams wait for their norms."""
-        return bool(self.factors or self.deferred.weights or self.deferred.biases)
+        return bool(self.factors) or self.deferred.holds()
 
 
 def _held_elements(factor) -> int:
@@ -167,7 +167,7 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
     by_gram, by_shape, by_layer_norm, alone = _partition(factors)
     out = []
     for rows in by_layer_norm.values():
-        out.extend(_layer_norm_batch([factors[r] for r in rows], rows))
+        out.extend(_layer_norm_batch([factors[r] for r in rows], rows, deferred, groups))
     for rows in by_gram.values():
         if grams is not None and sum(type(factors[r]) is OuterProduct for r in rows) == 1:
             # One layer (on a GPU, where a layer's tensors are too large to stack, every layer): alone, with
@@ -348,7 +348,9 @@ class DeferredGrams:
     (``take``); once they fill half a stack budget (_deferred_budget), or the pass ends, the left Grams
     and the right Grams are stacked in the layers' order (two copies, no indexing after them; a bias reads
     its weight's left Gram) and every layer's norm and squared token mass come from the few reductions of
-    ``_gram_products``. Per-layer stand-in (profiling.overhead --per-layer): ATen ops per step 4636 -> 3792.
+    ``_gram_products``. A LayerNorm formed alone leaves its (B, d) gradients here too (``take_explicit``),
+    for one dot product per flush instead of one per parameter. Per-layer stand-in (profiling.overhead
+    --per-layer, ghost, frozen embeddings): ATen ops per step 4636 -> 3728.
     """
 
     def __init__(self):
@@ -358,8 +360,24 @@ class DeferredGrams:
         self.weights = []       # (clipping group, left Gram, right Gram)
         self.biases = []        # (clipping group, tokens' Gram)
         self.held = set()       # ids of the distinct Grams held
-        self.elements = 0       # their elements
+        # (1, B, n) explicit gradients of parameters formed alone (LayerNorms), whose squared norms wait too:
+        # (shape, dtype, device, without mass) -> [(clipping group, gradients, (1, B) mass or None)]
+        self.explicit = {}
+        self.elements = 0       # the elements of the Grams held
+        self.explicit_elements = 0
         self.key = None         # (shape, dtype, device) of the Grams held
+        self.device = None
+
+    def holds(self) -> bool:
+        return bool(self.weights or self.biases or self.explicit)
+
+    def take_explicit(self, group, grads, mass) -> None:
+        """Keeps the (1, B, n) per-example gradients of a parameter formed alone (a LayerNorm's weight or bias:
+        its vecdot otherwise costs a few ops of its own) and its (1, B) token mass or None."""
+        key = (grads.shape, grads.dtype, grads.device, mass is None)
+        self.explicit.setdefault(key, []).append((group, grads, mass))
+        self.explicit_elements += grads.numel()
+        self.device = grads.device
 
     def take(self, factor, grams, group) -> bool:
         """Keeps the Grams of ``factor`` (a weight or bias on the whole-Gram path with the pass's cache, whose
@@ -383,7 +401,7 @@ class DeferredGrams:
         key = ((B, T, T), reads[0][1], tensor.device)
         if 2 * B * T * T > _deferred_budget(tensor.device) or (self.key is not None and key != self.key):
             return False  # two Grams exceed the budget, or Grams of another shape or dtype are held
-        self.key = key
+        self.key, self.device = key, tensor.device
         held = [grams.whole(*args) for args in reads]
         for gram in held:
             if id(gram) not in self.held:
@@ -395,12 +413,32 @@ class DeferredGrams:
             self.biases.append((group, held[0]))
         return True
 
-    def full(self) -> bool:
-        return self.elements >= _deferred_budget(self.key[2])
+    def reduce(self, first_row: int, final: bool) -> tuple[list[Reduced], list[int]]:
+        """The norms of the layers whose Grams, and of the parameters whose explicit gradients, are held, as
+        rows ``first_row`` onwards, and the clipping group of each row: the Grams once they fill half a
+        stack budget, the gradients likewise, both with ``final``; those reduced are dropped."""
+        out, groups = [], []
+        budget = _deferred_budget(self.device)
+        if self.key is not None and (final or self.elements >= budget):
+            out, groups = self._gram_rows(first_row)
+            self.weights, self.biases, self.held, self.elements, self.key = [], [], set(), 0, None
+        if self.explicit and (final or self.explicit_elements >= budget):
+            out, groups = self._explicit_rows(first_row, out, groups)
+            self.explicit, self.explicit_elements = {}, 0
+        if not self.holds():
+            self.device = None
+        return out, groups
 
-    def reduce(self, first_row: int) -> tuple[list[Reduced], list[int]]:
-        """The norms of the layers whose Grams are held, as rows ``first_row`` onwards, and the clipping
-        group of each row; empties the store."""
+    def _explicit_rows(self, first_row, out, groups):
+        for (_, dtype, _, no_mass), entries in self.explicit.items():
+            grads = _concatenated([e[1] for e in entries])
+            rows = list(range(first_row + len(groups), first_row + len(groups) + len(entries)))
+            out.append(Reduced(rows, torch.linalg.vecdot(grads, grads),
+                               None if no_mass else _concatenated([e[2] for e in entries]), None if no_mass else dtype))
+            groups += [e[0] for e in entries]
+        return out, groups
+
+    def _gram_rows(self, first_row: int) -> tuple[list[Reduced], list[int]]:
         (B, T, _), dt, _ = self.key
         parts, weights, biases = [], [], []
         k = len(self.weights)
@@ -418,15 +456,17 @@ class DeferredGrams:
                 rows = [2 * k + j for j in range(len(self.biases))]
             biases = [(first_row + k + j, row) for j, row in enumerate(rows)]
         groups = [w[0] for w in self.weights] + [b[0] for b in self.biases]
-        out = _gram_products(parts, weights, biases, T, dt)
-        self._clear()
-        return out, groups
+        return _gram_products(parts, weights, biases, T, dt), groups
 
 
 def _deferred_budget(device) -> int:
     """Elements of Grams DeferredGrams holds: half a stack budget, since its stacks copy about as many again
     (a GPU at BERT-base B=32: 2M elements, four Grams, 8 MB held and some 20 MB while they are reduced)."""
     return stack_budget(device) // 2
+
+
+def _concatenated(tensors):
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _stacked(tensors):
@@ -462,10 +502,11 @@ def _spaced_view(parts, pattern: tuple, traces: bool):
     return None
 
 
-def _layer_norm_batch(factors, rows) -> list[Reduced]:
+def _layer_norm_batch(factors, rows, deferred=None, groups=None) -> list[Reduced]:
     """LayerNorm weights and biases of calls of one batch key: their gradients formed in stacked expressions
     (normalization.form_layer_norms) of at most one stack budget of calls each, then k dot products per
-    example per parameter name."""
+    example per parameter name; a call formed alone leaves its gradients to ``deferred`` (DeferredGrams),
+    with ``groups`` (the clipping group of each row), where given."""
     calls = list({id(f.call): f.call for f in factors}.values())
     budget = stack_budget(calls[0].device)
     out = []
@@ -476,6 +517,9 @@ def _layer_norm_batch(factors, rows) -> list[Reduced]:
             if not named:
                 continue
             g = grads.reshape(len(run), grads.shape[1], -1)
+            if deferred is not None and len(run) == 1:  # (1, B, n) gradients and (1, B) masses: one row each
+                deferred.take_explicit(groups[named[0][0]], g, mass)
+                continue
             sq = torch.linalg.vecdot(g, g)
             picked = [k for _, k in named]
             if picked != list(range(len(run))):  # not every call's factor of this name is queued here

@@ -315,9 +315,15 @@ def _scaled(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     """x * w in dtype. The product is formed in the wider of x's and w's dtypes and rounded once on
     store, so a 16-bit result needs no float32 temporary as large as x (at BERT-base, B=32: 50 MB for
     an FFN layer's output grad)."""
-    if dtype == torch.promote_types(x.dtype, w.dtype):
+    if dtype == _promoted(x.dtype, w.dtype):
         return x * w
     return torch.mul(x, w, out=torch.empty(x.shape, dtype=dtype, device=x.device))
+
+
+@functools.cache
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types, without a dispatched op per call."""
+    return torch.promote_types(a, b)
 
 
 def weighted_outer_sum(left: torch.Tensor, right: torch.Tensor, weights: torch.Tensor, dt) -> torch.Tensor:
@@ -328,7 +334,7 @@ def weighted_outer_sum(left: torch.Tensor, right: torch.Tensor, weights: torch.T
     weights applied to the narrower side. On the 16-bit tensor-core path w_i L_i is rounded to 16 bits, as
     pass 2 of the two-pass mode rounds c_i G_i; elsewhere it stays in dt.
     """
-    w = weights.to(dt)[:, None, None]
+    w = weights.to(dt).view(-1, 1, 1)
     scaled_dtype = left.dtype if _tensor_core_path(left, right, dt) else dt
     if left.shape[-1] <= right.shape[-1]:
         left = _scaled(left, w, scaled_dtype)

@@ -268,21 +268,33 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
     the Grams fill half a stack budget or the pass ends. Each row equals its factor's own norm and mass, with
     its clipping group: weights sharing an input (one Gram for it), biases that read their weight's left Gram
     (query, key) or its right one (a Conv1D-like layer: stacked on their own), and a layer of another T
-    (reduced alone: the Grams held are of one shape)."""
+    (reduced alone: the Grams held are of one shape). LayerNorms formed alone leave their (B, d) gradients
+    likewise, for one dot product per flush."""
     from ghostdp.norms.factors import InputGrams
     monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * B * T * T})  # two Grams held, no layer stacked
     g = torch.Generator().manual_seed(3)
     longer = OuterProduct(torch.randn(B, T + 2, 6, generator=g, dtype=torch.float64),
                           torch.randn(B, T + 2, 9, generator=g, dtype=torch.float64), (6, 9))
-    layers = [_mixed_factors()[5:7], _mixed_factors()[7:9], _mixed_factors()[9:10], [longer],
-              _mixed_factors()[10:12]]
-    reference = [f for layer in [_mixed_factors()[5:7], _mixed_factors()[7:9], _mixed_factors()[9:10], [longer],
-                                 _mixed_factors()[10:12]] for f in layer]
-    flushes = []
-    deferred_reduce = batched.DeferredGrams.reduce
-    monkeypatch.setattr(batched.DeferredGrams, "reduce",
+
+    def layer_norm(seed, names=("weight", "bias")):
+        g = torch.Generator().manual_seed(seed)
+        call = LayerNormCall(torch.randn(B, T, 16, generator=g, dtype=torch.float64),
+                             torch.randn(B, T, 16, generator=g, dtype=torch.float64), (16,), 1e-5, set(names))
+        return [AffineGrad(call, name) for name in names]
+
+    def all_layers():
+        return [_mixed_factors()[5:7], layer_norm(1), _mixed_factors()[7:9], _mixed_factors()[9:10], [longer],
+                layer_norm(2, ("bias",)), layer_norm(3), _mixed_factors()[10:12]]
+
+    layers, reference = all_layers(), [f for layer in all_layers() for f in layer]
+    flushes, explicit = [], []
+    gram_rows, explicit_rows = batched.DeferredGrams._gram_rows, batched.DeferredGrams._explicit_rows
+    monkeypatch.setattr(batched.DeferredGrams, "_gram_rows",
                         lambda self, first_row: flushes.append(len(self.weights) + len(self.biases))
-                        or deferred_reduce(self, first_row))
+                        or gram_rows(self, first_row))
+    monkeypatch.setattr(batched.DeferredGrams, "_explicit_rows",
+                        lambda self, *a: explicit.append(sum(map(len, self.explicit.values())))
+                        or explicit_rows(self, *a))
     queue = batched.NormQueue(InputGrams())
     rows, position = [], 0  # (squared norm, mass, clipping group) of every row reduced
     for n, layer in enumerate(layers):
@@ -292,7 +304,8 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
         assert queue.full()  # every layer is too large to stack
         reductions, groups = queue.reduce(final=n == len(layers) - 1)
         rows += [(done.sq[k], done.masses()[k], groups[r]) for done in reductions for k, r in enumerate(done.rows)]
-    assert flushes and max(flushes) > 1 and sum(flushes) == len(reference) - 1  # all but the longer layer
+    assert flushes and max(flushes) > 1 and sum(flushes) == 7  # the Linear-like factors but the longer layer
+    assert max(explicit) > 1 and sum(explicit) == 5
     assert not queue.pending() and len(rows) == len(reference)
     for position, f in enumerate(reference):  # each factor's norm and mass come back once, with its group
         match = [(mass, group) for sq, mass, group in rows if torch.allclose(sq, f.sq_norm(), rtol=1e-12, atol=0)]
@@ -315,7 +328,8 @@ def test_norms_read_while_layers_wait_in_the_queue_are_refused():
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
 def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams(monkeypatch, clipping):
     """The per-layer regime of a GPU at BERT-base sizes, scaled down: each layer's input and output grad exceed
-    the queue's bound, their Grams fit half a stack. The norms equal those of the batched reductions."""
+    the queue's bound, their Grams fit half a stack (and the LayerNorms' gradients are left likewise). The norms
+    equal those of the batched reductions."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Tanh())
                                   for _ in range(5)]).double()
@@ -329,12 +343,16 @@ def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams
             controller.detach()
 
     whole = norms()
-    flushes = []
-    deferred_reduce = batched.DeferredGrams.reduce
-    monkeypatch.setattr(batched.DeferredGrams, "reduce",
-                        lambda self, first_row: flushes.append(len(self.weights)) or deferred_reduce(self, first_row))
+    flushes, explicit = [], []
+    gram_rows, explicit_rows = batched.DeferredGrams._gram_rows, batched.DeferredGrams._explicit_rows
+    monkeypatch.setattr(batched.DeferredGrams, "_gram_rows",
+                        lambda self, first_row: flushes.append(len(self.weights)) or gram_rows(self, first_row))
+    monkeypatch.setattr(batched.DeferredGrams, "_explicit_rows",
+                        lambda self, *a: explicit.append(sum(map(len, self.explicit.values())))
+                        or explicit_rows(self, *a))
     activation = B * T * 16
     monkeypatch.setattr(batched, "QUEUE_ELEMENTS", activation + activation // 3)  # one layer fills it
     monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 8 * B * T * T})  # two layers' Grams, no stack of A, G
     torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
     assert sum(flushes) == 5 and max(flushes) == 2  # pairs of layers, the last one with the end of the pass
+    assert sum(explicit) == 10 and max(explicit) > 2  # the LayerNorms' weights and biases
