@@ -356,3 +356,22 @@ def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams
     torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
     assert sum(flushes) == 5 and max(flushes) == 2  # pairs of layers, the last one with the end of the pass
     assert sum(explicit) == 10 and max(explicit) > 2  # the LayerNorms' weights and biases
+
+
+def test_bert_reduced_one_layer_at_a_time_is_exact(monkeypatch):
+    """A tiny BERT with the queue bound and stack budget of the per-layer regime (profiling.overhead
+    --per-layer): every Linear's Grams and every LayerNorm's gradients wait in DeferredGrams, and the clipped
+    step equals the per-example loop in float64, in both modes."""
+    from conftest import assert_exact_model
+    from test_models import B as examples, classification_loss, padded_text, tiny_bert
+    model = tiny_bert().double().train()
+    ids, mask = padded_text(30)
+    activation = ids.numel() * model.config.hidden_size
+    monkeypatch.setattr(batched, "QUEUE_ELEMENTS", activation + activation // 3)  # one layer fills it
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * activation})  # T = 7 against H = 16: Grams fit
+    taken = []
+    take = batched.DeferredGrams.take
+    monkeypatch.setattr(batched.DeferredGrams, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+    assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
+                       classification_loss(torch.randint(0, 3, (examples,))), examples)
+    assert sum(taken) > 10
