@@ -104,19 +104,8 @@ def test_weighted_sums_equal_each_factor_alone(monkeypatch, budget):
 @pytest.mark.parametrize("knob", ["QUEUE_ELEMENTS", "STACK_ELEMENTS"])  # a small queue; layers too large to stack
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
 def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping, knob):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Tanh())
-                                  for _ in range(4)]).double()
-    x = torch.randn(B, T, 8, dtype=torch.float64)
-
-    def norms():
-        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-        try:
-            return controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
-        finally:
-            controller.detach()
-
-    whole = norms()
+    model, x = _layer_stack(width=8, depth=4)
+    whole = _norms(model, x, clipping)
     reductions = []
     reduce = batched.NormQueue.reduce
     if knob == "QUEUE_ELEMENTS":
@@ -125,8 +114,24 @@ def test_a_small_queue_reduces_in_pieces_to_the_same_norms(monkeypatch, clipping
         monkeypatch.setattr(batched, knob, {"cpu": B * T * 8})  # one tensor: no layer can be stacked
     monkeypatch.setattr(batched.NormQueue, "reduce",
                         lambda self, final=False: reductions.append(1) or reduce(self, final))
-    torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
+    torch.testing.assert_close(_norms(model, x, clipping), whole, rtol=1e-12, atol=0)
     assert len(reductions) > 2
+
+
+def _layer_stack(width, depth):
+    """(Linear, LayerNorm, Tanh) x depth in float64, and a (B, T, width) input."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width),
+                                                      torch.nn.Tanh()) for _ in range(depth)]).double()
+    return model, torch.randn(B, T, width, dtype=torch.float64)
+
+
+def _norms(model, x, clipping):
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        return controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
+    finally:
+        controller.detach()
 
 
 def test_layer_norm_gradients_formed_together_are_summed_from_their_stack():
@@ -330,19 +335,8 @@ def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams
     """The per-layer regime of a GPU at BERT-base sizes, scaled down: each layer's input and output grad exceed
     the queue's bound, their Grams fit half a stack (and the LayerNorms' gradients are left likewise). The norms
     equal those of the batched reductions."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Tanh())
-                                  for _ in range(5)]).double()
-    x = torch.randn(B, T, 16, dtype=torch.float64)  # 16 wide: the Gram path (T (d + p) < d p)
-
-    def norms():
-        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-        try:
-            return controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
-        finally:
-            controller.detach()
-
-    whole = norms()
+    model, x = _layer_stack(width=16, depth=5)  # 16 wide: the Gram path (T (d + p) < d p)
+    whole = _norms(model, x, clipping)
     flushes, explicit = [], []
     gram_rows, explicit_rows = batched.DeferredGrams._gram_rows, batched.DeferredGrams._explicit_rows
     monkeypatch.setattr(batched.DeferredGrams, "_gram_rows",
@@ -353,7 +347,7 @@ def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams
     activation = B * T * 16
     monkeypatch.setattr(batched, "QUEUE_ELEMENTS", activation + activation // 3)  # one layer fills it
     monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 8 * B * T * T})  # two layers' Grams, no stack of A, G
-    torch.testing.assert_close(norms(), whole, rtol=1e-12, atol=0)
+    torch.testing.assert_close(_norms(model, x, clipping), whole, rtol=1e-12, atol=0)
     assert sum(flushes) == 5 and max(flushes) == 2  # pairs of layers, the last one with the end of the pass
     assert sum(explicit) == 10 and max(explicit) > 2  # the LayerNorms' weights and biases
 
