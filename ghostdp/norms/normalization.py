@@ -95,17 +95,24 @@ def form_layer_norms(calls):
 
 
 def stacked_grads(factors):
-    """The (k, B, *shape) per-example gradients of k AffineGrads as ``form_layer_norms`` stacked them, where
-    they are exactly its rows in order (no row picked and stacked again); else None."""
-    first = factors[0].call.stacked
-    if first is None or not all(type(f) is AffineGrad and f.name == factors[0].name for f in factors):
-        return None
-    stacked = first[0]
-    grads = stacked[factors[0].name][0]
-    if grads.shape[0] != len(factors) or any(f.call.stacked is None or f.call.stacked[0] is not stacked
-                                             or f.call.stacked[1] != k for k, f in enumerate(factors)):
-        return None
-    return grads
+    """The (k, B, *shape) per-example gradients of k AffineGrads of one name as ``form_layer_norms`` stacked
+    them, where the factors are the rows of whole stacks in order, stack after stack: those stacks, concatenated
+    if several (layers formed one at a time: one op, no row picked and stacked again); else None."""
+    name, parts, k = factors[0].name, [], 0
+    while k < len(factors):
+        first = factors[k].call.stacked if type(factors[k]) is AffineGrad else None
+        if first is None or first[1] != 0 or name not in first[0]:
+            return None
+        stacked = first[0]
+        grads = stacked[name][0]
+        run = factors[k:k + grads.shape[0]]
+        if len(run) != grads.shape[0] or any(type(f) is not AffineGrad or f.name != name or f.call.stacked is None
+                                             or f.call.stacked[0] is not stacked or f.call.stacked[1] != j
+                                             for j, f in enumerate(run)):
+            return None
+        parts.append(grads)
+        k += len(run)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class AffineGrad(Instantiated):

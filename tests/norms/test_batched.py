@@ -156,6 +156,38 @@ def test_layer_norm_gradients_formed_together_are_summed_from_their_stack():
             torch.testing.assert_close(sums[k], expected.reshape(f.param_shape), rtol=1e-12, atol=1e-14)
 
 
+def test_layer_norm_gradients_formed_in_several_stacks_are_summed_from_those_stacks():
+    """LayerNorms formed one at a time (the per-layer regime), or in runs: their gradients are read as their
+    stacks concatenated, one op, where the factors are the stacks' rows in order, stack after stack; a stack
+    read in part, or out of order, goes row by row. The sums are equal either way."""
+    from ghostdp.norms.normalization import form_layer_norms, stacked_grads
+    g = torch.Generator().manual_seed(2)
+
+    def calls():
+        return [LayerNormCall(torch.randn(B, T, 8, generator=torch.Generator().manual_seed(k), dtype=torch.float64),
+                              torch.randn(B, T, 8, generator=torch.Generator().manual_seed(10 + k),
+                                          dtype=torch.float64), (8,), 1e-5, {"weight", "bias"}) for k in range(3)]
+
+    alone, runs, reference = calls(), calls(), calls()
+    factors = {"alone": [AffineGrad(c, "bias") for c in alone], "runs": [AffineGrad(c, "bias") for c in runs]}
+    expected = torch.stack([AffineGrad(c, "bias").grads for c in reference])
+    for c in alone:
+        form_layer_norms([c])
+    form_layer_norms(runs[:2])
+    form_layer_norms(runs[2:])
+    weights = torch.rand(B, dtype=torch.float64, generator=g)
+    for formed, these in factors.items():
+        torch.testing.assert_close(stacked_grads(these), expected, rtol=0, atol=0)
+        if formed == "alone":  # every order and every subset is whole stacks
+            torch.testing.assert_close(stacked_grads(these[::-1]), expected.flip(0), rtol=0, atol=0)
+            torch.testing.assert_close(stacked_grads(these[1:]), expected[1:], rtol=0, atol=0)
+        else:  # the first stack out of order, or half of it
+            assert stacked_grads(these[::-1]) is None and stacked_grads(these[1:]) is None
+        sums = dict(batched_sums.weighted_sums([(f, 0) for f in these], lambda group, dt: weights.to(dt), None))
+        for k in range(3):
+            torch.testing.assert_close(sums[k], weights @ expected[k], rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("shared_input", [False, True])  # three layers with their own inputs; query, key, value
 def test_layers_whose_grams_lie_at_equal_steps_are_read_through_views(monkeypatch, shared_input):
     """Three Linear-like layers of one width: their output grads' Grams are consecutive in one stacked matmul
