@@ -11,6 +11,8 @@ it queues them (``NormQueue``) and reduces them in groups:
   and the token masses sqrt(tr(L L^T) tr(R R^T)) and sqrt(T tr(G G^T)) (precision.py) come from a
   handful of reductions over strided views of the stacked Grams (indexed copies only where the layers'
   Grams do not lie at equal steps);
+- weights whose norm is that of their explicit gradients (rank r << T: LoRA factors), of one shape: their
+  sides stacked, one batched matmul L_i^T R_i, one dot product per example;
 - LayerNorms of one shape (``AffineGrad``): their per-example gradients formed in one stacked
   expression (normalization.form_layer_norms), then one dot product per parameter name;
 - explicit per-example gradients (``Instantiated``: biases of 2-D inputs, the fallback's) of equal
@@ -18,7 +20,7 @@ it queues them (``NormQueue``) and reduces them in groups:
 - anything else alone, as ``sq_norm`` and ``token_mass`` give it; a weight or bias on the whole-Gram
   path reduced alone (too large to stack, as every BERT-base layer on a GPU) leaves its Grams in
   ``DeferredGrams``, which takes the products of several such layers at once (and the dot products of
-  LayerNorms formed alone).
+  LayerNorms and low-rank weights reduced alone).
 
 Book-keeping's clipped sums are batched the same way (batched_sums.py). Stacks hold at most
 STACK_ELEMENTS elements: larger tensors are reduced one by one, without a copy. The index tensors
@@ -29,11 +31,13 @@ to stack; it is then reduced, and again at the end of the pass.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
 
-from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, gram_trace, wide_matmul
+from .factors import (ELEMENT_BUDGET, Instantiated, OuterProduct, SummedTokens, acc_dtype, gram_tile, gram_trace,
+                      prefers_gram, wide_matmul)
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -164,7 +168,7 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
     """The squared norms and token masses of ``factors``, in batches where their kinds allow. With
     ``deferred`` (a DeferredGrams) and ``groups`` (the clipping group of each factor), a layer reduced
     alone through the pass's Gram cache leaves its Grams there instead (their rows are not in the result)."""
-    by_gram, by_shape, by_layer_norm, alone = _partition(factors)
+    by_gram, by_product, by_shape, by_layer_norm, alone = _partition(factors)
     out = []
     for rows in by_layer_norm.values():
         out.extend(_layer_norm_batch([factors[r] for r in rows], rows, deferred, groups))
@@ -175,6 +179,10 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
             alone.extend(rows)
             continue
         out.extend(_gram_batch([factors[r] for r in rows], rows))
+    for rows in by_product.values():
+        if len(rows) == 1 and deferred is not None and deferred.take_product(factors[rows[0]], groups[rows[0]]):
+            continue
+        out.extend(_product_batch([factors[r] for r in rows], rows))
     for rows in by_shape.values():
         out.append(_instantiated_batch([factors[r] for r in rows], rows))
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
@@ -210,7 +218,7 @@ def _gram_key(f: OuterProduct):
 
 
 def _partition(factors):
-    by_gram, by_shape, by_layer_norm, alone = {}, {}, {}, []
+    by_gram, by_product, by_shape, by_layer_norm, alone = {}, {}, {}, {}, []
     tokens_of = {}  # id(output grad) -> the gram batch of a weight that has it as a side
     rest = []
     for r, f in enumerate(factors):
@@ -218,7 +226,11 @@ def _partition(factors):
         if kind is OuterProduct:
             key = _gram_key(f)
             if key is None:
-                alone.append(r)
+                key = _product_key(f)
+                if key is None:
+                    alone.append(r)
+                else:
+                    by_product.setdefault(key, []).append(r)
             else:
                 by_gram.setdefault(key, []).append(r)
                 tokens_of[id(f.left)] = tokens_of[id(f.right)] = key
@@ -239,7 +251,17 @@ def _partition(factors):
             by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)
         else:
             alone.append(r)
-    return by_gram, by_shape, by_layer_norm, alone
+    return by_gram, by_product, by_shape, by_layer_norm, alone
+
+
+def _product_key(f: OuterProduct):
+    """The batch of an OuterProduct whose norm is its explicit gradients' (the instantiation path: a LoRA
+    factor, rank r << T), or None (one token, a tiled Gram, or sides cast to another dtype: reduced alone)."""
+    B, T, m = f.left.shape
+    n = f.right.shape[-1]
+    if T <= 1 or f.operand_dtype is not None or prefers_gram(T, m, n, gram_tile(B, T, f.left.device.type)):
+        return None
+    return ("product", f.left.shape, f.right.shape, f.left.dtype, f.right.dtype, f.left.device)
 
 
 class _Indices:
@@ -349,7 +371,8 @@ class DeferredGrams:
     and the right Grams are stacked in the layers' order (two copies, no indexing after them; a bias reads
     its weight's left Gram) and every layer's norm and squared token mass come from the few reductions of
     ``_gram_products``. A LayerNorm formed alone leaves its (B, d) gradients here too (``take_explicit``),
-    for one dot product per flush instead of one per parameter. Per-layer stand-in (profiling.overhead
+    for one dot product per flush instead of one per parameter, and so does a low-rank weight reduced alone
+    (``take_product``: a LoRA factor, whose sides a GPU cannot stack). Per-layer stand-in (profiling.overhead
     --per-layer, ghost, frozen embeddings): ATen ops per step 4636 -> 3728.
     """
 
@@ -378,6 +401,16 @@ class DeferredGrams:
         self.explicit.setdefault(key, []).append((group, grads, mass))
         self.explicit_elements += grads.numel()
         self.device = grads.device
+
+    def take_product(self, factor, group) -> bool:
+        """Keeps the explicit gradients of an OuterProduct reduced alone on the instantiation path (_product_key:
+        a LoRA factor too large to stack, as on a GPU) where they fit half a stack budget, with its token mass;
+        False otherwise."""
+        B = factor.batch_size
+        if B * math.prod(factor.param_shape) > _deferred_budget(factor.left.device):
+            return False
+        self.take_explicit(group, factor.materialize(0, B).reshape(1, B, -1), mass_rows(factor.token_mass()))
+        return True
 
     def take(self, factor, grams, group) -> bool:
         """Keeps the Grams of ``factor`` (a weight or bias on the whole-Gram path with the pass's cache, whose
@@ -525,6 +558,29 @@ def _layer_norm_batch(factors, rows, deferred=None, groups=None) -> list[Reduced
             if picked != list(range(len(run))):  # not every call's factor of this name is queued here
                 sq, mass = sq[picked], None if mass is None else mass[picked]
             out.append(Reduced([r for r, _ in named], sq, mass, grads.dtype if mass is not None else None))
+    return out
+
+
+def _product_batch(factors, rows) -> list[Reduced]:
+    """Weights of one shape on the instantiation path (_product_key): their sides stacked in runs of at most a
+    stack budget (and of ELEMENT_BUDGET explicit gradients), one batched matmul L_i^T R_i per run, then k dot
+    products per example; token masses |L_i|_F |R_i|_F (OuterProduct.token_mass) from the same stacks."""
+    first = factors[0]
+    B, T, m = first.left.shape
+    n = first.right.shape[-1]
+    dt = acc_dtype(first.left, first.right)
+    budget = min(stack_budget(first.left.device), ELEMENT_BUDGET)
+    sizes = [max(f.left.numel() + f.right.numel(), B * m * n) for f in factors]
+    out = []
+    for run in within_budget(range(len(factors)), sizes, budget):
+        k = len(run)
+        left = _stacked([factors[j].left for j in run])    # (k, B, T, m)
+        right = _stacked([factors[j].right for j in run])  # (k, B, T, n)
+        grads = wide_matmul(left.reshape(k * B, T, m).transpose(1, 2), right.reshape(k * B, T, n), dt)
+        grads = grads.view(k, B, m * n)
+        mass = (torch.linalg.vector_norm(left, dim=(2, 3), dtype=dt)
+                * torch.linalg.vector_norm(right, dim=(2, 3), dtype=dt))
+        out.append(Reduced([rows[j] for j in run], torch.linalg.vecdot(grads, grads), mass, dt))
     return out
 
 

@@ -12,7 +12,8 @@ B, T = 3, 5
 
 def _mixed_factors():
     """Linear-like layers sharing an input (query, key, value), one with another width, a Conv1D-like one
-    (input on the left), biases, explicit gradients with and without masses, and a one-token layer."""
+    (input on the left), biases, explicit gradients with and without masses, a one-token layer, and, last,
+    low-rank factors on the instantiation path (LoRA-like: two of one shape, one of another)."""
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape):
@@ -33,6 +34,8 @@ def _mixed_factors():
         OuterProduct(randn(B, 1, 4), randn(B, 1, 3), (4, 3)),
         Instantiated(randn(B, 16), mass=randn(B).abs()), Instantiated(randn(B, 16), mass=randn(B).abs()),
         Instantiated(randn(B, 7)),
+        OuterProduct(randn(B, T, 2), x, (2, 16)), OuterProduct(randn(B, T, 2), randn(B, T, 16), (2, 16)),
+        OuterProduct(randn(B, T, 24), randn(B, T, 2), (24, 2)),
     ]
 
 
@@ -61,6 +64,20 @@ def test_reductions_equal_each_factor_alone(monkeypatch, budget):
             assert mass is None
         else:
             torch.testing.assert_close(mass, expected, rtol=1e-12, atol=0)
+
+
+def test_low_rank_factors_of_one_shape_are_reduced_from_one_stacked_product(monkeypatch):
+    """Factors whose norm is that of their explicit gradients (rank r << T: a LoRA factor) are batched by shape:
+    one matmul L_i^T R_i for the stacked sides of a run; sides cast to another dtype are reduced alone."""
+    runs = []
+    product_batch = batched._product_batch
+    monkeypatch.setattr(batched, "_product_batch", lambda fs, rows: runs.append(len(fs)) or product_batch(fs, rows))
+    factors = _mixed_factors()
+    assert all(batched._product_key(f) is not None for f in factors[-3:])
+    batched.reduce_factors(factors)
+    assert sorted(runs) == [1, 2]
+    cast = OuterProduct(torch.randn(B, T, 2, dtype=torch.bfloat16), torch.randn(B, T, 16), (2, 16))
+    assert cast.operand_dtype is not None and batched._product_key(cast) is None
 
 
 def test_a_layer_norm_formed_before_its_reduction_is_reduced_alone():
@@ -306,12 +323,14 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
     its clipping group: weights sharing an input (one Gram for it), biases that read their weight's left Gram
     (query, key) or its right one (a Conv1D-like layer: stacked on their own), and a layer of another T
     (reduced alone: the Grams held are of one shape). LayerNorms formed alone leave their (B, d) gradients
-    likewise, for one dot product per flush."""
+    likewise, for one dot product per flush, and so does a low-rank layer on the instantiation path (LoRA)."""
     from ghostdp.norms.factors import InputGrams
     monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * B * T * T})  # two Grams held, no layer stacked
     g = torch.Generator().manual_seed(3)
     longer = OuterProduct(torch.randn(B, T + 2, 6, generator=g, dtype=torch.float64),
                           torch.randn(B, T + 2, 9, generator=g, dtype=torch.float64), (6, 9))
+    low_rank = OuterProduct(torch.randn(B, T, 2, generator=g, dtype=torch.float64),  # explicit gradients kept
+                            torch.randn(B, T, 24, generator=g, dtype=torch.float64), (2, 24))
 
     def layer_norm(seed, names=("weight", "bias")):
         g = torch.Generator().manual_seed(seed)
@@ -321,7 +340,7 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
 
     def all_layers():
         return [_mixed_factors()[5:7], layer_norm(1), _mixed_factors()[7:9], _mixed_factors()[9:10], [longer],
-                layer_norm(2, ("bias",)), layer_norm(3), _mixed_factors()[10:12]]
+                layer_norm(2, ("bias",)), [low_rank], layer_norm(3), _mixed_factors()[10:12]]
 
     layers, reference = all_layers(), [f for layer in all_layers() for f in layer]
     flushes, explicit = [], []
@@ -342,7 +361,7 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
         reductions, groups = queue.reduce(final=n == len(layers) - 1)
         rows += [(done.sq[k], done.masses()[k], groups[r]) for done in reductions for k, r in enumerate(done.rows)]
     assert flushes and max(flushes) > 1 and sum(flushes) == 7  # the Linear-like factors but the longer layer
-    assert max(explicit) > 1 and sum(explicit) == 5
+    assert max(explicit) > 1 and sum(explicit) == 6  # the LayerNorms' 5 and the low-rank layer's
     assert not queue.pending() and len(rows) == len(reference)
     for position, f in enumerate(reference):  # each factor's norm and mass come back once, with its group
         match = [(mass, group) for sq, mass, group in rows if torch.allclose(sq, f.sq_norm(), rtol=1e-12, atol=0)]
