@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from ..norms.batched import NormQueue, mass_roots, mass_rows
+from ..norms.deferred import DeferredGrams
 from ..norms.factors import InputGrams
 from .modes import new_factor_store
 
@@ -100,7 +101,8 @@ class NormPass:
         self.arrived_elements = 0         # (PassOne.arrive)
         self.captured_only = False        # a second backward for captured calls only (PassOne._backward_to_outputs)
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
-        self.queue = NormQueue(self.grams)  # factors of single-use parameters, reduced in batches
+        # Factors of single-use parameters, reduced in batches; what layers reduced alone leave, reduced together.
+        self.queue = NormQueue(self.grams, DeferredGrams())
 
     def add(self, sq, group=0):
         """(B,) squared norms of one layer, or (k, B) of k layers, for clipping group ``group``."""

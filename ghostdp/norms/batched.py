@@ -19,7 +19,7 @@ it queues them (``NormQueue``) and reduces them in groups:
   shape: one stacked dot product;
 - anything else alone, as ``sq_norm`` and ``token_mass`` give it; a weight or bias on the whole-Gram
   path reduced alone (too large to stack, as every BERT-base layer on a GPU) leaves its Grams in
-  ``DeferredGrams``, which takes the products of several such layers at once (and the dot products of
+  ``deferred.DeferredGrams``, which takes the products of several such layers at once (and the dot products of
   LayerNorms and low-rank weights reduced alone).
 
 Book-keeping's clipped sums are batched the same way (batched_sums.py). Stacks hold at most
@@ -31,7 +31,6 @@ to stack; it is then reduced, and again at the end of the pass.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import torch
@@ -111,9 +110,9 @@ def mass_roots(squares: torch.Tensor) -> torch.Tensor:
 class NormQueue:
     """Factors waiting for their norms, with the clipping group of each."""
 
-    def __init__(self, grams):
+    def __init__(self, grams, deferred=None):
         self.grams = grams        # the pass's InputGrams, for the factors reduced alone
-        self.deferred = DeferredGrams()  # the Grams of layers reduced alone, their products not yet taken
+        self.deferred = deferred  # a deferred.DeferredGrams: what layers reduced alone leave, or None
         self.factors = []
         self.groups = []
         self.elements = 0
@@ -136,11 +135,11 @@ class NormQueue:
     def reduce(self, final: bool = False) -> tuple[list[Reduced], list[int]]:
         """The reductions of the queued factors and the clipping group of each of their rows; empties the
         queue. Layers reduced alone leave their Grams in ``deferred``, whose products are taken once they
-        fill a stack budget, or with ``final`` (the end of the pass); their rows follow the queue's."""
+        fill half a stack budget, or with ``final`` (the end of the pass); their rows follow the queue's."""
         factors, groups = self.factors, self.groups
         self.factors, self.groups, self.elements, self.large = [], [], 0, False
         out = reduce_factors(factors, self.grams, self.deferred, groups)
-        if self.deferred.holds():
+        if self.deferred is not None and self.deferred.holds():
             done, deferred_groups = self.deferred.reduce(first_row=len(groups), final=final)
             out.extend(done)
             groups = groups + deferred_groups
@@ -148,7 +147,7 @@ class NormQueue:
 
     def pending(self) -> bool:
         """Whether factors or deferred Grams wait for their norms."""
-        return bool(self.factors) or self.deferred.holds()
+        return bool(self.factors) or (self.deferred is not None and self.deferred.holds())
 
 
 def _held_elements(factor) -> int:
@@ -166,7 +165,7 @@ def _held_elements(factor) -> int:
 
 def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Reduced]:
     """The squared norms and token masses of ``factors``, in batches where their kinds allow. With
-    ``deferred`` (a DeferredGrams) and ``groups`` (the clipping group of each factor), a layer reduced
+    ``deferred`` (a deferred.DeferredGrams) and ``groups`` (the clipping group of each factor), a layer reduced
     alone through the pass's Gram cache leaves its Grams there instead (their rows are not in the result)."""
     by_gram, by_product, by_shape, by_layer_norm, alone = _partition(factors)
     out = []
@@ -322,16 +321,16 @@ def _gram_batch(factors, rows) -> list[Reduced]:
         for run in within_budget(members, [m.numel() for m in members], budget):
             x = run[0].unsqueeze(0) if len(run) == 1 else torch.stack(run)
             x = x.reshape(len(run) * B, T, group[0])
-            parts.append(_GramPart(start, wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T)))
+            parts.append(GramPart(start, wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T)))
             start += len(run)
     index = {key: offsets[group] + k for key, (group, k) in position.items()}
-    return _gram_products(parts, [(r, index[left], index[right]) for r, left, right in weights],
+    return gram_products(parts, [(r, index[left], index[right]) for r, left, right in weights],
                           [(r, index[key]) for r, key in biases], T, dt)
 
 
-def _gram_products(parts, weights, biases, T: int, dt) -> list[Reduced]:
+def gram_products(parts, weights, biases, T: int, dt) -> list[Reduced]:
     """The norms and squared token masses of ``weights`` [(row, left Gram, right Gram)] and ``biases``
-    [(row, tokens' Gram)], the Grams given as indices into the rows of ``parts`` (_GramPart, in order):
+    [(row, tokens' Gram)], the Grams given as indices into the rows of ``parts`` (GramPart, in order):
     |g|^2 = <L L^T, R R^T> and tr(L L^T) tr(R R^T) for a weight, the Gram's sum and T tr(G G^T) for a bias,
     each a few reductions for all."""
     whole = {}  # the parts concatenated, only for a pattern that no view of one part gives
@@ -340,7 +339,7 @@ def _gram_products(parts, weights, biases, T: int, dt) -> list[Reduced]:
         """The Grams (U', B, T, T) or their traces |X_i|_F^2 (U', B) at ``pattern``, in its order: a view of
         one part where they are evenly spaced in it (no kernel), else indexed from all parts."""
         pattern = tuple(pattern)
-        view = _spaced_view(parts, pattern, traces)
+        view = spaced_view(parts, pattern, traces)
         if view is not None:
             return view
         if traces not in whole:
@@ -360,153 +359,11 @@ def _gram_products(parts, weights, biases, T: int, dt) -> list[Reduced]:
     return out
 
 
-class DeferredGrams:
-    """The Grams of layers reduced alone, kept until their products are taken for many layers at once.
-
-    On a GPU at BERT-base sizes no layer's input and output grad fit a stack together, so the norm queue
-    reduces one layer at a time, through the pass's Gram cache (InputGrams): each layer's own Grams, then
-    a dot product, two traces, a product, and its bias's sum and trace, some 15 ops a layer. The Grams
-    (B, T, T) are H/T times smaller than the tensors they come from, so they are kept here instead
-    (``take``); once they fill half a stack budget (_deferred_budget), or the pass ends, the left Grams
-    and the right Grams are stacked in the layers' order (two copies, no indexing after them; a bias reads
-    its weight's left Gram) and every layer's norm and squared token mass come from the few reductions of
-    ``_gram_products``. A LayerNorm formed alone leaves its (B, d) gradients here too (``take_explicit``),
-    for one dot product per flush instead of one per parameter, and so does a low-rank weight reduced alone
-    (``take_product``: a LoRA factor, whose sides a GPU cannot stack). Per-layer stand-in (profiling.overhead
-    --per-layer, ghost, frozen embeddings): ATen ops per step 4636 -> 3728.
-    """
-
-    def __init__(self):
-        self._clear()
-
-    def _clear(self):
-        self.weights = []       # (clipping group, left Gram, right Gram)
-        self.biases = []        # (clipping group, tokens' Gram)
-        self.held = set()       # ids of the distinct Grams held
-        # (1, B, n) explicit gradients of parameters formed alone (LayerNorms), whose squared norms wait too:
-        # (shape, dtype, device, without mass) -> [(clipping group, gradients, (1, B) mass or None)]
-        self.explicit = {}
-        self.elements = 0       # the elements of the Grams held
-        self.explicit_elements = 0
-        self.key = None         # (shape, dtype, device) of the Grams held
-        self.device = None
-
-    def holds(self) -> bool:
-        return bool(self.weights or self.biases or self.explicit)
-
-    def take_explicit(self, group, grads, mass) -> None:
-        """Keeps the (1, B, n) per-example gradients of a parameter formed alone (a LayerNorm's weight or bias:
-        its vecdot otherwise costs a few ops of its own) and its (1, B) token mass or None."""
-        key = (grads.shape, grads.dtype, grads.device, mass is None)
-        self.explicit.setdefault(key, []).append((group, grads, mass))
-        self.explicit_elements += grads.numel()
-        self.device = grads.device
-
-    def take_product(self, factor, group) -> bool:
-        """Keeps the explicit gradients of an OuterProduct reduced alone on the instantiation path (_product_key:
-        a LoRA factor too large to stack, as on a GPU) where they fit half a stack budget, with its token mass;
-        False otherwise."""
-        B = factor.batch_size
-        if B * math.prod(factor.param_shape) > _deferred_budget(factor.left.device):
-            return False
-        self.take_explicit(group, factor.materialize(0, B).reshape(1, B, -1), mass_rows(factor.token_mass()))
-        return True
-
-    def take(self, factor, grams, group) -> bool:
-        """Keeps the Grams of ``factor`` (a weight or bias on the whole-Gram path with the pass's cache, whose
-        Grams fit a stack); False where it takes another path (it is then reduced on its own)."""
-        if grams is None:
-            return False
-        kind = type(factor)
-        if kind is OuterProduct:
-            if factor.left.shape[1] <= 1 or not factor.takes_whole_gram():
-                return False
-            dt, cast = acc_dtype(factor.left, factor.right), factor.operand_dtype
-            tensor, reads = factor.left, ((factor.left, dt, cast), (factor.right, dt, cast))
-        elif kind is SummedTokens:
-            cached = factor._cached(grams)
-            if cached is None:
-                return False
-            tensor, reads = factor.tokens, ((factor.tokens, *cached),)
-        else:
-            return False
-        B, T = tensor.shape[0], tensor.shape[1]
-        key = ((B, T, T), reads[0][1], tensor.device)
-        if 2 * B * T * T > _deferred_budget(tensor.device) or (self.key is not None and key != self.key):
-            return False  # two Grams exceed the budget, or Grams of another shape or dtype are held
-        self.key, self.device = key, tensor.device
-        held = [grams.whole(*args) for args in reads]
-        for gram in held:
-            if id(gram) not in self.held:
-                self.held.add(id(gram))
-                self.elements += gram.numel()
-        if kind is OuterProduct:
-            self.weights.append((group, held[0], held[1]))
-        else:
-            self.biases.append((group, held[0]))
-        return True
-
-    def reduce(self, first_row: int, final: bool) -> tuple[list[Reduced], list[int]]:
-        """The norms of the layers whose Grams, and of the parameters whose explicit gradients, are held, as
-        rows ``first_row`` onwards, and the clipping group of each row: the Grams once they fill half a
-        stack budget, the gradients likewise, both with ``final``; those reduced are dropped."""
-        out, groups = [], []
-        budget = _deferred_budget(self.device)
-        if self.key is not None and (final or self.elements >= budget):
-            out, groups = self._gram_rows(first_row)
-            self.weights, self.biases, self.held, self.elements, self.key = [], [], set(), 0, None
-        if self.explicit and (final or self.explicit_elements >= budget):
-            out, groups = self._explicit_rows(first_row, out, groups)
-            self.explicit, self.explicit_elements = {}, 0
-        if not self.holds():
-            self.device = None
-        return out, groups
-
-    def _explicit_rows(self, first_row, out, groups):
-        for (_, dtype, _, no_mass), entries in self.explicit.items():
-            grads = _concatenated([e[1] for e in entries])
-            rows = list(range(first_row + len(groups), first_row + len(groups) + len(entries)))
-            out.append(Reduced(rows, torch.linalg.vecdot(grads, grads),
-                               None if no_mass else _concatenated([e[2] for e in entries]), None if no_mass else dtype))
-            groups += [e[0] for e in entries]
-        return out, groups
-
-    def _gram_rows(self, first_row: int) -> tuple[list[Reduced], list[int]]:
-        (B, T, _), dt, _ = self.key
-        parts, weights, biases = [], [], []
-        k = len(self.weights)
-        if k:
-            parts += [_GramPart(0, _stacked([w[1] for w in self.weights])),
-                      _GramPart(k, _stacked([w[2] for w in self.weights]))]
-            weights = [(first_row + j, j, k + j) for j in range(k)]
-        if self.biases:
-            # A Linear's bias reads its weight's output grad: the same Gram as the weight's left side, picked
-            # from that stack (a view where they lie at equal steps), else stacked on their own.
-            as_left = {id(w[1]): j for j, w in enumerate(self.weights)}
-            rows = [as_left.get(id(b[1])) for b in self.biases]
-            if None in rows or _spaced_view(parts[:1], tuple(rows), False) is None:
-                parts.append(_GramPart(2 * k, _stacked([b[1] for b in self.biases])))
-                rows = [2 * k + j for j in range(len(self.biases))]
-            biases = [(first_row + k + j, row) for j, row in enumerate(rows)]
-        groups = [w[0] for w in self.weights] + [b[0] for b in self.biases]
-        return _gram_products(parts, weights, biases, T, dt), groups
-
-
-def _deferred_budget(device) -> int:
-    """Elements of Grams DeferredGrams holds: half a stack budget, since its stacks copy about as many again
-    (a GPU at BERT-base B=32: 2M elements, four Grams, 8 MB held and some 20 MB while they are reduced)."""
-    return stack_budget(device) // 2
-
-
-def _concatenated(tensors):
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _stacked(tensors):
+def stacked(tensors):
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
-class _GramPart:
+class GramPart:
     """The Grams of one batched matmul, (n, B, T, T), rows ``start`` to ``start + n`` of the batch's Grams."""
 
     def __init__(self, start: int, gram: torch.Tensor):
@@ -518,7 +375,7 @@ class _GramPart:
         return self._traces
 
 
-def _spaced_view(parts, pattern: tuple, traces: bool):
+def spaced_view(parts, pattern: tuple, traces: bool):
     """Rows ``pattern`` of the Grams (or traces) as a view of one part, if they lie in one part at equal
     steps forward (strided) or are one row repeated (expanded: an input shared by several layers); else None."""
     first, k = pattern[0], len(pattern)
@@ -538,7 +395,7 @@ def _spaced_view(parts, pattern: tuple, traces: bool):
 def _layer_norm_batch(factors, rows, deferred=None, groups=None) -> list[Reduced]:
     """LayerNorm weights and biases of calls of one batch key: their gradients formed in stacked expressions
     (normalization.form_layer_norms) of at most one stack budget of calls each, then k dot products per
-    example per parameter name; a call formed alone leaves its gradients to ``deferred`` (DeferredGrams),
+    example per parameter name; a call formed alone leaves its gradients to ``deferred`` (a DeferredGrams),
     with ``groups`` (the clipping group of each row), where given."""
     calls = list({id(f.call): f.call for f in factors}.values())
     budget = stack_budget(calls[0].device)
@@ -574,8 +431,8 @@ def _product_batch(factors, rows) -> list[Reduced]:
     out = []
     for run in within_budget(range(len(factors)), sizes, budget):
         k = len(run)
-        left = _stacked([factors[j].left for j in run])    # (k, B, T, m)
-        right = _stacked([factors[j].right for j in run])  # (k, B, T, n)
+        left = stacked([factors[j].left for j in run])    # (k, B, T, m)
+        right = stacked([factors[j].right for j in run])  # (k, B, T, n)
         grads = wide_matmul(left.reshape(k * B, T, m).transpose(1, 2), right.reshape(k * B, T, n), dt)
         grads = grads.view(k, B, m * n)
         mass = (torch.linalg.vector_norm(left, dim=(2, 3), dtype=dt)

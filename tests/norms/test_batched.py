@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ghostdp
-from ghostdp.norms import batched, batched_sums
+from ghostdp.norms import batched, batched_sums, deferred
 from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens
 from ghostdp.norms.normalization import AffineGrad, LayerNormCall
 
@@ -344,14 +344,14 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
 
     layers, reference = all_layers(), [f for layer in all_layers() for f in layer]
     flushes, explicit = [], []
-    gram_rows, explicit_rows = batched.DeferredGrams._gram_rows, batched.DeferredGrams._explicit_rows
-    monkeypatch.setattr(batched.DeferredGrams, "_gram_rows",
+    gram_rows, explicit_rows = deferred.DeferredGrams._gram_rows, deferred.DeferredGrams._explicit_rows
+    monkeypatch.setattr(deferred.DeferredGrams, "_gram_rows",
                         lambda self, first_row: flushes.append(len(self.weights) + len(self.biases))
                         or gram_rows(self, first_row))
-    monkeypatch.setattr(batched.DeferredGrams, "_explicit_rows",
+    monkeypatch.setattr(deferred.DeferredGrams, "_explicit_rows",
                         lambda self, *a: explicit.append(sum(map(len, self.explicit.values())))
                         or explicit_rows(self, *a))
-    queue = batched.NormQueue(InputGrams())
+    queue = batched.NormQueue(InputGrams(), deferred.DeferredGrams())
     rows, position = [], 0  # (squared norm, mass, clipping group) of every row reduced
     for n, layer in enumerate(layers):
         for f in layer:
@@ -389,10 +389,10 @@ def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams
     model, x = _layer_stack(width=16, depth=5)  # 16 wide: the Gram path (T (d + p) < d p)
     whole = _norms(model, x, clipping)
     flushes, explicit = [], []
-    gram_rows, explicit_rows = batched.DeferredGrams._gram_rows, batched.DeferredGrams._explicit_rows
-    monkeypatch.setattr(batched.DeferredGrams, "_gram_rows",
+    gram_rows, explicit_rows = deferred.DeferredGrams._gram_rows, deferred.DeferredGrams._explicit_rows
+    monkeypatch.setattr(deferred.DeferredGrams, "_gram_rows",
                         lambda self, first_row: flushes.append(len(self.weights)) or gram_rows(self, first_row))
-    monkeypatch.setattr(batched.DeferredGrams, "_explicit_rows",
+    monkeypatch.setattr(deferred.DeferredGrams, "_explicit_rows",
                         lambda self, *a: explicit.append(sum(map(len, self.explicit.values())))
                         or explicit_rows(self, *a))
     activation = B * T * 16
@@ -415,8 +415,8 @@ def test_bert_reduced_one_layer_at_a_time_is_exact(monkeypatch):
     monkeypatch.setattr(batched, "QUEUE_ELEMENTS", activation + activation // 3)  # one layer fills it
     monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * activation})  # T = 7 against H = 16: Grams fit
     taken = []
-    take = batched.DeferredGrams.take
-    monkeypatch.setattr(batched.DeferredGrams, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+    take = deferred.DeferredGrams.take
+    monkeypatch.setattr(deferred.DeferredGrams, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
     assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
                        classification_loss(torch.randint(0, 3, (examples,))), examples)
     assert sum(taken) > 10
