@@ -13,7 +13,6 @@ import math
 import torch
 
 from .batched import GramPart, Reduced, gram_products, mass_rows, spaced_view, stack_budget, stacked
-from .factors import OuterProduct, SummedTokens, acc_dtype
 
 
 class DeferredGrams:
@@ -33,9 +32,6 @@ class DeferredGrams:
     """
 
     def __init__(self):
-        self._clear()
-
-    def _clear(self):
         self.weights = []       # (clipping group, left Gram, right Gram)
         self.biases = []        # (clipping group, tokens' Gram)
         self.held = set()       # ids of the distinct Grams held
@@ -71,21 +67,10 @@ class DeferredGrams:
     def take(self, factor, grams, group) -> bool:
         """Keeps the Grams of ``factor`` (a weight or bias on the whole-Gram path with the pass's cache, whose
         Grams fit a stack); False where it takes another path (it is then reduced on its own)."""
-        if grams is None:
+        reads = factor.gram_reads(grams)
+        if reads is None:
             return False
-        kind = type(factor)
-        if kind is OuterProduct:
-            if factor.left.shape[1] <= 1 or not factor.takes_whole_gram():
-                return False
-            dt, cast = acc_dtype(factor.left, factor.right), factor.operand_dtype
-            tensor, reads = factor.left, ((factor.left, dt, cast), (factor.right, dt, cast))
-        elif kind is SummedTokens:
-            cached = factor._cached(grams)
-            if cached is None:
-                return False
-            tensor, reads = factor.tokens, ((factor.tokens, *cached),)
-        else:
-            return False
+        tensor = reads[0][0]
         B, T = tensor.shape[0], tensor.shape[1]
         key = ((B, T, T), reads[0][1], tensor.device)
         if 2 * B * T * T > _deferred_budget(tensor.device) or (self.key is not None and key != self.key):
@@ -96,7 +81,7 @@ class DeferredGrams:
             if id(gram) not in self.held:
                 self.held.add(id(gram))
                 self.elements += gram.numel()
-        if kind is OuterProduct:
+        if len(held) == 2:  # a weight's sides
             self.weights.append((group, held[0], held[1]))
         else:
             self.biases.append((group, held[0]))
@@ -112,13 +97,15 @@ class DeferredGrams:
             out, groups = self._gram_rows(first_row)
             self.weights, self.biases, self.held, self.elements, self.key = [], [], set(), 0, None
         if self.explicit and (final or self.explicit_elements >= budget):
-            out, groups = self._explicit_rows(first_row, out, groups)
+            done, explicit_groups = self._explicit_rows(first_row + len(groups))
+            out, groups = out + done, groups + explicit_groups
             self.explicit, self.explicit_elements = {}, 0
         if not self.holds():
             self.device = None
         return out, groups
 
-    def _explicit_rows(self, first_row, out, groups):
+    def _explicit_rows(self, first_row: int) -> tuple[list[Reduced], list[int]]:
+        out, groups = [], []
         for (_, dtype, _, no_mass), entries in self.explicit.items():
             grads = _concatenated([e[1] for e in entries])
             rows = list(range(first_row + len(groups), first_row + len(groups) + len(entries)))

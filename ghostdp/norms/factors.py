@@ -179,6 +179,11 @@ class PerExampleGrad:
         factor whose norm and mass are read from them; None for the others (sq_norm and token_mass)."""
         return None
 
+    def gram_reads(self, grams) -> tuple | None:
+        """The (tensor, accumulation dtype, operand dtype) arguments of ``grams.whole`` whose Grams give
+        ``cached_norms``, or None for a factor off that path."""
+        return None
+
     def sum_dtype(self) -> torch.dtype:
         """The dtype in which the batch's clipped sum of this gradient accumulates."""
         return torch.float32
@@ -301,13 +306,18 @@ class SummedTokens(Instantiated):
         cached = self._cached(grams)
         return grams.whole(self.tokens, *cached).sum((1, 2)) if cached else super().sq_norm()
 
+    def gram_reads(self, grams):
+        """Its tokens' Gram, as its weight left it in the pass's cache, or None where there is none."""
+        cached = self._cached(grams)
+        return None if cached is None else ((self.tokens, *cached),)
+
     def cached_norms(self, grams):
         """(squared norm, squared token mass T tr(G G^T)), both (B,), from the Gram its weight left in the
         pass's cache (one lookup for both), or None where there is none."""
-        cached = self._cached(grams)
-        if cached is None:
+        reads = self.gram_reads(grams)
+        if reads is None:
             return None
-        gram, trace = grams.whole_and_trace(self.tokens, *cached)
+        gram, trace = grams.whole_and_trace(*reads[0])
         return gram.sum((1, 2)), trace * float(self.tokens.shape[1])
 
 
@@ -402,12 +412,19 @@ class OuterProduct(PerExampleGrad):
         """(squared norm, squared token mass tr(L L^T) tr(R R^T)), both (B,), on the one-tile Gram path with
         the pass's Gram cache (one lookup per side for both; what sq_norm and token_mass give), or None off
         that path."""
+        reads = self.gram_reads(grams)
+        if reads is None:
+            return None
+        left, left_trace = grams.whole_and_trace(*reads[0])
+        right, right_trace = grams.whole_and_trace(*reads[1])
+        return torch.linalg.vecdot(left.flatten(1), right.flatten(1)), left_trace * right_trace
+
+    def gram_reads(self, grams):
+        """Both sides' whole Grams (one tile) through the pass's cache, or None off that path."""
         if grams is None or self.left.shape[1] <= 1 or not self.takes_whole_gram():
             return None
         dt, cast = acc_dtype(self.left, self.right), self.operand_dtype
-        left, left_trace = grams.whole_and_trace(self.left, dt, cast)
-        right, right_trace = grams.whole_and_trace(self.right, dt, cast)
-        return torch.linalg.vecdot(left.flatten(1), right.flatten(1)), left_trace * right_trace
+        return (self.left, dt, cast), (self.right, dt, cast)
 
     def token_mass(self, grams=None):
         # sum_t |L_t| |R_t| <= |L|_F |R|_F (Cauchy-Schwarz), which bounds the entrywise sum of the terms

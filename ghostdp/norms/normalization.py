@@ -101,9 +101,9 @@ def stacked_grads(factors):
     name, parts, k = factors[0].name, [], 0
     while k < len(factors):
         first = factors[k].call.stacked if type(factors[k]) is AffineGrad else None
-        if first is None or first[1] != 0 or name not in first[0]:
+        if first is None or name not in first[0]:
             return None
-        stacked = first[0]
+        stacked = first[0]  # the run below checks that factors[k] is its row 0
         grads = stacked[name][0]
         run = factors[k:k + grads.shape[0]]
         if len(run) != grads.shape[0] or any(type(f) is not AffineGrad or f.name != name or f.call.stacked is None
