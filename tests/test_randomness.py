@@ -73,3 +73,16 @@ def test_secure_noise_reaches_every_tensor_once_with_the_right_variance():
     for t in tensors:
         assert abs(float(t.std()) / 2.0 - 1) < 0.05 and abs(float(t.mean())) < 0.1
     assert not torch.equal(tensors[0].flatten()[:20_000], tensors[1])
+
+
+def test_one_source_over_changing_layouts_draws_what_one_tensor_per_call_would():
+    # The scratch buffer's views are kept per layout; a later layout, and a scratch buffer that grows
+    # (the first call needs 12 values, the second several blocks), must not reuse stale ones.
+    layouts = [[5, 7], [NOISE_BLOCK - 3, 10, NOISE_BLOCK], [5, 7], [3, 9], [NOISE_BLOCK - 3, 10, NOISE_BLOCK]]
+    source, reference = RandomSource(seed=6), RandomSource(seed=6)
+    for sizes in layouts:
+        tensors = [torch.linspace(-1, 1, n, dtype=torch.float32) for n in sizes]
+        concatenation = torch.cat(tensors)
+        source.add_gaussian_(tensors, 0.5, divisor=3.0)
+        reference.add_gaussian_(concatenation, 0.5, divisor=3.0)
+        assert torch.equal(torch.cat(tensors), concatenation)
