@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .data import BatchTracker, collective_device, distributed_rank_and_size
-from .sharding import is_sharded, local_part
+from .sharding import local_parts
 
 
 def _wide_sum(t: torch.Tensor) -> torch.Tensor:
@@ -342,9 +342,8 @@ class DPOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # FSDP2: a sharded gradient's local part is this rank's alone; it gets its own noise (randomness.py).
-        sharded = [is_sharded(p.grad) for p in params]
-        grads = [local_part(p.grad) for p in params]
-        replicated = [p for p, s in zip(params, sharded) if not s]
+        grads, sharded = local_parts([p.grad for p in params])
+        replicated = params if sharded is None else [p for p, s in zip(params, sharded) if not s]
         # Book-keeping wrote the clipped sums itself: DDP's reducer never ran (a checkpointed book-keeping
         # step takes two passes, and DDP's reducer runs in its second: modes.mode_of_step).
         written, self._sums_written_by_mode = self._sums_written_by_mode, None
@@ -355,10 +354,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if distributed and not summed_here:
             torch._foreach_mul_(grads, self.world_size)  # DDP / FSDP averaged the ranks' clipped sums
         if std > 0:  # one noise stream over all gradients, in parameter order (randomness.py)
-            shared = [g for g, s in zip(grads, sharded) if not s]
+            shared = grads if sharded is None else [g for g, s in zip(grads, sharded) if not s]
             if shared:
                 self.random_source.add_gaussian_(shared, std, divisor)
-            if any(sharded):
+            if sharded is not None and any(sharded):
                 own = [g for g, s in zip(grads, sharded) if s]
                 self.random_source.add_gaussian_(own, std, divisor, shard_of_rank=distributed_rank_and_size()[0])
         elif divisor != 1.0:
@@ -420,13 +419,13 @@ class DPOptimizer(torch.optim.Optimizer):
         # A NaN or inf anywhere makes a tensor's 2-norm non-finite: one foreach reduction over all
         # gradients. A finite gradient above ~1e19 (float32) overflows its norm, so a non-finite norm is
         # confirmed element by element before it is reported.
-        grads = [local_part(p.grad) for p in params]
+        grads, sharded = local_parts([p.grad for p in params])
         norms = torch._foreach_norm(grads)
         if len({n.device for n in norms}) > 1:
             norms = [n.to(params[0].device) for n in norms]
         finite = bool(torch.isfinite(torch.stack(norms)).all())
         bad = [] if finite else [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
-        if self.world_size > 1 and any(is_sharded(p.grad) for p in params):
+        if self.world_size > 1 and sharded is not None and any(sharded):
             bad_somewhere = self._any_rank(bool(bad))  # one rank's shard: every rank must stop
             if bad_somewhere and not bad:
                 raise FloatingPointError("another process found a NaN or infinite clipped gradient in its shard "

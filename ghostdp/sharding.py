@@ -26,6 +26,15 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
+def local_parts(tensors) -> tuple[list, list | None]:
+    """The local part of each tensor, and which of them are sharded: a list of bools, or None where none is
+    (the common case, told by one type check a tensor instead of is_sharded's)."""
+    if all(type(t) is torch.Tensor for t in tensors):
+        return list(tensors), None
+    sharded = [is_sharded(t) for t in tensors]
+    return [t.to_local() if s else t for t, s in zip(tensors, sharded)], sharded
+
+
 def has_sharded_parameters(module: torch.nn.Module) -> bool:
     return any(is_sharded(p) for p in module.parameters())
 
