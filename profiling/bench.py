@@ -143,6 +143,22 @@ def make_step(mode, model, args, batch, library=None):
     return step
 
 
+def count_aten_ops(step) -> int:
+    """ATen operators one call of ``step`` dispatches (each op once, at the backend level)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        step()
+    return Counter.count
+
+
 def measure(args) -> dict:
     from ghostdp.memory import peak_mb_since, reset_peak
     import torch

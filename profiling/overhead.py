@@ -39,7 +39,8 @@ import importlib
 import json
 import os
 
-from profiling.bench import GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, make_step
+from profiling.bench import (GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, count_aten_ops,
+                             make_step)
 from profiling.revision import ghostdp_at
 from profiling.step_ratio import median
 
@@ -83,22 +84,6 @@ def make_floor_step(floor, model, batch):
         noise.add_gaussian_([p.grad for p in params], 1.0, float(len(labels)))
         optimizer.step()
     return step
-
-
-def count_aten_ops(step) -> int:
-    """ATen operators one call of ``step`` dispatches (each op once, at the backend level)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        step()
-    return Counter.count
 
 
 def trained_layers(model) -> list:

@@ -13,7 +13,8 @@ and opacus-ghost when Opacus is installed
 (a mode that cannot run a row is reported with its error). Within a row, every mode's step is built
 in one process and the modes alternate round by round; time is the median over rounds of each
 round's step / plain step, memory the step's working set (CUDA: peak allocated above the allocation
-before the step; CPU: peak resident above resident) over plain's. Writes suite.json and suite.png
+before the step; CPU: peak resident above resident) over plain's, and the ATen ops one step dispatches
+(the host work that bounds a small-batch GPU step: each op that is not a view launches a kernel). Writes suite.json and suite.png
 into --out and prints the table. ``--against REF`` adds columns ghost@REF and bookkeeping@REF, trained
 with git revision REF's ghostdp in the same rounds (see profiling.step_ratio).
 """
@@ -27,7 +28,7 @@ import os
 import time
 
 from ghostdp.memory import peak_mb_since, reset_peak
-from profiling.bench import GHOSTDP_MODES, available, build_model, make_step, weight_dtype
+from profiling.bench import GHOSTDP_MODES, available, build_model, count_aten_ops, make_step, weight_dtype
 from profiling.revision import ghostdp_at
 from profiling.step_ratio import median
 
@@ -72,7 +73,9 @@ def _working_set(step, device) -> tuple[float, float]:
 
 
 def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
-    """{mode: {"ms", "ratio", "mb", "mem_ratio"} or {"error"}} for one row, modes interleaved.
+    """{mode: {"ms", "ratio", "mb", "mem_ratio", "aten_ops"} or {"error"}} for one row, modes interleaved.
+    ``aten_ops``: the ATen ops one step dispatches, counted in one more step after the rounds (host work: on a
+    GPU each one that is not a view launches a kernel).
     ``libraries``: {column: (mode, ghostdp package)} for columns trained with another revision's ghostdp."""
     import torch
     torch.manual_seed(0)
@@ -101,7 +104,7 @@ def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
                 memory[mode].append(mb)
     plain = times.get("plain")
     for mode in steps:
-        row = {"ms": 1e3 * median(times[mode]), "mb": median(memory[mode])}
+        row = {"ms": 1e3 * median(times[mode]), "mb": median(memory[mode]), "aten_ops": count_aten_ops(steps[mode])}
         if plain:
             row["ratio"] = median([t / p for t, p in zip(times[mode], plain)])
             plain_mb = median(memory["plain"])
@@ -117,18 +120,18 @@ def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
 
 def print_table(results, modes):
     width = max(len(name) for name in results) + 2
-    print(f"{'configuration':<{width}}" + "".join(f"{m:>24}" for m in modes))
+    print(f"{'configuration':<{width}}" + "".join(f"{m:>34}" for m in modes))
     for name, row in results.items():
         cells = []
         for mode in modes:
             r = row.get(mode, {"error": "not run"})
             if "error" in r:
-                cells.append(f"{'failed':>24}")
+                cells.append(f"{'failed':>34}")
             elif mode == "plain":
-                cells.append(f"{r['ms']:>10.1f} ms, {r['mb']:>7.0f} MB")
+                cells.append(f"{r['ms']:>10.1f} ms, {r['mb']:>7.0f} MB, {r['aten_ops']:>6} ops")
             else:
                 memory = f"{r['mem_ratio']:>6.2f}x" if r["mem_ratio"] is not None else f"{'-':>7}"
-                cells.append(f"{r['ratio']:>13.2f}x, {memory}")
+                cells.append(f"{r['ratio']:>13.2f}x, {memory}, {r['aten_ops']:>6} ops")
         print(f"{name:<{width}}" + "".join(cells))
     for name, row in results.items():
         for mode, r in row.items():
@@ -186,7 +189,8 @@ def main(argv=None):
         results[name] = measure_row(row_args, modes, args.rounds, args.warmup, libraries)
         print(f"  measured '{name}' ({time.perf_counter() - started:.0f} s so far)", flush=True)
     print(f"ghostdp suite on {args.device}{' (tiny rows)' if args.tiny else ''}; {args.rounds} interleaved rounds "
-          "per row; time: median of per-round ratios to plain; memory: the step's working set over plain's")
+          "per row; time: median of per-round ratios to plain; memory: the step's working set over plain's; "
+          "ops: ATen ops one step dispatches")
     print_table(results, modes)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "suite.json"), "w") as f:
