@@ -167,6 +167,12 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
     """The squared norms and token masses of ``factors``, in batches where their kinds allow. With
     ``deferred`` (a deferred.DeferredGrams) and ``groups`` (the clipping group of each factor), a layer reduced
     alone through the pass's Gram cache leaves its Grams there instead (their rows are not in the result)."""
+    # One layer's factors, as the queue holds them where every layer is reduced alone (a GPU at BERT-base sizes):
+    # what the partition below would do with them, directly.
+    if grams is not None and _one_whole_gram_layer(factors):
+        return _reduce_alone(factors, range(len(factors)), grams, deferred, groups)
+    if _one_layer_norm_call(factors):
+        return _layer_norm_batch(factors, list(range(len(factors))), deferred, groups)
     by_gram, by_product, by_shape, by_layer_norm, alone = _partition(factors)
     out = []
     for rows in by_layer_norm.values():
@@ -185,7 +191,29 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
     for rows in by_shape.values():
         out.append(_instantiated_batch([factors[r] for r in rows], rows))
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
-    for r in alone:
+    out.extend(_reduce_alone(factors, alone, grams, deferred, groups))
+    return out
+
+
+def _one_whole_gram_layer(factors) -> bool:
+    """Whether ``factors`` are one weight on the whole-Gram path, alone or with a bias after it (SummedTokens),
+    which the partition sends, bias included, to _reduce_alone in that order."""
+    return (0 < len(factors) <= 2 and type(factors[0]) is OuterProduct and _gram_key(factors[0]) is not None
+            and (len(factors) == 1 or type(factors[1]) is SummedTokens))
+
+
+def _one_layer_norm_call(factors) -> bool:
+    """Whether ``factors`` are the parameters of one LayerNorm call not yet formed (the partition's by_layer_norm)."""
+    first = factors[0] if factors else None
+    return (type(first) is AffineGrad and first.call.stacked is None
+            and all(type(f) is AffineGrad and f.call is first.call for f in factors))
+
+
+def _reduce_alone(factors, rows, grams, deferred, groups) -> list[Reduced]:
+    """The factors at ``rows`` reduced one at a time, in that order: their Grams left to ``deferred`` where it
+    takes them, else from the pass's Gram cache, else as sq_norm and token_mass give them."""
+    out = []
+    for r in rows:
         f = factors[r]
         if deferred is not None and deferred.take(f, grams, groups[r]):
             continue
