@@ -81,7 +81,10 @@ class _ModelTree:
         self.fresh = True
 
     def unchanged(self) -> bool:
-        return all(container.get(key) is obj for container, key, obj in self.entries)
+        for container, key, obj in self.entries:  # a loop, not all() over a generator: every step, ~400 entries
+            if container.get(key) is not obj:
+                return False
+        return True
 
 
 class PrivacyStepError(RuntimeError):

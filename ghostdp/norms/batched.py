@@ -408,7 +408,7 @@ def spaced_view(parts, pattern: tuple, traces: bool):
     steps forward (strided) or are one row repeated (expanded: an input shared by several layers); else None."""
     first, k = pattern[0], len(pattern)
     step = pattern[1] - first if k > 1 else 1
-    if step < 0 or pattern != tuple(first + step * j for j in range(k)):
+    if step < 0 or pattern != (tuple(range(first, first + step * k, step)) if step else (first,) * k):
         return None
     for part in parts:
         if part.start <= first and pattern[-1] < part.start + part.gram.shape[0]:
