@@ -153,7 +153,14 @@ class PassOne:
     def _receive_named(self, losses, probes, named, cotangent, retain):
         """One backward towards the probes and the named calls' edges, during which the captured calls' pre-hooks
         hand their G over as their nodes run (``arrive``); then each named call not received so is received
-        from the backward's result (and that G dropped once received)."""
+        from the backward's result (and that G dropped once received).
+
+        The backward returns every named G at once, so reducing the norm queue after each layer too large to
+        stack would free nothing that was not alive at their start: those layers wait for the others
+        (``NormPass.queue_held``, batched.NormQueue.full) and the queue is reduced after them, instead of some 70
+        reductions of one layer each, each with its own Python (book-keeping on a GPU at BERT-base sizes). What
+        they form stays bounded: each is reduced alone, DeferredGrams takes their Grams' products whenever it
+        fills its budget, and stackable factors still fill the queue's bound as before."""
         passed = self.current
         passed.delivers_by_hooks = True
         try:
@@ -161,10 +168,16 @@ class PassOne:
         finally:
             passed.delivers_by_hooks = False
         self._receive_arrived()
-        for k, call in enumerate(named, start=len(probes)):
-            grad, grads[k] = grads[k], None
-            if grad is not None and id(call) not in passed.captured_received:
-                self.receive_captured(call, grad)
+        passed.queue_held = True
+        try:
+            for k, call in enumerate(named, start=len(probes)):
+                grad, grads[k] = grads[k], None
+                if grad is not None and id(call) not in passed.captured_received:
+                    self.receive_captured(call, grad)
+        finally:
+            passed.queue_held = False
+        if passed.queue.full():
+            self._reduce_queue()
 
     def receive(self, call, slot, grad):
         """One output grad of a recorded call: from its probe (probe.py); captured (capture.py), from pass 1's
@@ -247,7 +260,7 @@ class PassOne:
         call.grads, call.inputs, call.done = (), (), True
         if not self.current.reentrant:  # the audit of a reentrant region reads them when its backward is done
             call.edges = ()
-        if self.current.queue.full():
+        if self.current.queue.full(held=self.current.queue_held):
             self._reduce_queue()
 
     def _factors(self, call, B):

@@ -100,6 +100,7 @@ class NormPass:
         self.arrived = []                 # (call, G) from pre-hooks, to receive once the backward is done
         self.arrived_elements = 0         # (PassOne.arrive)
         self.captured_only = False        # a second backward for captured calls only (PassOne._backward_to_outputs)
+        self.queue_held = False           # calls received without reducing the queue (PassOne._receive_named)
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
         # Factors of single-use parameters, reduced in batches; what layers reduced alone leave, reduced together.
         self.queue = NormQueue(self.grams, DeferredGrams())

@@ -123,27 +123,36 @@ class NormQueue:
         # The device's budget is looked up only for a factor that could exceed it (per-call host work).
         if held > _smallest_budget() and held > stack_budget(device_of(factor)):
             self.large = True  # nothing to batch it with: holding it longer would only cost memory
+        else:
+            self.elements += held  # what a batched reduction would stack (a large factor is reduced alone)
         self.factors.append(factor)
         self.groups.append(group)
-        self.elements += held
 
-    def full(self) -> bool:
-        """Whether the queue holds QUEUE_ELEMENTS or a factor too large to stack: reduce it (after the
-        last factor of a layer call, so that a bias is reduced with its weight)."""
-        return self.large or self.elements >= QUEUE_ELEMENTS
+    def full(self, held: bool = False) -> bool:
+        """Whether the queue holds QUEUE_ELEMENTS of factors to stack, or a factor too large to stack: reduce
+        it (after the last factor of a layer call, so that a bias is reduced with its weight). ``held``: the
+        factors' tensors stay alive anyway (the output grads a backward returned at once, PassOne._receive_named),
+        so a factor too large to stack waits for the others (it is reduced alone, its Grams kept in bounds by
+        DeferredGrams)."""
+        return (self.large and not held) or self.elements >= QUEUE_ELEMENTS
 
     def reduce(self, final: bool = False) -> tuple[list[Reduced], list[int]]:
         """The reductions of the queued factors and the clipping group of each of their rows; empties the
-        queue. Layers reduced alone leave their Grams in ``deferred``, whose products are taken once they
-        fill half a stack budget, or with ``final`` (the end of the pass); their rows follow the queue's."""
+        queue. Layers reduced alone leave their Grams in ``deferred``, whose products are taken whenever they
+        fill half a stack budget, and with ``final`` (the end of the pass); their rows follow the queue's."""
         factors, groups = self.factors, self.groups
         self.factors, self.groups, self.elements, self.large = [], [], 0, False
-        out = reduce_factors(factors, self.grams, self.deferred, groups)
+        deferred_groups = []  # the clipping groups of the rows the deferred products add, after the queue's
+
+        def flush(final_flush: bool) -> list[Reduced]:
+            done, flushed = self.deferred.reduce(first_row=len(groups) + len(deferred_groups), final=final_flush)
+            deferred_groups.extend(flushed)
+            return done
+
+        out = reduce_factors(factors, self.grams, self.deferred, groups, flush if self.deferred is not None else None)
         if self.deferred is not None and self.deferred.holds():
-            done, deferred_groups = self.deferred.reduce(first_row=len(groups), final=final)
-            out.extend(done)
-            groups = groups + deferred_groups
-        return out, groups
+            out.extend(flush(final))
+        return out, groups + deferred_groups
 
     def pending(self) -> bool:
         """Whether factors or deferred Grams wait for their norms."""
@@ -163,14 +172,15 @@ def _held_elements(factor) -> int:
     return 0
 
 
-def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Reduced]:
+def reduce_factors(factors, grams=None, deferred=None, groups=None, flush=None) -> list[Reduced]:
     """The squared norms and token masses of ``factors``, in batches where their kinds allow. With
     ``deferred`` (a deferred.DeferredGrams) and ``groups`` (the clipping group of each factor), a layer reduced
-    alone through the pass's Gram cache leaves its Grams there instead (their rows are not in the result)."""
+    alone through the pass's Gram cache leaves its Grams there instead (their rows are not in the result), and
+    ``flush(False)`` gives the reductions of the Grams held whenever they fill its budget."""
     # One layer's factors, as the queue holds them where every layer is reduced alone (a GPU at BERT-base sizes):
     # what the partition below would do with them, directly.
     if grams is not None and _one_whole_gram_layer(factors):
-        return _reduce_alone(factors, range(len(factors)), grams, deferred, groups)
+        return _reduce_alone(factors, range(len(factors)), grams, deferred, groups, flush)
     if _one_layer_norm_call(factors):
         return _layer_norm_batch(factors, list(range(len(factors))), deferred, groups)
     by_gram, by_product, by_shape, by_layer_norm, alone = _partition(factors)
@@ -178,8 +188,8 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
     for rows in by_layer_norm.values():
         out.extend(_layer_norm_batch([factors[r] for r in rows], rows, deferred, groups))
     for rows in by_gram.values():
-        if grams is not None and sum(type(factors[r]) is OuterProduct for r in rows) == 1:
-            # One layer (on a GPU, where a layer's tensors are too large to stack, every layer): alone, with
+        if grams is not None and _reduced_alone([factors[r] for r in rows]):
+            # One layer, or layers too large to stack (on a GPU at BERT-base sizes, every layer): alone, each with
             # its bias, through the pass's Gram cache, which a shared input's next layers read too.
             alone.extend(rows)
             continue
@@ -191,8 +201,15 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None) -> list[Redu
     for rows in by_shape.values():
         out.append(_instantiated_batch([factors[r] for r in rows], rows))
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
-    out.extend(_reduce_alone(factors, alone, grams, deferred, groups))
+    out.extend(_reduce_alone(factors, alone, grams, deferred, groups, flush))
     return out
+
+
+def _reduced_alone(gram_batch) -> bool:
+    """Whether the weights (and biases) of a Gram batch are reduced one layer at a time: one weight, or a weight
+    whose sides exceed a stack budget (stacked with the others, all their Grams would be held at once)."""
+    weights = [f for f in gram_batch if type(f) is OuterProduct]
+    return len(weights) == 1 or any(_held_elements(f) > stack_budget(f.left.device) for f in weights)
 
 
 def _one_whole_gram_layer(factors) -> bool:
@@ -209,12 +226,15 @@ def _one_layer_norm_call(factors) -> bool:
             and all(type(f) is AffineGrad and f.call is first.call for f in factors))
 
 
-def _reduce_alone(factors, rows, grams, deferred, groups) -> list[Reduced]:
+def _reduce_alone(factors, rows, grams, deferred, groups, flush=None) -> list[Reduced]:
     """The factors at ``rows`` reduced one at a time, in that order: their Grams left to ``deferred`` where it
-    takes them, else from the pass's Gram cache, else as sq_norm and token_mass give them."""
+    takes them (``flush`` called before a weight where they fill its budget), else from the pass's Gram cache,
+    else as sq_norm and token_mass give them."""
     out = []
     for r in rows:
         f = factors[r]
+        if flush is not None and type(f) is OuterProduct and deferred.full():  # between layers: a bias's Gram
+            out.extend(flush(False))                                       # stays with its weight's
         if deferred is not None and deferred.take(f, grams, groups[r]):
             continue
         both = f.cached_norms(grams)

@@ -46,6 +46,10 @@ class DeferredGrams:
     def holds(self) -> bool:
         return bool(self.weights or self.biases or self.explicit)
 
+    def full(self) -> bool:
+        """Whether the Grams held fill their budget (``reduce`` then takes their products)."""
+        return self.key is not None and self.elements >= _deferred_budget(self.device)
+
     def take_explicit(self, group, grads, mass) -> None:
         """Keeps the (1, B, n) per-example gradients of a parameter formed alone (a LayerNorm's weight or bias:
         its vecdot otherwise costs a few ops of its own) and its (1, B) token mass or None."""
@@ -93,7 +97,7 @@ class DeferredGrams:
         stack budget, the gradients likewise, both with ``final``; those reduced are dropped."""
         out, groups = [], []
         budget = _deferred_budget(self.device)
-        if self.key is not None and (final or self.elements >= budget):
+        if self.key is not None and (final or self.full()):
             out, groups = self._gram_rows(first_row)
             self.weights, self.biases, self.held, self.elements, self.key = [], [], set(), 0, None
         if self.explicit and (final or self.explicit_elements >= budget):

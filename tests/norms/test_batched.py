@@ -420,3 +420,22 @@ def test_bert_reduced_one_layer_at_a_time_is_exact(monkeypatch):
     assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
                        classification_loss(torch.randint(0, 3, (examples,))), examples)
     assert sum(taken) > 10
+
+
+def test_book_keeping_reduces_the_named_layers_once_after_the_backward_with_deferred_grams_in_bounds(monkeypatch):
+    """Book-keeping's pass 1 returns every named layer's G at once. Where each layer is too large to stack (a
+    GPU at BERT-base sizes), the queue waits for all of them and reduces them in one reduction, each layer
+    alone, instead of one reduction per layer; DeferredGrams still takes the products of its Grams whenever
+    they fill its budget (pairs of layers here), within that one reduction. The norms are unchanged."""
+    model, x = _layer_stack(width=32, depth=5)  # T (d + p) < d p: the Gram path; Grams (B, T, T) << (B, T, d)
+    whole = _norms(model, x, "bookkeeping")
+    weights_per_reduction, flushes = [], []
+    reduce_factors, gram_rows = batched.reduce_factors, deferred.DeferredGrams._gram_rows
+    monkeypatch.setattr(batched, "reduce_factors", lambda factors, *a: weights_per_reduction.append(
+        sum(type(f) is OuterProduct for f in factors)) or reduce_factors(factors, *a))
+    monkeypatch.setattr(deferred.DeferredGrams, "_gram_rows",
+                        lambda self, first_row: flushes.append(len(self.weights)) or gram_rows(self, first_row))
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 8 * B * T * T})  # < x and G of a layer; 2 layers' Grams
+    torch.testing.assert_close(_norms(model, x, "bookkeeping"), whole, rtol=1e-12, atol=0)
+    assert [n for n in weights_per_reduction if n] == [5]  # one reduction for the five Linear layers
+    assert sum(flushes) == 5 and max(flushes) == 2 and len(flushes) == 3
