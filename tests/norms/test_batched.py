@@ -439,3 +439,26 @@ def test_book_keeping_reduces_the_named_layers_once_after_the_backward_with_defe
     torch.testing.assert_close(_norms(model, x, "bookkeeping"), whole, rtol=1e-12, atol=0)
     assert [n for n in weights_per_reduction if n] == [5]  # one reduction for the five Linear layers
     assert sum(flushes) == 5 and max(flushes) == 2 and len(flushes) == 3
+
+
+def test_named_layers_reduced_together_keep_each_rows_clipping_group(monkeypatch):
+    """Per-group clipping through the same one reduction (and its flushes between layers): each layer's norm
+    lands in its own group, as with the default budgets."""
+    model, x = _layer_stack(width=32, depth=5)
+    groups = [list(model[:2].parameters()), list(model[2:].parameters())]
+
+    def group_norms():
+        controller = ghostdp.GhostClipping(model, [1.0, 2.0], clipping="bookkeeping", parameter_groups=groups)
+        try:
+            controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
+            return controller.last_group_norms
+        finally:
+            controller.detach()
+
+    whole = group_norms()
+    weights_per_reduction, reduce_factors = [], batched.reduce_factors
+    monkeypatch.setattr(batched, "reduce_factors", lambda factors, *a: weights_per_reduction.append(
+        sum(type(f) is OuterProduct for f in factors)) or reduce_factors(factors, *a))
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 8 * B * T * T})
+    torch.testing.assert_close(group_norms(), whole, rtol=1e-12, atol=0)
+    assert [n for n in weights_per_reduction if n] == [5] and not torch.equal(whole[0], whole[1])
