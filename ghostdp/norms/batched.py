@@ -198,8 +198,10 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None, flush=None) 
         if len(rows) == 1 and deferred is not None and deferred.take_product(factors[rows[0]], groups[rows[0]]):
             continue
         out.extend(_product_batch([factors[r] for r in rows], rows))
-    for rows in by_shape.values():
-        out.append(_instantiated_batch([factors[r] for r in rows], rows))
+    for rows in by_shape.values():  # stacks of at most a stack budget: a larger gradient is reduced alone, uncopied
+        budget = stack_budget(factors[rows[0]].grads.device)
+        for run in within_budget(rows, [factors[r].grads.numel() for r in rows], budget):
+            out.append(_instantiated_batch([factors[r] for r in run], run))
     alone.sort()  # queue order: a weight forms its output grad's Gram before its bias reads it
     out.extend(_reduce_alone(factors, alone, grams, deferred, groups, flush))
     return out
@@ -491,10 +493,10 @@ def _product_batch(factors, rows) -> list[Reduced]:
 
 def _instantiated_batch(factors, rows) -> Reduced:
     """Explicit per-example gradients of one shape: (k, B, n) stacked, k dot products per example."""
-    grads = torch.stack([f.grads for f in factors])
+    grads = stacked([f.grads for f in factors])
     dt = acc_dtype(grads)
     g = grads.reshape(len(factors), grads.shape[1], -1).to(dt)
     sq = torch.linalg.vecdot(g, g)
     if factors[0].mass is None:
         return Reduced(rows, sq, None, None)
-    return Reduced(rows, sq, torch.stack([f.mass for f in factors]), dt)
+    return Reduced(rows, sq, stacked([f.mass for f in factors]), dt)

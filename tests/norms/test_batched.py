@@ -462,3 +462,23 @@ def test_named_layers_reduced_together_keep_each_rows_clipping_group(monkeypatch
     monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 8 * B * T * T})
     torch.testing.assert_close(group_norms(), whole, rtol=1e-12, atol=0)
     assert [n for n in weights_per_reduction if n] == [5] and not torch.equal(whole[0], whole[1])
+
+
+def test_explicit_gradients_are_stacked_within_the_stack_budget(monkeypatch):
+    """Explicit per-example gradients of one shape are stacked in runs of at most STACK_ELEMENTS (one above it
+    is reduced alone, uncopied), as every other batch is: the queue may hold several large ones at once
+    (book-keeping's named layers wait for each other)."""
+    g = torch.Generator().manual_seed(3)
+    factors = [Instantiated(torch.randn(B, 40, generator=g, dtype=torch.float64), mass=torch.rand(B, generator=g,
+                                                                                                     dtype=torch.float64))
+               for _ in range(3)]
+    rows_per_reduction = {}
+    for budget in (1 << 16, 2 * B * 40, B * 40 - 1):
+        monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": budget})
+        done = batched.reduce_factors(factors)
+        rows_per_reduction[budget] = [d.rows for d in done]
+        for d in done:
+            for k, r in enumerate(d.rows):
+                torch.testing.assert_close(d.sq[k], factors[r].sq_norm(), rtol=1e-12, atol=0)
+                torch.testing.assert_close(d.masses()[k], factors[r].mass, rtol=0, atol=0)
+    assert rows_per_reduction == {1 << 16: [[0, 1, 2]], 2 * B * 40: [[0, 1], [2]], B * 40 - 1: [[0], [1], [2]]}
