@@ -42,7 +42,7 @@ import os
 from profiling.bench import (GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, count_aten_ops,
                              make_step)
 from profiling.revision import ghostdp_at
-from profiling.step_ratio import median
+from profiling.step_ratio import median, round_order
 
 
 FLOORS = ("noise floor", "two-pass floor")
@@ -123,7 +123,7 @@ def measure(args, freeze_embeddings: bool, against=None) -> dict:
     ops = {mode: count_aten_ops(step) for mode, step in steps.items()}
     times = {mode: [] for mode in steps}
     for round_ in range(args.warmup + args.rounds):
-        for mode, step in steps.items():
+        for mode, step in round_order(steps, round_):
             start = time.perf_counter()
             step()
             if round_ >= args.warmup:

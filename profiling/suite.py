@@ -30,7 +30,7 @@ import time
 from ghostdp.memory import peak_mb_since, reset_peak
 from profiling.bench import GHOSTDP_MODES, available, build_model, count_aten_ops, make_step, weight_dtype
 from profiling.revision import ghostdp_at
-from profiling.step_ratio import median
+from profiling.step_ratio import median, round_order
 
 BERT = dict(model="bert", layers=12, hidden=768, heads=12, vocab=30522, seq=128, dtype="bf16")
 ROWS = [
@@ -97,7 +97,7 @@ def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
     times = {mode: [] for mode in steps}
     memory = {mode: [] for mode in steps}
     for round_ in range(warmup + rounds):
-        for mode, step in steps.items():
+        for mode, step in round_order(steps, round_):
             seconds, mb = _working_set(step, device)
             if round_ >= warmup:
                 times[mode].append(seconds)
