@@ -1,4 +1,6 @@
 """Every norm rule against the per-example loop, float64, every example clipped and none clipped."""
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -97,6 +99,40 @@ def test_normalization_layers(layer, shape):
         for p in m.parameters():
             p.add_(torch.randn_like(p))
     check_module(m, torch.randn(*shape))
+
+
+@pytest.mark.parametrize("layer,shape", [
+    (lambda: nn.LayerNorm(6), (4, 11, 6)),
+    (lambda: nn.LayerNorm((3, 6)), (4, 5, 3, 6)),  # positions over one dim before the normalised ones
+    (lambda: nn.LayerNorm(6), (4, 3, 5, 6)),       # over two: runs of the first
+])
+def test_layer_norm_above_the_element_budget_is_formed_over_runs_of_positions(monkeypatch, layer, shape):
+    """A LayerNorm whose xhat would exceed ELEMENT_BUDGET forms xhat and G * xhat over runs of positions (at
+    the Fast Gradient Clipping post's set-up two float32 temporaries as large as the input): exact against the
+    per-example loop, and the same gradients and token masses as formed at once."""
+    from ghostdp.norms import normalization
+    torch.manual_seed(2)
+    m = layer().double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p))
+    x, G = torch.randn(*shape, dtype=torch.float64), torch.randn(*shape, dtype=torch.float64)
+
+    def formed():
+        call = normalization.LayerNormCall(x, G, m.normalized_shape, m.eps, {"weight", "bias"})
+        return normalization.form_layer_norms([call])
+
+    whole = formed()
+    normalizations = []
+    layer_norm = normalization.F.layer_norm
+    monkeypatch.setattr(normalization, "ELEMENT_BUDGET", x.numel() // 3)
+    monkeypatch.setattr(normalization.F, "layer_norm", lambda *a, **k: normalizations.append(a[0].shape) or
+                        layer_norm(*a, **k))
+    for name, (grads, mass) in formed().items():
+        torch.testing.assert_close(grads, whole[name][0], rtol=1e-12, atol=0)
+        torch.testing.assert_close(mass, whole[name][1], rtol=1e-12, atol=0)
+    assert len(normalizations) >= 3 and all(math.prod(s) <= x.numel() // 3 for s in normalizations)
+    check_module(m, torch.randn(*shape, dtype=torch.float64))
 
 
 def test_transformers_rms_norms_have_a_rule_and_are_exact():

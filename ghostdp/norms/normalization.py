@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .factors import Instantiated, acc_dtype, summed_positions_mass
+from .factors import ELEMENT_BUDGET, Instantiated, acc_dtype, summed_positions_mass
 from .registry import qualified_name, register_norm_rule
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -80,18 +80,57 @@ class LayerNormCall:
 
 def form_layer_norms(calls):
     """Forms the gradients of LayerNorm calls of one ``batch_key``, stacked: {name: ((k, B, *shape) grads,
-    (k, B) masses)}. xhat = (x - mean) / sqrt(var + eps) over the normalised dims is one fused op for all."""
+    (k, B) masses)}. xhat = (x - mean) / sqrt(var + eps) over the normalised dims is one fused op for all;
+    where xhat and G * xhat would exceed ELEMENT_BUDGET, over runs of positions (_token_runs)."""
     first = calls[0]
     x = first.x.unsqueeze(0) if len(calls) == 1 else torch.stack([c.x for c in calls])
     G = first.G.unsqueeze(0) if len(calls) == 1 else torch.stack([c.G for c in calls])
-    xhat = F.layer_norm(x, first.normalized_shape, eps=first.eps)
     reduce_dims = tuple(d + 1 for d in _leading_dims(first.x, len(first.normalized_shape)))
-    stacked = {n: (f.grads, f.mass) for n, f in _affine_grads(xhat, G, first.trainable, reduce_dims,
-                                                               example_dims=2).items()}
+    runs = _token_runs(x, reduce_dims)
+    if runs is None:
+        xhat = F.layer_norm(x, first.normalized_shape, eps=first.eps)
+        stacked = {n: (f.grads, f.mass) for n, f in _affine_grads(xhat, G, first.trainable, reduce_dims,
+                                                                   example_dims=2).items()}
+    else:
+        stacked = _affine_grads_by_runs(x, G, first, reduce_dims, runs)
     for k, call in enumerate(calls):  # a call's own row is picked only if it is read alone (LayerNormCall.form)
         call.stacked = (stacked, k)
         call.x = call.G = None  # only the (B, d) gradients are kept (book-keeping holds them to the end)
     return stacked
+
+
+def _token_runs(x, reduce_dims):
+    """Slices of the first position dim (``reduce_dims[0]``) whose xhat stays within ELEMENT_BUDGET elements, or
+    None where all of x does (or it has no position dim): a LayerNorm of a large batch would otherwise hold two
+    float32 temporaries as large as its input (xhat and G * xhat: at the Fast Gradient Clipping post's set-up,
+    BERT-base fp32 at B=2048, 1.6 GB)."""
+    if not reduce_dims or x.numel() <= ELEMENT_BUDGET:
+        return None
+    dim = reduce_dims[0]
+    length = x.shape[dim]
+    step = max(1, length * ELEMENT_BUDGET // x.numel())
+    return [slice(lo, min(lo + step, length)) for lo in range(0, length, step)] if step < length else None
+
+
+def _affine_grads_by_runs(x, G, call, reduce_dims, runs):
+    """What ``_affine_grads`` gives for the weight and bias of stacked LayerNorm calls, with xhat and G * xhat
+    formed over ``runs`` of the first position dim: the sums over positions add up run by run, and the weight's
+    token mass sqrt(positions) |G * xhat|_F from the runs' squared norms. The bias reads G in place."""
+    dim, dt = reduce_dims[0], acc_dtype(x, G)
+    positions = math.prod(G.shape[d] for d in reduce_dims)
+    out = {}
+    if "weight" in call.trainable:
+        total = squares = None
+        for run in runs:
+            index = (slice(None),) * dim + (run,)
+            terms = G[index] * F.layer_norm(x[index], call.normalized_shape, eps=call.eps)
+            part = terms.sum(reduce_dims, dtype=dt)
+            square = torch.linalg.vector_norm(terms, dim=tuple(range(2, terms.dim())), dtype=dt).square()
+            total, squares = (part, square) if total is None else (total + part, squares + square)
+        out["weight"] = (total, squares.sqrt() * math.sqrt(positions) if positions > 1 else None)
+    if "bias" in call.trainable:
+        out["bias"] = (G.sum(reduce_dims, dtype=dt), summed_positions_mass(G, positions, dt, example_dims=2))
+    return out
 
 
 def stacked_grads(factors):
