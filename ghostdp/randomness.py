@@ -70,7 +70,7 @@ class RandomSource:
         # shared across ranks, where each rank's copy of a parameter lives on its own device.
         self.shared_across_ranks = False
         self._scratch = {}
-        self._pieces = {}  # (scratch, layout) -> the scratch's views per block (_scratch_pieces)
+        self._pieces = {}  # (id(scratch), layout) -> the scratch's views per block (_scratch_pieces)
         self._generators = {}
         if noise_generator is not None:
             if not isinstance(noise_generator, torch.Generator):
@@ -189,11 +189,11 @@ class RandomSource:
                 add_block(block, block.sources(noise))
             return
         block_size = NOISE_BLOCK if cpu else ACCELERATOR_NOISE_BLOCK
-        total = blocks_total(shapes)
+        blocks = noise_blocks(shapes, block_size)
+        total = sum(block.size for block in blocks)
         parallel = cpu and total > block_size and not self._user_generator
         streams = CPU_NOISE_STREAMS if parallel else 1
         generators = [self._generator(device, first_stream + k) for k in range(streams)]
-        blocks = noise_blocks(shapes, block_size)
 
         def fill(stream):
             scratch = self._scratch_buffer(device, dtype, stream, min(total, block_size))
@@ -211,19 +211,19 @@ class RandomSource:
     def _scratch_pieces(self, scratch, shapes, block_size):
         """For each noise block of a concatenation of tensors of ``shapes``, the views of ``scratch`` that its
         tensors take: built once per scratch buffer and layout (about 200 views a step for a BERT)."""
-        key = (id(scratch), shapes, block_size)
-        found = self._pieces.get(key)
-        if found is None or found[0] is not scratch:
+        key = (id(scratch), shapes, block_size)  # a buffer's entries go when it is replaced (_scratch_buffer)
+        pieces = self._pieces.get(key)
+        if pieces is None:
             if len(self._pieces) >= MAX_NOISE_LAYOUTS:
                 self._pieces.clear()
-            found = self._pieces[key] = (scratch, [b.sources(scratch) for b in noise_blocks(shapes, block_size)])
-        return found[1]
+            pieces = self._pieces[key] = [b.sources(scratch) for b in noise_blocks(shapes, block_size)]
+        return pieces
 
     def _scratch_buffer(self, device, dtype, stream, size):
         scratch = self._scratch.get((device, dtype, stream))
         if scratch is None or scratch.numel() < size:
             if scratch is not None:  # its views would keep the replaced buffer alive
-                self._pieces = {key: found for key, found in self._pieces.items() if found[0] is not scratch}
+                self._pieces = {key: views for key, views in self._pieces.items() if key[0] != id(scratch)}
             scratch = torch.empty(size, device=device, dtype=dtype)
             self._scratch[(device, dtype, stream)] = scratch
         return scratch
@@ -272,10 +272,6 @@ class NoiseBlock(NamedTuple):
         """The block's values ``noise`` split into its pieces, each shaped as the part of its tensor it covers
         (a whole tensor is added to as it is, without a flat view of it)."""
         return [noise[a:b] if shape is None else noise[a:b].view(shape) for _, _, _, shape, a, b in self.pieces]
-
-
-def blocks_total(shapes) -> int:
-    return sum(shape.numel() for shape in shapes)
 
 
 @functools.lru_cache(maxsize=64)
