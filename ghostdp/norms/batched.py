@@ -452,13 +452,14 @@ def _layer_norm_batch(factors, rows, deferred=None, groups=None) -> list[Reduced
     out = []
     for run in within_budget(calls, [c.x.numel() + c.G.numel() for c in calls], budget):
         slot = {id(c): k for k, c in enumerate(run)}
-        for name, (grads, mass) in form_layer_norms(run).items():
+        alone = deferred is not None and len(run) == 1  # its masses are scaled with the others DeferredGrams holds
+        for name, (grads, mass) in form_layer_norms(run, scale_masses=not alone).items():
             named = [(r, slot[id(f.call)]) for r, f in zip(rows, factors) if f.name == name and id(f.call) in slot]
             if not named:
                 continue
             g = grads.reshape(len(run), grads.shape[1], -1)
-            if deferred is not None and len(run) == 1:  # (1, B, n) gradients and (1, B) masses: one row each
-                deferred.take_explicit(groups[named[0][0]], g, mass)
+            if alone:  # (1, B, n) gradients and (1, B) masses: one row each
+                deferred.take_explicit(groups[named[0][0]], g, mass, run[0].mass_scale)
                 continue
             sq = torch.linalg.vecdot(g, g)
             picked = [k for _, k in named]

@@ -36,7 +36,7 @@ class DeferredGrams:
         self.biases = []        # (clipping group, tokens' Gram)
         self.held = set()       # ids of the distinct Grams held
         # (1, B, n) explicit gradients of parameters formed alone (LayerNorms), whose squared norms wait too:
-        # (shape, dtype, device, without mass) -> [(clipping group, gradients, (1, B) mass or None)]
+        # (shape, dtype, device, without mass, mass scale) -> [(clipping group, gradients, (1, B) mass or None)]
         self.explicit = {}
         self.elements = 0       # the elements of the Grams held
         self.explicit_elements = 0
@@ -50,10 +50,11 @@ class DeferredGrams:
         """Whether the Grams held fill their budget (``reduce`` then takes their products)."""
         return self.key is not None and self.elements >= _deferred_budget(self.device)
 
-    def take_explicit(self, group, grads, mass) -> None:
+    def take_explicit(self, group, grads, mass, mass_scale=1.0) -> None:
         """Keeps the (1, B, n) per-example gradients of a parameter formed alone (a LayerNorm's weight or bias:
-        its vecdot otherwise costs a few ops of its own) and its (1, B) token mass or None."""
-        key = (grads.shape, grads.dtype, grads.device, mass is None)
+        its vecdot otherwise costs a few ops of its own) and its (1, B) token mass or None, still to be
+        multiplied by ``mass_scale`` (a LayerNorm's sqrt(positions): one op for all masses of one scale)."""
+        key = (grads.shape, grads.dtype, grads.device, mass is None, mass_scale)
         self.explicit.setdefault(key, []).append((group, grads, mass))
         self.explicit_elements += grads.numel()
         self.device = grads.device
@@ -110,11 +111,13 @@ class DeferredGrams:
 
     def _explicit_rows(self, first_row: int) -> tuple[list[Reduced], list[int]]:
         out, groups = [], []
-        for (_, dtype, _, no_mass), entries in self.explicit.items():
+        for (_, dtype, _, no_mass, scale), entries in self.explicit.items():
             grads = _concatenated([e[1] for e in entries])
             rows = list(range(first_row + len(groups), first_row + len(groups) + len(entries)))
-            out.append(Reduced(rows, torch.linalg.vecdot(grads, grads),
-                               None if no_mass else _concatenated([e[2] for e in entries]), None if no_mass else dtype))
+            mass = None if no_mass else _concatenated([e[2] for e in entries])
+            if mass is not None and scale != 1.0:
+                mass = mass * scale
+            out.append(Reduced(rows, torch.linalg.vecdot(grads, grads), mass, None if no_mass else dtype))
             groups += [e[0] for e in entries]
         return out, groups
 

@@ -125,14 +125,16 @@ def _whole_gram(B, T, m, n, device_type, element_budget, smallest_tile) -> bool:
     return T > 1 and gram_tile(B, T, device_type) >= T and prefers_gram(T, m, n, T)
 
 
-def summed_positions_mass(terms: torch.Tensor, positions: int, dtype, example_dims: int = 1) -> torch.Tensor | None:
+def summed_positions_mass(terms: torch.Tensor, positions: int, dtype, example_dims: int = 1,
+                          scaled: bool = True) -> torch.Tensor | None:
     """A token mass for a per-example gradient summed over ``positions`` terms (B, positions, ...):
     sum_t |term_t| <= sqrt(positions) |terms|_F. None for one position (nothing to cancel). The first
-    ``example_dims`` dims index the examples."""
+    ``example_dims`` dims index the examples. ``scaled`` False: |terms|_F alone, which the caller multiplies
+    by sqrt(positions) (deferred.DeferredGrams, for many layers in one op)."""
     if positions <= 1:
         return None
-    dims = tuple(range(example_dims, terms.dim()))
-    return torch.linalg.vector_norm(terms, dim=dims, dtype=dtype) * math.sqrt(positions)
+    norm = torch.linalg.vector_norm(terms, dim=tuple(range(example_dims, terms.dim())), dtype=dtype)
+    return norm * math.sqrt(positions) if scaled else norm
 
 
 def _nbytes(t: torch.Tensor) -> int:

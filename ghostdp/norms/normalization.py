@@ -29,20 +29,21 @@ def _working(x, G):
     return x if x.dtype == dt else x.to(dt), G if G.dtype == dt else G.to(dt)
 
 
-def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias"), example_dims=1):
+def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias"), example_dims=1, scale_masses=True):
     """Per-example sums over the positions ``reduce_dims`` of G * xhat (weight) and G (bias), each with the
     token mass of that sum (precision.py); sums and masses accumulate in float32 or better. The first
-    ``example_dims`` dims index the examples (2: several layers' calls stacked)."""
+    ``example_dims`` dims index the examples (2: several layers' calls stacked). ``scale_masses`` False: the
+    masses lack their factor sqrt(positions) (summed_positions_mass)."""
     positions = math.prod(G.shape[d] for d in reduce_dims)
     dt = acc_dtype(xhat, G)
     out = {}
     if names[0] in trainable:
         terms = G * xhat
         out[names[0]] = Instantiated(terms.sum(reduce_dims, dtype=dt) if reduce_dims else terms.to(dt),
-                                     mass=summed_positions_mass(terms, positions, dt, example_dims))
+                                     mass=summed_positions_mass(terms, positions, dt, example_dims, scale_masses))
     if names[1] in trainable:
         out[names[1]] = Instantiated(G.sum(reduce_dims, dtype=dt) if reduce_dims else G.to(dt),
-                                     mass=summed_positions_mass(G, positions, dt, example_dims))
+                                     mass=summed_positions_mass(G, positions, dt, example_dims, scale_masses))
     return out
 
 
@@ -63,6 +64,7 @@ class LayerNormCall:
         self.param_shape = torch.Size(self.normalized_shape)  # its weight's and bias's
         self.trainable = frozenset([n for n in ("weight", "bias") if n in trainable])
         self.stacked = None  # once formed: ({name: (grads, masses) of the calls formed together}, this call's row)
+        self.mass_scale = 1.0  # what those masses are still to be multiplied by (form_layer_norms' scale_masses)
         self._formed = None  # name -> Instantiated, this call's row of those, picked on first use
         # Calls with equal keys are formed together.
         self.batch_key = (self.x.shape, self.x.dtype, self.G.dtype, self.device, self.normalized_shape, eps,
@@ -72,16 +74,19 @@ class LayerNormCall:
         if self._formed is None:
             if self.stacked is None:
                 form_layer_norms([self])
-            stacked, k = self.stacked
-            self._formed = {n: Instantiated(grads[k], mass[k] if mass is not None else None)
-                            for n, (grads, mass) in stacked.items()}
+            stacked, k, scale = self.stacked + (self.mass_scale,)
+            self._formed = {n: Instantiated(grads[k], None if mass is None else mass[k] if scale == 1.0 else
+                                            mass[k] * scale) for n, (grads, mass) in stacked.items()}
         return self._formed
 
 
-def form_layer_norms(calls):
+def form_layer_norms(calls, scale_masses=True):
     """Forms the gradients of LayerNorm calls of one ``batch_key``, stacked: {name: ((k, B, *shape) grads,
     (k, B) masses)}. xhat = (x - mean) / sqrt(var + eps) over the normalised dims is one fused op for all;
-    where xhat and G * xhat would exceed ELEMENT_BUDGET, over runs of positions (_token_runs)."""
+    where xhat and G * xhat would exceed ELEMENT_BUDGET, over runs of positions (_token_runs).
+    ``scale_masses`` False: the masses lack their factor sqrt(positions), left in each call's ``mass_scale``
+    (applied where a call's row is read alone): a call formed alone hands its masses to DeferredGrams, which
+    multiplies the masses of all the layers it holds at once instead of two ops per call."""
     first = calls[0]
     x = first.x.unsqueeze(0) if len(calls) == 1 else torch.stack([c.x for c in calls])
     G = first.G.unsqueeze(0) if len(calls) == 1 else torch.stack([c.G for c in calls])
@@ -90,11 +95,12 @@ def form_layer_norms(calls):
     if runs is None:
         xhat = F.layer_norm(x, first.normalized_shape, eps=first.eps)
         stacked = {n: (f.grads, f.mass) for n, f in _affine_grads(xhat, G, first.trainable, reduce_dims,
-                                                                   example_dims=2).items()}
+                                                                   example_dims=2, scale_masses=scale_masses).items()}
     else:
-        stacked = _affine_grads_by_runs(x, G, first, reduce_dims, runs)
+        stacked = _affine_grads_by_runs(x, G, first, reduce_dims, runs, scale_masses)
+    scale = 1.0 if scale_masses else math.sqrt(math.prod(x.shape[d] for d in reduce_dims))
     for k, call in enumerate(calls):  # a call's own row is picked only if it is read alone (LayerNormCall.form)
-        call.stacked = (stacked, k)
+        call.stacked, call.mass_scale = (stacked, k), scale
         call.x = call.G = None  # only the (B, d) gradients are kept (book-keeping holds them to the end)
     return stacked
 
@@ -112,10 +118,11 @@ def _token_runs(x, reduce_dims):
     return [slice(lo, min(lo + step, length)) for lo in range(0, length, step)] if step < length else None
 
 
-def _affine_grads_by_runs(x, G, call, reduce_dims, runs):
+def _affine_grads_by_runs(x, G, call, reduce_dims, runs, scale_masses=True):
     """What ``_affine_grads`` gives for the weight and bias of stacked LayerNorm calls, with xhat and G * xhat
     formed over ``runs`` of the first position dim: the sums over positions add up run by run, and the weight's
-    token mass sqrt(positions) |G * xhat|_F from the runs' squared norms. The bias reads G in place."""
+    token mass sqrt(positions) |G * xhat|_F from the runs' squared norms (without sqrt(positions) where not
+    ``scale_masses``). The bias reads G in place."""
     dim, dt = reduce_dims[0], acc_dtype(x, G)
     positions = math.prod(G.shape[d] for d in reduce_dims)
     out = {}
@@ -127,9 +134,10 @@ def _affine_grads_by_runs(x, G, call, reduce_dims, runs):
             part = terms.sum(reduce_dims, dtype=dt)
             square = torch.linalg.vector_norm(terms, dim=tuple(range(2, terms.dim())), dtype=dt).square()
             total, squares = (part, square) if total is None else (total + part, squares + square)
-        out["weight"] = (total, squares.sqrt() * math.sqrt(positions) if positions > 1 else None)
+        out["weight"] = (total, None if positions <= 1 else
+                         squares.sqrt() * math.sqrt(positions) if scale_masses else squares.sqrt())
     if "bias" in call.trainable:
-        out["bias"] = (G.sum(reduce_dims, dtype=dt), summed_positions_mass(G, positions, dt, example_dims=2))
+        out["bias"] = (G.sum(reduce_dims, dtype=dt), summed_positions_mass(G, positions, dt, 2, scale_masses))
     return out
 
 

@@ -367,6 +367,11 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
         match = [(mass, group) for sq, mass, group in rows if torch.allclose(sq, f.sq_norm(), rtol=1e-12, atol=0)]
         assert len(match) == 1 and match[0][1] == position % 2
         torch.testing.assert_close(match[0][0], _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
+    # The LayerNorms formed alone left their masses' sqrt(T) to the flush; a row read alone is scaled all the same.
+    queued_norms = [(f, r) for f, r in zip((f for layer in layers for f in layer), reference) if type(f) is AffineGrad]
+    assert all(f.call.mass_scale == T ** 0.5 for f, _ in queued_norms)
+    for f, r in queued_norms:
+        torch.testing.assert_close(f.mass, r.mass, rtol=1e-12, atol=0)
 
 
 def test_norms_read_while_layers_wait_in_the_queue_are_refused():
