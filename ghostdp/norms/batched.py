@@ -117,11 +117,12 @@ class NormQueue:
         self.groups = []
         self.elements = 0
         self.large = False  # a factor too large to stack is queued
+        self.smallest_budget = _smallest_budget()  # read once a pass: push runs for every parameter
 
     def push(self, factor, group: int) -> None:
         held = _held_elements(factor)
         # The device's budget is looked up only for a factor that could exceed it (per-call host work).
-        if held > _smallest_budget() and held > stack_budget(device_of(factor)):
+        if held > self.smallest_budget and held > stack_budget(device_of(factor)):
             self.large = True  # nothing to batch it with: holding it longer would only cost memory
         else:
             self.elements += held  # what a batched reduction would stack (a large factor is reduced alone)
@@ -399,7 +400,7 @@ def gram_products(parts, weights, biases, T: int, dt) -> list[Reduced]:
     out = []
     if weights:
         left, right = [w[1] for w in weights], [w[2] for w in weights]
-        sq = torch.linalg.vecdot(pick(left, False).flatten(2), pick(right, False).flatten(2))
+        sq = (pick(left, False) * pick(right, False)).sum((2, 3))  # vecdot over (T, T), without two flattening views
         squared_mass = pick(left, True) * pick(right, True)  # tr(L L^T) tr(R R^T)
         out.append(Reduced([w[0] for w in weights], sq, squared_mass, dt, rooted=False))
     if biases:
@@ -457,7 +458,7 @@ def _layer_norm_batch(factors, rows, deferred=None, groups=None) -> list[Reduced
             named = [(r, slot[id(f.call)]) for r, f in zip(rows, factors) if f.name == name and id(f.call) in slot]
             if not named:
                 continue
-            g = grads.reshape(len(run), grads.shape[1], -1)
+            g = grads if grads.dim() == 3 else grads.reshape(len(run), grads.shape[1], -1)
             if alone:  # (1, B, n) gradients and (1, B) masses: one row each
                 deferred.take_explicit(groups[named[0][0]], g, mass, run[0].mass_scale)
                 continue

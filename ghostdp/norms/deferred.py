@@ -42,13 +42,18 @@ class DeferredGrams:
         self.explicit_elements = 0
         self.key = None         # (shape, dtype, device) of the Grams held
         self.device = None
+        self.budget = None      # _deferred_budget(self.device), looked up when the device is set
 
     def holds(self) -> bool:
         return bool(self.weights or self.biases or self.explicit)
 
     def full(self) -> bool:
         """Whether the Grams held fill their budget (``reduce`` then takes their products)."""
-        return self.key is not None and self.elements >= _deferred_budget(self.device)
+        return self.key is not None and self.elements >= self.budget
+
+    def _on(self, device) -> None:
+        if device != self.device:
+            self.device, self.budget = device, _deferred_budget(device)
 
     def take_explicit(self, group, grads, mass, mass_scale=1.0) -> None:
         """Keeps the (1, B, n) per-example gradients of a parameter formed alone (a LayerNorm's weight or bias:
@@ -57,7 +62,7 @@ class DeferredGrams:
         key = (grads.shape, grads.dtype, grads.device, mass is None, mass_scale)
         self.explicit.setdefault(key, []).append((group, grads, mass))
         self.explicit_elements += grads.numel()
-        self.device = grads.device
+        self._on(grads.device)
 
     def take_product(self, factor, group) -> bool:
         """Keeps the explicit gradients of an OuterProduct reduced alone on the instantiation path (_product_key:
@@ -77,10 +82,14 @@ class DeferredGrams:
             return False
         tensor = reads[0][0]
         B, T = tensor.shape[0], tensor.shape[1]
-        key = ((B, T, T), reads[0][1], tensor.device)
-        if 2 * B * T * T > _deferred_budget(tensor.device) or (self.key is not None and key != self.key):
-            return False  # two Grams exceed the budget, or Grams of another shape or dtype are held
-        self.key, self.device = key, tensor.device
+        if self.key is None:
+            device = tensor.device
+            if 2 * B * T * T > _deferred_budget(device):
+                return False  # two Grams exceed the budget
+            self.key = ((B, T, T), reads[0][1], device)
+            self._on(device)
+        elif (B, T, T) != self.key[0] or reads[0][1] != self.key[1] or tensor.device != self.key[2]:
+            return False  # Grams of another shape, dtype or device are held
         held = [grams.whole(*args) for args in reads]
         for gram in held:
             if id(gram) not in self.held:
@@ -97,16 +106,15 @@ class DeferredGrams:
         rows ``first_row`` onwards, and the clipping group of each row: the Grams once they fill half a
         stack budget, the gradients likewise, both with ``final``; those reduced are dropped."""
         out, groups = [], []
-        budget = _deferred_budget(self.device)
         if self.key is not None and (final or self.full()):
             out, groups = self._gram_rows(first_row)
             self.weights, self.biases, self.held, self.elements, self.key = [], [], set(), 0, None
-        if self.explicit and (final or self.explicit_elements >= budget):
+        if self.explicit and (final or self.explicit_elements >= self.budget):
             done, explicit_groups = self._explicit_rows(first_row + len(groups))
             out, groups = out + done, groups + explicit_groups
             self.explicit, self.explicit_elements = {}, 0
         if not self.holds():
-            self.device = None
+            self.device = self.budget = None
         return out, groups
 
     def _explicit_rows(self, first_row: int) -> tuple[list[Reduced], list[int]]:

@@ -492,8 +492,8 @@ class OuterProduct(PerExampleGrad):
         return Instantiated(self.materialize(0, self.batch_size), self.token_mass())
 
     def weighted_sum(self, weights):
-        return weighted_outer_sum(*self.operands(), weights, acc_dtype(self.left, self.right)).reshape(
-            self.param_shape)
+        total = weighted_outer_sum(*self.operands(), weights, acc_dtype(self.left, self.right))
+        return total if total.shape == self.param_shape else total.reshape(self.param_shape)  # a view is an op
 
     def merge(self, other):
         # sum_u L_u^T R_u == [L_1; L_2]^T [R_1; R_2]: concatenate along T.
