@@ -118,19 +118,25 @@ def test_layer_norm_above_the_element_budget_is_formed_over_runs_of_positions(mo
             p.add_(torch.randn_like(p))
     x, G = torch.randn(*shape, dtype=torch.float64), torch.randn(*shape, dtype=torch.float64)
 
-    def formed():
+    def formed(scale_masses=True):
         call = normalization.LayerNormCall(x, G, m.normalized_shape, m.eps, {"weight", "bias"})
-        return normalization.form_layer_norms([call])
+        return call, normalization.form_layer_norms([call], scale_masses=scale_masses)
 
-    whole = formed()
+    whole = formed()[1]
     normalizations = []
     layer_norm = normalization.F.layer_norm
     monkeypatch.setattr(normalization, "ELEMENT_BUDGET", x.numel() // 3)
     monkeypatch.setattr(normalization.F, "layer_norm", lambda *a, **k: normalizations.append(a[0].shape) or
                         layer_norm(*a, **k))
-    for name, (grads, mass) in formed().items():
+    for name, (grads, mass) in formed()[1].items():
         torch.testing.assert_close(grads, whole[name][0], rtol=1e-12, atol=0)
         torch.testing.assert_close(mass, whole[name][1], rtol=1e-12, atol=0)
+    # Formed for DeferredGrams, the masses lack sqrt(positions), which the call keeps and a row read alone applies.
+    call, unscaled = formed(scale_masses=False)
+    assert call.mass_scale == math.sqrt(math.prod(shape[1:-len(m.normalized_shape)]))
+    for name, (grads, mass) in unscaled.items():
+        torch.testing.assert_close(mass * call.mass_scale, whole[name][1], rtol=1e-12, atol=0)
+        torch.testing.assert_close(call.form()[name].mass, whole[name][1][0], rtol=1e-12, atol=0)
     assert len(normalizations) >= 3 and all(math.prod(s) <= x.numel() // 3 for s in normalizations)
     check_module(m, torch.randn(*shape, dtype=torch.float64))
 
