@@ -33,17 +33,19 @@ def launch(scenario, tmp_path, launcher="torchrun"):
     signal (once, under load: gloo aborted rank 0 mid-collective, SIGABRT) is run once more, with a warning
     that names it; a rank that fails by itself (an exception, a wrong result) fails the test at once. Each
     rank's own output is kept (--tee) and shown on failure: the launcher's tail holds only the last rank's."""
-    first = _launch_once(scenario, tmp_path, launcher, attempt=0)
-    if first.returncode != 0 and _killed_by_signal(first):
+    logs = tmp_path / "logs0"
+    done = _launch_once(scenario, tmp_path, launcher, logs)
+    if done.returncode != 0 and _killed_by_signal(done):
         warnings.warn(f"distributed scenario '{scenario}' ({launcher}): a rank was killed by a signal; running it "
-                      f"once more. First attempt:\n{_failure_report(first, tmp_path / 'logs0')}")
-        first = _launch_once(scenario, tmp_path, launcher, attempt=1)
-    assert first.returncode == 0, _failure_report(first, tmp_path / f"logs{first.attempt}")
+                      f"once more. First attempt:\n{_failure_report(done, logs)}")
+        logs = tmp_path / "logs1"
+        done = _launch_once(scenario, tmp_path, launcher, logs)
+    assert done.returncode == 0, _failure_report(done, logs)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def _launch_once(scenario, tmp_path, launcher, attempt):
-    logs = tmp_path / f"logs{attempt}"
+def _launch_once(scenario, tmp_path, launcher, logs):
+    """One launch of ``scenario``, each rank's output also written under ``logs``."""
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
                    f"--log-dir={logs}", "--tee=3"]
@@ -51,10 +53,8 @@ def _launch_once(scenario, tmp_path, launcher, attempt):
     else:
         command, env = [sys.executable, *ACCELERATE_ON_CPU, f"--log_dir={logs}", "--tee=3"], {"ACCELERATE_USE_CPU": "1"}
     command += [os.path.join(HERE, "distributed_worker.py"), scenario, str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+    return subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **env))
-    done.attempt = attempt
-    return done
 
 
 def _killed_by_signal(done) -> bool:

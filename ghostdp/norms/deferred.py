@@ -51,7 +51,7 @@ class DeferredGrams:
         """Whether the Grams held fill their budget (``reduce`` then takes their products)."""
         return self.key is not None and self.elements >= self.budget
 
-    def _on(self, device) -> None:
+    def _set_device(self, device) -> None:
         if device != self.device:
             self.device, self.budget = device, _deferred_budget(device)
 
@@ -62,7 +62,7 @@ class DeferredGrams:
         key = (grads.shape, grads.dtype, grads.device, mass is None, mass_scale)
         self.explicit.setdefault(key, []).append((group, grads, mass))
         self.explicit_elements += grads.numel()
-        self._on(grads.device)
+        self._set_device(grads.device)
 
     def take_product(self, factor, group) -> bool:
         """Keeps the explicit gradients of an OuterProduct reduced alone on the instantiation path (_product_key:
@@ -82,13 +82,13 @@ class DeferredGrams:
             return False
         tensor = reads[0][0]
         B, T = tensor.shape[0], tensor.shape[1]
+        key = ((B, T, T), reads[0][1], tensor.device)
         if self.key is None:
-            device = tensor.device
-            if 2 * B * T * T > _deferred_budget(device):
+            if 2 * B * T * T > _deferred_budget(tensor.device):
                 return False  # two Grams exceed the budget
-            self.key = ((B, T, T), reads[0][1], device)
-            self._on(device)
-        elif (B, T, T) != self.key[0] or reads[0][1] != self.key[1] or tensor.device != self.key[2]:
+            self.key = key
+            self._set_device(tensor.device)
+        elif key != self.key:
             return False  # Grams of another shape, dtype or device are held
         held = [grams.whole(*args) for args in reads]
         for gram in held:

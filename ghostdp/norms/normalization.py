@@ -74,7 +74,7 @@ class LayerNormCall:
         if self._formed is None:
             if self.stacked is None:
                 form_layer_norms([self])
-            stacked, k, scale = self.stacked + (self.mass_scale,)
+            (stacked, k), scale = self.stacked, self.mass_scale
             self._formed = {n: Instantiated(grads[k], None if mass is None else mass[k] if scale == 1.0 else
                                             mass[k] * scale) for n, (grads, mass) in stacked.items()}
         return self._formed
