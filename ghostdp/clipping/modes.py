@@ -58,6 +58,7 @@ class BookKeeping:
 
         uses, owner = [], []  # (factor, group) per use; the index in ``params`` of the parameter it belongs to
         params, left = [], []  # the parameters summed in batches; how many of their uses are still to come
+        written_in = []  # per use: the parameter's dtype where that use's sum is its whole clipped sum, else None
         for param, factors in kept.items():
             group = None if group_of is None else group_of[id(param)]
             if len(factors) == 1 and isinstance(factors[0], EmbeddingGather):
@@ -65,6 +66,7 @@ class BookKeeping:
                 continue
             owner.extend([len(params)] * len(factors))
             uses.extend((f, group) for f in factors)
+            written_in.extend([param.dtype if len(factors) == 1 else None] * len(factors))
             params.append(param)
             left.append(len(factors))
         kept.clear()  # the factors live on in ``uses`` only, each until its sum is formed
@@ -72,7 +74,7 @@ class BookKeeping:
         partial = {}  # parameter index -> the sum of its uses so far (tied weights)
         # Each sum is written as its batch is formed (equal shapes in batches, norms/batched_sums.py), and its
         # factors dropped: the gradients written replace the activations and output grads that were kept.
-        for position, part in weighted_sums(uses, weights_of, weighted_sum):
+        for position, part in weighted_sums(uses, weights_of, weighted_sum, written_in):
             uses[position] = None
             k = owner[position]
             clipped = part if k not in partial else partial.pop(k) + part

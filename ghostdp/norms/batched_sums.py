@@ -13,13 +13,16 @@ from .factors import Instantiated, OuterProduct, SummedTokens, acc_dtype, weight
 from .normalization import AffineGrad, stacked_grads
 
 
-def weighted_sums(uses, weights_of, alone):
+def weighted_sums(uses, weights_of, alone, written_in=None):
     """(position, sum_i w_i g_i) for every entry of ``uses``, a list of (factor, key of its weights), one
     batch at a time, so that the caller can write each sum and drop it before the next is formed (formed all
     at once, a BERT-base's float32 sums took 1.3x a bf16 model's gradients on top of the kept factors).
     ``weights_of(key, dtype)`` gives the (B,) weights w in a dtype. Weights (OuterProduct) of one shape are
     summed by one batched matmul, explicit per-example gradients (Instantiated, SummedTokens) of one shape
-    by one; ``alone(factor, key)`` sums any other factor."""
+    by one; ``alone(factor, key)`` sums any other factor. ``written_in``: for each position, the dtype its
+    sum is written in as it is (a parameter's only use), or None; a batch whose sums all go to one narrower
+    dtype is rounded to it in one op (each element as a per-parameter conversion would round it), instead
+    of one op per parameter (on a GPU in bf16: some 120 kernels a BERT-base step)."""
     batches = {}
     for position in range(len(uses)):  # no name here keeps a factor alive while the sums are written
         batch = _batch_of(*uses[position])
@@ -30,7 +33,16 @@ def weighted_sums(uses, weights_of, alone):
     for (kind, key, *_), same in batches.items():
         budget = stack_budget(device_of(uses[same[0]][0]))
         for positions in within_budget(same, [_stacked_elements(uses[i][0]) for i in same], budget):
-            yield from _summed_batch(kind, key, [uses[i][0] for i in positions], positions, weights_of)
+            out_dtype = _common_dtype(written_in, positions)
+            yield from _summed_batch(kind, key, [uses[i][0] for i in positions], positions, weights_of, out_dtype)
+
+
+def _common_dtype(written_in, positions):
+    """The dtype all ``positions`` are written in, or None (none given, or not all the same)."""
+    if written_in is None:
+        return None
+    first = written_in[positions[0]]
+    return first if all(written_in[i] == first for i in positions) else None
 
 
 def _batch_of(factor, key):
@@ -55,30 +67,33 @@ def _stacked_elements(factor) -> int:
     return factor.batch_size * factor.param_shape.numel()
 
 
-def _summed_batch(kind, key, factors, positions, weights_of):
+def _summed_batch(kind, key, factors, positions, weights_of, out_dtype=None):
     if kind is OuterProduct:
-        sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()))
+        sums = _outer_product_sums(factors, weights_of(key, factors[0].sum_dtype()), out_dtype)
     else:
-        sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt))
+        sums = _instantiated_sums(factors, kind is SummedTokens, lambda dt: weights_of(key, dt), out_dtype)
     return zip(positions, sums)
 
 
-def _outer_product_sums(factors, w):
+def _outer_product_sums(factors, w, out_dtype=None):
     """sum_i w_i L_i^T R_i of k weights of one shape: one (k, m, n) batched matmul (factors.weighted_outer_sum)."""
     if len(factors) == 1:
-        return [factors[0].weighted_sum(w)]
+        return [factors[0].weighted_sum(w)]  # its writer rounds it as it would this one's rows
     pairs = [f.operands() for f in factors]
     left = torch.stack([p[0] for p in pairs])    # (k, B, T, m)
     right = torch.stack([p[1] for p in pairs])   # (k, B, T, n)
-    return _shaped(weighted_outer_sum(left, right, w, w.dtype), factors)
+    return _shaped(weighted_outer_sum(left, right, w, w.dtype), factors, out_dtype)
 
 
-def _shaped(total, factors):
-    """The k rows of a (k, ...) result, each viewed as its factor's parameter (no view where it already is)."""
+def _shaped(total, factors, out_dtype=None):
+    """The k rows of a (k, ...) result, each viewed as its factor's parameter (no view where it already is),
+    rounded to ``out_dtype`` where given, all rows in one op."""
+    if out_dtype is not None and total.dtype != out_dtype:
+        total = total.to(out_dtype)
     return [t if t.shape == f.param_shape else t.view(f.param_shape) for t, f in zip(total.unbind(0), factors)]
 
 
-def _instantiated_sums(factors, summed_tokens: bool, weights_in):
+def _instantiated_sums(factors, summed_tokens: bool, weights_in, out_dtype=None):
     """sum_i w_i g_i of k explicit gradients of one shape, (k, B, n) stacked: one matmul. For SummedTokens
     each example's gradient is first summed over its tokens."""
     if summed_tokens:
@@ -96,4 +111,4 @@ def _instantiated_sums(factors, summed_tokens: bool, weights_in):
         dt = acc_dtype(rows)
         rows = rows.to(dt)
     total = torch.matmul(weights_in(dt), rows.reshape(len(factors), rows.shape[1], -1))  # (k, n)
-    return _shaped(total, factors)
+    return _shaped(total, factors, out_dtype)

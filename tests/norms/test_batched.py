@@ -233,13 +233,57 @@ def test_layers_whose_grams_lie_at_equal_steps_are_read_through_views(monkeypatc
         torch.testing.assert_close(found[r][1], _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
 
 
+def test_sums_written_in_a_narrower_dtype_are_rounded_once_per_batch():
+    """A batch whose sums all go to bf16 parameters is rounded in one op, to exactly what rounding each
+    parameter's sum gives; a batch with a sum kept wide (a parameter with several uses) is left wide."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Rounding(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rounded = []  # rows of each conversion to bf16
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16:
+                self.rounded.append(out.shape[0])
+            return out
+
+    g = torch.Generator().manual_seed(6)
+
+    def bf16(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    x = bf16(B, T, 16)
+    factors = [OuterProduct(bf16(B, T, 8), x, (8, 16)) for _ in range(3)]  # one batch of weights
+    factors += [SummedTokens(bf16(B, T, 8)) for _ in range(4)]             # one batch of biases
+    weights = torch.rand(B, generator=g)
+
+    def sums(written_in):
+        with Rounding() as watch:
+            found = dict(batched_sums.weighted_sums([(f, 0) for f in factors], lambda group, dt: weights.to(dt),
+                                                    None, written_in))
+        return found, watch.rounded
+
+    wide, rounded = sums(None)
+    assert rounded == [] and all(t.dtype == torch.float32 for t in wide.values())
+    narrow, rounded = sums([torch.bfloat16] * len(factors))
+    assert sorted(rounded) == [3, 4]  # one conversion per batch, of all its rows
+    for k in range(len(factors)):
+        assert narrow[k].dtype == torch.bfloat16 and torch.equal(narrow[k], wide[k].to(torch.bfloat16))
+    # The second bias is one of two uses of its parameter: its batch stays wide, the weights' is rounded.
+    mixed, rounded = sums([torch.bfloat16] * 4 + [None] + [torch.bfloat16] * 2)
+    assert rounded == [3]
+    assert all(mixed[k].dtype == torch.float32 and torch.equal(mixed[k], wide[k]) for k in range(3, 7))
+
+
 def test_weighted_sums_are_formed_one_batch_at_a_time(monkeypatch):
     """The caller can write and drop each batch's sums before the next batch is formed."""
     factors = [f for f in _mixed_factors() if isinstance(f, OuterProduct)]
     formed = []
     summed_batch = batched_sums._summed_batch
     monkeypatch.setattr(batched_sums, "_summed_batch",
-                        lambda kind, key, fs, positions, w: formed.append(len(fs)) or summed_batch(kind, key, fs, positions, w))
+                        lambda kind, key, fs, *rest: formed.append(len(fs)) or summed_batch(kind, key, fs, *rest))
     weights = torch.rand(B, dtype=torch.float64)
     sums = batched_sums.weighted_sums([(f, 0) for f in factors], lambda group, dt: weights.to(dt), None)
     assert formed == []
@@ -277,6 +321,29 @@ def test_book_keeping_drops_each_factor_once_its_sum_is_written(monkeypatch):
     assert seen == [2, 1, 0] and not kept  # at each write, only the factors still to be summed are alive
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=0)
+
+
+def test_book_keeping_writes_bf16_sums_rounded_once_per_batch(monkeypatch):
+    """Book-keeping hands each parameter's dtype to the batched sums where the sum is the parameter's whole
+    clipped sum: bf16 biases of one shape are written from one rounding of their batch, equal to rounding
+    each; a parameter with two uses (tied) is summed wide and rounded once, after its uses are added."""
+    from ghostdp.clipping.modes import BookKeeping, new_factor_store
+    g = torch.Generator().manual_seed(8)
+    biases = [torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)) for _ in range(3)]
+    tied = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16))  # another shape: a batch of its own
+    kept = new_factor_store()
+    for p in biases + [tied, tied]:
+        kept[p].append(SummedTokens(torch.randn(B, T, p.shape[0], generator=g).to(torch.bfloat16)))
+    c = torch.rand(B, generator=g)
+    expected = {p: sum(f.weighted_sum(c) for f in kept[p]).to(torch.bfloat16) for p in biases + [tied]}
+    written = []
+    write = BookKeeping._write
+    monkeypatch.setattr(BookKeeping, "_write",
+                        staticmethod(lambda param, clipped: written.append(clipped.dtype) or write(param, clipped)))
+    BookKeeping().grad_of_losses(kept, c, torch.ones(B), torch.zeros(B))
+    assert written == [torch.bfloat16] * 3 + [torch.float32]  # the tied sum goes wide to its write
+    for p, e in expected.items():
+        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, e)
 
 
 def test_squared_masses_are_rooted_together_with_the_masses_of_other_reductions():
