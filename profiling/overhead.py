@@ -21,6 +21,10 @@ of a ghost step at B=32), and it ranks the libraries as that GPU does. For each 
   layer's output grad): ghost's. What a mode takes above its floor is its hooks' and rules' work.
   On this stand-in the noise is compute, not host work (about 5 ns a value on one thread: 2.1M values
   with trainable embeddings), where a GPU draws it in one kernel per block.
+- with frozen embeddings, "plan floor" (profiling/plan_floor.py): book-keeping's arithmetic and noise with
+  every per-call decision made once and nothing else (no audit, no checks): not a private step, a bound on
+  what a per-call plan could save. Measured 2026-11-25 (batched, frozen): 1.41x plain against book-keeping's
+  2.19x, with about as many ATen ops (1599 against 1541): the gap is Python, not ops.
 ``--per-layer``: the stand-in's tensors are so small that the norm queue stacks every layer into a few
 reductions. On an H100 at BERT-base sizes no layer's tensors fit the GPU's stack budget (B=32, T=128:
 3.1M elements each against 4M for a stack), so the queue reduces one layer at a time, and so does it
@@ -39,6 +43,7 @@ import importlib
 import json
 import os
 
+from profiling import plan_floor
 from profiling.bench import (GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, count_aten_ops,
                              make_step)
 from profiling.revision import ghostdp_at
@@ -120,6 +125,9 @@ def measure(args, freeze_embeddings: bool, against=None) -> dict:
     for floor in FLOORS if args.floors else ():
         steps[floor] = make_floor_step(floor, copy.deepcopy(template), (ids, labels))
         steps[floor]()
+    if args.floors and plan_floor.supports(template):
+        steps[plan_floor.PLAN_FLOOR] = plan_floor.make_plan_floor_step(copy.deepcopy(template), (ids, labels))
+        steps[plan_floor.PLAN_FLOOR]()
     ops = {mode: count_aten_ops(step) for mode, step in steps.items()}
     times = {mode: [] for mode in steps}
     for round_ in range(args.warmup + args.rounds):
@@ -161,7 +169,7 @@ def parse(argv=None):
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-floors", dest="floors", action="store_false",
-                   help="leave out the noise floor and two-pass floor rows")
+                   help="leave out the noise floor, two-pass floor and plan floor rows")
     p.add_argument("--per-layer", action="store_true",
                    help="the norm queue reduces one layer at a time, as on an H100 at BERT-base sizes")
     p.add_argument("--json", default=None, help="also write the figures to this file")

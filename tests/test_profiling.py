@@ -125,8 +125,10 @@ def test_overhead_benchmark_reports_ratios_ops_and_per_layer_cost_for_both_embed
     results = overhead.main(["--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "64", "--rounds", "2",
                              "--warmup", "1", "--json", str(out)])
     assert set(results) == {"trainable", "frozen"}
-    for rows in results.values():
-        assert set(rows) == {"plain", "ghost", "bookkeeping", "noise floor", "two-pass floor"}
+    for setting, rows in results.items():
+        # The plan floor covers Linear and LayerNorm only: the model with frozen embeddings.
+        planned = {"plan floor"} if setting == "frozen" else set()
+        assert set(rows) == {"plain", "ghost", "bookkeeping", "noise floor", "two-pass floor"} | planned
         assert rows["plain"]["ratio"] == 1.0 and rows["plain"]["hooked_layers"] > 0
         assert all(r["aten_ops"] > rows["plain"]["aten_ops"] > 0 for m, r in rows.items() if m != "plain")
         # The floors add the noise, then an activation-gradient pass; ghost does both and more.
@@ -249,3 +251,40 @@ def test_bench_trains_only_the_last_layer_pooler_and_classifier_in_the_fgc_set_u
                         "--train", "last-layer"])
     with pytest.raises(ValueError, match="--model bert"):
         bench.build_model(args)
+
+
+def test_plan_floor_writes_the_clipped_sums_book_keeping_writes():
+    """The plan floor bounds what a per-call plan could save only if it does book-keeping's arithmetic:
+    without noise its gradients equal ghostdp book-keeping's (float64, a tiny BERT with frozen embeddings,
+    two steps, C between the examples' norms so that some are clipped and some are not)."""
+    import copy
+
+    import torch
+
+    import ghostdp
+    from profiling import overhead, plan_floor
+    args = overhead.parse(["--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "64", "--seq", "6",
+                           "--batch", "3", "--freeze-embeddings"])
+    model = bench.build_model(args).double().train()
+    assert plan_floor.supports(model) and not plan_floor.supports(bench.build_model(overhead.parse([])))
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 1])
+    floor_model, private = copy.deepcopy(model), copy.deepcopy(model)
+    C = 0.76  # the examples' norms here: 0.756 to 0.763
+    floor_step = plan_floor.make_plan_floor_step(floor_model, (ids, labels), noise_multiplier=0.0, max_grad_norm=C)
+    params = [p for p in private.parameters() if p.requires_grad]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
+    engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
+    private, optimizer, criterion, _ = engine.make_private(
+        module=private, optimizer=torch.optim.SGD(params, lr=1e-3), data_loader=loader,
+        criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=C, clipping="bookkeeping")
+    for _ in range(2):
+        floor_step()
+        optimizer.zero_grad(set_to_none=True)
+        criterion(private(input_ids=ids).logits, labels).backward()
+        optimizer.step()
+        norms = engine.controller.last_norms
+        assert norms.min() < C < norms.max()
+        for (name, a), b in zip(floor_model.named_parameters(), private.parameters()):
+            if a.requires_grad:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-13, msg=name)

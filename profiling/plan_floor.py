@@ -1,0 +1,116 @@
+"""The plan floor: book-keeping's arithmetic with every per-call decision made once, and nothing else.
+
+The GPU-speed issue's stand-in (profiling.overhead) finds a private step host-bound: Python spread over
+~85 calls per hooked layer, not ATen ops (in the batched stand-in book-keeping dispatches fewer ops than
+plain). A per-call plan, which decides the layout of the norms and clipped sums once and replays it while
+the calls repeat, is the proposed cure; this step measures how far such a plan could go at best. It:
+
+- records (module, input, output) of every trained Linear and LayerNorm in a forward hook (a list append);
+- takes every output grad G with one autograd.grad of the per-example losses;
+- groups the layers by kind and shape on the first step (the plan), then per group: stacks A and G, forms
+  the Grams A A^T and G G^T, the squared norms <A A^T, G G^T> (weight) and the Gram's sum (bias), the token
+  masses tr(A A^T) tr(G G^T); a LayerNorm group forms xhat, G * xhat, its per-example sums and their masses;
+- clips (c_i = min(1, C / |g_i|)), writes (c ⊙ G)^T A and the biases' and LayerNorms' clipped sums into
+  p.grad, adds ghostdp's noise (RandomSource.add_gaussian_) and steps SGD.
+
+It runs no audit, no capture, no layout proof, no precision guard, no finiteness or batch checks: it is not
+a private training step, only a bound on what removing per-call Python could save. It covers models whose
+trained modules are Linear and LayerNorm (the BERT stand-in with frozen embeddings); ``supports`` says so.
+Its clipped sums equal ghostdp book-keeping's (tests/test_profiling.py, float64, without noise).
+"""
+from __future__ import annotations
+
+PLAN_FLOOR = "plan floor"
+
+
+def trained_modules(model) -> list:
+    return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+
+def supports(model) -> bool:
+    """Whether every module with a trainable parameter is a Linear or a LayerNorm (the floor's two rules)."""
+    import torch
+    return all(isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)) for m in trained_modules(model))
+
+
+def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0):
+    """A closure running one plan-floor step on ``batch`` (ids, labels) (see the module doc)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ghostdp.randomness import RandomSource
+    if not supports(model):
+        raise ValueError("the plan floor covers models whose trained modules are Linear and LayerNorm only "
+                         "(freeze the embeddings)")
+    ids, labels = batch
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    noise = RandomSource(seed=0)
+    recorded = []  # (module, input, output) of this forward
+    for module in trained_modules(model):
+        module.register_forward_hook(lambda m, args, output: recorded.append((m, args[0], output)))
+    plan = {}  # (kind, input shape, output shape) -> positions in ``recorded``, decided on the first step
+
+    def norms_of(kind, positions, grads, B):
+        """(squared norms (k, B), masses (k, B), what the clipped sums need) of one group."""
+        A = torch.stack([recorded[k][1] for k in positions])
+        G = torch.stack([grads[k] for k in positions])
+        if A.dim() == 3:  # (k, B, d): one token
+            A, G = A.unsqueeze(2), G.unsqueeze(2)
+        n, _, T, d = A.shape
+        if kind == "layer_norm":
+            first = recorded[positions[0]][0]
+            terms = G * F.layer_norm(A, first.normalized_shape, eps=first.eps)
+            weight, bias = terms.sum(2), G.sum(2)  # (k, B, d) per-example gradients
+            sq = torch.linalg.vecdot(weight, weight) + torch.linalg.vecdot(bias, bias)
+            mass = torch.linalg.vector_norm(terms, dim=(2, 3)) + torch.linalg.vector_norm(G, dim=(2, 3))
+            return sq, mass, (weight, bias)
+        p = G.shape[-1]
+        left = torch.bmm(G.view(n * B, T, p), G.view(n * B, T, p).transpose(1, 2)).view(n, B, T, T)
+        right = torch.bmm(A.view(n * B, T, d), A.view(n * B, T, d).transpose(1, 2)).view(n, B, T, T)
+        sq = (left * right).sum((2, 3)) + left.sum((2, 3))  # |G_i^T A_i|^2 and |sum_t G_t|^2
+        mass = torch.diagonal(left, 0, -2, -1).sum(-1) * torch.diagonal(right, 0, -2, -1).sum(-1)
+        return sq, mass, (A, G)
+
+    def write(kind, positions, tensors, c, B):
+        if kind == "layer_norm":
+            weight, bias = (torch.matmul(c, t) for t in tensors)  # (k, d)
+            for j, k in enumerate(positions):
+                module = recorded[k][0]
+                module.weight.grad, module.bias.grad = weight[j], bias[j]
+            return
+        A, G = tensors
+        n, _, T, d = A.shape
+        scaled = G * c.view(1, B, 1, 1)
+        weight = torch.bmm(scaled.view(n, B * T, -1).transpose(1, 2), A.view(n, B * T, d))  # (k, p, d)
+        bias = scaled.sum((1, 2))
+        for j, k in enumerate(positions):
+            module = recorded[k][0]
+            module.weight.grad = weight[j]
+            if module.bias is not None and module.bias.requires_grad:
+                module.bias.grad = bias[j]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        recorded.clear()
+        losses = F.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")
+        grads = torch.autograd.grad(losses, [r[2] for r in recorded], torch.ones_like(losses))
+        if not plan:
+            for k, (module, x, output) in enumerate(recorded):
+                kind = "layer_norm" if isinstance(module, torch.nn.LayerNorm) else "linear"
+                plan.setdefault((kind, tuple(x.shape[1:]), tuple(output.shape[1:])), []).append(k)
+        B = losses.shape[0]
+        groups = [(kind, positions, *norms_of(kind, positions, grads, B)) for (kind, *_), positions in plan.items()]
+        norms = torch.cat([g[2] for g in groups]).sum(0).sqrt()
+        torch.cat([g[3] for g in groups]).sum(0)  # the token masses, as the precision guard would read them
+        c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        for kind, positions, _, _, tensors in groups:
+            write(kind, positions, tensors, c, B)
+        recorded.clear()
+        grads = [p.grad for p in params]
+        if noise_multiplier > 0:
+            noise.add_gaussian_(grads, noise_multiplier * max_grad_norm, float(B))
+        else:
+            torch._foreach_div_(grads, float(B))
+        optimizer.step()
+    return step
