@@ -33,8 +33,12 @@ def supports(model) -> bool:
     return all(isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)) for m in trained_modules(model))
 
 
-def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0):
-    """A closure running one plan-floor step on ``batch`` (ids, labels) (see the module doc)."""
+def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0,
+                         stacked: bool = True):
+    """A closure running one plan-floor step on ``batch`` (ids, labels) (see the module doc). ``stacked``
+    False: no layer's A or G is stacked with another's (profiling.overhead --per-layer, the GPU's budgets at
+    BERT-base): each layer forms its Grams (a shared input's once) and its clipped sum alone, and only the
+    small results (Grams, LayerNorms' (B, d) gradients) are stacked across the layers of a group."""
     import torch
     import torch.nn.functional as F
 
@@ -51,41 +55,67 @@ def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_n
         module.register_forward_hook(lambda m, args, output: recorded.append((m, args[0], output)))
     plan = {}  # (kind, input shape, output shape) -> positions in ``recorded``, decided on the first step
 
-    def norms_of(kind, positions, grads, B):
-        """(squared norms (k, B), masses (k, B), what the clipped sums need) of one group."""
-        A = torch.stack([recorded[k][1] for k in positions])
-        G = torch.stack([grads[k] for k in positions])
-        if A.dim() == 3:  # (k, B, d): one token
-            A, G = A.unsqueeze(2), G.unsqueeze(2)
-        n, _, T, d = A.shape
-        if kind == "layer_norm":
-            first = recorded[positions[0]][0]
-            terms = G * F.layer_norm(A, first.normalized_shape, eps=first.eps)
-            weight, bias = terms.sum(2), G.sum(2)  # (k, B, d) per-example gradients
-            sq = torch.linalg.vecdot(weight, weight) + torch.linalg.vecdot(bias, bias)
+    def tokens(x):  # (B, T, d): a 2-D input is one token
+        return x.unsqueeze(1) if x.dim() == 2 else x
+
+    def gram(x):
+        return torch.bmm(x, x.transpose(1, 2))
+
+    def layer_norm_norms(positions, grads):
+        """Per-example gradients (k, B, d) of the weights and biases, squared norms and masses (k, B)."""
+        first = recorded[positions[0]][0]
+        if stacked:
+            x = torch.stack([tokens(recorded[k][1]) for k in positions])
+            G = torch.stack([tokens(grads[k]) for k in positions])
+            terms = G * F.layer_norm(x, first.normalized_shape, eps=first.eps)
+            weight, bias = terms.sum(2), G.sum(2)
             mass = torch.linalg.vector_norm(terms, dim=(2, 3)) + torch.linalg.vector_norm(G, dim=(2, 3))
-            return sq, mass, (weight, bias)
-        p = G.shape[-1]
-        left = torch.bmm(G.view(n * B, T, p), G.view(n * B, T, p).transpose(1, 2)).view(n, B, T, T)
-        right = torch.bmm(A.view(n * B, T, d), A.view(n * B, T, d).transpose(1, 2)).view(n, B, T, T)
-        sq = (left * right).sum((2, 3)) + left.sum((2, 3))  # |G_i^T A_i|^2 and |sum_t G_t|^2
+        else:
+            parts = []
+            for k in positions:
+                x, G = tokens(recorded[k][1]), tokens(grads[k])
+                terms = G * F.layer_norm(x, first.normalized_shape, eps=first.eps)
+                parts.append((terms.sum(1), G.sum(1),
+                              torch.linalg.vector_norm(terms, dim=(1, 2)) + torch.linalg.vector_norm(G, dim=(1, 2))))
+            weight, bias, mass = (torch.stack(column) for column in zip(*parts))
+        sq = torch.linalg.vecdot(weight, weight) + torch.linalg.vecdot(bias, bias)
+        return sq, mass, (weight, bias)
+
+    def linear_norms(positions, grads, B):
+        """|G_i^T A_i|^2 + |sum_t G_t|^2 from the Grams, and the masses tr(G G^T) tr(A A^T), (k, B) each."""
+        A = [tokens(recorded[k][1]) for k in positions]
+        G = [tokens(grads[k]) for k in positions]
+        if stacked:
+            n, T = len(A), A[0].shape[1]
+            sides = torch.stack(G), torch.stack(A)
+            left, right = (gram(x.view(n * B, T, -1)).view(n, B, T, T) for x in sides)
+        else:
+            inputs = {}  # a shared input's Gram (query, key, value) formed once
+            left = torch.stack([gram(g) for g in G])
+            right = torch.stack([inputs[id(a)] if id(a) in inputs else inputs.setdefault(id(a), gram(a)) for a in A])
+            sides = G, A
+        sq = (left * right).sum((2, 3)) + left.sum((2, 3))
         mass = torch.diagonal(left, 0, -2, -1).sum(-1) * torch.diagonal(right, 0, -2, -1).sum(-1)
-        return sq, mass, (A, G)
+        return sq, mass, sides
 
     def write(kind, positions, tensors, c, B):
+        modules = [recorded[k][0] for k in positions]
         if kind == "layer_norm":
             weight, bias = (torch.matmul(c, t) for t in tensors)  # (k, d)
-            for j, k in enumerate(positions):
-                module = recorded[k][0]
+            for j, module in enumerate(modules):
                 module.weight.grad, module.bias.grad = weight[j], bias[j]
             return
-        A, G = tensors
-        n, _, T, d = A.shape
-        scaled = G * c.view(1, B, 1, 1)
-        weight = torch.bmm(scaled.view(n, B * T, -1).transpose(1, 2), A.view(n, B * T, d))  # (k, p, d)
-        bias = scaled.sum((1, 2))
-        for j, k in enumerate(positions):
-            module = recorded[k][0]
+        G, A = tensors
+        if stacked:
+            n, _, T, d = A.shape
+            scaled = G * c.view(1, B, 1, 1)
+            weight = torch.bmm(scaled.view(n, B * T, -1).transpose(1, 2), A.view(n, B * T, d))  # (k, p, d)
+            bias = scaled.sum((1, 2))
+        else:
+            scaled = [g * c.view(B, 1, 1) for g in G]
+            weight = [torch.mm(s.flatten(0, 1).t(), a.flatten(0, 1)) for s, a in zip(scaled, A)]
+            bias = [s.sum((0, 1)) for s in scaled]
+        for j, module in enumerate(modules):
             module.weight.grad = weight[j]
             if module.bias is not None and module.bias.requires_grad:
                 module.bias.grad = bias[j]
@@ -100,7 +130,9 @@ def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_n
                 kind = "layer_norm" if isinstance(module, torch.nn.LayerNorm) else "linear"
                 plan.setdefault((kind, tuple(x.shape[1:]), tuple(output.shape[1:])), []).append(k)
         B = losses.shape[0]
-        groups = [(kind, positions, *norms_of(kind, positions, grads, B)) for (kind, *_), positions in plan.items()]
+        groups = [(kind, positions, *(layer_norm_norms(positions, grads) if kind == "layer_norm"
+                                      else linear_norms(positions, grads, B)))
+                  for (kind, *_), positions in plan.items()]
         norms = torch.cat([g[2] for g in groups]).sum(0).sqrt()
         torch.cat([g[3] for g in groups]).sum(0)  # the token masses, as the precision guard would read them
         c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)

@@ -253,7 +253,8 @@ def test_bench_trains_only_the_last_layer_pooler_and_classifier_in_the_fgc_set_u
         bench.build_model(args)
 
 
-def test_plan_floor_writes_the_clipped_sums_book_keeping_writes():
+@pytest.mark.parametrize("stacked", [True, False])  # False: every layer's A and G alone (--per-layer)
+def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked):
     """The plan floor bounds what a per-call plan could save only if it does book-keeping's arithmetic:
     without noise its gradients equal ghostdp book-keeping's (float64, a tiny BERT with frozen embeddings,
     two steps, C between the examples' norms so that some are clipped and some are not)."""
@@ -271,7 +272,8 @@ def test_plan_floor_writes_the_clipped_sums_book_keeping_writes():
     labels = torch.tensor([0, 1, 1])
     floor_model, private = copy.deepcopy(model), copy.deepcopy(model)
     C = 0.76  # the examples' norms here: 0.756 to 0.763
-    floor_step = plan_floor.make_plan_floor_step(floor_model, (ids, labels), noise_multiplier=0.0, max_grad_norm=C)
+    floor_step = plan_floor.make_plan_floor_step(floor_model, (ids, labels), noise_multiplier=0.0, max_grad_norm=C,
+                                                 stacked=stacked)
     params = [p for p in private.parameters() if p.requires_grad]
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
     engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
