@@ -97,8 +97,45 @@ def test_forward_without_backward_leaves_no_state():
 def test_backward_of_a_loss_that_is_not_a_dp_loss_is_refused():
     model, x = Branchy(), torch.randn(5, 4)
     ghostdp.GhostClipping(model, 1.0)
-    with pytest.raises(RuntimeError, match="did not start from a ghostdp loss"):
+    with pytest.raises(RuntimeError, match="did not come from a ghostdp loss alone"):
         model(x).sum().backward()
+
+
+# Gradient that reaches the model with or after the DP loss's own: an auxiliary term added to the DP loss
+# (either order), or a second backward through the graph the DP loss's backward retained. Each would put an
+# unclipped, data-dependent gradient into the update.
+AFTER_THE_DP_LOSS = {
+    "added before": lambda dp, out: (out.pow(2).sum() * 1e3 + dp()).backward(),
+    "added after": lambda dp, out: (dp() + out.pow(2).sum() * 1e3).backward(),
+    "second backward": lambda dp, out: (dp().backward(retain_graph=True), (out.pow(2).sum() * 1e3).backward()),
+}
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("variant", ["added before", "added after", "second backward"])
+def test_a_loss_added_to_the_dp_loss_or_a_second_backward_is_refused(clipping, variant):
+    """Before, in ghost mode, each of these went through: the DP loss's backward continued into the model in
+    the caller's backward, and a call that pass 1 had reached let any gradient pass (p.grad moved by 1.6e4
+    with C = 1e-3). Now the DP loss's backward is self-contained and any other gradient that reaches a
+    recorded call is refused, before it reaches p.grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    x = torch.randn(8, 4)
+    out = model(x)
+    with pytest.raises(RuntimeError, match="did not come from a ghostdp loss alone"):
+        AFTER_THE_DP_LOSS[variant](lambda: controller.loss(out.pow(2).sum(1), "sum"), out)
+    total = sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None)
+    assert float(total) ** 0.5 <= 8 * 1e-3 * (1 + 1e-6)  # at most the clipped sum of the 8 examples
+
+
+def test_autograd_grad_of_another_loss_after_the_dp_loss_is_refused():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    out = model(x)
+    controller.loss(out.pow(2).sum(1)).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="did not come from a ghostdp loss alone"):
+        torch.autograd.grad(out.sum(), list(model.parameters()))
 
 
 def test_parameter_read_outside_its_module_is_refused():

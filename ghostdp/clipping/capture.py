@@ -142,7 +142,7 @@ def _on_output_grads(call, grad_outputs):
         elif passed.delivers_by_hooks and call.by_hook and id(call) not in passed.captured_received:
             receiver.arrive(call, grad)
         return None
-    if grad is not None and not call.fired and grad.numel():
+    if grad is not None and grad.numel():
         receiver.refuse_if_not_from_dp_loss(call)
     return None
 

@@ -238,7 +238,8 @@ class GhostClipping:
 
     # ----------------------------------------------------------------- forward
     def anchor(self, device):
-        """A zero-size leaf for a DP loss whose backward must not continue into the model (book-keeping)."""
+        """A zero-size leaf, the only graph input of a DP loss: its backward never continues into the model
+        in the caller's backward (loss.py)."""
         return zero_size_leaf(self._anchors, device)
 
     def _warn_of_keeping_under_checkpointing(self, mode, regions):
@@ -393,15 +394,20 @@ class GhostClipping:
         self.last_norms, self.last_coefficients = norms, coeffs
         return coeffs
 
-    def grad_of_losses(self, coefficients, grad_output, losses, mode=None):
-        """After pass 1: the gradient for the losses (pass 2 follows), or None once the clipping mode
-        has written the clipped sum into p.grad itself."""
+    def write_clipped_sums(self, coefficients, grad_output, losses, mode=None):
+        """After pass 1: sum_i c_i g_i into p.grad. Book-keeping writes it from its kept factors; two passes
+        run pass 2, a backward of the losses weighted by c_i, here, as a backward of its own: nothing of the
+        DP loss's gradient flows into the model in the caller's backward, so a gradient that reaches a
+        recorded call there came from something else and is refused (PassOne.refuse_if_not_from_dp_loss)."""
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
         with self._region("ghostdp.clipped_sum"):
             if not mode.keeps_factors and kept:
                 self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
-            return mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
+            weights = mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
+        if weights is not None:
+            with self.pass_one.running_pass_two():
+                torch.autograd.backward(losses, weights)
 
     def mode_for_loss(self):
         """The clipping mode of the DP loss being built from this forward: the controller's, or two passes

@@ -10,14 +10,14 @@ from .records import BackwardRecord
 
 class ClippedLoss(torch.autograd.Function):
     """value = sum_i L_i / divisor (the mean or the sum of this chunk's losses, what a user reads from
-    ``loss.item()``); backward ignores the value: it runs pass 1, then returns c_i * grad_output for
-    L_i (pass 2 follows) or, in book-keeping mode, writes the clipped sums itself. p.grad receives
-    the clipped SUM either way; the DP optimizer divides by the expected batch size.
+    ``loss.item()``); backward ignores the value: it runs pass 1, then writes the clipped sums
+    (GhostClipping.write_clipped_sums: pass 2 as a backward of its own, or book-keeping's sums). p.grad
+    receives the clipped SUM either way; the DP optimizer divides by the expected batch size.
 
-    ``graph_input`` is what the outer backward continues into: the losses themselves (two-pass),
-    or a zero-size anchor leaf (book-keeping), so that autograd never walks the model's graph a
-    second time, which pass 1 has already freed. ``mode``: this backward's clipping mode, chosen
-    when the loss is built (``GhostClipping.mode_for_loss``).
+    ``graph_input`` is a zero-size anchor leaf, the only input the caller's backward sees: it never
+    continues into the model's graph from here, so that anything that reaches the model in that backward
+    (another loss added to this one) is refused where it meets a recorded call. ``mode``: this backward's
+    clipping mode, chosen when the loss is built (``GhostClipping.mode_for_loss``).
     """
 
     @staticmethod
@@ -45,7 +45,8 @@ class ClippedLoss(torch.autograd.Function):
                 unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
             ctx.controller.passes.append(
                 BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors))
-        return ctx.controller.grad_of_losses(coeffs, grad_output, ctx.losses, ctx.mode), None, None, None, None, None
+        ctx.controller.write_clipped_sums(coeffs, grad_output, ctx.losses, ctx.mode)
+        return None, None, None, None, None, None
 
 
 def clipped_loss(controller, per_example_losses, reduction="mean", expected_batch_size=None):
@@ -66,8 +67,8 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
         per_example_losses, examples = per_example_losses * 0.0, 0
     divisor = float(max(1, per_example_losses.shape[0])) if reduction == "mean" else 1.0
     mode = controller.mode_for_loss()
-    graph_input = per_example_losses if mode.continues_backward else controller.anchor(per_example_losses.device)
-    return ClippedLoss.apply(graph_input, (per_example_losses,), controller, divisor, examples, mode)
+    return ClippedLoss.apply(controller.anchor(per_example_losses.device), (per_example_losses,), controller,
+                             divisor, examples, mode)
 
 
 def _token_weights(criterion, target):

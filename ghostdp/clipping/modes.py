@@ -1,7 +1,8 @@
 """How the clipped sum reaches p.grad once pass 1 has given the clip coefficients c_i.
 
-- ``TwoPass`` ("ghost", the default): the DP loss's backward returns c_i for loss i and autograd
-  continues (pass 2), so the ordinary backward forms sum_i c_i g_i. Memory: that of training.
+- ``TwoPass`` ("ghost", the default): the DP loss's backward gives c_i for loss i and runs pass 2, a
+  backward of sum_i c_i L_i of its own (GhostClipping.write_clipped_sums), so the ordinary backward forms
+  sum_i c_i g_i. Memory: that of training.
 - ``BookKeeping`` ("bookkeeping"): pass 1 keeps each layer's factors (activations A and output
   grads G) and the loss's backward writes sum_i c_i g_i = (c ⊙ G)^T A per layer into p.grad;
   autograd stops there (no second backward). Faster, but A and G of every layer stay alive
@@ -29,9 +30,10 @@ from ..norms.factors import EmbeddingGather, PerExampleGrad
 class TwoPass:
     name = "ghost"
     keeps_factors = False
-    continues_backward = True  # autograd's continuation from the losses is pass 2
+    continues_backward = True  # pass 2 is a backward of the losses (GhostClipping.write_clipped_sums)
 
     def grad_of_losses(self, kept, coefficients, grad_output, losses, group_of=None):
+        """The weights c_i of pass 2's backward of the losses."""
         return (coefficients * grad_output).to(losses.dtype)
 
 

@@ -10,6 +10,8 @@ pass is a backward without inputs that recomputes each region (reentrant.py).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..norms import batched
@@ -53,6 +55,7 @@ class PassOne:
         self.recorder = recorder
         self.current = None
         self.in_fallback = False         # a fallback's own backward is running (its probes stay quiet)
+        self.in_pass_two = 0             # pass 2 of a DP loss is running (run_pass_two), nested that deep
         self.layouts = LayoutProver()
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
@@ -237,12 +240,28 @@ class PassOne:
             call.eager[n] = eager
 
     def refuse_if_not_from_dp_loss(self, call):
-        if self.in_fallback or call.fired:
+        """A gradient reached a recorded call outside pass 1. It may only in a fallback's own backward, or
+        in pass 2 of the DP loss whose pass 1 reached the call: anything else (a loss that is not a DP
+        loss, another loss added to the DP loss, a second backward through the graph the DP loss's
+        backward retained) would put gradient into p.grad that no norm bounded."""
+        if self.in_fallback or (self.in_pass_two and call.fired):
             return
         raise RuntimeError(
-            f"a gradient reached module '{call.name}' through a backward that did not start from a ghostdp "
-            "loss, so it would not be clipped. Fix: build every loss you backpropagate through this model "
-            "with GhostClipping.loss / the DP criterion, or call detach() on the controller first.")
+            f"a gradient reached module '{call.name}' through a backward that did not come from a ghostdp "
+            "loss alone, so it would not be clipped: a loss that is not a DP loss, another loss added to the "
+            "DP loss (an auxiliary or regularising term computed from the model's outputs), or a second "
+            "backward through the same forward. Fix: backpropagate the DP loss by itself, built with "
+            "GhostClipping.loss / the DP criterion from every term that depends on the data (fold an "
+            "auxiliary loss into the per-example losses), or call detach() on the controller first.")
+
+    @contextlib.contextmanager
+    def running_pass_two(self):
+        """Pass 2 of a DP loss runs inside (the backward of its losses weighted by c_i, loss.py)."""
+        self.in_pass_two += 1
+        try:
+            yield
+        finally:
+            self.in_pass_two -= 1
 
     # ----------------------------------------------------------------- norms
     def _compute(self, call):

@@ -75,7 +75,7 @@ class ProbeIdentity(torch.autograd.Function):
             if ctx.has_inputs and receiver.needs_inputs():
                 call.inputs = ctx.saved_tensors  # recomputed here inside an activation checkpoint
             receiver.receive(call, ctx.slot, shaped)
-        elif not call.fired and grad.numel():  # a gradient with no rows (an empty batch) carries no example
+        elif grad.numel():  # a gradient with no rows (an empty batch) carries no example
             receiver.refuse_if_not_from_dp_loss(call)
         return grad, None, None
 
