@@ -138,6 +138,26 @@ def test_autograd_grad_of_another_loss_after_the_dp_loss_is_refused():
         torch.autograd.grad(out.sum(), list(model.parameters()))
 
 
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_trainable_parameter_is_refused_until_removed(clipping, kind):
+    """Before, in ghost mode a hook scaling a weight's gradient by 1e4 took the update 1e4 times past C, and
+    book-keeping skipped any such hook silently. A hook added after attaching counts too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    x = torch.randn(8, 4)
+    hook = (lambda g: g * 1e4) if kind == "register_hook" else (lambda p: p.grad.mul_(1e4) and None)
+    handle = getattr(model[2].weight, kind)(hook)
+    with pytest.raises(RuntimeError, match=r"'2.weight' have a gradient hook"):
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+    assert all(p.grad is None for p in model.parameters())  # refused before anything was written
+    handle.remove()
+    controller.loss(model(x).pow(2).sum(1), "sum").backward()
+    total = sum(p.grad.pow(2).sum() for p in model.parameters())
+    assert float(total) ** 0.5 <= 8 * 1e-3 * (1 + 1e-6)
+
+
 def test_parameter_read_outside_its_module_is_refused():
     class ReadsWeight(nn.Module):
         def __init__(self):

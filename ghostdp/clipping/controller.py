@@ -28,7 +28,7 @@ from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .audit import audit_graph
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
-from .precision import ExactSums, ImpreciseExampleError, imprecise_examples
+from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .pass_one import PassOne
 from .records import BackwardRecord
 from .recording import ForwardRecorder, zero_size_leaf
@@ -168,7 +168,6 @@ class GhostClipping:
         self._anchors = {}
         self._kept = new_factor_store()
         self._mass = None
-        self._exact_sums = ExactSums()  # two passes: the fallback's parameters (precision.py)
         # Reentrant activation checkpoints (reentrant.py): a region's calls start at this index of the pass's.
         self._regions = RegionWatch(lambda: len(self.pass_one.current.region_calls), self._audit_region,
                                     USE_NON_REENTRANT)
@@ -218,7 +217,6 @@ class GhostClipping:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._exact_sums.remove()
         if _ATTACHED.get(self.module) is self:
             del _ATTACHED[self.module]
 
@@ -227,7 +225,6 @@ class GhostClipping:
         if self.passes is not None:
             self.passes.clear()
         self._kept = new_factor_store()
-        self._exact_sums.clear()
         self.pass_one.current = None
         self.next_loss_is_padding = False
 
@@ -271,6 +268,7 @@ class GhostClipping:
         """This step's graph: refuse a stray parameter; return the recorded calls, the reentrant
         checkpoints' nodes and the nodes visited."""
         trainable = self._trainable()
+        self._refuse_gradient_hooks(trainable)
         seen = set()
         types = self.recorder.captured_types
         stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types)
@@ -311,6 +309,24 @@ class GhostClipping:
         if stray:
             self._refuse_stray(stray, calls=True)
 
+    def _refuse_gradient_hooks(self, trainable: dict) -> None:
+        """Refuse a trainable parameter with a gradient hook of its own (``register_hook``,
+        ``register_post_accumulate_grad_hook``): the norms of pass 1 never see what it does to the gradient,
+        so in two passes it changes the clipped sum after clipping (a hook that scales it by 10^4 took the
+        update 10^4 times past C), and book-keeping, which writes p.grad itself, never runs it."""
+        hooked = [p for p in trainable.values() if p._backward_hooks or p._post_accumulate_grad_hooks]
+        if not hooked:
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in hooked[:5])
+        raise RuntimeError(
+            f"the trainable parameter(s) {described} have a gradient hook (Tensor.register_hook or "
+            "register_post_accumulate_grad_hook). ghostdp bounds each example's gradient before any such hook "
+            "runs, so a hook that changes the gradient would move the update past the clipping norm (two "
+            "passes), and book-keeping, which writes p.grad itself, would skip it silently. Fix: remove the "
+            "hook (handle.remove()); to train only some rows of a parameter, freeze it and train a separate "
+            "parameter for those rows, or zero their update after optimizer.step().")
+
     def _refuse_stray(self, stray, calls):
         """Raise for parameters with gradient edges outside every recorded call of their modules."""
         if not calls and not self.recorder.live:
@@ -339,7 +355,6 @@ class GhostClipping:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
         B = per_example_losses.shape[0]
         self._mass = None
-        self._exact_sums.clear()
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls, regions, audited = self._audit(per_example_losses, mode)
@@ -402,12 +417,13 @@ class GhostClipping:
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
         with self._region("ghostdp.clipped_sum"):
-            if not mode.keeps_factors and kept:
-                self._exact_sums.arm(kept, coefficients * grad_output.to(coefficients.dtype))
             weights = mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
-        if weights is not None:
-            with self.pass_one.running_pass_two():
-                torch.autograd.backward(losses, weights)
+        if weights is None:
+            return
+        # The fallback's parameters take their clipped sums from pass 1's per-example gradients (precision.py).
+        exact = exact_sums(kept, coefficients * grad_output.to(coefficients.dtype)) if kept else contextlib.nullcontext()
+        with self.pass_one.running_pass_two(), exact:
+            torch.autograd.backward(losses, weights)
 
     def mode_for_loss(self):
         """The clipping mode of the DP loss being built from this forward: the controller's, or two passes

@@ -308,7 +308,7 @@ class PassOne:
                 passed.samples[param].append(f)
             if passed.keeps_factors:
                 passed.kept[param].append(f)
-            elif missing is not None and n in missing:  # two passes: see precision.ExactSums
+            elif missing is not None and n in missing:  # two passes: see precision.exact_sums
                 passed.exact[param].append(f)
             if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
                 passed.queue.push(f, self.controller._group(param))

@@ -9,11 +9,12 @@ those sums: an example with u * c_i * m_i > ROUNDING_TOLERANCE * C (u: unit roun
 accumulation's dtype) is refused, or skipped with nonfinite="skip".
 
 Where the fallback instantiated per-example gradients g_i in pass 1, the two-pass mode does not
-let pass 2 form their clipped sum in one accumulation over all examples' terms: ``ExactSums``
+let pass 2 form their clipped sum in one accumulation over all examples' terms: ``exact_sums``
 replaces pass 2's gradient of those parameters by sum_i c_i g_i of the finished g_i.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -42,28 +43,21 @@ def imprecise_examples(coefficients: torch.Tensor, mass, mass_dtype, max_grad_no
     return unit_roundoff * coefficients * mass.to(coefficients.device) > ROUNDING_TOLERANCE * max_grad_norm
 
 
-class ExactSums:
-    """Two-pass mode: pass 2's gradient of some parameters replaced by sum_i c_i g_i from pass 1's factors."""
+@contextlib.contextmanager
+def exact_sums(kept: dict, weights: torch.Tensor):
+    """Two-pass mode, around pass 2: the gradient pass 2 forms for each parameter of ``kept`` (parameter ->
+    its factors this step) replaced by sum_i w_i g_i of those factors (``weights``: c_i times the loss's
+    incoming gradient), through gradient hooks that live only inside the block (a gradient hook of a
+    parameter outside it is refused: GhostClipping._refuse_gradient_hooks)."""
+    replacements = {p: sum(f.weighted_sum(weights) for f in factors) for p, factors in kept.items()}
+    hooks = [p.register_hook(functools.partial(_replace, replacements, p)) for p in kept]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
-    def __init__(self):
-        self._replacements = {}  # parameter -> its exact clipped sum for the coming pass 2
-        self._hooks = {}
 
-    def arm(self, kept: dict, weights: torch.Tensor) -> None:
-        """``kept``: parameter -> its factors this step; ``weights``: c_i times the loss's incoming gradient."""
-        self._replacements = {p: sum(f.weighted_sum(weights) for f in factors) for p, factors in kept.items()}
-        for p in kept:
-            if p not in self._hooks:
-                self._hooks[p] = p.register_hook(functools.partial(self._replace, p))
-
-    def _replace(self, param, grad):
-        replacement = self._replacements.pop(param, None)
-        return grad if replacement is None else replacement.to(grad.dtype).reshape(grad.shape)
-
-    def clear(self) -> None:
-        self._replacements = {}
-
-    def remove(self) -> None:
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks, self._replacements = {}, {}
+def _replace(replacements, param, grad):
+    replacement = replacements.pop(param, None)
+    return grad if replacement is None else replacement.to(grad.dtype).reshape(grad.shape)

@@ -92,7 +92,7 @@ class NormPass:
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several calls
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
-        self.exact = new_factor_store()   # two passes: the fallback's factors (precision.ExactSums)
+        self.exact = new_factor_store()   # two passes: the fallback's factors (precision.exact_sums)
         self.samples = None               # inside grad_samples(): parameter -> factors to materialise
         self.calls = []
         self.delivers_by_hooks = False    # a backward of pass 1 runs: captured calls' nodes' pre-hooks deliver G
