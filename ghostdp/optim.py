@@ -151,6 +151,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
         self.buckets_last_step = 0        # book-keeping with several processes: all-reduces of the last step
         self._sums_written_by_mode = None  # this step's backwards wrote their clipped sums past DDP (book-keeping)
+        self._clipped_with = None          # the largest C this step's backwards clipped with (add_noise)
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
         self._pending_scheduler_state = None
@@ -262,6 +263,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _examples_of_this_step(self):
         """(examples clipped, backward calls, unclipped examples or None) of this step's DP-loss backwards."""
         passes, self.controller.passes = self.controller.passes, []
+        self._clipped_with = max((record.max_grad_norm for record in passes), default=None)
         written = {record.wrote_sums for record in passes}
         if len(written) > 1 and self.world_size > 1:
             raise PrivacyStepError(
@@ -325,16 +327,19 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def add_noise(self, expected_batch_size: float | None = None):
+    def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None):
         """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero.
 
         With several processes p.grad is first multiplied by the world size (DDP averaged it), or, in
         book-keeping, summed over the ranks here. ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
+        ``clipped_with``: the clipping norm C this step's gradients were clipped with (the largest of its
+        backward calls'), else the controller's now: a C changed between backward() and step() must not
+        scale the noise of gradients clipped with another.
         """
         sigma = self.noise_multiplier
         if self.adaptive_clipping is not None:  # part of the budget goes to the unclipped count
             sigma = self.adaptive_clipping.gradient_noise_multiplier(sigma)
-        std = sigma * self.max_grad_norm
+        std = sigma * (self.max_grad_norm if clipped_with is None else clipped_with)
         params = self.params
         distributed = self.world_size > 1 and bool(params)
         if self.loss_reduction == "sum":
@@ -415,7 +420,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
                 "would not be one draw. Give every rank the same seed / generator state.")
 
-    def _check_finite(self):
+    def _check_finite(self, examples: int | None = None):
+        """Refuse a NaN or infinite clipped gradient and, in one process, a clipped sum larger than this
+        step's ``examples`` clipped gradients can add up to (``_refuse_too_large``)."""
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return
@@ -426,7 +433,14 @@ class DPOptimizer(torch.optim.Optimizer):
         norms = torch._foreach_norm(grads)
         if len({n.device for n in norms}) > 1:
             norms = [n.to(params[0].device) for n in norms]
-        finite = bool(torch.isfinite(torch.stack(norms)).all())
+        norms = torch.stack(norms)
+        bound = self._sum_bound(examples, grads)
+        if bound is None:
+            finite, total = bool(torch.isfinite(norms).all()), None
+        else:  # one host sync for both
+            flags = torch.stack([torch.isfinite(norms).all().double(), norms.double().square().sum().sqrt()])
+            finite, total = flags.tolist()
+            finite = bool(finite)
         bad = [] if finite else [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
         if self.world_size > 1 and sharded is not None and any(sharded):
             bad_somewhere = self._any_rank(bool(bad))  # one rank's shard: every rank must stop
@@ -439,6 +453,25 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"the clipped gradient of {names[:5]} is NaN or infinite. With nonfinite='skip' an example's "
                 "clip coefficient is 0, but NaN or inf activations still reach p.grad (0 * nan = nan); find "
                 "the example (controller.last_norms) and fix the data or the model.")
+        if total is not None and total > bound:  # inf where a finite gradient's float32 norm overflowed
+            raise PrivacyStepError(
+                f"p.grad holds a gradient of norm {total:.6g}, more than the clipped gradients of this step's "
+                f"{examples} examples can add up to ({examples} x C = {bound:.6g} with rounding): it was changed "
+                "between backward() and step() (scaled up, or another gradient added to it), and the noise, "
+                "calibrated to C, would not cover it. Leave p.grad as backward() wrote it (scaling it down, as "
+                "clip_grad_norm_ does, is fine).")
+
+    # Rounding allowed above examples x C: float32 or wider sums, 16-bit ones (bf16: C to about 1e-2 an example).
+    SUM_BOUND_SLACK = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
+
+    def _sum_bound(self, examples, grads):
+        """The largest norm this step's clipped sum can have, examples x C (triangle inequality) with some
+        rounding slack; None where it is not known here (several processes: the ranks' sums are combined
+        after this check, or DDP has already averaged them)."""
+        if examples is None or self._clipped_with is None or self.world_size > 1:
+            return None
+        slack = max((self.SUM_BOUND_SLACK.get(g.dtype, 1e-3) for g in grads), default=1e-3)
+        return examples * self._clipped_with * (1 + slack)
 
     def pre_step(self, logical_batch_size: int | None = None) -> bool:
         """Noise and checks if a logical batch is complete; returns False while chunks remain.
@@ -456,12 +489,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.tracker is not None:
             self.tracker.take_yielded()
         if backward_calls:
-            self._check_finite()
+            self._check_finite(examples)
         # The rate this batch was drawn with (a batch-size schedule gives each epoch its own).
         drawn = chunks[-1] if chunks and chunks[-1].sample_rate is not None else None
         sample_rate = drawn.sample_rate if drawn is not None else self.sample_rate
         expected = drawn.expected_size if drawn is not None else self.expected_batch_size
-        self.add_noise(expected)
+        self.add_noise(expected, self._clipped_with)
         if self.adaptive_clipping is not None:  # C for the next step, from the noisy unclipped count
             unclipped, examples = self._summed_over_ranks(unclipped, examples)
             self.controller.max_grad_norm = self.adaptive_clipping.update(

@@ -280,14 +280,38 @@ def test_nan_activations_are_refused_at_step_even_when_skipping():
 
 
 def test_a_finite_gradient_whose_norm_overflows_is_not_called_nan():
-    # The check reduces each gradient to its 2-norm, which overflows float32 above ~1e19.
+    # The check reduces each gradient to its 2-norm, which overflows float32 above ~1e19. Such a gradient is
+    # no clipped sum of 8 examples either: it is refused as one changed after backward(), not as a NaN.
     torch.set_default_dtype(torch.float32)
     _, model, opt, crit, loader = private(model=torch.nn.Linear(D, K), noise_multiplier=0.0, poisson_sampling=False)
     x, y = next(iter(loader))
     crit(model(x), y).backward()
     model.weight.grad[0, 0] = 1e30
-    opt.step()
+    with pytest.raises(PrivacyStepError, match="of norm inf, more than the clipped gradients of this step's 8"):
+        opt.step()
     assert torch.isfinite(model.weight).all()
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_gradient_scaled_up_between_backward_and_step_is_refused(clipping):
+    """The noise is calibrated to C: a clipped sum scaled by 1e3 after backward() was noised and stepped as
+    if it were one. The step now refuses a p.grad larger than examples x C; scaling down stays allowed."""
+    _, model, opt, crit, loader = private(clipping=clipping, poisson_sampling=False)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # down: still a bound the noise covers
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    for p in model.parameters():
+        p.grad.mul_(1e3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PrivacyStepError, match="changed between backward\\(\\) and step\\(\\)"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_optimizer_over_other_parameters_is_refused():
@@ -459,3 +483,24 @@ def test_switching_checkpointing_inside_a_logical_batch_of_book_keeping_is_refus
             with pytest.raises(PrivacyStepError, match="mixed book-keeping's one backward with two passes"):
                 opt.step()
             return
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_the_noise_is_scaled_to_the_clipping_norm_the_gradients_were_clipped_with(clipping):
+    """A C lowered between backward() and step() (a schedule set at the wrong point) scaled the noise of
+    gradients clipped with the old C: at 1e-6, sigma * 1e-6 against a sensitivity of 0.5. The step now adds
+    noise for the largest C its backward calls clipped with; the new C applies from the next backward."""
+    engine, model, optimizer, criterion, loader = private(clipping=clipping)
+    stds = []
+    add = engine.random_source.add_gaussian_
+    engine.random_source.add_gaussian_ = lambda tensors, std, *a, **k: stds.append(std) or add(tensors, std, *a, **k)
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    engine.controller.max_grad_norm = 1e-6
+    optimizer.step()
+    assert stds == [pytest.approx(0.7 * 0.5)]
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert stds[-1] == pytest.approx(0.7 * 1e-6)

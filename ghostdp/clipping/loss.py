@@ -44,7 +44,8 @@ class ClippedLoss(torch.autograd.Function):
                 norms = ctx.controller.last_norms
                 unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
             ctx.controller.passes.append(
-                BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors))
+                BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors,
+                               ctx.controller.max_grad_norm))
         ctx.controller.write_clipped_sums(coeffs, grad_output, ctx.losses, ctx.mode)
         return None, None, None, None, None, None
 

@@ -22,6 +22,7 @@ class BackwardRecord(NamedTuple):
     loss_scale: torch.Tensor           # the gradient that flowed into the loss: 1 for a plain backward()
     unclipped: torch.Tensor | None     # adaptive clipping: examples whose norm was <= C
     wrote_sums: bool                   # the mode wrote the clipped sums itself (book-keeping: no DDP reducer)
+    max_grad_norm: float               # the clipping norm C its coefficients used (the noise is scaled to it)
 
 
 class ModuleCall:
