@@ -184,6 +184,8 @@ class ForwardRecorder:
         return zero_size_leaf(self.probes, device)
 
     def on_forward(self, name, entry, module, args, kwargs, output):
+        if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
+            entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
         if not self._recording(module):
             if self.watch_checkpoints and module.training and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))

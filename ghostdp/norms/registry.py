@@ -77,7 +77,10 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
 
 def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
     """The entry of the most specific registered class in the module's MRO, if the module's class
-    still runs that class's forward; None otherwise."""
+    still runs that class's forward and the module has no forward of its own (one set on the
+    instance: ``module.forward = ...``, which the rule cannot know); None otherwise."""
+    if "forward" in module.__dict__:
+        return None
     for cls in type(module).__mro__:
         entry = _RULES.get(cls) or _RULES.get(qualified_name(cls))
         if entry is not None:

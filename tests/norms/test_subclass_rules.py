@@ -3,6 +3,7 @@ import ast
 import importlib
 import pathlib
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -25,6 +26,39 @@ def test_a_subclass_overriding_forward_goes_to_the_fallback_and_is_exact():
     assert find_norm_rule(model[0]) is None and find_norm_rule(model[2]) is not None
     x = torch.randn(B, 3)
     assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+
+
+def test_a_forward_replaced_on_the_instance_goes_to_the_fallback_and_is_exact():
+    """A Linear whose forward was replaced on the instance (here: it squares its input) is not the Linear
+    the rule knows. Before, its rule read the call's input as A: the norms were off (ghost clipped the true
+    gradient with the wrong coefficients, book-keeping wrote the wrong gradient, each silently)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[2].forward = lambda h: nn.functional.linear(h * h, model[2].weight, model[2].bias)
+    assert find_norm_rule(model[2]) is None and find_norm_rule(model[0]) is not None
+    x = torch.randn(B, 3)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_forward_replaced_on_the_instance_after_attaching_goes_to_the_fallback(clipping):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(B, 3, dtype=torch.float64)
+    controller = ghostdp.GhostClipping(model, 1e9, clipping=clipping)  # nothing clipped: p.grad = sum of g_i
+    model[2].forward = lambda h: nn.functional.linear(h * h, model[2].weight, model[2].bias)
+    controller.loss(model(x).pow(2).sum(1), "sum").backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    norms = controller.last_norms
+    controller.detach()
+    expected_norms = []
+    for i in range(B):
+        grads = torch.autograd.grad(model(x[i:i + 1]).pow(2).sum(), list(model.parameters()))
+        expected_norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+    torch.testing.assert_close(norms, torch.stack(expected_norms), rtol=1e-10, atol=0)
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
 
 
 def _tiny_text_inputs(vocab, T=6):
