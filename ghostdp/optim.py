@@ -183,7 +183,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @property
     def params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        """The parameters this step updates: those that require grad, and any other that holds a gradient
+        (one frozen between the forward and the backward, whose clipped sum book-keeping wrote from the
+        forward's record): the wrapped optimizer steps it, so it gets the noise too."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad or p.grad is not None]
 
     @property
     def max_grad_norm(self) -> float:

@@ -504,3 +504,26 @@ def test_the_noise_is_scaled_to_the_clipping_norm_the_gradients_were_clipped_wit
     criterion(model(x), y).backward()
     optimizer.step()
     assert stds[-1] == pytest.approx(0.7 * 1e-6)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_parameter_frozen_between_forward_and_backward_is_not_stepped_without_noise(clipping):
+    """Book-keeping writes the clipped sum of every parameter its forward recorded as trainable; one frozen
+    before backward() still got it and the wrapped optimizer stepped it, but the noise skipped parameters
+    that do not require grad: a clipped, unnoised update. Now whatever holds a gradient gets the noise."""
+    engine, model, optimizer, criterion, loader = private(clipping=clipping, poisson_sampling=False)
+    noised = []
+    add = engine.random_source.add_gaussian_
+    engine.random_source.add_gaussian_ = lambda tensors, *a, **k: noised.extend(tensors) or add(tensors, *a, **k)
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    out = model(x)
+    first = model[0].weight
+    first.requires_grad_(False)
+    criterion(out, y).backward()
+    before = first.detach().clone()
+    optimizer.step()
+    if first.grad is None:  # two passes: autograd does not accumulate into a parameter that no longer requires grad
+        assert torch.equal(first, before)
+    else:  # book-keeping wrote its clipped sum: then it is noised with the others
+        assert any(t is first.grad for t in noised)
