@@ -17,7 +17,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
-from .capture import found_call
+from .capture import CAPTURED_CALL, found_call
 from .probe import ProbeIdentity
 
 _PROBE_NODE = ProbeIdentity._backward_cls
@@ -130,6 +130,27 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     attributed = _edges_in_regions(calls.values())
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     return list(stray.values()), list(calls.values()), reentrant
+
+
+def head_signature(root, captured_types=frozenset()) -> tuple:
+    """The node types of the graph between the losses' node ``root`` and the recorded calls nearest them
+    (probe nodes, captured calls' nodes, leaves), in the order of a depth-first walk: what the losses
+    compute from the model's outputs. The layout proof (layout.py) that no example's gradient mixes with
+    another's covers the graph as it was proven; a new head (a contrastive term, a batch mean added to the
+    losses, with the same shapes as before) must be proven again. Some nodes per step (the loss head)."""
+    signature, seen, stack = [], set(), [root]
+    accumulator = accumulate_grad_type()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kind = type(node)
+        signature.append(kind)
+        if kind is accumulator or kind is _PROBE_NODE or (kind in captured_types and CAPTURED_CALL in node.metadata):
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    return tuple(signature)
 
 
 def _edges_in_regions(calls) -> set:

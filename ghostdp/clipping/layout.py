@@ -116,12 +116,14 @@ class LayoutProver:
         self.generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
         self.v = None
 
-    def assign(self, calls, batch_size: int) -> list:
+    def assign(self, calls, batch_size: int, everything: bool = False) -> list:
+        """Each call's proven layouts, where its shapes have some; the calls left to prove (all of them
+        with ``everything``: the proof must run again, the loss above the calls having changed)."""
         unproven = []
         for call in calls:
             shapes_key = (id(call.module), tuple(call.shapes), batch_size)
-            call.layouts = self.by_shapes.get(shapes_key)
-            if call.layouts is None:
+            call.layouts = None if everything else self.by_shapes.get(shapes_key)
+            if call.layouts is None and not everything:
                 call.layouts = self.proven.get((id(call.module), signature(call.shapes, batch_size)))
                 if call.layouts is not None:
                     self.by_shapes[shapes_key] = call.layouts

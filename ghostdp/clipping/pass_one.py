@@ -56,17 +56,21 @@ class PassOne:
         self.current = None
         self.in_fallback = False         # a fallback's own backward is running (its probes stay quiet)
         self.in_pass_two = 0             # pass 2 of a DP loss is running (run_pass_two), nested that deep
+        self._reprove = False            # this pass proves every call's layout again (run)
         self.layouts = LayoutProver()
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
 
-    def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool) -> NormPass:
-        """The layout proof if needed, then pass 1, over the audited ``calls``: the finished NormPass."""
+    def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
+            reprove: bool = False) -> NormPass:
+        """The layout proof if needed, then pass 1, over the audited ``calls``: the finished NormPass.
+        ``reprove``: prove every call's layout again (the losses' graph above the calls is new)."""
         B = per_example_losses.shape[0]
         probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
+        self._reprove = reprove
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
-        if (probes or captured) and self.layouts.assign(calls, B) and not regions:
+        if (probes or captured) and self.layouts.assign(calls, B, everything=reprove) and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
@@ -220,7 +224,7 @@ class PassOne:
         # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
         # down to the checkpoint's detached input and the gradient its backward left there.
         call.inputs = tuple(x.detach() for x in call.inputs)
-        if call.layouts is None and self.layouts.assign([call], passed.batch_size):
+        if call.layouts is None and self.layouts.assign([call], passed.batch_size, everything=self._reprove):
             passed.deferred.append(call)
         call.eager = {}
         for n, p in call.params.items():

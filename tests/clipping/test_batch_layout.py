@@ -84,6 +84,38 @@ def test_a_proven_layout_is_reused_and_a_new_shape_signature_is_proven_again():
     assert len(proofs) == 2
 
 
+MIXING_LOSSES = {
+    "contrastive": lambda out: -torch.log_softmax(nn.functional.normalize(out, dim=1) @ nn.functional.normalize(
+        out, dim=1).T / 0.1, 1).diagonal(),
+    "plus a batch mean": lambda out: out.pow(2).sum(1) + 10 * out.pow(2).sum(1).mean(),
+}
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("loss", list(MIXING_LOSSES))
+def test_a_loss_that_starts_mixing_examples_with_the_same_shapes_is_proven_again_and_refused(clipping, loss):
+    """The proof ran on the first step and on new shapes only, so per-example losses that mixed examples
+    from a later step on (a contrastive term, a batch mean), with the same shapes, went through: one
+    example then moves every loss, and its influence is not bounded by C. A new graph between the losses
+    and the recorded calls (audit.head_signature) is now proven again; the same head is not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    proofs = []
+    original = controller.pass_one._prove_layouts
+    controller.pass_one._prove_layouts = lambda *a: (proofs.append(1), original(*a))
+    x = torch.randn(8, 4) * 3
+    for _ in range(2):  # proven once, then reused
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+        model.zero_grad()
+    assert len(proofs) == 1
+    with pytest.raises(RuntimeError, match="gradient mixes several examples"):
+        controller.loss(MIXING_LOSSES[loss](model(x)), "sum").backward()
+    model.zero_grad()
+    controller.loss(model(x).pow(2).sum(1), "sum").backward()  # the proven head again: no new proof
+    assert len(proofs) == 2
+
+
 @pytest.mark.parametrize("T", [5, 3])
 def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T):
     B = 3
