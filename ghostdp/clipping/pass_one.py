@@ -68,9 +68,14 @@ class PassOne:
         B = per_example_losses.shape[0]
         probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
-        self._reprove = reprove
+        unproven = self.layouts.assign(calls, B, everything=reprove) if probes or captured else []
+        # Every process takes the same decision (one all-reduce where there are several): a proof's backward
+        # runs FSDP2's collectives, and a proof on one rank alone left the others waiting in them.
+        self._reprove = self.controller._any_rank(bool(unproven) or reprove, per_example_losses.device)
+        if self._reprove and (probes or captured) and not unproven:
+            unproven = self.layouts.assign(calls, B, everything=True)
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
-        if (probes or captured) and self.layouts.assign(calls, B, everything=reprove) and not regions:
+        if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
