@@ -425,7 +425,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _check_finite(self, examples: int | None = None):
         """Refuse a NaN or infinite clipped gradient and, in one process, a clipped sum larger than this
-        step's ``examples`` clipped gradients can add up to (``_refuse_too_large``)."""
+        step's ``examples`` clipped gradients can add up to (``_sum_bound``)."""
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return

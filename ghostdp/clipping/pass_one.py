@@ -55,7 +55,7 @@ class PassOne:
         self.recorder = recorder
         self.current = None
         self.in_fallback = False         # a fallback's own backward is running (its probes stay quiet)
-        self.in_pass_two = 0             # pass 2 of a DP loss is running (run_pass_two), nested that deep
+        self.in_pass_two = 0             # pass 2 of a DP loss is running (running_pass_two), nested that deep
         self._reprove = False            # this pass proves every call's layout again (run)
         self.layouts = LayoutProver()
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
