@@ -32,6 +32,16 @@ def collective_device(device) -> torch.device:
     return torch.device(device) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 
 
+def any_rank(flag: bool, device) -> bool:
+    """``flag`` on any process (one all-reduce), or ``flag`` itself in one process. ``device``: where the
+    caller's tensors live (collective_device picks the collective's)."""
+    if distributed_rank_and_size()[1] == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=collective_device(device))
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
 class PoissonBatchSampler(Sampler):
     """Logical batches in which every example is present independently with probability ``sample_rate``.
 

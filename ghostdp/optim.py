@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import BatchTracker, collective_device, distributed_rank_and_size
+from .data import BatchTracker, any_rank, collective_device, distributed_rank_and_size
 from .sharding import local_parts
 
 
@@ -151,7 +151,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
         self.buckets_last_step = 0        # book-keeping with several processes: all-reduces of the last step
         self._sums_written_by_mode = None  # this step's backwards wrote their clipped sums past DDP (book-keeping)
-        self._clipped_with = None          # the largest C this step's backwards clipped with (add_noise)
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
         self._pending_scheduler_state = None
@@ -264,9 +263,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._mid_logical_batch = False
 
     def _examples_of_this_step(self):
-        """(examples clipped, backward calls, unclipped examples or None) of this step's DP-loss backwards."""
+        """(examples clipped, backward calls, unclipped examples or None, the largest C they clipped with or
+        None) of this step's DP-loss backwards."""
         passes, self.controller.passes = self.controller.passes, []
-        self._clipped_with = max((record.max_grad_norm for record in passes), default=None)
+        clipped_with = max((record.max_grad_norm for record in passes), default=None)
         written = {record.wrote_sums for record in passes}
         if len(written) > 1 and self.world_size > 1:
             raise PrivacyStepError(
@@ -291,7 +291,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "The noise is calibrated to the unscaled clipped sum, so call backward() on the loss itself; "
                 "split large batches with max_physical_batch_size instead of scaling.")
         unclipped = sum(counts) if self.adaptive_clipping is not None else None
-        return sum(record.examples for record in passes), len(passes), unclipped
+        return sum(record.examples for record in passes), len(passes), unclipped, clipped_with
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
         # The examples this step must have clipped: given by the caller (DPTrainer runs the logical
@@ -398,13 +398,6 @@ class DPOptimizer(torch.optim.Optimizer):
         dist.all_reduce(both)
         return float(both[0]), int(both[1])
 
-    def _any_rank(self, flag: bool) -> bool:
-        import torch.distributed as dist
-        device = self.params[0].device if self.params else torch.device("cpu")
-        value = torch.tensor([float(flag)], device=collective_device(device))
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
-
     def _check_ranks_agree(self, clipped, noisy):
         import torch.distributed as dist
         both = torch.cat([clipped, noisy])
@@ -423,9 +416,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
                 "would not be one draw. Give every rank the same seed / generator state.")
 
-    def _check_finite(self, examples: int | None = None):
+    def _check_finite(self, examples: int | None = None, clipped_with: float | None = None):
         """Refuse a NaN or infinite clipped gradient and, in one process, a clipped sum larger than this
-        step's ``examples`` clipped gradients can add up to (``_sum_bound``)."""
+        step's ``examples`` gradients clipped with C = ``clipped_with`` can add up to (``_sum_bound``)."""
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return
@@ -437,7 +430,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if len({n.device for n in norms}) > 1:
             norms = [n.to(params[0].device) for n in norms]
         norms = torch.stack(norms)
-        bound = self._sum_bound(examples, grads)
+        bound = self._sum_bound(examples, clipped_with, grads)
         if bound is None:
             finite, total = bool(torch.isfinite(norms).all()), None
         else:  # one host sync for both
@@ -446,7 +439,7 @@ class DPOptimizer(torch.optim.Optimizer):
             finite = bool(finite)
         bad = [] if finite else [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
         if self.world_size > 1 and sharded is not None and any(sharded):
-            bad_somewhere = self._any_rank(bool(bad))  # one rank's shard: every rank must stop
+            bad_somewhere = any_rank(bool(bad), params[0].device)  # one rank's shard: every rank must stop
             if bad_somewhere and not bad:
                 raise FloatingPointError("another process found a NaN or infinite clipped gradient in its shard "
                                          "of the parameters (its error names them)")
@@ -467,14 +460,14 @@ class DPOptimizer(torch.optim.Optimizer):
     # Rounding allowed above examples x C: float32 or wider sums, 16-bit ones (bf16: C to about 1e-2 an example).
     SUM_BOUND_SLACK = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 
-    def _sum_bound(self, examples, grads):
+    def _sum_bound(self, examples, clipped_with, grads):
         """The largest norm this step's clipped sum can have, examples x C (triangle inequality) with some
         rounding slack; None where it is not known here (several processes: the ranks' sums are combined
         after this check, or DDP has already averaged them)."""
-        if examples is None or self._clipped_with is None or self.world_size > 1:
+        if examples is None or clipped_with is None or self.world_size > 1:
             return None
         slack = max((self.SUM_BOUND_SLACK.get(g.dtype, 1e-3) for g in grads), default=1e-3)
-        return examples * self._clipped_with * (1 + slack)
+        return examples * clipped_with * (1 + slack)
 
     def pre_step(self, logical_batch_size: int | None = None) -> bool:
         """Noise and checks if a logical batch is complete; returns False while chunks remain.
@@ -487,17 +480,17 @@ class DPOptimizer(torch.optim.Optimizer):
             self._mid_logical_batch = True
             return False
         self._check_params_belong_to_model()
-        examples, backward_calls, unclipped = self._examples_of_this_step()
+        examples, backward_calls, unclipped, clipped_with = self._examples_of_this_step()
         self._check_batch(chunks, examples, backward_calls, logical_batch_size)
         if self.tracker is not None:
             self.tracker.take_yielded()
         if backward_calls:
-            self._check_finite(examples)
+            self._check_finite(examples, clipped_with)
         # The rate this batch was drawn with (a batch-size schedule gives each epoch its own).
         drawn = chunks[-1] if chunks and chunks[-1].sample_rate is not None else None
         sample_rate = drawn.sample_rate if drawn is not None else self.sample_rate
         expected = drawn.expected_size if drawn is not None else self.expected_batch_size
-        self.add_noise(expected, self._clipped_with)
+        self.add_noise(expected, clipped_with)
         if self.adaptive_clipping is not None:  # C for the next step, from the noisy unclipped count
             unclipped, examples = self._summed_over_ranks(unclipped, examples)
             self.controller.max_grad_norm = self.adaptive_clipping.update(

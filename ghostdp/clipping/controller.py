@@ -23,7 +23,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ..accounting.base import check_positive
-from ..data import collective_device, distributed_rank_and_size
+from ..data import distributed_rank_and_size
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .audit import audit_graph, head_signature
@@ -309,18 +309,6 @@ class GhostClipping:
                 "inner region's graph. " + NON_REENTRANT_FIX)
         if stray:
             self._refuse_stray(stray, calls=True)
-
-    @staticmethod
-    def _any_rank(flag: bool, device) -> bool:
-        """``flag`` on any process (PassOne.run: the ranks must agree on a layout proof: under FSDP2 its backward
-        gathers parameters, and a proof on one rank alone, whose loss head differed (an empty batch's padding
-        row is multiplied by 0), left the others waiting in that collective: the FSDP2 test hung)."""
-        import torch.distributed as dist
-        if distributed_rank_and_size()[1] == 1 or not (dist.is_available() and dist.is_initialized()):
-            return flag
-        value = torch.tensor([float(flag)], device=collective_device(device))
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
 
     def _refuse_gradient_hooks(self, trainable: dict) -> None:
         """Refuse a trainable parameter with a gradient hook of its own (``register_hook``,

@@ -121,12 +121,14 @@ class LayoutProver:
         with ``everything``: the proof must run again, the loss above the calls having changed)."""
         unproven = []
         for call in calls:
-            shapes_key = (id(call.module), tuple(call.shapes), batch_size)
-            call.layouts = None if everything else self.by_shapes.get(shapes_key)
-            if call.layouts is None and not everything:
-                call.layouts = self.proven.get((id(call.module), signature(call.shapes, batch_size)))
-                if call.layouts is not None:
-                    self.by_shapes[shapes_key] = call.layouts
+            call.layouts = None
+            if not everything:
+                shapes_key = (id(call.module), tuple(call.shapes), batch_size)
+                call.layouts = self.by_shapes.get(shapes_key)
+                if call.layouts is None:
+                    call.layouts = self.proven.get((id(call.module), signature(call.shapes, batch_size)))
+                    if call.layouts is not None:
+                        self.by_shapes[shapes_key] = call.layouts
             if call.layouts is None:
                 call.projections = [None] * len(call.shapes)
                 unproven.append(call)

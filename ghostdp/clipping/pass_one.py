@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from ..data import any_rank
 from ..norms import batched
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads
@@ -69,9 +70,10 @@ class PassOne:
         probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
         unproven = self.layouts.assign(calls, B, everything=reprove) if probes or captured else []
-        # Every process takes the same decision (one all-reduce where there are several): a proof's backward
-        # runs FSDP2's collectives, and a proof on one rank alone left the others waiting in them.
-        self._reprove = self.controller._any_rank(bool(unproven) or reprove, per_example_losses.device)
+        # Every process takes the same decision: a proof's backward runs FSDP2's parameter gathers, and a proof
+        # on one rank alone, whose loss head differed (an empty batch's padding row is multiplied by 0), left
+        # the others waiting in them (the FSDP2 test hung).
+        self._reprove = any_rank(bool(unproven) or reprove, per_example_losses.device)
         if self._reprove and (probes or captured) and not unproven:
             unproven = self.layouts.assign(calls, B, everything=True)
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
