@@ -9,6 +9,13 @@ call's outputs down to its inputs; a captured call (capture.py) is found in the 
 among the nodes of the types its controller captured). Tensors that require grad but are not model parameters (an
 input made to require grad by ``enable_input_require_grads``) are never stepped, so they are no
 concern. The walk visits each node once: about 0.2 ms for a 12-layer BERT's ~950 nodes on a CPU.
+
+The same walk gives the graph's signature: the type of each node in the order the walk meets it (a
+depth-first walk: the same order for the same graph; under a TorchDispatchMode autograd records some ops
+with other node types, so such a step's graph is new). The layout proof (layout.py), that no example's
+gradient mixes with another's, covers the graph it ran on; a graph with another signature and the same
+shapes (a batch mean or a mixup that a model applies on some steps only, a contrastive term added to the
+losses) is proven again (pass_one.PassOne.run; inside a reentrant region, PassOne.region_audited).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
-from .capture import CAPTURED_CALL, found_call
+from .capture import found_call
 from .probe import ProbeIdentity
 
 _PROBE_NODE = ProbeIdentity._backward_cls
@@ -40,22 +47,25 @@ def accumulate_grad_type() -> type:
 
 
 def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=False, seen=None,
-                           captured_types=frozenset(), recorded=None):
+                           captured_types=frozenset(), recorded=None, kinds=None):
     """({(node, input index): parameter}, [probe and checkpoint nodes]) for every edge below ``roots``
     into the gradient accumulator of one of ``parameters`` (id -> parameter), not entering ``stop``
     nodes; with ``marked``, the probe and reentrant checkpoint nodes reached are listed, and the nodes
     of ``captured_types``. ``seen``: a set that receives the nodes visited. ``recorded``: node -> its
-    next_functions, read while it was alive (released_edges). One visit per node, no generator and few
-    calls per node: this runs every step."""
+    next_functions, read while it was alive (released_edges). ``kinds``: a list that receives the type of
+    each node as the walk meets it (the graph's signature: the module doc). One visit per node, no generator and few calls
+    per node: this runs every step."""
     edges = {}
     found = []
     seen = set() if seen is None else seen
+    kinds = [] if kinds is None else kinds
     accumulator = accumulate_grad_type()
     marked_types = _MARKED
     stack = [r for r in roots if r is not None]
     if marked:
         found.extend(r for r in stack if _marked(type(r)))
-    push, pop, visit = stack.append, stack.pop, seen.add
+    kinds.extend(type(r) for r in stack)
+    push, pop, visit, note = stack.append, stack.pop, seen.add, kinds.append
     while stack:
         node = pop()
         if node in seen:
@@ -71,6 +81,7 @@ def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=Fal
             if nxt is None or nxt in seen:
                 continue
             kind = type(nxt)
+            note(kind)
             if kind is accumulator:  # a leaf's gradient accumulator: nothing below it
                 param = parameters.get(id(nxt.variable))
                 if param is not None:
@@ -102,7 +113,8 @@ RELEASED_NODE_FIX = ("use non-reentrant activation checkpointing (torch.utils.ch
                      "or gradient_checkpointing_kwargs={'use_reentrant': False} in transformers), or upgrade torch.")
 
 
-def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset(), recorded=None):
+def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset(), recorded=None,
+                kinds=None):
     """(stray parameters, recorded calls, reentrant checkpoint nodes) of the graph below ``roots``.
 
     ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
@@ -110,9 +122,10 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     use_reentrant=True) hides its region's graph until its own backward recomputes it (reentrant.py).
     ``stop``: nodes not entered (audited before); ``seen`` receives the nodes visited;
     ``captured_types``: the node types of the controller's captured calls (their edges are set here);
-    ``recorded``: the edges of Python Functions' nodes, read while they were alive (released_edges).
+    ``recorded``: the edges of Python Functions' nodes, read while they were alive (released_edges);
+    ``kinds`` receives the node types in the order the walk meets them: the graph's signature (below).
     """
-    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded)
+    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded, kinds)
     calls = {}
     reentrant = []
     for node in found:
@@ -130,27 +143,6 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     attributed = _edges_in_regions(calls.values())
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     return list(stray.values()), list(calls.values()), reentrant
-
-
-def head_signature(root, captured_types=frozenset()) -> tuple:
-    """The node types of the graph between the losses' node ``root`` and the recorded calls nearest them
-    (probe nodes, captured calls' nodes, leaves), in the order of a depth-first walk: what the losses
-    compute from the model's outputs. The layout proof (layout.py) that no example's gradient mixes with
-    another's covers the graph as it was proven; a new head (a contrastive term, a batch mean added to the
-    losses, with the same shapes as before) must be proven again. Some nodes per step (the loss head)."""
-    signature, seen, stack = [], set(), [root]
-    accumulator = accumulate_grad_type()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        kind = type(node)
-        signature.append(kind)
-        if kind is accumulator or kind is _PROBE_NODE or (kind in captured_types and CAPTURED_CALL in node.metadata):
-            continue
-        stack.extend(n for n, _ in node.next_functions)
-    return tuple(signature)
 
 
 def _edges_in_regions(calls) -> set:

@@ -26,7 +26,7 @@ from ..accounting.base import check_positive
 from ..data import distributed_rank_and_size
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
-from .audit import audit_graph, head_signature
+from .audit import audit_graph
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .pass_one import PassOne
@@ -174,7 +174,6 @@ class GhostClipping:
         self._warned_of_checkpointing = False
         self._told_two_passes = False
         self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
-        self._proven_head = None    # audit.head_signature of the losses the layouts were last proven under
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
@@ -267,19 +266,20 @@ class GhostClipping:
 
     def _audit(self, per_example_losses, mode):
         """This step's graph: refuse a stray parameter; return the recorded calls, the reentrant
-        checkpoints' nodes and the nodes visited."""
+        checkpoints' nodes, the nodes visited and the graph's signature (audit.py)."""
         trainable = self._trainable()
         self._refuse_gradient_hooks(trainable)
-        seen = set()
+        seen, kinds = set(), []
         types = self.recorder.captured_types
-        stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types)
+        stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types,
+                                            kinds=kinds)
         try:
             replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
             if replaced:  # parameters swapped in after attaching: audit them too, from now on
                 self._parameters.update(replaced)
-                seen = set()
+                seen, kinds = set(), []
                 stray, calls, regions = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced},
-                                                    seen=seen, captured_types=types)
+                                                    seen=seen, captured_types=types, kinds=kinds)
             if regions:
                 if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
                     raise NotImplementedError(REENTRANT_DISTRIBUTED)
@@ -289,26 +289,32 @@ class GhostClipping:
         except BaseException:
             _forget_captured_edges(calls)
             raise
-        return calls, regions, seen
+        return calls, regions, seen, tuple(kinds)
 
     def _audit_region(self, tracer, first_call):
         """In pass 1, once a reentrant checkpoint's backward is done: the graph its recomputation made
-        (``tracer.nodes``), below the nodes the step's audit visited. Its calls (from ``first_call`` in the
-        pass's list) then drop their nodes, which would hold the region's graph and inputs' gradients."""
+        (``tracer.nodes``), below the nodes the step's audit visited; its calls (from ``first_call`` in the
+        pass's list) then get their layouts (PassOne.region_audited) and drop their nodes, which would hold
+        the region's graph and inputs' gradients."""
         passed = self.pass_one.current
         audited = passed.audited
+        kinds = []
         stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited,
-                                      recorded=tracer.function_edges)
+                                      recorded=tracer.function_edges, kinds=kinds)
         tracer.nodes.clear()
         tracer.function_edges.clear()
-        for call in passed.region_calls[first_call:]:
-            call.edges, call.input_nodes = (), frozenset()
-        if inner:
-            raise NotImplementedError(
-                "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
-                "inner region's graph. " + NON_REENTRANT_FIX)
-        if stray:
-            self._refuse_stray(stray, calls=True)
+        calls = passed.region_calls[first_call:]
+        try:
+            if inner:
+                raise NotImplementedError(
+                    "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
+                    "inner region's graph. " + NON_REENTRANT_FIX)
+            if stray:
+                self._refuse_stray(stray, calls=True)
+            self.pass_one.region_audited(calls, ("region",) + tuple(kinds))
+        finally:
+            for call in calls:
+                call.edges, call.input_nodes = (), frozenset()
 
     def _refuse_gradient_hooks(self, trainable: dict) -> None:
         """Refuse a trainable parameter with a gradient hook of its own (``register_hook``,
@@ -358,16 +364,13 @@ class GhostClipping:
         self._mass = None
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
-        calls, regions, audited = self._audit(per_example_losses, mode)
-        head = head_signature(per_example_losses.grad_fn, self.recorder.captured_types)
+        calls, regions, audited, graph = self._audit(per_example_losses, mode)
         try:
             # Only a checkpointed step's measure decides a mode (mode_for_loss): its first step takes two passes.
             recorder = self.recorder
             measures_kept = recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed())
             groups = 1 if self.group_norms is None else len(self.group_norms)
-            passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept,
-                                       reprove=head != self._proven_head)
-            self._proven_head = head
+            passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
             _forget_captured_edges(calls)
         if passed.held_bytes:

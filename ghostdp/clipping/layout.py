@@ -15,7 +15,7 @@ of non-deterministic GPU reductions; and a leak from j into e shows amplified by
 2^(2 SPREAD)), so the allowance for reduction order (TOLERANCE) can be generous. Both sides are
 compared per example (l2 over its rows) after projecting the feature dim onto a random vector w.
 The proof runs when a layer's shape signature (which dims equal B) is new, and its result is kept
-for that signature.
+for that signature; every layer is proven again when the step's graph signature (audit.py) is new.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ from ..norms.factors import acc_dtype
 TOLERANCE = {torch.float64: 1e-4}  # float64 models may compute parts in float32 (Llama RMSNorm)
 TOLERANCE_OTHER = 1.0
 SPREAD = 6
+
+PROVEN_GRAPHS = 16  # graph signatures a LayoutProver remembers (note_proven)
 
 BATCH_FIRST = ("dim", 0)
 _ONE_BATCH_FIRST = (BATCH_FIRST,)
@@ -111,6 +113,7 @@ class LayoutProver:
     """
 
     def __init__(self):
+        self.graphs = {}      # signatures of the graphs proven on (audit.py), the most recent last
         self.proven = {}      # (module id, shape signature) -> layout of each output
         self.by_shapes = {}   # (module id, exact shapes, B) -> the same, found without a signature
         self.generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
@@ -133,6 +136,20 @@ class LayoutProver:
                 call.projections = [None] * len(call.shapes)
                 unproven.append(call)
         return unproven
+
+    def proven_on(self, graph: tuple) -> bool:
+        """Whether the layouts were proven on a graph with this signature (audit.py). A proof covers the graph
+        it ran on: one that mixes examples on some steps only (a batch mean, a mixup, a contrastive loss) has
+        another signature, and its calls are proven again."""
+        return graph in self.graphs
+
+    def note_proven(self, graph: tuple) -> None:
+        """A pass over ``graph`` proved (or reused) every call's layouts. The last PROVEN_GRAPHS are kept, so that
+        a model whose graph takes a few forms (a layer dropped on some steps) proves each form once."""
+        self.graphs.pop(graph, None)
+        self.graphs[graph] = None
+        if len(self.graphs) > PROVEN_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
 
     def cotangent(self, losses: torch.Tensor) -> torch.Tensor:
         """±2^k per example, the exponents spread evenly over [-SPREAD, SPREAD] in a random order."""

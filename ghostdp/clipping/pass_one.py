@@ -63,10 +63,12 @@ class PassOne:
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
 
     def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
-            reprove: bool = False) -> NormPass:
+            graph: tuple) -> NormPass:
         """The layout proof if needed, then pass 1, over the audited ``calls``: the finished NormPass.
-        ``reprove``: prove every call's layout again (the losses' graph above the calls is new)."""
+        ``graph``: the signature of the step's graph (audit.py); on a graph not proven before, every call's
+        layout is proven again."""
         B = per_example_losses.shape[0]
+        reprove = not self.layouts.proven_on(graph)
         probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
         unproven = self.layouts.assign(calls, B, everything=reprove) if probes or captured else []
@@ -100,6 +102,8 @@ class PassOne:
                 write_samples(passed.samples, B)
         finally:
             self.current = None
+        for proven in [graph] + passed.region_graphs:
+            self.layouts.note_proven(proven)
         return passed
 
     def receives_output_grads(self) -> bool:
@@ -224,14 +228,16 @@ class PassOne:
 
     def _fire_in_reentrant_step(self, call):
         """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
-        detached (see below); its layout, if not yet proven, waits for the proof after pass 1; its
+        detached (see below); a region's call gets its layout once the region's graph is audited
+        (``region_audited``), another call's, if not yet proven, waits for the proof after pass 1; its
         parameters are reduced on arrival only once a step has counted their calls (a region recomputed
         later may use them again)."""
         passed = self.current
         # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
         # down to the checkpoint's detached input and the gradient its backward left there.
         call.inputs = tuple(x.detach() for x in call.inputs)
-        if call.layouts is None and self.layouts.assign([call], passed.batch_size, everything=self._reprove):
+        if (call.layouts is None and not call.in_region
+                and self.layouts.assign([call], passed.batch_size, everything=self._reprove)):
             passed.deferred.append(call)
         call.eager = {}
         for n, p in call.params.items():
@@ -249,6 +255,19 @@ class PassOne:
             if eager:
                 passed.eager_ids.add(key)
             call.eager[n] = eager
+
+    def region_audited(self, calls, graph: tuple):
+        """A reentrant region's backward is done and its graph audited: its ``calls`` get their proven layouts
+        and their norms, or, where the region's graph (signature ``graph``, audit.py) or a call's shapes are new,
+        wait for the proof after pass 1 (a region that mixes examples only on some steps is refused so)."""
+        passed = self.current
+        new = self._reprove or not self.layouts.proven_on(graph)
+        if new:
+            passed.region_graphs.append(graph)
+        passed.deferred.extend(self.layouts.assign(calls, passed.batch_size, everything=new))
+        for call in calls:
+            if call.fired and not call.done and call.layouts is not None and len(call.grads) == 1:
+                self._compute(call)
 
     def refuse_if_not_from_dp_loss(self, call):
         """A gradient reached a recorded call outside pass 1. It may only in a fallback's own backward, or

@@ -271,6 +271,8 @@ class ForwardRecorder:
         self.pass_one.current.region_calls.append(call)
         if kind is _IN_PROOF:
             call.projections = [None] * len(call.shapes)
+        else:
+            call.in_region = True
 
     def _record_ruled(self, name, entry, module, args, output, params):
         """on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one

@@ -35,13 +35,14 @@ class ModuleCall:
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
     edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole, or G is small), ``by_hook``
     whether the node's pre-hook hands G over when the node runs in pass 1 (else a named call's G comes from
-    the backward's result), and ``input_versions`` those of its inputs at the forward. ``recorder``: the ForwardRecorder
+    the backward's result), and ``input_versions`` those of its inputs at the forward. ``in_region``: made by
+    pass 1's recomputation of a reentrant checkpoint's region (reentrant.py). ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
     """
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "named", "by_hook", "input_versions")
+                 "captured", "named", "by_hook", "input_versions", "in_region")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -52,7 +53,7 @@ class ModuleCall:
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = None
         self.input_nodes = _NO_NODES
-        self.fired = self.done = self.named = self.by_hook = False
+        self.fired = self.done = self.named = self.by_hook = self.in_region = False
 
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
@@ -81,6 +82,7 @@ class NormPass:
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.reentrant = reentrant        # the graph has reentrant checkpoints (clipping/reentrant.py):
         self.region_calls = []            # the calls their recomputations made, in order
+        self.region_graphs = []           # the signatures of the regions' graphs proven in this pass (audit.py)
         self.deferred = []                # calls whose layouts the proof after pass 1 settles
         self.eager_ids = set()            # ids of parameters reduced on arrival
         self.uses = defaultdict(int)      # id(parameter) -> calls of it this pass

@@ -68,7 +68,7 @@ class RegionTracer(TorchFunctionMode):
 
     def __init__(self, allowed, outside, fix):
         super().__init__()
-        self.nodes = set()
+        self.nodes = {}  # the nodes, in the order made (a dict: the region's graph signature is the same each step)
         self.function_edges = {}  # Python Function's node -> its next_functions (audit.released_edges)
         self._made = {}  # id -> weak reference, of every tensor a traced call returned
         self._allowed, self._outside, self._fix = allowed, outside, fix
@@ -94,7 +94,7 @@ class RegionTracer(TorchFunctionMode):
                     if check and node in self._outside:
                         raise OutsideTensorError(t, self._fix)
                     if node not in self.nodes:
-                        self.nodes.add(node)
+                        self.nodes[node] = None
                         if isinstance(node, BackwardCFunction):  # read while alive: torch <= 2.11 frees them
                             self.function_edges[node] = node.next_functions
                     found = True

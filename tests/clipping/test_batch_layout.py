@@ -96,8 +96,8 @@ MIXING_LOSSES = {
 def test_a_loss_that_starts_mixing_examples_with_the_same_shapes_is_proven_again_and_refused(clipping, loss):
     """The proof ran on the first step and on new shapes only, so per-example losses that mixed examples
     from a later step on (a contrastive term, a batch mean), with the same shapes, went through: one
-    example then moves every loss, and its influence is not bounded by C. A new graph between the losses
-    and the recorded calls (audit.head_signature) is now proven again; the same head is not."""
+    example then moves every loss, and its influence is not bounded by C. A graph with a new signature
+    (audit.py) is now proven again; the graph proven before is not."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
@@ -114,6 +114,82 @@ def test_a_loss_that_starts_mixing_examples_with_the_same_shapes_is_proven_again
     model.zero_grad()
     controller.loss(model(x).pow(2).sum(1), "sum").backward()  # the proven head again: no new proof
     assert len(proofs) == 2
+
+
+class MixesOnSomeSteps(nn.Module):
+    """Mixes the examples' hidden states between its two layers when ``mix`` is set: a batch mean, or a
+    manifold mixup (each row blended with another example's), as a model may do on some steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.mix = None
+        self.drop_second = False
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if self.mix == "batch mean":
+            h = h + 10 * h.mean(0, keepdim=True)
+        elif self.mix == "mixup":
+            h = 0.5 * h + 0.5 * h.roll(1, 0)
+        return h.sum(1, keepdim=True).expand(-1, 3) if self.drop_second else self.second(h)
+
+
+def _counting_proofs(controller):
+    proofs = []
+    original = controller.pass_one._prove_layouts
+    controller.pass_one._prove_layouts = lambda *a: (proofs.append(1), original(*a))
+    return proofs
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("mix", ["batch mean", "mixup"])
+def test_a_model_that_mixes_examples_on_a_later_step_with_the_same_shapes_is_refused(clipping, mix):
+    """A model that mixed examples between its layers only from some step on, with the same shapes, went
+    through after a first step without mixing had proven the layouts (the proof covered the loss head
+    only): each example then moved the others' gradients and the update was not bounded by C. Any new
+    graph signature is now proven, and refused; the proven graph again takes no new proof."""
+    torch.manual_seed(0)
+    model = MixesOnSomeSteps()
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    proofs = _counting_proofs(controller)
+    x = torch.randn(8, 4) * 3
+    for _ in range(2):
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+        model.zero_grad()
+    assert len(proofs) == 1
+    model.mix = mix
+    with pytest.raises(RuntimeError, match="module 'first' .* gradient mixes several examples"):
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+    model.zero_grad()
+    model.mix = None
+    controller.loss(model(x).pow(2).sum(1), "sum").backward()
+    assert len(proofs) == 2
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_graph_that_takes_two_forms_proves_each_once_and_a_forgotten_one_again(clipping, monkeypatch):
+    """A model whose layers run on some steps only (layer drop) proves each form of its graph once, and
+    stays exact; a controller remembers PROVEN_GRAPHS forms, and proves a form it has forgotten again."""
+    from ghostdp.clipping import layout
+    torch.manual_seed(0)
+    model = MixesOnSomeSteps()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    proofs = _counting_proofs(controller)
+    x = torch.randn(6, 4)
+    for drop in (False, True, False, True):
+        model.drop_second = drop
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+        model.zero_grad()
+    assert len(proofs) == 2
+    monkeypatch.setattr(layout, "PROVEN_GRAPHS", 1)  # the form of the last step only
+    for drop in (True, False, True):
+        model.drop_second = drop
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+        model.zero_grad()
+    assert len(proofs) == 4
+    controller.detach()
+    _exact(model, x, 0, 6)
 
 
 @pytest.mark.parametrize("T", [5, 3])

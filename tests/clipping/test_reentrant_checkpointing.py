@@ -127,6 +127,32 @@ def test_a_layer_that_mixes_examples_inside_a_region_is_refused():
         controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
 
 
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_region_that_starts_mixing_examples_on_a_later_step_is_refused(clipping):
+    """Inside a reentrant region the graph is seen only as pass 1 recomputes it, and a region that mixed
+    examples (a batch mean) only from some step on, with the same shapes, went through once earlier steps
+    had proven the layouts. A region's calls now get their layouts when its graph has been audited, and
+    a region graph with a new signature is proven again after pass 1; the proven one takes no new proof."""
+    mixing = []
+    model = Net(region=lambda h, block: block(h + 10 * h.mean(0, keepdim=True) if mixing else h))
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    proofs = []
+    original = controller.pass_one._prove_deferred_layouts
+    controller.pass_one._prove_deferred_layouts = lambda: (proofs.append(1), original())
+    ids = torch.randint(0, 20, (B, 6))
+    for _ in range(2):
+        controller.loss(model(ids).pow(2).sum(1), "sum").backward()
+        model.zero_grad()
+    assert len(proofs) == 1
+    mixing.append(True)
+    with pytest.raises(RuntimeError, match="gradient mixes several examples"):
+        controller.loss(model(ids).pow(2).sum(1), "sum").backward()
+    model.zero_grad()
+    mixing.clear()
+    controller.loss(model(ids).pow(2).sum(1), "sum").backward()
+    assert len(proofs) == 2
+
+
 def test_the_whole_model_checkpointed_leaves_the_inputs_gradient_as_without_reentrant_checkpointing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
