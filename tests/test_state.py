@@ -129,6 +129,31 @@ def test_a_loss_added_to_the_dp_loss_or_a_second_backward_is_refused(clipping, v
     assert float(total) ** 0.5 <= 8 * 1e-3 * (1 + 1e-6)  # at most the clipped sum of the 8 examples
 
 
+TWO_DP_LOSSES = {
+    "added": lambda first, second: (first + second).backward(),
+    "one after the other": lambda first, second: (first.backward(), second.backward()),
+}
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("variant", list(TWO_DP_LOSSES))
+@pytest.mark.parametrize("heads", ["one head", "two heads on a shared body"])
+def test_two_dp_losses_of_one_forward_are_refused_naming_the_fix(clipping, variant, heads):
+    """Each DP loss clips an example's gradient to C, so two of one forward would let it move the update by
+    up to 2C. Both were refused before, but with messages about something else (a parameter read outside its
+    module; autograd's "backward through the graph a second time"): now the message says what happened."""
+    torch.manual_seed(0)
+    body, head_a, head_b = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+    model = nn.ModuleList([body, head_a, head_b])
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    h = torch.tanh(body(torch.randn(8, 4)))
+    out_a = head_a(h)
+    out_b = out_a if heads == "one head" else head_b(h)
+    first, second = controller.loss(out_a.pow(2).sum(1), "sum"), controller.loss(out_b.abs().sum(1), "sum")
+    with pytest.raises(RuntimeError, match="already reached by the backward of another ghostdp loss.*one DP loss per"):
+        TWO_DP_LOSSES[variant](first, second)
+
+
 def test_autograd_grad_of_another_loss_after_the_dp_loss_is_refused():
     model, x = Branchy(), torch.randn(5, 4)
     controller = ghostdp.GhostClipping(model, 1.0)

@@ -280,6 +280,15 @@ class GhostClipping:
                 seen, kinds = set(), []
                 stray, calls, regions = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced},
                                                     seen=seen, captured_types=types, kinds=kinds)
+            reached = next((c for c in calls if c.fired), None)
+            if reached is not None:
+                raise RuntimeError(
+                    f"module '{reached.name}' ({type(reached.module).__name__}) of this forward was already reached "
+                    "by the backward of another ghostdp loss: two DP losses of one forward (added together, or "
+                    "backpropagated one after the other) would each clip an example's gradient to C, so together it "
+                    "could move the update by more than C. Fix: one DP loss per forward, built from the sum of the "
+                    "per-example terms (controller.loss(losses_a + losses_b)), or run the forward again for the "
+                    "second loss.")
             if regions:
                 if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
                     raise NotImplementedError(REENTRANT_DISTRIBUTED)
