@@ -37,6 +37,28 @@ CHECKPOINTING_UNSUPPORTED = (
     + NON_REENTRANT_FIX)
 
 
+RANDOM_DRAWS_IN_PASS_ONE = (
+    "random numbers were drawn during the norm pass's backward: an activation checkpoint recomputed random "
+    "ops (dropout) without restoring the forward's random state (torch.utils.checkpoint(..., "
+    "preserve_rng_state=False)), or a backward draws random numbers. A second backward (the layout proof; "
+    "pass 2 with clipping='ghost', or book-keeping under checkpointing) would draw others: the norms that set "
+    "each example's clip coefficient would belong to one gradient and the clipped sum to another, which can "
+    "exceed the clipping norm (measured: 1.14 C). Fix: keep preserve_rng_state=True (torch's default), or "
+    "make the backward deterministic.")
+
+
+def _random_states(device) -> list:
+    """The states of the global generators that a backward on ``device`` draws from (the CPU's, the device's)."""
+    states = [torch.default_generator.get_state()]
+    if device.type != "cpu":
+        try:
+            read = torch.get_device_module(device.type).get_rng_state
+        except (AttributeError, RuntimeError):  # a backend without a global generator of its own
+            return states
+        states.append(read(device))
+    return states
+
+
 def _backward_to_probes(losses, inputs, cotangent, retain):
     """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
     try:
@@ -58,6 +80,7 @@ class PassOne:
         self.in_fallback = False         # a fallback's own backward is running (its probes stay quiet)
         self.in_pass_two = 0             # pass 2 of a DP loss is running (running_pass_two), nested that deep
         self._reprove = False            # this pass proves every call's layout again (run)
+        self._random_before = None       # the global generators' states at the start of the pass (run)
         self.layouts = LayoutProver()
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
@@ -78,9 +101,13 @@ class PassOne:
         self._reprove = any_rank(bool(unproven) or reprove, per_example_losses.device)
         if self._reprove and (probes or captured) and not unproven:
             unproven = self.layouts.assign(calls, B, everything=True)
+        # The proof compares two backward passes, and two passes write the clipped sums with a second one: each
+        # must see the same backward, which a random draw in one would not repeat in the other.
+        self._random_before = _random_states(per_example_losses.device)
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
+            self._refuse_random_draws(per_example_losses.device)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
         request = self.controller._sample_request
@@ -98,6 +125,8 @@ class PassOne:
                         self._backward_to_outputs(per_example_losses, probes, captured,
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
+            if mode.continues_backward:
+                self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
                 write_samples(passed.samples, B)
         finally:
@@ -105,6 +134,11 @@ class PassOne:
         for proven in [graph] + passed.region_graphs:
             self.layouts.note_proven(proven)
         return passed
+
+    def _refuse_random_draws(self, device):
+        """Refuse a backward of this pass that drew random numbers (RANDOM_DRAWS_IN_PASS_ONE)."""
+        if any(not torch.equal(a, b) for a, b in zip(self._random_before, _random_states(device))):
+            raise RuntimeError(RANDOM_DRAWS_IN_PASS_ONE)
 
     def receives_output_grads(self) -> bool:
         return self.current is not None and not self.in_fallback
@@ -391,6 +425,7 @@ class PassOne:
         try:
             with self.controller._region("ghostdp.layout_proof"):
                 torch.autograd.backward(passed.losses, self.layouts.cotangent(passed.losses), retain_graph=True)
+            self._refuse_random_draws(passed.losses.device)
         finally:
             self.current = passed
         ours, theirs = passed.region_calls, proof.region_calls

@@ -270,3 +270,46 @@ def test_per_group_clipping_under_checkpointing_does_not_warn_when_it_keeps_litt
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1))
+
+
+class DropoutInRegion(nn.Module):
+    """A checkpointed region ending in dropout, between an untrained input and a trained head; ``below``
+    puts a trained layer under the region (its input then has a graph)."""
+
+    def __init__(self, reentrant, preserve_rng_state, below=False):
+        super().__init__()
+        self.below = nn.Linear(4, 4) if below else nn.Identity()
+        self.up, self.head, self.drop = nn.Linear(4, 64), nn.Linear(64, 2), nn.Dropout(0.5)
+        self.reentrant, self.preserve = reentrant, preserve_rng_state
+
+    def forward(self, x):
+        region = lambda h: self.drop(torch.tanh(self.up(h)))  # noqa: E731
+        return self.head(checkpoint(region, self.below(x), use_reentrant=self.reentrant,
+                                    preserve_rng_state=self.preserve))
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_that_recomputes_dropout_with_other_random_numbers_is_refused(clipping, reentrant):
+    """With preserve_rng_state=False each backward recomputes the region with new dropout masks: two passes
+    (book-keeping under checkpointing takes them too) formed the norms from one mask and the clipped sum from
+    another, and one example's clipped gradient measured 1.14 C (non-reentrant, untrained input). A random draw
+    during the norm pass's backward or the layout proof is now refused with the fix; the same model with the
+    forward's random state restored (torch's default) stays within C at every step. (A reentrant region whose
+    input has no graph is not differentiated at all, so it is tried only with a trained layer below.)"""
+    for below in (True,) if reentrant else (False, True):
+        torch.manual_seed(1)
+        model = DropoutInRegion(reentrant, preserve_rng_state=False, below=below).train()
+        controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+        with pytest.raises(RuntimeError, match="random numbers were drawn.*preserve_rng_state=True"):
+            for _ in range(3):
+                controller.loss(model(torch.randn(1, 4) * 10).pow(2).sum(1), "sum").backward()
+                model.zero_grad()
+        controller.detach()
+        model.preserve = True
+        controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+        for _ in range(5):
+            model.zero_grad()
+            controller.loss(model(torch.randn(1, 4) * 10).pow(2).sum(1), "sum").backward()
+            norm = sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None) ** 0.5
+            assert float(norm) <= 1e-3 * (1 + 1e-5)
