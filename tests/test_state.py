@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import assert_exact, clipped_sum, reference_per_example_grads, trainable
+from conftest import (assert_exact, clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error,
+                      trainable)
 
 
 class Branchy(nn.Module):
@@ -83,6 +84,25 @@ def test_eval_and_no_grad_forwards_record_nothing():
     assert loss.grad_fn is None  # nothing to backpropagate, so no clipping can be skipped
     with pytest.raises(ValueError, match="do not require grad"):
         controller.per_example_norms(model(x).detach().sum(1))
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_trained_submodule_in_eval_mode_inside_a_training_model_is_recorded_and_exact(clipping):
+    """A submodule put in eval() mode (to switch off its dropout) while the model trains went unrecorded, and
+    its trainable parameters were refused as read outside their module's forward, which they were not. It is
+    recorded now (the model it was attached with is in train() mode) and exact against the per-example loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Tanh(), nn.Linear(5, 2)).double().train()
+    model[0].eval()
+    model[1].eval()  # no dropout: the loop below sees the same function
+    x = torch.randn(6, 4, dtype=torch.float64)
+    per_example = reference_per_example_grads(model, lambda i: model(x[i:i + 1]).pow(2).sum(), 6)
+    C = 0.5 * float(clipped_sum(per_example, 1.0)[1].min())
+    ref, ref_norms = clipped_sum(per_example, C)
+    got, got_norms = ghost_clipped_sum(model, lambda: model(x).pow(2).sum(1), C, clipping)
+    assert float(((got_norms - ref_norms).abs() / ref_norms).max()) < 1e-9
+    assert relative_error(got, ref) < 1e-9
+    assert not model[0].training and model.training
 
 
 def test_forward_without_backward_leaves_no_state():

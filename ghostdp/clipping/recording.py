@@ -113,6 +113,7 @@ class ForwardRecorder:
     def __init__(self, regions, keeps_factors: bool):
         self.regions = regions
         self.pass_one = None
+        self.root = None              # the module attached (attach)
         self.live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
         self.probes = {}              # device -> the probe leaf of the calls' probes
         self._batch_hint = None
@@ -136,6 +137,7 @@ class ForwardRecorder:
 
     def attach(self, module) -> list:
         """Hooks ``module`` and its hooked submodules; the handles."""
+        self.root = module
         if self.watch_checkpoints:
             self._checkpointing_flags = _checkpointing_flag_holders(module)
         handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True)]
@@ -162,8 +164,13 @@ class ForwardRecorder:
         """The model's transformers flag says it checkpoints (book-keeping controllers)."""
         return any(m.gradient_checkpointing for m in self._checkpointing_flags)
 
+    def _training(self, module) -> bool:
+        """Whether a forward of ``module`` is a training one: the module is in train() mode, or the model it was
+        attached with is (a submodule put in eval() mode, to switch off its dropout, still trains its parameters)."""
+        return module.training or (self.root is not None and self.root.training)
+
     def _recording(self, module) -> bool:
-        return module.training and torch.is_grad_enabled() and not self.pass_one.in_fallback
+        return self._training(module) and torch.is_grad_enabled() and not self.pass_one.in_fallback
 
     def on_root_forward(self, module, args, kwargs):
         if self._recording(module):
@@ -187,7 +194,7 @@ class ForwardRecorder:
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
             entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
         if not self._recording(module):
-            if self.watch_checkpoints and module.training and not self.pass_one.in_fallback:  # grad off
+            if self.watch_checkpoints and self._training(module) and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))
             return None
         params = self._trainable_owned(module)
