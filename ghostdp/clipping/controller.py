@@ -27,6 +27,7 @@ from ..data import distributed_rank_and_size
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .audit import audit_graph
+from .buffers import BufferWatch
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .pass_one import PassOne
@@ -196,7 +197,8 @@ class GhostClipping:
         # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
         self.recorder = ForwardRecorder(self._regions, keeps_factors=self.mode.keeps_factors)
         self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
-        self._handles = self.recorder.attach(module)
+        # Buffers that a training forward changes are released without noise: warned of (buffers.py).
+        self._handles = self.recorder.attach(module) + BufferWatch(module).attach(module)
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings

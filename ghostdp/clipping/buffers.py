@@ -1,0 +1,68 @@
+"""Buffers that a training forward changes: statistics of the data released without noise.
+
+DP-SGD bounds and noises what the gradients carry. A buffer that the forward updates from the batch (a
+running mean, as BatchNorm keeps, or any module of one's own that does the same) is saved and released
+with the model, but no clipping bounds an example's part in it and no noise covers it. BatchNorm is refused
+by the model check (validate.py); any other buffer changed in place or replaced during a training forward
+draws one warning, naming it (a step counter or a cache of positions is harmless, and says so itself).
+About a microsecond a step per buffer: the versions are read before and after each training forward.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+CHANGED_BUFFER = (
+    "buffer '{name}' changed during a training forward. If its values come from the data (a running "
+    "statistic such as a mean or a variance), the model releases them without clipping or noise, and the "
+    "privacy guarantee does not cover them. Fix: compute it outside training, freeze it (do not update it in "
+    "train() mode), or replace the layer by one without batch statistics (LayerNorm, GroupNorm); if it does "
+    "not depend on the data (a step counter, a cache of positions), ignore this warning.")
+
+
+class BufferWatch:
+    """Warns once per buffer that a training forward of the attached model changes (see the module doc)."""
+
+    def __init__(self, module: torch.nn.Module):
+        # (name, owner, key): read through the owner at each forward, so a buffer replaced by a new tensor is seen.
+        self._buffers = [(f"{prefix}.{key}" if prefix else key, owner, key)
+                         for prefix, owner in module.named_modules() for key in owner._buffers]
+        self._before = None
+        self._warned = set()
+
+    def attach(self, module) -> list:
+        if not self._buffers:
+            return []
+        return [module.register_forward_pre_hook(self._note), module.register_forward_hook(self._compare)]
+
+    def _tensors(self):
+        return [owner._buffers.get(key) for _, owner, key in self._buffers]
+
+    def _note(self, module, args):
+        if module.training and torch.is_grad_enabled():
+            tensors = self._tensors()
+            self._before = (tensors, [t._version if t is not None else None for t in tensors])
+
+    def _compare(self, module, args, output):
+        if self._before is None:
+            return
+        tensors, versions = self._before
+        self._before = None
+        for (name, _, _), old, version, new in zip(self._buffers, tensors, versions, self._tensors()):
+            if name in self._warned:
+                continue
+            if new is not old or (new is not None and new._version != version):
+                self._warned.add(name)
+                warnings.warn(CHANGED_BUFFER.format(name=name), stacklevel=_first_frame_outside_torch())
+
+
+def _first_frame_outside_torch() -> int:
+    """The stack level of the code that called the model (the hooks run a few frames down in torch.nn)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,0 +1,75 @@
+"""Buffers that a training forward changes are released without noise: one warning each (clipping/buffers.py)."""
+import warnings
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import ghostdp
+
+
+class RunningCenter(nn.Module):
+    """Centres its input with a running mean of the batches: a statistic of the data in a buffer."""
+
+    def __init__(self, replace=False):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.replace = replace
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                if self.replace:  # a new tensor in the buffer's place
+                    self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+                else:
+                    self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+def _steps(model, controller, n=3):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(n):
+            controller.loss(model(torch.randn(8, 4)).pow(2).sum(1)).backward()
+    return [w for w in caught if "buffer" in str(w.message)]
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_running_statistic_in_a_buffer_is_warned_of_once_at_the_model_call(replace):
+    model = nn.Sequential(RunningCenter(replace), nn.Linear(4, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    caught = _steps(model, controller)
+    assert len(caught) == 1
+    assert "buffer '0.mean' changed during a training forward" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
+def test_eval_forwards_and_detached_models_are_not_watched():
+    model = nn.Sequential(RunningCenter(), nn.Linear(4, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(8, 4))
+    assert not caught
+    controller.detach()
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(8, 4))
+    assert not caught
+
+
+def test_bert_whose_buffers_never_change_is_not_warned_of():
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=24)
+    model = transformers.BertForSequenceClassification(config).train()
+    assert len(list(model.buffers())) > 0
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            logits = model(input_ids=torch.randint(0, 50, (4, 6))).logits
+            controller.loss(logits.pow(2).sum(1)).backward()
+    assert not [w for w in caught if "buffer" in str(w.message)]
