@@ -34,7 +34,7 @@ TOLERANCE = {torch.float64: 1e-4}  # float64 models may compute parts in float32
 TOLERANCE_OTHER = 1.0
 SPREAD = 6
 
-PROVEN_GRAPHS = 16  # graph signatures a LayoutProver remembers (note_proven)
+PROVEN_GRAPHS = 16  # graph forms whose layouts a LayoutProver keeps (select)
 
 BATCH_FIRST = ("dim", 0)
 _ONE_BATCH_FIRST = (BATCH_FIRST,)
@@ -103,6 +103,20 @@ def to_batch_first(layout, tensor: torch.Tensor, output_shape, batch_size: int) 
     return tensor.movedim(d, 0)
 
 
+class GraphLayouts:
+    """The layouts proven on one form of the step's graph (a graph signature: audit.py). A layer's layout is
+    a fact about the graph it was proven on: one module with the same shapes may hold its examples on another
+    dim in another form (an input transposed on some steps, with T == B)."""
+
+    __slots__ = ("proven", "by_shapes", "regions", "complete")
+
+    def __init__(self):
+        self.proven = {}        # (module id, shape signature) -> layout of each output
+        self.by_shapes = {}     # (module id, exact shapes, B) -> the same, found without a signature
+        self.regions = set()    # signatures of reentrant regions' graphs proven within this form
+        self.complete = False   # a pass on this form ended with every call's layout proven
+
+
 class LayoutProver:
     """The proven layouts of a controller's module calls, and the proof of new ones.
 
@@ -113,9 +127,8 @@ class LayoutProver:
     """
 
     def __init__(self):
-        self.graphs = {}      # signatures of the graphs proven on (audit.py), the most recent last
-        self.proven = {}      # (module id, shape signature) -> layout of each output
-        self.by_shapes = {}   # (module id, exact shapes, B) -> the same, found without a signature
+        self.graphs = {}      # graph signature (audit.py) -> its GraphLayouts, the most recent last
+        self.current = GraphLayouts()  # those of the graph of the running pass (select)
         self.generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
         self.v = None
 
@@ -123,33 +136,32 @@ class LayoutProver:
         """Each call's proven layouts, where its shapes have some; the calls left to prove (all of them
         with ``everything``: the proof must run again, the loss above the calls having changed)."""
         unproven = []
+        known = self.current
         for call in calls:
             call.layouts = None
             if not everything:
                 shapes_key = (id(call.module), tuple(call.shapes), batch_size)
-                call.layouts = self.by_shapes.get(shapes_key)
+                call.layouts = known.by_shapes.get(shapes_key)
                 if call.layouts is None:
-                    call.layouts = self.proven.get((id(call.module), signature(call.shapes, batch_size)))
+                    call.layouts = known.proven.get((id(call.module), signature(call.shapes, batch_size)))
                     if call.layouts is not None:
-                        self.by_shapes[shapes_key] = call.layouts
+                        known.by_shapes[shapes_key] = call.layouts
             if call.layouts is None:
                 call.projections = [None] * len(call.shapes)
                 unproven.append(call)
         return unproven
 
-    def proven_on(self, graph: tuple) -> bool:
-        """Whether the layouts were proven on a graph with this signature (audit.py). A proof covers the graph
-        it ran on: one that mixes examples on some steps only (a batch mean, a mixup, a contrastive loss) has
-        another signature, and its calls are proven again."""
-        return graph in self.graphs
-
-    def note_proven(self, graph: tuple) -> None:
-        """A pass over ``graph`` proved (or reused) every call's layouts. The last PROVEN_GRAPHS are kept, so that
-        a model whose graph takes a few forms (a layer dropped on some steps) proves each form once."""
-        self.graphs.pop(graph, None)
-        self.graphs[graph] = None
+    def select(self, graph: tuple) -> GraphLayouts:
+        """Makes the layouts proven on ``graph`` (a signature: audit.py) the current ones, new and empty for a form
+        not seen before. A proof covers the graph it ran on: a form that mixes examples on some steps only (a
+        batch mean, a mixup, a contrastive loss) has another signature, so its calls are proven again. The last
+        PROVEN_GRAPHS forms are kept: a model whose graph takes a few (a layer dropped on some steps) proves
+        each once."""
+        known = self.graphs.pop(graph, None)
+        self.graphs[graph] = self.current = GraphLayouts() if known is None else known
         if len(self.graphs) > PROVEN_GRAPHS:
             del self.graphs[next(iter(self.graphs))]
+        return self.current
 
     def cotangent(self, losses: torch.Tensor) -> torch.Tensor:
         """±2^k per example, the exponents spread evenly over [-SPREAD, SPREAD] in a random order."""
@@ -179,7 +191,7 @@ class LayoutProver:
                 refuse(call, g, batch_size, options)
             found.append(chosen)
         call.layouts, call.projections = tuple(found), None
-        self.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
+        self.current.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
 
     @staticmethod
     def batch_first(call, batch_size: int) -> None:

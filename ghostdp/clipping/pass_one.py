@@ -91,7 +91,8 @@ class PassOne:
         ``graph``: the signature of the step's graph (audit.py); on a graph not proven before, every call's
         layout is proven again."""
         B = per_example_losses.shape[0]
-        reprove = not self.layouts.proven_on(graph)
+        layouts = self.layouts.select(graph)
+        reprove = not layouts.complete
         probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
         unproven = self.layouts.assign(calls, B, everything=reprove) if probes or captured else []
@@ -131,8 +132,8 @@ class PassOne:
                 write_samples(passed.samples, B)
         finally:
             self.current = None
-        for proven in [graph] + passed.region_graphs:
-            self.layouts.note_proven(proven)
+        layouts.complete = True
+        layouts.regions.update(passed.region_graphs)
         return passed
 
     def _refuse_random_draws(self, device):
@@ -295,7 +296,7 @@ class PassOne:
         and their norms, or, where the region's graph (signature ``graph``, audit.py) or a call's shapes are new,
         wait for the proof after pass 1 (a region that mixes examples only on some steps is refused so)."""
         passed = self.current
-        new = self._reprove or not self.layouts.proven_on(graph)
+        new = self._reprove or graph not in self.layouts.current.regions
         if new:
             passed.region_graphs.append(graph)
         passed.deferred.extend(self.layouts.assign(calls, passed.batch_size, everything=new))

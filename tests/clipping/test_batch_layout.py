@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import assert_exact
+from conftest import assert_exact, clipped_sum, reference_per_example_grads
 
 
 def _exact(model, x, batch_dim, B):
@@ -190,6 +190,40 @@ def test_a_graph_that_takes_two_forms_proves_each_once_and_a_forgotten_one_again
     assert len(proofs) == 4
     controller.detach()
     _exact(model, x, 0, 6)
+
+
+class TransposedOnSomeSteps(nn.Module):
+    """One Linear on (B, T, d) inputs with T == B; when ``flip`` is set it runs on the input transposed (the
+    examples on dim 1 of its output) and transposes back: the same function, another graph form."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.flip = False
+
+    def forward(self, x):
+        return self.lin(x.transpose(0, 1)).transpose(0, 1) if self.flip else self.lin(x)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_layer_whose_examples_move_to_another_dim_in_another_graph_form_gets_each_forms_layout(clipping):
+    """Layouts were kept per module and shapes, across graph forms: after the transposed form was proven, the
+    plain form (already known) took its layout, so each example's norm was read from the wrong rows (one
+    example's clipped gradient measured 1.69 C). Layouts are now kept per graph form (layout.GraphLayouts);
+    the norms match the per-example loop at every step of both forms, alternated."""
+    torch.manual_seed(0)
+    B = 4
+    model = TransposedOnSomeSteps().double()
+    x = torch.randn(B, B, 3, dtype=torch.float64)
+    x[0] *= 100
+    per_example = reference_per_example_grads(model, lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    _, ref_norms = clipped_sum(per_example, 1.0)
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    for flip in (False, True, False, True):
+        model.flip = flip
+        controller.loss(model(x).pow(2).sum((1, 2)), "sum").backward()
+        model.zero_grad()
+        assert torch.allclose(controller.last_norms, ref_norms, rtol=1e-9), (flip, controller.last_norms, ref_norms)
 
 
 @pytest.mark.parametrize("T", [5, 3])
