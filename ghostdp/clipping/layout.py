@@ -113,8 +113,22 @@ class GraphLayouts:
     def __init__(self):
         self.proven = {}        # (module id, shape signature) -> layout of each output
         self.by_shapes = {}     # (module id, exact shapes, B) -> the same, found without a signature
-        self.regions = set()    # signatures of reentrant regions' graphs proven within this form
+        self.regions = {}       # a reentrant region's graph signature -> the GraphLayouts of its calls in this form
         self.complete = False   # a pass on this form ended with every call's layout proven
+
+    def region(self, graph: tuple) -> "GraphLayouts":
+        """The layouts of a reentrant region's calls whose recomputed graph has the signature ``graph``, new and
+        empty for a form of the region not seen before (the last PROVEN_GRAPHS are kept)."""
+        return _most_recent(self.regions, graph)
+
+
+def _most_recent(forms: dict, graph: tuple) -> GraphLayouts:
+    """``forms[graph]``, made if missing, moved to the end; the oldest dropped beyond PROVEN_GRAPHS."""
+    known = forms.pop(graph, None)
+    forms[graph] = known = GraphLayouts() if known is None else known
+    if len(forms) > PROVEN_GRAPHS:
+        del forms[next(iter(forms))]
+    return known
 
 
 class LayoutProver:
@@ -132,13 +146,14 @@ class LayoutProver:
         self.generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
         self.v = None
 
-    def assign(self, calls, batch_size: int, everything: bool = False) -> list:
+    def assign(self, calls, batch_size: int, everything: bool = False, within: GraphLayouts | None = None) -> list:
         """Each call's proven layouts, where its shapes have some; the calls left to prove (all of them
-        with ``everything``: the proof must run again, the loss above the calls having changed)."""
+        with ``everything``: the proof must run again, the loss above the calls having changed). ``within``:
+        the layouts the calls are proven in (a reentrant region's form), else the current graph form's."""
         unproven = []
-        known = self.current
+        known = self.current if within is None else within
         for call in calls:
-            call.layouts = None
+            call.layouts, call.proven_in = None, known
             if not everything:
                 shapes_key = (id(call.module), tuple(call.shapes), batch_size)
                 call.layouts = known.by_shapes.get(shapes_key)
@@ -157,10 +172,7 @@ class LayoutProver:
         batch mean, a mixup, a contrastive loss) has another signature, so its calls are proven again. The last
         PROVEN_GRAPHS forms are kept: a model whose graph takes a few (a layer dropped on some steps) proves
         each once."""
-        known = self.graphs.pop(graph, None)
-        self.graphs[graph] = self.current = GraphLayouts() if known is None else known
-        if len(self.graphs) > PROVEN_GRAPHS:
-            del self.graphs[next(iter(self.graphs))]
+        self.current = _most_recent(self.graphs, graph)
         return self.current
 
     def cotangent(self, losses: torch.Tensor) -> torch.Tensor:
@@ -191,7 +203,7 @@ class LayoutProver:
                 refuse(call, g, batch_size, options)
             found.append(chosen)
         call.layouts, call.projections = tuple(found), None
-        self.current.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
+        call.proven_in.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
 
     @staticmethod
     def batch_first(call, batch_size: int) -> None:

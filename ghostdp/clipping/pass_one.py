@@ -132,8 +132,8 @@ class PassOne:
                 write_samples(passed.samples, B)
         finally:
             self.current = None
-        layouts.complete = True
-        layouts.regions.update(passed.region_graphs)
+        for proven in [layouts] + passed.region_forms:
+            proven.complete = True
         return passed
 
     def _refuse_random_draws(self, device):
@@ -296,10 +296,11 @@ class PassOne:
         and their norms, or, where the region's graph (signature ``graph``, audit.py) or a call's shapes are new,
         wait for the proof after pass 1 (a region that mixes examples only on some steps is refused so)."""
         passed = self.current
-        new = self._reprove or graph not in self.layouts.current.regions
+        region = self.layouts.current.region(graph)
+        new = self._reprove or not region.complete
         if new:
-            passed.region_graphs.append(graph)
-        passed.deferred.extend(self.layouts.assign(calls, passed.batch_size, everything=new))
+            passed.region_forms.append(region)
+        passed.deferred.extend(self.layouts.assign(calls, passed.batch_size, everything=new, within=region))
         for call in calls:
             if call.fired and not call.done and call.layouts is not None and len(call.grads) == 1:
                 self._compute(call)

@@ -36,13 +36,14 @@ class ModuleCall:
     edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole, or G is small), ``by_hook``
     whether the node's pre-hook hands G over when the node runs in pass 1 (else a named call's G comes from
     the backward's result), and ``input_versions`` those of its inputs at the forward. ``in_region``: made by
-    pass 1's recomputation of a reentrant checkpoint's region (reentrant.py). ``recorder``: the ForwardRecorder
+    pass 1's recomputation of a reentrant checkpoint's region (reentrant.py). ``proven_in``: the layout.GraphLayouts
+    its layouts come from or go to (its graph form's, or its region form's). ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
     """
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "named", "by_hook", "input_versions", "in_region")
+                 "captured", "named", "by_hook", "input_versions", "in_region", "proven_in")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -51,7 +52,7 @@ class ModuleCall:
         self.tokenwise = entry is not None and entry.tokenwise
         self.batch_dims = batch_dims
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
-        self.layouts = self.projections = self.eager = self.captured = self.input_versions = None
+        self.layouts = self.projections = self.eager = self.captured = self.input_versions = self.proven_in = None
         self.input_nodes = _NO_NODES
         self.fired = self.done = self.named = self.by_hook = self.in_region = False
 
@@ -82,7 +83,7 @@ class NormPass:
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.reentrant = reentrant        # the graph has reentrant checkpoints (clipping/reentrant.py):
         self.region_calls = []            # the calls their recomputations made, in order
-        self.region_graphs = []           # the signatures of the regions' graphs proven in this pass (audit.py)
+        self.region_forms = []            # the layout.GraphLayouts of the regions' forms proven in this pass
         self.deferred = []                # calls whose layouts the proof after pass 1 settles
         self.eager_ids = set()            # ids of parameters reduced on arrival
         self.uses = defaultdict(int)      # id(parameter) -> calls of it this pass

@@ -153,6 +153,43 @@ def test_a_region_that_starts_mixing_examples_on_a_later_step_is_refused(clippin
     assert len(proofs) == 2
 
 
+class TransposedRegion(nn.Module):
+    """A Linear below a region that applies another Linear to (B, T, d) hidden states with T == B, on some
+    steps (``flip``) to them transposed and back: the same function, another form of the region's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.lin = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.flip = False
+
+    def region(self, h):
+        return self.lin(h.transpose(0, 1)).transpose(0, 1) if self.flip else self.lin(h)
+
+    def forward(self, x):
+        return checkpoint(self.region, self.inp(x), use_reentrant=True)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_region_whose_layer_holds_its_examples_on_another_dim_in_another_form_gets_each_forms_layout(clipping):
+    """The reentrant twin of test_batch_layout's: the layouts of a region's calls are kept per form of the
+    region's graph, so going back to the first form does not read each example's norm from the rows the
+    other form proved (it did: 1.1e4 for an example of norm 1.5e4, 2.4e3 for one of 5.4)."""
+    torch.manual_seed(0)
+    n = 4
+    model = TransposedRegion().double()
+    x = torch.randn(n, n, 3, dtype=torch.float64)
+    x[0] *= 100
+    plain = copy.deepcopy(model)  # its region called directly: no checkpoint in the loop
+    per_example = reference_per_example_grads(plain, lambda i: plain.region(plain.inp(x[i:i + 1])).pow(2).sum(), n)
+    _, ref_norms = clipped_sum(per_example, 1.0)
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    for flip in (False, True, False, True):
+        model.flip = flip
+        controller.loss(model(x).pow(2).sum((1, 2)), "sum").backward()
+        model.zero_grad()
+        assert torch.allclose(controller.last_norms, ref_norms, rtol=1e-9), (flip, controller.last_norms, ref_norms)
+
+
 def test_the_whole_model_checkpointed_leaves_the_inputs_gradient_as_without_reentrant_checkpointing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
