@@ -134,8 +134,8 @@ def _most_recent(forms: dict, graph: tuple) -> GraphLayouts:
 class LayoutProver:
     """The proven layouts of a controller's module calls, and the proof of new ones.
 
-    Per step: ``assign`` gives every recorded call its layouts from earlier proofs, and returns the
-    calls whose shape signature is new. For those, the controller runs one backward with the
+    Per step: ``select`` picks the layouts proven on the step's graph form (GraphLayouts), ``assign`` gives
+    every recorded call its layouts from those, and returns the calls whose shape signature is new. For those, the controller runs one backward with the
     cotangent ``cotangent(losses)``, during which ``project`` keeps each output grad's projection;
     pass 1 then calls ``resolve`` with the ordinary output grads.
     """
