@@ -93,6 +93,34 @@ def test_a_trainer_step_equals_the_per_example_reference(tmp_path, physical, cli
         torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-12)
 
 
+def test_label_smoothing_of_the_training_arguments_is_applied_to_each_examples_loss(tmp_path):
+    """TrainingArguments.label_smoothing_factor was ignored: DPTrainer builds the per-example losses itself,
+    and trained on unsmoothed cross-entropy without a word. It is applied now (torch's label_smoothing, as
+    the Trainer's LabelSmoother), and refused where it has no meaning."""
+    data, model = Examples(), bert()
+
+    def smoothed(logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.2)
+
+    # No example clipped (C = 100): with two classes smoothing keeps each gradient's direction, so a clipped
+    # one would not show it.
+    reference = reference_step(copy.deepcopy(model), data, first_batch(7, data, 8 / N), 100.0, 0.5, 8, smoothed)
+    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=100.0, seed=7)
+    DPTrainer(model=model, args=args(tmp_path, label_smoothing_factor=0.2), train_dataset=data, dp_args=dp).train()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-12)
+    unsmoothed = reference_step(copy.deepcopy(bert()), data, first_batch(7, data, 8 / N), 100.0, 0.5, 8,
+                                cross_entropy)
+    assert not all(torch.allclose(p, u) for p, u in zip(model.parameters(), unsmoothed.parameters()))
+    for loss, model in ((lambda out, labels: out.logits.pow(2).sum(1), bert()),
+                        ("sequence_classification", BertForSequenceClassification(BertConfig(
+                            vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=24, num_labels=1)))):
+        with pytest.raises(ValueError, match="label_smoothing_factor=0.2 applies to DPTrainer's cross-entropy"):
+            DPTrainer(model=model, args=args(tmp_path, label_smoothing_factor=0.2), train_dataset=data,
+                      dp_args=DPArguments(noise_multiplier=1.0, loss=loss))
+
+
 def test_lora_causal_lm_step_equals_the_reference(tmp_path):
     data, model = Examples(causal=True), gpt2_lora()
     reference = reference_step(copy.deepcopy(model), data, first_batch(3, data, 8 / N), 0.2, 0.5, 8,
@@ -200,6 +228,8 @@ def test_unsupported_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         DPTrainer(model=bert(), args=args(tmp_path, gradient_accumulation_steps=2), train_dataset=Examples(),
                   dp_args=dp)
+    with pytest.raises(ValueError, match="auto_find_batch_size=True halves.*max_physical_batch_size='auto'"):
+        DPTrainer(model=bert(), args=args(tmp_path, auto_find_batch_size=True), train_dataset=Examples(), dp_args=dp)
     with pytest.raises(ValueError, match="padding-free"):
         DPTrainer(model=bert(), args=args(tmp_path), train_dataset=Examples(), dp_args=dp,
                   data_collator=DataCollatorWithFlattening())
@@ -213,6 +243,12 @@ def test_unsupported_settings_are_refused(tmp_path):
         defaults = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
         trainer = DPTrainer(model=bert(), args=defaults, train_dataset=Examples(), dp_args=dp)
     assert trainer.args.max_grad_norm == 0 and defaults.max_grad_norm == 1.0
+    sampling = ({"train_sampling_strategy": "group_by_length"}
+                if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__ else {"group_by_length": True})
+    for setting in (sampling, {"dataloader_drop_last": True}):  # the Poisson sampler replaces the Trainer's
+        (name, value), = setting.items()
+        with pytest.warns(UserWarning, match=f"{name}={value!r} is not used: DP-SGD draws Poisson batches"):
+            DPTrainer(model=bert(), args=args(tmp_path, **setting), train_dataset=Examples(), dp_args=dp)
     with pytest.raises(ValueError, match="exactly one"):
         DPArguments(target_epsilon=3.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="loss"):

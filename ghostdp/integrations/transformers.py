@@ -101,8 +101,9 @@ class DPArguments:
                             f"{type(self.batch_size_schedule).__name__}")
 
 
-def per_example_losses(kind, outputs, labels, num_labels=None) -> torch.Tensor:
-    """(B,) losses from model outputs and labels for one of LOSS_KINDS, or a callable."""
+def per_example_losses(kind, outputs, labels, num_labels=None, label_smoothing=0.0) -> torch.Tensor:
+    """(B,) losses from model outputs and labels for one of LOSS_KINDS, or a callable. ``label_smoothing``:
+    TrainingArguments.label_smoothing_factor, for the cross-entropy kinds (as the Trainer's LabelSmoother)."""
     if callable(kind):
         return kind(outputs, labels)
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
@@ -110,7 +111,8 @@ def per_example_losses(kind, outputs, labels, num_labels=None) -> torch.Tensor:
         return per_example_loss(torch.nn.MSELoss(), logits.squeeze(-1), labels.to(logits.dtype))
     if kind == "causal_lm":
         logits, labels = logits[:, :-1], labels[:, 1:]
-    return per_example_loss(torch.nn.CrossEntropyLoss(ignore_index=-100), logits, labels)
+    return per_example_loss(torch.nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=label_smoothing),
+                            logits, labels)
 
 
 def _pop_labels(inputs: dict) -> torch.Tensor:
@@ -196,6 +198,12 @@ class DPTrainerMixin:
                 "batches into one step breaks the privacy accounting. Set it to 1, make "
                 "per_device_train_batch_size the logical batch size, and set DPArguments.max_physical_batch_size "
                 "to what fits in memory.")
+        if getattr(args, "auto_find_batch_size", False):
+            raise ValueError(
+                "auto_find_batch_size=True halves per_device_train_batch_size after an out-of-memory error and "
+                "restarts: the logical batch, so the sampling rate the accountant uses, would change mid-run. Fix: "
+                "DPArguments(max_physical_batch_size='auto') keeps the logical batch and splits it into physical "
+                "batches that fit in memory.")
         if args.fp16:
             raise ValueError("fp16 training uses a GradScaler whose scaled gradients would change the noise "
                              "calibration; use bf16=True or float32.")
@@ -216,6 +224,13 @@ class DPTrainerMixin:
                 "DPTrainer with DeepSpeed is not supported: DeepSpeed's engine partitions, reduces and scales the "
                 "gradients itself, past ghostdp's clipped sums and noise. Fix: DDP (torchrun / accelerate launch "
                 "without a DeepSpeed config), or PrivacyEngine with FSDP2 for models past one GPU.")
+        if args.label_smoothing_factor and (callable(self.dp_args.loss) or (
+                self.dp_args.loss == "sequence_classification"
+                and getattr(getattr(self.model, "config", None), "num_labels", None) == 1)):
+            raise ValueError(
+                f"label_smoothing_factor={args.label_smoothing_factor} applies to DPTrainer's cross-entropy losses; "
+                "with a callable DPArguments.loss, smooth the labels inside it, and a regression (num_labels=1) has "
+                "no classes to smooth over. Set label_smoothing_factor=0.")
         if isinstance(self.data_collator, DataCollatorWithFlattening) or getattr(self.data_collator,
                                                                                  "padding_free", False):
             raise ValueError("packing / padding-free collators merge examples into one row, so a row is no "
@@ -232,6 +247,14 @@ class DPTrainerMixin:
                           "example's gradient (DPArguments.max_grad_norm); clipping the noisy batch gradient "
                           "again would only distort it.")
         args.max_grad_norm = 0.0
+        # What the Trainer's sampler would do (group_by_length before transformers 5, train_sampling_strategy since).
+        replaced = [f"{name}=True" for name in ("group_by_length", "dataloader_drop_last") if getattr(args, name, False)]
+        if getattr(args, "train_sampling_strategy", "random") != "random":
+            replaced.append(f"train_sampling_strategy={args.train_sampling_strategy!r}")
+        for setting in replaced:
+            warnings.warn(f"TrainingArguments.{setting} is not used: DP-SGD draws Poisson batches (each example in "
+                          "each batch with probability batch size / dataset size), which the privacy accounting "
+                          "assumes.")
         args.ignore_data_skip = True
         self.args = args
 
@@ -368,7 +391,8 @@ class DPTrainerMixin:
                 self.controller.next_loss_is_padding = True
             with self.compute_loss_context_manager():
                 outputs = model(**chunk)
-                losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels)
+                losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels,
+                                            self.args.label_smoothing_factor)
                 if losses.dim() != 1 or losses.shape[0] != chunk_labels.shape[0]:
                     raise ValueError(f"the per-example loss returned shape {tuple(losses.shape)}; it must be "
                                      f"({chunk_labels.shape[0]},), one loss per example")
@@ -398,7 +422,8 @@ class DPTrainerMixin:
             # No gradient all-reduce: the ranks' searches may take different numbers of probes.
             with self.accelerator.no_sync(model):
                 with self.compute_loss_context_manager():
-                    losses = per_example_losses(self.dp_args.loss, model(**inputs), labels, num_labels)
+                    losses = per_example_losses(self.dp_args.loss, model(**inputs), labels, num_labels,
+                                                self.args.label_smoothing_factor)
                 self.controller.loss(losses).backward()
 
         def clean():
