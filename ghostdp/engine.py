@@ -40,6 +40,41 @@ def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
     return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
 
 
+def _users_sampler(data_loader):
+    """The name of the loader's own sampler or batch sampler, or None for torch's standard ones (a DataLoader
+    with shuffle=True or False, a DistributedSampler) and ghostdp's Poisson batches: a weighted, balanced or
+    with-replacement one."""
+    sampler, batch_sampler = data_loader.sampler, data_loader.batch_sampler
+    standard = (type(sampler) is torch.utils.data.SequentialSampler or type(sampler) is DistributedSampler
+                or (type(sampler) is torch.utils.data.RandomSampler and not sampler.replacement))
+    if not standard:
+        return type(sampler).__name__ + (" (with replacement)" if getattr(sampler, "replacement", False) else "")
+    if batch_sampler is not None and type(batch_sampler) not in (torch.utils.data.BatchSampler, PoissonBatchSampler):
+        return type(batch_sampler).__name__
+    return None
+
+
+def _check_sampler(data_loader, poisson_sampling: bool) -> None:
+    """Poisson sampling replaces the loader's sampler: a warning where it was the user's own (its weighting is
+    lost). Without it the loader's batches are used as they are, and the accountant assumes Poisson sampling at
+    batch size / dataset size: refused for a sampler that draws some examples more often or twice in a batch."""
+    own = _users_sampler(data_loader)
+    if own is None:
+        return
+    if poisson_sampling:
+        warnings.warn(f"the data loader's {own} is not used: with Poisson sampling every example joins each batch "
+                      "with the same probability (batch size / dataset size), which the privacy accounting "
+                      "assumes, so a weighted or balanced sampler's weighting is not applied. Weight the "
+                      "examples' losses instead.")
+        return
+    raise ValueError(
+        f"with poisson_sampling=False the data loader's {own} draws the batches, but the accountant assumes each "
+        "example joins each batch with probability batch size / dataset size: a weighted, balanced or "
+        "with-replacement sampler puts some examples in more batches (or twice in one, clipped twice), so their "
+        "privacy loss would exceed the epsilon reported. Fix: poisson_sampling=True (the default), or a "
+        "DataLoader with shuffle=True or False.")
+
+
 def _check_batch_size_schedule(schedule, data_loader, poisson_sampling) -> None:
     if schedule is None:
         return
@@ -291,6 +326,7 @@ class PrivacyEngine:
                 "rate (and epsilon) would be wrong. Use Poisson sampling (each rank draws from its own shard).")
         sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, world_size)
         _check_batch_size_schedule(batch_size_schedule, data_loader, poisson_sampling)
+        _check_sampler(data_loader, poisson_sampling)
         expected_batch_size = sample_rate * n
         settings = {k: getattr(data_loader, k) for k in _LOADER_SETTINGS if hasattr(data_loader, k)}
         if settings.get("num_workers", 0) == 0:

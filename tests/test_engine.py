@@ -3,6 +3,7 @@ accumulation and resume change nothing; every misuse is refused."""
 import contextlib
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -200,6 +201,49 @@ def test_fixed_batches_without_poisson_sampling():
         opt.step()
         sizes.append(x.shape[0])
     assert sizes == [8] * 5 and engine.accountant.history == [[0.7, 0.2, 5]]
+
+
+class ClassBalanced(torch.utils.data.BatchSampler):
+    """A user's own batch sampler (it draws the same batches as torch's, but ghostdp cannot know that)."""
+
+
+USERS_SAMPLERS = {
+    "weighted": lambda data: dict(sampler=torch.utils.data.WeightedRandomSampler(torch.rand(len(data)), len(data))),
+    "with replacement": lambda data: dict(sampler=torch.utils.data.RandomSampler(data, replacement=True)),
+    "own batch sampler": lambda data: dict(batch_sampler=ClassBalanced(torch.utils.data.RandomSampler(data), 8,
+                                                                       False)),
+}
+
+
+@pytest.mark.parametrize("kind", list(USERS_SAMPLERS))
+def test_a_users_own_sampler_is_refused_without_poisson_sampling_and_replaced_with_a_warning(kind):
+    """Without Poisson sampling the loader's batches were used as they came, with epsilon accounted as if each
+    example joined each batch with probability batch size / dataset size: a weighted or with-replacement
+    sampler puts some examples in far more batches (or twice in one, clipped twice), so epsilon was optimistic
+    for them, silently. Now refused; with Poisson sampling (the default) the sampler is replaced, with a warning
+    that its weighting is lost."""
+    data = make_data()
+
+    def make(poisson):
+        model = make_model()
+        loader = DataLoader(data, **({"batch_size": 8} if "batch_sampler" not in USERS_SAMPLERS[kind](data) else {}),
+                            **USERS_SAMPLERS[kind](data))
+        return PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                  data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
+                                                  noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson)
+
+    with pytest.raises(ValueError, match="poisson_sampling=False the data loader's .* exceed the epsilon reported"):
+        make(False)
+    with pytest.warns(UserWarning, match="is not used: with Poisson sampling every example joins each batch"):
+        make(True)
+    for shuffle in (True, False):  # torch's standard loaders: neither refused nor warned of
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model = make_model()
+            PrivacyEngine(seed=0).make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(data, batch_size=8, shuffle=shuffle), criterion=torch.nn.CrossEntropyLoss(),
+                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
 
 
 def test_secure_mode_draws_from_os_entropy():
