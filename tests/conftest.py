@@ -126,3 +126,18 @@ def assert_exact_model(model, inputs, loss_of_output, batch_size, rtol=RTOL):
         return loss_of_output(call(slice(i, i + 1)), slice(i, i + 1)).sum()
 
     return assert_exact(model, batch_losses, example_loss, batch_size, rtol)
+
+
+def assert_norms_as_forms_alternate(model, x, ref_norms, clipping):
+    """ghostdp's per-example norms equal ``ref_norms`` at every step while ``model.flip`` switches the model's
+    graph between two forms and back (a DP loss of the sum of squares of each example's outputs, C = 1e-3)."""
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    try:
+        for flip in (False, True, False, True):
+            model.flip = flip
+            controller.loss(model(x).pow(2).sum(tuple(range(1, x.dim()))), "sum").backward()
+            model.zero_grad()
+            assert torch.allclose(controller.last_norms, ref_norms, rtol=1e-9), (flip, controller.last_norms,
+                                                                                  ref_norms)
+    finally:
+        controller.detach()
