@@ -32,14 +32,21 @@ def collective_device(device) -> torch.device:
     return torch.device(device) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 
 
-def any_rank(flag: bool, device) -> bool:
-    """``flag`` on any process (one all-reduce), or ``flag`` itself in one process. ``device``: where the
-    caller's tensors live (collective_device picks the collective's)."""
+def across_ranks(value: float, device, op: str = "max") -> float:
+    """``value`` reduced over every process by ``op`` ("max" or "min"; one all-reduce, in float64, exact for
+    counts), or ``value`` itself in one process. ``device``: where the caller's tensors live (collective_device
+    picks the collective's)."""
     if distributed_rank_and_size()[1] == 1:
-        return flag
-    value = torch.tensor([float(flag)], device=collective_device(device))
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+        return value
+    reduced = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(device))
+    ops = {"max": torch.distributed.ReduceOp.MAX, "min": torch.distributed.ReduceOp.MIN}
+    torch.distributed.all_reduce(reduced, op=ops[op])
+    return reduced.item()
+
+
+def any_rank(flag: bool, device) -> bool:
+    """``flag`` on any process (one all-reduce), or ``flag`` itself in one process."""
+    return bool(across_ranks(float(flag), device))
 
 
 class PoissonBatchSampler(Sampler):

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .data import collective_device, distributed_rank_and_size
+from .data import across_ranks
 
 log = logging.getLogger("ghostdp")
 
@@ -162,9 +162,4 @@ def choose_physical_batch_size(search: PhysicalBatchSearch) -> int:
     readings = ", ".join(f"{b}: {mb:.0f} MiB" for b, mb in sorted(search.readings.items()))
     log.info("max_physical_batch_size='auto' chose %d (budget %.0f MiB; peak above the start by batch size: %s)",
              chosen, search.budget, readings)
-    if distributed_rank_and_size()[1] > 1:
-        import torch.distributed as dist
-        agreed = torch.tensor([chosen], device=collective_device(search.device))
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        chosen = int(agreed.item())
-    return chosen
+    return int(across_ranks(chosen, search.device, "min"))

@@ -27,7 +27,7 @@ from ..accounting import check_noise_multiplier, get_noise_multiplier, make_acco
 from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
 from ..clipping.adaptive import AdaptiveClipNorm
 from ..clipping.modes import clipping_mode
-from ..data import DPDataLoader, PoissonBatchSampler, collective_device, distributed_rank_and_size
+from ..data import DPDataLoader, PoissonBatchSampler, across_ranks, distributed_rank_and_size
 from ..engine import restore_streams, run_state
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
@@ -121,16 +121,6 @@ def _pop_labels(inputs: dict) -> torch.Tensor:
             return inputs.pop(key)
     raise ValueError("the batch has no 'labels': DPTrainer computes each example's loss from the logits "
                      "and the labels, so the collator must provide them")
-
-
-def _largest_across_ranks(count: int, device) -> int:
-    """The largest ``count`` over all processes (collective; every rank calls it once per step)."""
-    if distributed_rank_and_size()[1] == 1:
-        return count
-    import torch.distributed as dist
-    largest = torch.tensor([count], device=collective_device(device))
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return int(largest.item())
 
 
 class _PrivateRunCallback(TrainerCallback):
@@ -376,7 +366,7 @@ class DPTrainerMixin:
         count = labels.shape[0]
         # DDP needs the same number of forward and backward calls on every rank: a rank whose own
         # examples run out runs padding chunks of one stand-in row whose loss weighs 0.
-        largest = _largest_across_ranks(count, self.args.device)
+        largest = int(across_ranks(count, self.args.device))  # every rank calls it once per step
         size = self._physical_batch_size(model) or max(1, largest)
         num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
         total = torch.zeros((), device=self.args.device)  # sum of the per-example losses of this rank's batch
