@@ -103,8 +103,10 @@ class PassOne:
         if self._reprove and (probes or captured) and not unproven:
             unproven = self.layouts.assign(calls, B, everything=True)
         # The proof compares two backward passes, and two passes write the clipped sums with a second one: each
-        # must see the same backward, which a random draw in one would not repeat in the other.
-        self._random_before = _random_states(per_example_losses.device)
+        # must see the same backward, which a random draw in one would not repeat in the other. (A book-keeping
+        # step without a proof has one backward: nothing to compare.)
+        second_backward = bool(unproven) or bool(regions) or mode.continues_backward
+        self._random_before = _random_states(per_example_losses.device) if second_backward else None
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
