@@ -224,26 +224,22 @@ def test_a_users_own_sampler_is_refused_without_poisson_sampling_and_replaced_wi
     that its weighting is lost."""
     data = make_data()
 
-    def make(poisson):
+    def make(loader, poisson):
         model = make_model()
-        loader = DataLoader(data, **({"batch_size": 8} if "batch_sampler" not in USERS_SAMPLERS[kind](data) else {}),
-                            **USERS_SAMPLERS[kind](data))
         return PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                                   data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
                                                   noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson)
 
+    sampling = USERS_SAMPLERS[kind](data)
+    own = DataLoader(data, **({} if "batch_sampler" in sampling else {"batch_size": 8}), **sampling)
     with pytest.raises(ValueError, match="poisson_sampling=False the data loader's .* exceed the epsilon reported"):
-        make(False)
+        make(own, False)
     with pytest.warns(UserWarning, match="is not used: with Poisson sampling every example joins each batch"):
-        make(True)
+        make(own, True)
     for shuffle in (True, False):  # torch's standard loaders: neither refused nor warned of
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            model = make_model()
-            PrivacyEngine(seed=0).make_private(
-                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(data, batch_size=8, shuffle=shuffle), criterion=torch.nn.CrossEntropyLoss(),
-                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+            make(DataLoader(data, batch_size=8, shuffle=shuffle), False)
 
 
 def test_secure_mode_draws_from_os_entropy():

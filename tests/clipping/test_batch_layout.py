@@ -71,12 +71,18 @@ def test_an_output_shared_by_the_whole_batch_is_refused_even_when_its_size_equal
         controller.loss(model(torch.randn(B, 3)).pow(2).sum(1)).backward()
 
 
-def test_a_proven_layout_is_reused_and_a_new_shape_signature_is_proven_again():
-    model = nn.Linear(3, 2)
-    controller = ghostdp.GhostClipping(model, 1.0)
+def _counting_proofs(controller):
+    """The list that gets one entry per layout proof of ``controller`` from now on."""
     proofs = []
     original = controller.pass_one._prove_layouts
     controller.pass_one._prove_layouts = lambda *a: (proofs.append(1), original(*a))
+    return proofs
+
+
+def test_a_proven_layout_is_reused_and_a_new_shape_signature_is_proven_again():
+    model = nn.Linear(3, 2)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    proofs = _counting_proofs(controller)
     for x in (torch.randn(4, 5, 3), torch.randn(4, 6, 3), torch.randn(4, 4, 3)):
         controller.loss(model(x).pow(2).sum((1, 2))).backward()
         model.zero_grad()
@@ -101,9 +107,7 @@ def test_a_loss_that_starts_mixing_examples_with_the_same_shapes_is_proven_again
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
-    proofs = []
-    original = controller.pass_one._prove_layouts
-    controller.pass_one._prove_layouts = lambda *a: (proofs.append(1), original(*a))
+    proofs = _counting_proofs(controller)
     x = torch.randn(8, 4) * 3
     for _ in range(2):  # proven once, then reused
         controller.loss(model(x).pow(2).sum(1), "sum").backward()
@@ -133,13 +137,6 @@ class MixesOnSomeSteps(nn.Module):
         elif self.mix == "mixup":
             h = 0.5 * h + 0.5 * h.roll(1, 0)
         return h.sum(1, keepdim=True).expand(-1, 3) if self.drop_second else self.second(h)
-
-
-def _counting_proofs(controller):
-    proofs = []
-    original = controller.pass_one._prove_layouts
-    controller.pass_one._prove_layouts = lambda *a: (proofs.append(1), original(*a))
-    return proofs
 
 
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
