@@ -5,6 +5,8 @@ running mean, as BatchNorm keeps, or any module of one's own that does the same)
 with the model, but no clipping bounds an example's part in it and no noise covers it. BatchNorm is refused
 by the model check (validate.py); any other buffer changed in place or replaced during a training forward
 draws one warning, naming it (a step counter or a cache of positions is harmless, and says so itself).
+Buffers of a parametrization (torch.nn.utils.parametrize: spectral_norm's power-iteration vectors) are not
+watched: its forward receives only the parameters, so what it stores follows them, not the batch.
 About a microsecond a step per buffer: the versions are read before and after each training forward.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import warnings
 
 import torch
+from torch.nn.utils.parametrize import ParametrizationList
 
 CHANGED_BUFFER = (
     "buffer '{name}' changed during a training forward. If its values come from the data (a running "
@@ -28,8 +31,10 @@ class BufferWatch:
 
     def __init__(self, module: torch.nn.Module):
         # (name, owner, key): read through the owner at each forward, so a buffer replaced by a new tensor is seen.
+        parametrizing = {id(m) for p in module.modules() if isinstance(p, ParametrizationList) for m in p.modules()}
         self._buffers = [(f"{prefix}.{key}" if prefix else key, owner, key)
-                         for prefix, owner in module.named_modules() for key in owner._buffers]
+                         for prefix, owner in module.named_modules() if id(owner) not in parametrizing
+                         for key in owner._buffers]
         self._before = None
         self._warned = set()
 

@@ -361,7 +361,8 @@ class PassOne:
             missing = {n: p for n, p in call.params.items() if n not in factors}
             self.in_fallback = True
             try:
-                factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B))
+                factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B,
+                                             call.input_nodes))
             finally:
                 self.in_fallback = False
         passed = self.current

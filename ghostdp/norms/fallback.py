@@ -6,14 +6,21 @@ masked to example i. All examples of a chunk go through one batched VJP
 (``torch.autograd.grad(..., is_grads_batched=True)``, torch.func's vmap over the
 backward), along the graph recorded in the real forward: no forward is re-run,
 so dropout masks and other randomness are exactly those of the step.
+The VJP stays in the call's region, from its outputs down to its inputs (the region the graph audit
+attributes to the call): the gradient reaching an input's node is stopped there. Without the stop, a
+module called twice in a chain (``m(f(m(x)))``, a weight-normalised layer reused) took, in its second
+call, the first call's part of the gradient too, through its input: the first call's part counted twice,
+and an example whose two parts nearly cancelled was clipped by far too little (measured: 1.5 C).
 Cost: one batched backward of the module per chunk of examples, so this is
 for small or rare modules (GRU, raw nn.Parameters, custom layers).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
+from torch.nn.utils import parametrize
 
 from .factors import ELEMENT_BUDGET, Instantiated
 
@@ -23,24 +30,32 @@ OPAQUE_MODULES: tuple = (torch.nn.MultiheadAttention,)
 
 
 def owned_parameters(module: torch.nn.Module) -> dict:
-    """Parameters a hook on ``module`` is responsible for, by qualified name."""
+    """Parameters a hook on ``module`` is responsible for, by qualified name. Those of a parametrization
+    (torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal) are its module's: the module's forward
+    computes the weight from them, so its call's graph holds their whole gradient (the exact fallback takes it,
+    since the module then owns parameters that its class's rule does not know)."""
     if isinstance(module, OPAQUE_MODULES):
         return dict(module.named_parameters())
     owned = dict(module.named_parameters(recurse=False))
     for child_name, child in module.named_children():
         if isinstance(child, (torch.nn.ParameterList, torch.nn.ParameterDict)):
             owned.update({f"{child_name}.{n}": p for n, p in child.named_parameters()})
+    if parametrize.is_parametrized(module):
+        owned.update({f"parametrizations.{n}": p for n, p in module.parametrizations.named_parameters()})
     return owned
 
 
 def hooked_modules(root: torch.nn.Module):
     """(qualified name, module) for every module that needs a hook, skipping the
-    parameter containers and the children of opaque modules."""
+    parameter containers, the children of opaque modules and the parametrizations (owned_parameters)."""
     opaque_prefixes = []
     for name, module in root.named_modules():
         if any(name.startswith(p) for p in opaque_prefixes):
             continue
         if isinstance(module, (torch.nn.ParameterList, torch.nn.ParameterDict)):
+            continue
+        if isinstance(module, parametrize.ParametrizationList):
+            opaque_prefixes.append(name + ".")
             continue
         if isinstance(module, OPAQUE_MODULES):
             opaque_prefixes.append(name + "." if name else "")
@@ -70,8 +85,9 @@ def _masked_cotangents(grad, dim, lo, hi, expanded):
     return cot
 
 
-def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size):
-    """{name: Instantiated((B, *shape))} for the given own parameters of one module call."""
+def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size, input_nodes=frozenset()):
+    """{name: Instantiated((B, *shape))} for the given own parameters of one module call; ``input_nodes``: the
+    autograd nodes of its inputs, where its region ends (module doc)."""
     live = [(e, g, d, x) for e, g, d, x in zip(edges, grads, batch_dims, expanded) if g is not None]
     names = list(params)
     chunks = {n: [] for n in names}
@@ -79,27 +95,51 @@ def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size)
         return {n: Instantiated(params[n].new_zeros((batch_size,) + params[n].shape)) for n in names}
     per_example = sum(g.numel() for _, g, _, _ in live) + sum(p.numel() for p in params.values())
     step = max(1, ELEMENT_BUDGET // per_example)
-    for lo in range(0, batch_size, step):
-        hi = min(batch_size, lo + step)
-        cots = [_masked_cotangents(g, d, lo, hi, x) for _, g, d, x in live]
-        outs = [e for e, _, _, _ in live]
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*performance drop.*")
-                res = torch.autograd.grad(outs, [params[n] for n in names], cots, retain_graph=True,
-                                          allow_unused=True, is_grads_batched=True)
-        except RuntimeError:
-            # Some backward formulas have no batching rule: one VJP per example instead.
-            res = [[] for _ in names]
-            for j in range(hi - lo):
-                one = torch.autograd.grad(outs, [params[n] for n in names], [c[j] for c in cots],
-                                          retain_graph=True, allow_unused=True)
-                for r, g in zip(res, one):
-                    r.append(g)
-            res = [None if r[0] is None else torch.stack(r) for r in res]
-        for n, g in zip(names, res):
-            chunks[n].append(g if g is not None else params[n].new_zeros((hi - lo,) + params[n].shape))
+    with _stopped_at(input_nodes):
+        for lo in range(0, batch_size, step):
+            _vjp_chunk(params, names, live, lo, min(batch_size, lo + step), chunks)
     return {n: Instantiated(torch.cat(chunks[n])) for n in names}
+
+
+@contextlib.contextmanager
+def _stopped_at(nodes):
+    """While inside: gradient that reaches one of ``nodes`` in a backward other than the one running now (the
+    fallback's own VJPs, started here) goes no further (an undefined gradient: nothing below gets any)."""
+    running = torch._C._current_graph_task_id()  # pass 1's backward, or -1 after it
+
+    def stop(grad_outputs):
+        if torch._C._current_graph_task_id() == running:
+            return None  # that backward's gradient, unchanged
+        return (None,) * len(grad_outputs)
+
+    handles = [node.register_prehook(stop) for node in nodes]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _vjp_chunk(params, names, live, lo, hi, chunks):
+    """Appends the per-example gradients of examples lo..hi-1 to ``chunks`` (name -> list)."""
+    cots = [_masked_cotangents(g, d, lo, hi, x) for _, g, d, x in live]
+    outs = [e for e, _, _, _ in live]
+    wanted = [params[n] for n in names]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*performance drop.*")
+            res = torch.autograd.grad(outs, wanted, cots, retain_graph=True, allow_unused=True,
+                                      is_grads_batched=True)
+    except RuntimeError:
+        # Some backward formulas have no batching rule: one VJP per example instead.
+        res = [[] for _ in names]
+        for j in range(hi - lo):
+            one = torch.autograd.grad(outs, wanted, [c[j] for c in cots], retain_graph=True, allow_unused=True)
+            for r, g in zip(res, one):
+                r.append(g)
+        res = [None if r[0] is None else torch.stack(r) for r in res]
+    for n, g in zip(names, res):
+        chunks[n].append(g if g is not None else params[n].new_zeros((hi - lo,) + params[n].shape))
 
 
 __all__ = ["owned_parameters", "hooked_modules", "fallback_grads", "output_batch_dims", "OPAQUE_MODULES"]

@@ -220,6 +220,42 @@ class CalledTwice(nn.Module):
         return self.head(self.lin(torch.tanh(self.lin(x))).mean(1))
 
 
+class ChainedGain(nn.Module):
+    """A module without a norm rule (the fallback's) called twice in a chain, a frozen mixing layer between:
+    its second call's input depends on its own parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = Gain(5)
+        self.mix = nn.Linear(5, 5).requires_grad_(False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.gain(torch.tanh(self.mix(self.gain(x)))).mean(1))
+
+
+class Gain(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def _wav2vec2():
+    """Its positional convolution is weight-normalised (torch.nn.utils.parametrizations.weight_norm)."""
+    return transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+        mask_time_prob=0.0, final_dropout=0.0, num_labels=3, classifier_proj_size=8))
+
+
+def _audio(n, g):
+    return dict(x=torch.randn(n, 120, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
+
+
 def _tokens(n, g, d, seq_first=False):
     x = torch.randn(T, n, d, generator=g) if seq_first else torch.randn(n, T, d, generator=g)
     return dict(x=x, labels=torch.randint(0, 3, (n,), generator=g))
@@ -263,6 +299,9 @@ ZOO = [
          sequence=True),
     Arch("module-called-twice", CalledTwice, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
+    Arch("fallback-module-chained", ChainedGain, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
+         sequence=True),
+    Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
 ]
 
 

@@ -1,0 +1,77 @@
+"""The fallback (norms/fallback.py) keeps each call's VJP inside the call's region.
+
+A module without a norm rule called twice in a chain, ``m(f(m(x)))``: example i's gradient of m's weight is
+a + b, a from the second call's use and b from the first's. The second call's VJP from its output used to go
+on through its input into the first call, so it gave a + b, and the first call b: a + 2b in all. Where a
+and b nearly cancel, |a + 2b| < |a + b|, the example was clipped by too little.
+"""
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from conftest import CLIPPING_MODES, assert_exact
+
+
+class Gain(nn.Module):
+    """No norm rule: an elementwise gain (the fallback)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class Chained(nn.Module):
+    def __init__(self, d=2):
+        super().__init__()
+        self.gain = Gain(d)
+        self.mix = nn.Linear(d, d, bias=False).requires_grad_(False)
+
+    def forward(self, x):
+        return self.gain(torch.tanh(self.mix(self.gain(x))))
+
+
+def _adversarial_chain():
+    """A chain and one example whose two parts a, b of the gain's gradient nearly cancel: the gradient that
+    counted b twice is more than 1.5x shorter than the true one (checked, so that the test cannot pass
+    vacuously)."""
+    model = Chained().double()
+    torch.manual_seed(116)
+    with torch.no_grad():
+        model.gain.weight.copy_(torch.randn(2, dtype=torch.float64))
+        model.mix.weight.copy_(torch.randn(2, 2, dtype=torch.float64))
+    x = torch.randn(1, 2, dtype=torch.float64)
+    true, = torch.autograd.grad(model(x).sum(), model.gain.weight)
+    own_use = torch.tanh(model.mix(model.gain(x))).detach()[0]  # a: the second call's part
+    assert float(true.norm() / (true + (true - own_use)).norm()) > 1.5, "degenerate test: the parts do not cancel"
+    return model, x, true
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_one_example_through_a_chained_fallback_module_moves_the_sum_by_at_most_C(clipping):
+    model, x, true = _adversarial_chain()
+    C = 1e-3 * float(true.norm())
+    controller = ghostdp.GhostClipping(model, C, clipping=clipping)
+    controller.loss(model(x).sum(1), reduction="sum").backward()
+    torch.testing.assert_close(controller.last_norms, true.norm().reshape(1), rtol=1e-12, atol=0)
+    assert float(model.gain.weight.grad.norm()) <= C * (1 + 1e-9)  # before: 2.57 C (two passes)
+    torch.testing.assert_close(model.gain.weight.grad, true * C / true.norm(), rtol=1e-5, atol=0)  # c = C / (n + 1e-6)
+
+
+def test_a_chained_fallback_module_is_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(Chained(3), nn.Linear(3, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 5)
+
+
+def test_a_fallback_module_whose_input_depends_on_another_module_stays_exact():
+    """The stop is at the call's own inputs only: a layer below with its own rule keeps its gradient, and a
+    fallback module called once keeps the whole of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), Gain(3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 5)
