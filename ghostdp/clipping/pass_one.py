@@ -258,10 +258,18 @@ class PassOne:
 
     def _mark_eager(self, call):
         """A call's first output grad outside reentrant regions, before its uses are consumed: a parameter with
-        a single live use can be reduced to its norm now and its G freed (``call.eager``); one with several
-        uses waits for all of them (cross terms)."""
-        live, pending = self.recorder.live, self.current.pending
-        call.eager = {n: live[id(p)] == 1 and p not in pending for n, p in call.params.items()}
+        a single live use, and no call of it reached before in this pass, can be reduced to its norm now and its
+        G freed (``call.eager``); one with several uses waits for all of them (cross terms). "Reached before",
+        not "pending": a call reached earlier may form its factors only later (several outputs: at the end of
+        the pass), and the last call of an unrolled nn.LSTMCell was reduced alone so, its cross terms with the
+        other steps lost (examples measured up to 1.38 C)."""
+        live, uses = self.recorder.live, self.current.uses
+        eager = {}
+        for n, p in call.params.items():
+            key = id(p)
+            uses[key] += 1
+            eager[n] = live[key] == 1 and uses[key] == 1
+        call.eager = eager
 
     def _fire_in_reentrant_step(self, call):
         """A call's first output grad in a step with reentrant checkpoints (reentrant.py): its inputs are
@@ -287,8 +295,8 @@ class PassOne:
                     "parameters several calls share from the step before, and this step's calls differ. The next "
                     "step will form its norm over all of its calls; to avoid this, " + USE_NON_REENTRANT)
             passed.uses[key] += 1
-            eager = (self._region_uses_known and self.recorder.live[key] == 1 and p not in passed.pending
-                     and key not in self._shared_in_regions)
+            eager = (self._region_uses_known and self.recorder.live[key] == 1 and passed.uses[key] == 1
+                     and key not in self._shared_in_regions)  # uses: see _mark_eager
             if eager:
                 passed.eager_ids.add(key)
             call.eager[n] = eager

@@ -75,3 +75,55 @@ def test_a_fallback_module_whose_input_depends_on_another_module_stays_exact():
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), Gain(3), nn.Tanh(), nn.Linear(3, 2)).double()
     x = torch.randn(5, 3, dtype=torch.float64)
     assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 5)
+
+
+class Unrolled(nn.Module):
+    """A cell without a norm rule (torch.nn's RNN cells: the fallback) stepped over the sequence: one call per
+    step, each step's state the next one's input."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, first_step_cell=None):
+        state = None
+        for t in range(x.shape[1]):
+            cell = first_step_cell if t == 0 and first_step_cell is not None else self.cell
+            state = cell(x[:, t], state)
+        return self.head(state[0] if isinstance(state, tuple) else state)
+
+
+@pytest.mark.parametrize("cell", [nn.RNNCell, nn.GRUCell, nn.LSTMCell])
+def test_unrolled_rnn_cells_are_exact(cell):
+    torch.manual_seed(0)
+    model = Unrolled(cell).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 4)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_an_unrolled_lstm_cell_keeps_the_cross_terms_of_its_first_step(clipping):
+    """nn.LSTMCell returns two tensors, so its calls form their factors at the end of pass 1; the first step's
+    call, reached last, was taken for the cell's only use and reduced alone, its cross terms with the later
+    steps lost: |a|^2 + |b|^2 in place of |a + b|^2."""
+    torch.manual_seed(6)
+    model = Unrolled(nn.LSTMCell).double()
+    model.head.requires_grad_(False)
+    x = torch.randn(1, 2, 3, dtype=torch.float64)
+    model(x).sum().backward()
+    true = torch.cat([p.grad.flatten() for p in model.cell.parameters()])
+    model.zero_grad()
+    copy = Unrolled(nn.LSTMCell).double().cell
+    copy.load_state_dict(model.cell.state_dict())
+    model(x, first_step_cell=copy).sum().backward()  # a: the first step's part alone
+    first = torch.cat([p.grad.flatten() for p in copy.parameters()])
+    model.zero_grad()
+    without_cross_terms = (first.norm() ** 2 + (true - first).norm() ** 2).sqrt()
+    assert float(true.norm() / without_cross_terms) > 1.1, "degenerate test: the steps' parts are not aligned"
+    C = 1e-3 * float(true.norm())
+    controller = ghostdp.GhostClipping(model, C, clipping=clipping)
+    controller.loss(model(x).sum(1), reduction="sum").backward()
+    torch.testing.assert_close(controller.last_norms, true.norm().reshape(1), rtol=1e-12, atol=0)
+    got = torch.cat([p.grad.flatten() for p in model.cell.parameters()])
+    assert float(got.norm()) <= C * (1 + 1e-9)  # before: 1.17 C (two passes)

@@ -234,6 +234,21 @@ class ChainedGain(nn.Module):
         return self.head(self.gain(torch.tanh(self.mix(self.gain(x)))).mean(1))
 
 
+class UnrolledLSTMCell(nn.Module):
+    """nn.LSTMCell (the fallback; two outputs) stepped over the sequence: one call per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(5, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        state = None
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return self.head(state[0])
+
+
 class Gain(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -300,6 +315,8 @@ ZOO = [
     Arch("module-called-twice", CalledTwice, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("fallback-module-chained", ChainedGain, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
+         sequence=True),
+    Arch("lstm-cell-unrolled", UnrolledLSTMCell, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
 ]
