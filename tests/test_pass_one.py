@@ -73,3 +73,13 @@ def test_the_probe_copies_no_layer_output():
     copies = [n for n in mode.names if n.startswith(("aten.clone", "aten.copy"))]
     assert copies == [], copies
     controller.detach()
+
+
+def test_norms_read_outside_a_backward_hold_no_graph():
+    """controller.per_example_norms / clip_coefficients called by a user (grad mode on): the norms are formed
+    from the layers' inputs, which require grad; before, the norms carried their graph (the activations held
+    as long as the norms, and float() of one warned)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    assert not controller.per_example_norms(model(torch.randn(5, 3)).sum(1)).requires_grad
+    assert not controller.clip_coefficients(model(torch.randn(5, 3)).sum(1)).requires_grad

@@ -360,6 +360,7 @@ class GhostClipping:
             "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
             "its parameter, freeze the parameter, or register a norm rule for the parent module.")
 
+    @torch.no_grad()  # called by a user outside a backward too: no graph from the activations to the norms
     def per_example_norms(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:
         """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64.
         ``mode``: the clipping mode of this backward (``mode_for_loss``; default: the controller's)."""
