@@ -33,6 +33,13 @@ def find_problems(model: torch.nn.Module) -> list[str]:
             problems.append(
                 f"module {label} has scale_grad_by_freq=True, which scales gradients by token counts over "
                 "the whole batch and couples examples. Fix: set scale_grad_by_freq=False.")
+        elif isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None:
+            problems.append(
+                f"module {label} has max_norm={m.max_norm}: each forward renormalises, in place, the rows of the "
+                "table that the batch looks up, a change of the model that depends on the data and that no "
+                "clipping bounds (one example moved the table by 7.4 with C = 1e-3). Fix: set max_norm=None "
+                "and renormalise the whole table outside the forward, e.g. after each optimizer step: "
+                "with torch.no_grad(): emb.weight.copy_(torch.renorm(emb.weight, 2, 0, max_norm)).")
         elif isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and any(
                 p.requires_grad for p in m.parameters()):
             problems.append(

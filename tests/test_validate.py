@@ -45,6 +45,16 @@ def test_embedding_options_that_couple_examples_are_rejected():
     ghostdp.GhostClipping(frozen, 1.0)  # a frozen one is harmless
 
 
+@pytest.mark.parametrize("table", [nn.Embedding, nn.EmbeddingBag])
+def test_an_embedding_that_renormalises_its_rows_in_the_forward_is_refused(table):
+    """max_norm renormalises in place the rows the batch looks up: a change of the model made by the data.
+    Frozen too: the frozen table is released with the model."""
+    for trainable in (True, False):
+        model = table(5, 2, max_norm=1.0).requires_grad_(trainable)
+        with pytest.raises(ModelNotPrivatizable, match=r"max_norm=1.0.*renormalise the whole table"):
+            ghostdp.GhostClipping(nn.Sequential(model, nn.Linear(2, 2)), 1.0)
+
+
 def test_fix_refuses_a_bare_batchnorm():
     with pytest.raises(ModelNotPrivatizable, match="wrap it"):
         ghostdp.validate.fix(nn.BatchNorm1d(3))

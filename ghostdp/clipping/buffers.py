@@ -1,4 +1,4 @@
-"""Buffers that a training forward changes: statistics of the data released without noise.
+"""Buffers and parameters that a training forward changes: statistics of the data released without noise.
 
 DP-SGD bounds and noises what the gradients carry. A buffer that the forward updates from the batch (a
 running mean, as BatchNorm keeps, or any module of one's own that does the same) is saved and released
@@ -7,7 +7,12 @@ by the model check (validate.py); any other buffer changed in place or replaced 
 draws one warning, naming it (a step counter or a cache of positions is harmless, and says so itself).
 Buffers of a parametrization (torch.nn.utils.parametrize: spectral_norm's power-iteration vectors) are not
 watched: its forward receives only the parameters, so what it stores follows them, not the batch.
-About a microsecond a step per buffer: the versions are read before and after each training forward.
+
+A parameter changed in place during a training forward is refused: the forward moved the model by a step
+that no clipping bounds (``nn.Embedding(max_norm=...)`` renormalises the rows the batch looks up: one example
+moved the table by 7.4 with C = 1e-3, before any optimizer step; the model check refuses that one by name).
+FSDP2's sharded parameters, which its forward gathers and puts back, are not watched.
+About a microsecond a step per tensor: the versions are read before and after each training forward.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import warnings
 import torch
 from torch.nn.utils.parametrize import ParametrizationList
 
+from ..sharding import is_sharded
+
 CHANGED_BUFFER = (
     "buffer '{name}' changed during a training forward. If its values come from the data (a running "
     "statistic such as a mean or a variance), the model releases them without clipping or noise, and the "
@@ -25,26 +32,39 @@ CHANGED_BUFFER = (
     "train() mode), or replace the layer by one without batch statistics (LayerNorm, GroupNorm); if it does "
     "not depend on the data (a step counter, a cache of positions), ignore this warning.")
 
+CHANGED_PARAMETER = (
+    "parameter '{name}' was changed in place during a training forward: the forward itself moved the model, "
+    "by a step that depends on the batch and that no clipping bounds and no noise covers (e.g. "
+    "F.embedding(..., max_norm=...) renormalising the rows the batch looks up). Fix: change parameters only "
+    "outside the forward, as a function of the parameters alone (e.g. renormalise the whole table after each "
+    "optimizer step), or freeze the parameter and compute the changed values out of place.")
+
 
 class BufferWatch:
-    """Warns once per buffer that a training forward of the attached model changes (see the module doc)."""
+    """Warns once per buffer, and refuses a parameter, that a training forward of the attached model changes
+    (see the module doc)."""
 
     def __init__(self, module: torch.nn.Module):
-        # (name, owner, key): read through the owner at each forward, so a buffer replaced by a new tensor is seen.
+        # (name, owner, key): read through the owner at each forward, so a tensor replaced by a new one is seen.
         parametrizing = {id(m) for p in module.modules() if isinstance(p, ParametrizationList) for m in p.modules()}
+        owners = [(prefix, owner) for prefix, owner in module.named_modules() if id(owner) not in parametrizing]
         self._buffers = [(f"{prefix}.{key}" if prefix else key, owner, key)
-                         for prefix, owner in module.named_modules() if id(owner) not in parametrizing
-                         for key in owner._buffers]
+                         for prefix, owner in owners for key in owner._buffers]
+        self._parameters = [(f"{prefix}.{key}" if prefix else key, owner, key)
+                            for prefix, owner in module.named_modules() for key, p in owner._parameters.items()
+                            if p is not None and not is_sharded(p)]
+        self._watched = self._buffers + self._parameters
         self._before = None
         self._warned = set()
 
     def attach(self, module) -> list:
-        if not self._buffers:
+        if not self._watched:
             return []
         return [module.register_forward_pre_hook(self._note), module.register_forward_hook(self._compare)]
 
     def _tensors(self):
-        return [owner._buffers.get(key) for _, owner, key in self._buffers]
+        return [owner._buffers.get(key) if n < len(self._buffers) else owner._parameters.get(key)
+                for n, (_, owner, key) in enumerate(self._watched)]
 
     def _note(self, module, args):
         if module.training and torch.is_grad_enabled():
@@ -56,10 +76,13 @@ class BufferWatch:
             return
         tensors, versions = self._before
         self._before = None
-        for (name, _, _), old, version, new in zip(self._buffers, tensors, versions, self._tensors()):
-            if name in self._warned:
+        buffers = len(self._buffers)
+        for n, ((name, _, _), old, version, new) in enumerate(zip(self._watched, tensors, versions, self._tensors())):
+            if new is old and (new is None or new._version == version):
                 continue
-            if new is not old or (new is not None and new._version != version):
+            if n >= buffers:
+                raise RuntimeError(CHANGED_PARAMETER.format(name=name))
+            if name not in self._warned:
                 self._warned.add(name)
                 warnings.warn(CHANGED_BUFFER.format(name=name), stacklevel=_first_frame_outside_torch())
 

@@ -73,3 +73,49 @@ def test_bert_whose_buffers_never_change_is_not_warned_of():
             logits = model(input_ids=torch.randint(0, 50, (4, 6))).logits
             controller.loss(logits.pow(2).sum(1)).backward()
     assert not [w for w in caught if "buffer" in str(w.message)]
+
+
+class RenormalisedLookup(nn.Module):
+    """Looks its rows up with F.embedding's max_norm, which renormalises them in place (the model check knows
+    nn.Embedding's option; a functional call it cannot see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(3 * torch.randn(10, 4))
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.table, max_norm=1.0).sum(1)
+
+
+class ClampedInForward(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+class ReplacedInForward(nn.Linear):
+    def forward(self, x):
+        self.weight = nn.Parameter(self.weight.detach() * 0.5)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("layer", [RenormalisedLookup, ClampedInForward, ReplacedInForward])
+def test_a_parameter_changed_during_a_training_forward_is_refused(layer):
+    if layer is RenormalisedLookup:
+        model, batch = RenormalisedLookup(), torch.tensor([[1, 2], [3, 3]])
+    else:
+        model, batch = nn.Sequential(layer(4, 4), nn.Linear(4, 2)), torch.randn(8, 4)
+    model.train()
+    ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match=r"parameter '(table|0\.weight)' was changed in place during a training forward"):
+        model(batch)
+    model.eval()
+    model(batch)  # not a training forward: nothing is released from it
+
+
+def test_frozen_parameters_are_watched_too():
+    model = nn.Sequential(ClampedInForward(4, 4).requires_grad_(False), nn.Linear(4, 2)).train()
+    ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="'0.weight' was changed in place"):
+        model(torch.randn(8, 4))
