@@ -198,9 +198,12 @@ class LayoutProver:
             w, projected_v = projected
             v = self.v.to(device=w.device, dtype=w.dtype)
             options = candidates(tuple(g.shape), batch_size, call.tokenwise, call.batch_dims[slot])
+            broadcast = call.expanded[slot]  # size 1 on dim 0, broadcast to the batch there (recording.py)
+            if broadcast:
+                options = [c for c in options if c == BATCH_FIRST]
             chosen = next((c for c in options if holds(c, projected_v, project(g, w), v, g.dtype)), None)
             if chosen is None:
-                refuse(call, g, batch_size, options)
+                refuse(call, g, batch_size, options, broadcast)
             found.append(chosen)
         call.layouts, call.projections = tuple(found), None
         call.proven_in.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
@@ -228,7 +231,16 @@ class LayoutProver:
         call.grads = [to_batch_first(call.layouts[0], call.grads[0], shape, batch_size)]
 
 
-def refuse(call, g, batch_size, options):
+def refuse(call, g, batch_size, options, broadcast=False):
+    if broadcast:
+        raise RuntimeError(
+            f"module '{call.name}' ({type(call.module).__name__}) produced an output of shape (1, "
+            f"{', '.join(map(str, g.shape[1:]))}) in a batch of {batch_size} examples. ghostdp takes such an output "
+            "for one shared by the whole batch (a position embedding looked up once) and broadcasts it to the batch "
+            "on dim 0, but the examples do not lie there: the layer runs sequence-first on a sequence of length 1 "
+            "(or its dim 0 is otherwise not shared by the examples), and the broadcast changes what the model "
+            "computes (a sum over that dim counts each example's value once per example). Fix: run the layer "
+            "batch-first (batch_first=True, or transpose its input to (batch, sequence, ...)).")
     if not options:
         problem = f"has no dimension of size {batch_size} that could hold the examples"
     else:

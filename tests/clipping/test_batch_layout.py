@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import assert_exact, assert_norms_as_forms_alternate, clipped_sum, reference_per_example_grads
+from conftest import (CLIPPING_MODES, assert_exact, assert_norms_as_forms_alternate, clipped_sum,
+                      reference_per_example_grads)
 
 
 def _exact(model, x, batch_dim, B):
@@ -33,6 +34,35 @@ def test_transformer_encoder_layer_sequence_first_is_exact_also_when_length_equa
     B = 3
     layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=12, dropout=0.0, batch_first=False)
     _exact(layer, torch.randn(T, B, 8), batch_dim=1, B=B)
+
+
+class SequenceFirstInside(nn.Module):
+    """Takes (B, T, 3) and runs its layer sequence-first, pooling over the sequence."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.lin, self.head, self.pool = nn.Linear(3, 4), nn.Linear(4, 2), pool
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x.transpose(0, 1)))  # (T, B, 4)
+        return self.head(h.sum(0) if self.pool == "sum" else h.mean(0))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("pool", ["sum", "mean"])
+def test_a_sequence_first_layer_on_one_position_is_refused_not_broadcast(clipping, pool):
+    """With T = 1 the layer's (1, B, 4) output looks like one shared by the batch. It was broadcast to (B, B, 4),
+    which changed the forward (the sum over the sequence counted each value B times: the norms came out
+    3 to 34 times too large, of another model) while the proof took dim 1 for the examples. The broadcast dim must
+    hold the examples; with T = 2 the layer is exact."""
+    torch.manual_seed(0)
+    model = SequenceFirstInside(pool)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    with pytest.raises(RuntimeError, match=r"shape \(1, 4, 4\) in a batch of 4 examples.*sequence-first on a "
+                                           r"sequence of length 1.*Fix: run the layer batch-first"):
+        controller.loss(model(torch.randn(4, 1, 3)).pow(2).sum(1)).backward()
+    controller.detach()
+    _exact(model, torch.randn(4, 2, 3), batch_dim=0, B=4)
 
 
 def test_flattened_batch_rows_in_blocks_are_exact():
