@@ -156,6 +156,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._pending_scheduler_state = None
         controller.passes = []
         controller.pass_observers.append(self._on_norm_pass)
+        # The wrapped optimizer steps once per noised step (pre_step): a step of it called directly, with the
+        # clipped sums left unnoised and unaccounted, is refused (_refuse_a_step_without_noise).
+        self._noise_added = False
+        self._inner_step_hook = optimizer.register_step_pre_hook(self._refuse_a_step_without_noise)
 
     # ------------------------------------------------------- the wrapped optimizer's surface
     param_groups = _delegated("param_groups")
@@ -499,7 +503,19 @@ class DPOptimizer(torch.optim.Optimizer):
             self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
         self._mid_logical_batch = False
         self._expect_fresh_grads = True
+        self._noise_added = True
         return True
+
+    def _refuse_a_step_without_noise(self, optimizer, args, kwargs):
+        if self._noise_added or not self.controller.attached:  # detached: the model trains as before attaching
+            self._noise_added = False
+            return
+        raise PrivacyStepError(
+            "the wrapped optimizer was stepped without ghostdp's noise: step() was called on the optimizer given "
+            "to make_private, not on the one it returned (or twice after one noised step), so the clipped "
+            "gradients would update the model without noise and the step would not be accounted. Fix: call "
+            "step() on the optimizer that make_private returned (a loop of one's own that steps the wrapped "
+            "optimizer itself calls dp_optimizer.pre_step() first, as DPTrainer does).")
 
     def step(self, closure=None):
         loss = None

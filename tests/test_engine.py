@@ -370,6 +370,41 @@ def test_step_without_backward_is_refused(poisson):
         opt.step()
 
 
+def test_stepping_the_wrapped_optimizer_directly_is_refused():
+    """A loop that keeps calling step() on the optimizer it gave make_private (not the returned one) updated
+    the model with clipped but unnoised gradients, and the accountant never counted a step."""
+    inner = None
+
+    def make_optimizer(model):
+        nonlocal inner
+        inner = torch.optim.SGD(model.parameters(), lr=0.2)
+        return inner
+
+    model = make_model()
+    engine, model, opt, crit, loader = private(model=model, optimizer=make_optimizer(model), poisson_sampling=False)
+    batches = iter(loader)
+    x, y = next(batches)
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PrivacyStepError, match="stepped without ghostdp's noise.*step\\(\\) on the optimizer that "
+                                               "make_private returned"):
+        inner.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert engine.accountant.steps == 0
+    opt.step()  # the DP step steps the wrapped optimizer once
+    assert engine.accountant.steps == 1
+    with pytest.raises(PrivacyStepError, match="twice after one noised step"):
+        inner.step()
+    x, y = next(batches)
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    assert opt.pre_step() is True  # a loop that steps the wrapped optimizer itself (DPTrainer)
+    inner.step()
+    engine.controller.detach()  # not private any more: the optimizer is the user's again
+    inner.step()
+
+
 def test_parameters_replaced_after_make_private_are_refused():
     _, model, opt, crit, loader = private(poisson_sampling=False)
     torch.__future__.set_overwrite_module_params_on_conversion(True)

@@ -214,6 +214,11 @@ class GhostClipping:
                                  "norms, fixed when attaching; build a new controller to change them")
         self._max_grad_norm = float(value)
 
+    @property
+    def attached(self) -> bool:
+        """Whether the controller's hooks are on the model (until detach())."""
+        return bool(self._handles)
+
     def detach(self) -> None:
         """Remove every hook; the model is as before attaching."""
         for h in self._handles:
