@@ -510,6 +510,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._noise_added or not self.controller.attached:  # detached: the model trains as before attaching
             self._noise_added = False
             return
+        if not any(p.grad is not None and bool(p.grad.any()) for group in optimizer.param_groups
+                   for p in group["params"]):
+            return  # no gradient, nothing of the data (torch.distributed.checkpoint steps so to make the state)
         raise PrivacyStepError(
             "the wrapped optimizer was stepped without ghostdp's noise: step() was called on the optimizer given "
             "to make_private, not on the one it returned (or twice after one noised step), so the clipped "

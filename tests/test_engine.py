@@ -401,7 +401,12 @@ def test_stepping_the_wrapped_optimizer_directly_is_refused():
     crit(model(x), y).backward()
     assert opt.pre_step() is True  # a loop that steps the wrapped optimizer itself (DPTrainer)
     inner.step()
+    opt.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inner.step()  # zero gradients carry nothing of the data (torch.distributed.checkpoint makes the state so)
     engine.controller.detach()  # not private any more: the optimizer is the user's again
+    torch.nn.functional.cross_entropy(model(x), y).backward()
     inner.step()
 
 
