@@ -161,7 +161,9 @@ class BatchTracker:
     def __init__(self):
         self.pending = collections.deque()
         self.yielded: list[Chunk] = []
-        self.logical_batches = 0
+        self.logical_batches = 0  # drawn by the sampler so far (whichever loader iterates it)
+        self.iterated = False     # the DPDataLoader itself has handed a batch to the loop (not a loader re-made
+                                  # over its batch sampler, as accelerate's prepare does)
 
     def take_yielded(self) -> list[Chunk]:
         chunks, self.yielded = self.yielded, []
@@ -279,6 +281,7 @@ class DPDataLoader(DataLoader):
         for batch in super().__iter__():
             chunk = self.tracker.pending.popleft()
             self.tracker.yielded.append(chunk)
+            self.tracker.iterated = True
             if self.controller is not None:
                 self.controller.next_loss_is_padding = chunk.padding
             if chunk.is_last and chunk.position is not None:

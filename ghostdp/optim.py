@@ -306,6 +306,16 @@ class DPOptimizer(torch.optim.Optimizer):
         if backward_calls == 0 and expected != 0:
             raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss for this "
                                    "batch. Call loss.backward() first.")
+        if (expected is None and self.tracker is not None and self.fixed_batch_size is None
+                and (self.tracker.iterated or self.tracker.logical_batches == 0)):
+            # Poisson sampling, and its loader has yielded nothing since the last step (or its sampler never drew).
+            raise PrivacyStepError(
+                "this step's batch did not come from the Poisson-sampling data loader that make_private returned "
+                "(the loop iterates the loader it gave make_private, or another one): the accountant counts the "
+                "step as one Poisson draw at that loader's sample rate, and batches drawn otherwise (fixed, in "
+                "order or shuffled) get no such amplification, so the reported epsilon would be too small. Fix: "
+                "iterate the loader that make_private returned, or pass poisson_sampling=False to train on the "
+                "loader's own batches (the accountant then assumes Poisson sampling all the same: see the README).")
         if expected is None:
             if self.fixed_batch_size is not None and examples > self.fixed_batch_size:
                 raise PrivacyStepError(

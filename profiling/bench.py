@@ -120,7 +120,7 @@ def make_step(mode, model, args, batch, library=None):
         engine = library.PrivacyEngine(accountant="rdp", seed=0)
         model, optimizer, criterion, _ = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
-            noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode, poisson_sampling=False)  # its own batch
     elif mode != "plain":
         from opacus import PrivacyEngine
         engine = PrivacyEngine(accountant="rdp")

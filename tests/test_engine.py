@@ -410,6 +410,40 @@ def test_stepping_the_wrapped_optimizer_directly_is_refused():
     inner.step()
 
 
+def test_batches_not_drawn_by_the_returned_poisson_loader_are_refused():
+    """A loop over the loader it gave make_private (the variable kept its old name) got its steps accounted as
+    Poisson draws that never happened: fixed batches, here in order, each example in one known step of an
+    epoch: an optimistic epsilon. Refused at the first step, and later too, once the returned loader has been
+    used. (poisson_sampling=False trains on the loader's own batches by design: see the next test.)"""
+    original = DataLoader(make_data(), batch_size=8)
+    model = make_model()
+    engine = PrivacyEngine(seed=3)
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.2), data_loader=original,
+        criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=0.7, max_grad_norm=0.5)
+    x, y = next(iter(original))
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    with pytest.raises(PrivacyStepError, match="did not come from the Poisson-sampling data loader that make_private returned"):
+        opt.step()
+    assert engine.accountant.steps == 0
+    opt.reset_step_state()
+    train(model, opt, crit, loader, steps=2)  # the returned loader: fine
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    with pytest.raises(PrivacyStepError, match="did not come from the Poisson-sampling data loader that make_private returned"):
+        opt.step()
+
+
+def test_without_poisson_sampling_the_loaders_own_batches_may_come_from_elsewhere():
+    _, model, opt, crit, loader = private(poisson_sampling=False)
+    for x, y in DataLoader(make_data(), batch_size=8):  # the same fixed batches the returned loader yields
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        break
+
+
 def test_parameters_replaced_after_make_private_are_refused():
     _, model, opt, crit, loader = private(poisson_sampling=False)
     torch.__future__.set_overwrite_module_params_on_conversion(True)
@@ -574,12 +608,14 @@ def test_the_noise_is_scaled_to_the_clipping_norm_the_gradients_were_clipped_wit
     stds = []
     add = engine.random_source.add_gaussian_
     engine.random_source.add_gaussian_ = lambda tensors, std, *a, **k: stds.append(std) or add(tensors, std, *a, **k)
-    x, y = next(iter(loader))
+    batches = iter(loader)
+    x, y = next(batches)
     optimizer.zero_grad()
     criterion(model(x), y).backward()
     engine.controller.max_grad_norm = 1e-6
     optimizer.step()
     assert stds == [pytest.approx(0.7 * 0.5)]
+    x, y = next(batches)
     optimizer.zero_grad()
     criterion(model(x), y).backward()
     optimizer.step()

@@ -279,7 +279,8 @@ def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked):
     engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
     private, optimizer, criterion, _ = engine.make_private(
         module=private, optimizer=torch.optim.SGD(params, lr=1e-3), data_loader=loader,
-        criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=C, clipping="bookkeeping")
+        criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=C, clipping="bookkeeping",
+        poisson_sampling=False)  # the step's own batch, as the floor's
     for _ in range(2):
         floor_step()
         optimizer.zero_grad(set_to_none=True)
