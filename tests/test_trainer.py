@@ -4,8 +4,8 @@ import os
 
 import pytest
 import torch
-from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainerCallback,
-                          TrainingArguments)
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, Trainer,
+                          TrainerCallback, TrainingArguments)
 from transformers.data.data_collator import DataCollatorWithFlattening
 
 from ghostdp.data import PoissonBatchSampler
@@ -253,6 +253,32 @@ def test_unsupported_settings_are_refused(tmp_path):
         DPArguments(target_epsilon=3.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="loss"):
         DPArguments(noise_multiplier=1.0, loss="masked_lm")
+
+
+def test_a_compute_loss_of_ones_own_is_warned_of_as_unused_for_training(tmp_path):
+    """A Trainer subclass's compute_loss (mixed in with DPTrainerMixin, or a subclass of DPTrainer) was silently
+    skipped in training: DPTrainer's training_step forms the per-example losses from DPArguments.loss."""
+    from ghostdp.integrations.transformers import DPTrainerMixin
+
+    class WeightedTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class Mixed(DPTrainerMixin, WeightedTrainer):
+        pass
+
+    class Sub(DPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    dp = DPArguments(noise_multiplier=1.0)
+    for trainer_class, name in ((Mixed, "WeightedTrainer"), (Sub, "Sub")):
+        with pytest.warns(UserWarning, match=f"{name}.compute_loss is not used for training.*DPArguments.loss"):
+            trainer_class(model=bert(), args=args(tmp_path), train_dataset=Examples(), dp_args=dp)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DPTrainer(model=bert(), args=args(tmp_path), train_dataset=Examples(), dp_args=dp)
 
 
 def test_logged_loss_is_the_mean_per_example_loss_and_empty_batches_step_without_a_forward(tmp_path):

@@ -247,6 +247,14 @@ class DPTrainerMixin:
                           "assumes.")
         args.ignore_data_skip = True
         self.args = args
+        overriding = next((c for c in type(self).__mro__ if "compute_loss" in c.__dict__
+                           and c not in (DPTrainerMixin, Trainer)), None)
+        if overriding is not None:  # a Trainer subclass's own loss (mixed in, or a subclass of DPTrainer)
+            warnings.warn(f"{overriding.__name__}.compute_loss is not used for training: DPTrainer forms each "
+                          "example's loss in its training_step, from DPArguments.loss, and clips it (a batch loss "
+                          "from compute_loss cannot be clipped per example). Fix: pass your loss as "
+                          "DPArguments.loss, a callable (outputs, labels) -> (batch,) per-example losses; "
+                          "compute_loss still serves evaluation.")
 
     # ------------------------------------------------------------------ data and optimizer
     def get_train_dataloader(self):
