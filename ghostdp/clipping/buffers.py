@@ -16,6 +16,7 @@ About a microsecond a step per tensor: the versions are read before and after ea
 """
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import warnings
@@ -45,46 +46,55 @@ class BufferWatch:
     (see the module doc)."""
 
     def __init__(self, module: torch.nn.Module):
-        # (name, owner, key): read through the owner at each forward, so a tensor replaced by a new one is seen.
+        # (name, dict, key): read through the owner's dict at each forward, so a tensor replaced by a new one is
+        # seen; the buffers first, then the parameters. A buffer registered as None is watched for a tensor.
         parametrizing = {id(m) for p in module.modules() if isinstance(p, ParametrizationList) for m in p.modules()}
         owners = [(prefix, owner) for prefix, owner in module.named_modules() if id(owner) not in parametrizing]
-        self._buffers = [(f"{prefix}.{key}" if prefix else key, owner, key)
-                         for prefix, owner in owners for key in owner._buffers]
-        self._parameters = [(f"{prefix}.{key}" if prefix else key, owner, key)
-                            for prefix, owner in module.named_modules() for key, p in owner._parameters.items()
-                            if p is not None and not is_sharded(p)]
-        self._watched = self._buffers + self._parameters
+        buffers = [(f"{prefix}.{key}" if prefix else key, owner._buffers, key)
+                   for prefix, owner in owners for key in owner._buffers]
+        self._unset = [(name, d, key) for name, d, key in buffers if d[key] is None]
+        self._watched = [(name, d, key) for name, d, key in buffers if d[key] is not None]
+        self._buffers = len(self._watched)
+        self._watched += [(f"{prefix}.{key}" if prefix else key, owner._parameters, key)
+                          for prefix, owner in module.named_modules() for key, p in owner._parameters.items()
+                          if p is not None and not is_sharded(p)]
+        self._dicts = [d for _, d, _ in self._watched]
+        self._keys = [key for _, _, key in self._watched]
         self._before = None
         self._warned = set()
 
     def attach(self, module) -> list:
-        if not self._watched:
+        if not self._watched and not self._unset:
             return []
         return [module.register_forward_pre_hook(self._note), module.register_forward_hook(self._compare)]
 
-    def _tensors(self):
-        return [owner._buffers.get(key) if n < len(self._buffers) else owner._parameters.get(key)
-                for n, (_, owner, key) in enumerate(self._watched)]
-
     def _note(self, module, args):
         if module.training and torch.is_grad_enabled():
-            tensors = self._tensors()
-            self._before = (tensors, [t._version if t is not None else None for t in tensors])
+            tensors = list(map(_GET, self._dicts, self._keys))
+            self._before = (tensors, list(map(_VERSION, tensors)))
 
     def _compare(self, module, args, output):
         if self._before is None:
             return
         tensors, versions = self._before
         self._before = None
-        buffers = len(self._buffers)
-        for n, ((name, _, _), old, version, new) in enumerate(zip(self._watched, tensors, versions, self._tensors())):
-            if new is old and (new is None or new._version == version):
-                continue
-            if n >= buffers:
+        now = list(map(_GET, self._dicts, self._keys))
+        # The common case in a few C loops (about 15 us for BERT's 200 tensors): the same tensors, the same versions.
+        unchanged = all(map(operator.is_, now, tensors)) and list(map(_VERSION, now)) == versions
+        changed = [] if unchanged else [n for n, (old, version, new) in enumerate(zip(tensors, versions, now))
+                                        if new is not old or new._version != version]
+        changed += [name for name, d, key in self._unset if d.get(key) is not None]
+        for n in changed:
+            name = n if isinstance(n, str) else self._watched[n][0]
+            if not isinstance(n, str) and n >= self._buffers:
                 raise RuntimeError(CHANGED_PARAMETER.format(name=name))
             if name not in self._warned:
                 self._warned.add(name)
                 warnings.warn(CHANGED_BUFFER.format(name=name), stacklevel=_first_frame_outside_torch())
+
+
+_GET = dict.get
+_VERSION = operator.attrgetter("_version")
 
 
 def _first_frame_outside_torch() -> int:

@@ -119,3 +119,23 @@ def test_frozen_parameters_are_watched_too():
     ghostdp.GhostClipping(model, 1.0)
     with pytest.raises(RuntimeError, match="'0.weight' was changed in place"):
         model(torch.randn(8, 4))
+
+
+class LazyStatistic(nn.Module):
+    """A buffer registered as None and set from the batch in the first training forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", None)
+
+    def forward(self, x):
+        if self.training:
+            self.mean = x.mean(0).detach()
+        return x
+
+
+def test_a_buffer_registered_as_none_and_set_from_the_batch_is_warned_of():
+    model = nn.Sequential(LazyStatistic(), nn.Linear(4, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    caught = _steps(model, controller)
+    assert len(caught) == 1 and "buffer '0.mean' changed during a training forward" in str(caught[0].message)
