@@ -170,7 +170,11 @@ class ForwardRecorder:
         return module.training or (self.root is not None and self.root.training)
 
     def _recording(self, module) -> bool:
-        return self._training(module) and torch.is_grad_enabled() and not self.pass_one.in_fallback
+        """Whether the hooks act on a forward of ``module``. A non-reentrant checkpoint's recomputation inside a
+        fallback's own backward is acted on too, as an inert one (_call_kind: probes, nothing recorded): it must
+        save the tensors the original forward saved (torch compares their count), and before 2026-11-25 it got no
+        probes there, so a module without a rule called twice inside such a checkpoint raised CheckpointError."""
+        return self._training(module) and torch.is_grad_enabled()
 
     def on_root_forward(self, module, args, kwargs):
         if self._recording(module):

@@ -54,6 +54,45 @@ def test_a_users_checkpointed_blocks_are_exact():
     assert_exact_model(model, torch.randint(0, 20, (B, 6)), classification_loss(torch.randint(0, 3, (B,))), B)
 
 
+class Gain(nn.Module):
+    """No norm rule: the fallback."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class FallbackInCheckpoint(nn.Module):
+    """A module without a rule called twice (and an unrolled GRUCell) inside a non-reentrant checkpoint: the
+    fallback's own backward is the first to unpack the region's saved tensors, so the region is recomputed there."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain, self.mix, self.cell, self.head = Gain(3), nn.Linear(3, 3), nn.GRUCell(3, 3), nn.Linear(3, 2)
+
+    def block(self, x):
+        h = self.gain(torch.tanh(self.mix(self.gain(x))))
+        state = None
+        for _ in range(2):
+            state = self.cell(h, state)
+        return state
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_modules_without_a_rule_inside_a_checkpoint_are_exact():
+    """The recomputation inside the fallback's backward added no probes, so it saved fewer tensors than the
+    forward and torch raised CheckpointError (before 2026-11-25)."""
+    torch.manual_seed(0)
+    model = FallbackInCheckpoint().double()
+    x = torch.randn(B, 3, dtype=torch.float64)
+    assert_exact_model(model, x, lambda out, sl: out.pow(2).sum(1), B)
+
+
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
 def test_the_norm_pass_recomputes_the_checkpointed_region_and_pass_two_again(clipping):
     torch.manual_seed(0)
