@@ -17,9 +17,9 @@ import torch
 from ..data import any_rank
 from ..norms import batched
 from ..norms.factors import combined_sq_norm
-from ..norms.fallback import fallback_grads
+from ..norms.fallback import fallback_grads, output_batch_dims
 from .capture import check_inputs_unchanged
-from .layout import LayoutProver
+from .layout import LayoutProver, holds, project
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
 from .samples import write_samples
@@ -110,6 +110,7 @@ class PassOne:
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
+            self._prove_fallback_inputs(per_example_losses, unproven)
             self._refuse_random_draws(per_example_losses.device)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
@@ -452,6 +453,45 @@ class PassOne:
             if call.projections is not None:
                 call.projections = twin.projections
         passed.deferred = []
+
+    def _prove_fallback_inputs(self, per_example_losses, unproven):
+        """The proof for the first input of each unproven call without a rule (recording.on_fallback_forward):
+        its gradient, with the proof's cotangent v and with ones, must keep the examples apart on the module's
+        batch dim, as an output's must (layout.holds). A module that mixes examples inside its own forward (a
+        batch mean) passes the output proof, since its output grads are per example; its input grads are not.
+        Two more backwards, on proof steps only, where such calls are."""
+        calls = [c for c in unproven if c.input_edge is not None]
+        if not calls:
+            return
+        B = per_example_losses.shape[0]
+        dims = [output_batch_dims(c.module, 1)[0] for c in calls]
+        self.current, self.in_fallback = NormPass(B, proving=True), True  # probes and recomputations stay quiet
+        try:
+            with self.controller._region("ghostdp.layout_proof"):
+                edges = [c.input_edge for c in calls]
+                scaled = torch.autograd.grad(per_example_losses, edges, self.layouts.v.to(per_example_losses),
+                                             retain_graph=True, allow_unused=True)
+                plain = torch.autograd.grad(per_example_losses, edges, torch.ones_like(per_example_losses),
+                                            retain_graph=True, allow_unused=True)
+        finally:
+            self.current, self.in_fallback = None, False
+        for call, d, g_v, g_1 in zip(calls, dims, scaled, plain):
+            call.input_edge = None
+            if g_v is None or g_1 is None or g_1.dim() <= d or g_1.shape[d] != B:
+                continue  # no gradient, or no batch dim to check: a tensor shared by the batch
+            w, projected_v = self.layouts.project(g_v)
+            v = self.layouts.v.to(device=w.device, dtype=w.dtype)
+            projected_1 = project(g_1, w)
+            # Its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one.
+            options = [d] + [k for k in range(g_1.dim() - 1) if k != d and g_1.shape[k] == B]
+            if not any(holds(("dim", k), projected_v, projected_1, v, g_1.dtype) for k in options):
+                raise RuntimeError(
+                    f"module '{call.name}' ({type(call.module).__name__}) has no norm rule and mixes examples "
+                    f"inside its forward: the gradient of its input (shape {tuple(g_1.shape)}) takes example j's "
+                    "loss into example i's rows (e.g. a mean or a statistic over the batch), so one example "
+                    "would move every other example's clipped gradient. Fix: compute per example (normalise "
+                    "over each example's own features, as LayerNorm and GroupNorm do), or register a norm rule "
+                    "for a module that keeps the examples apart.")
 
     def _prove_layouts(self, per_example_losses, probes, captured):
         """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""

@@ -80,6 +80,21 @@ class ProbeIdentity(torch.autograd.Function):
         return grad, None, None
 
 
+class InputSink(torch.autograd.Function):
+    """A copy of a tensor that does not require grad, on the graph through a zero-size leaf (the recorder's
+    sink leaf): the first input of a module without a rule, so that the layout proof can read that input's
+    gradient (pass_one.PassOne._prove_fallback_inputs). Pass 1 never asks for the sink leaf, so nothing
+    runs there; the backward hands nothing on."""
+
+    @staticmethod
+    def forward(ctx, x, sink):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
 # ProbeIdentity.apply without Function.apply's Python preamble (default-argument binding, functorch's
 # dead-wrapper unwrapping): about half of its cost, once per hooked layer and forward. Used outside
 # functorch transforms and torch.compile's tracing, where that preamble does real work.

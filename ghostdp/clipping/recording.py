@@ -27,7 +27,7 @@ from ..norms.fallback import OPAQUE_MODULES, hooked_modules, output_batch_dims, 
 from ..norms.registry import lookup_rule
 from ..sharding import is_sharded, sharded_units
 from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
-from .probe import add_probe
+from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .reentrant import USE_NON_REENTRANT
 
@@ -116,6 +116,7 @@ class ForwardRecorder:
         self.root = None              # the module attached (attach)
         self.live = defaultdict(int)  # id(parameter) -> recorded, not yet consumed uses
         self.probes = {}              # device -> the probe leaf of the calls' probes
+        self.sinks = {}               # device -> the leaf of the InputSinks (probe.py) of modules without a rule
         self._batch_hint = None
         # A call without a rule and with several outputs: its fallback runs after pass 1 has gone below it.
         self.graph_needed_after_pass1 = False
@@ -149,6 +150,8 @@ class ForwardRecorder:
             # and the call must record the gathered ones that the forward used (and autograd will reach).
             handles.append(m.register_forward_hook(functools.partial(self.on_forward, name, entry),
                                                    with_kwargs=True, prepend=True))
+            if entry is None:  # its first input's gradient is proven too (PassOne._prove_fallback_inputs)
+                handles.append(m.register_forward_pre_hook(self.on_fallback_forward, with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(id(m))
         for unit in sharded_units(module):
@@ -193,6 +196,18 @@ class ForwardRecorder:
 
     def _probe(self, device):
         return zero_size_leaf(self.probes, device)
+
+    def on_fallback_forward(self, module, args, kwargs):
+        """A module without a rule: its first input, if it is a float tensor without grad, through an InputSink,
+        so that the layout proof can read its gradient. A module that mixes examples in its own forward (a batch
+        mean) shows that only in its inputs' gradients, where no recorded call below may look (one example
+        moved the update by 7 C before 2026-11-25)."""
+        if not args or not self._recording(module) or not self._trainable_owned(module):
+            return None
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or x.requires_grad or not x.is_floating_point():
+            return None
+        return (InputSink.apply(x, zero_size_leaf(self.sinks, x.device)),) + tuple(args[1:]), kwargs
 
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
@@ -260,6 +275,10 @@ class ForwardRecorder:
                                     inputs=saved)
         if recording:
             call.grads = [None] * len(slots)
+            first = inputs[0] if inputs else None
+            if (rule is None and isinstance(first, torch.Tensor) and first.requires_grad
+                    and first.is_floating_point()):
+                call.input_edge = _edge(first)
             # The nodes that bound the call's region below (the audit stops there); a leaf input has
             # only its gradient accumulator below, where the audit stops anyway.
             call.input_nodes = _grad_fns(inputs)

@@ -266,6 +266,46 @@ def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T)
         controller.loss(model(torch.randn(T, B, 4)).pow(2).sum((0, 2))).backward()
 
 
+class BatchCentring(nn.Module):
+    """No norm rule (the fallback), and it mixes examples inside its own forward: a batch mean."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return (x - x.mean(0)) * self.weight
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("below", [False, True])
+def test_a_module_without_a_rule_that_mixes_examples_in_its_forward_is_refused(clipping, below):
+    """Its output grads are per example, so the output proof passed it; the mixing shows in its input's grads.
+    As the first trained layer on the data (nothing recorded below to show it), one example moved the update
+    by 7 C before 2026-11-25 (each example's clipped gradient took the sign of x_i - mean(x)). The proof now
+    reads that input's gradient too, and names the module; with a trained layer below, that layer's output proof
+    refused it before, naming the layer below."""
+    layers = ([nn.Linear(1, 1)] if below else []) + [BatchCentring(1)]
+    model = nn.Sequential(*layers)
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    x = torch.linspace(-1, 1, 8).unsqueeze(1)
+    with pytest.raises(RuntimeError, match=r"\(BatchCentring\) has no norm rule and mixes examples inside its forward"):
+        controller.loss(model(x).sum(1), reduction="sum").backward()
+
+
+def test_a_module_without_a_rule_on_the_data_that_keeps_examples_apart_is_proven_and_exact():
+    class Gain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = nn.Sequential(Gain(), nn.Tanh(), nn.Linear(3, 2))
+    _exact(model, torch.randn(5, 3), batch_dim=0, B=5)
+
+
 class _Backward(torch.autograd.Function):
     """Identity forward; backward applies ``change`` to the output grad (a GPU effect or a leak)."""
 
