@@ -63,9 +63,10 @@ def projection_vector(n: int, dtype, device, generator: torch.Generator) -> torc
 
 
 def project(grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """G's feature dim (the last) projected onto w, in w's dtype: a tensor of shape G.shape[:-1]."""
-    if grad.dim() == 0:
-        return grad.reshape(1).to(w.dtype) * w[:1]
+    """G's feature dim (the last) projected onto w, in w's dtype: a tensor of shape G.shape[:-1]. A G of one
+    dim or none has no feature dim (a (B,) output: one number per example): it is scaled by w[0] as it is."""
+    if grad.dim() <= 1:
+        return grad.reshape(-1).to(w.dtype) * w[0]
     return torch.matmul(grad.to(w.dtype), w)
 
 
@@ -185,7 +186,7 @@ class LayoutProver:
         return self.v.to(losses)
 
     def project(self, grad: torch.Tensor):
-        w = projection_vector(grad.shape[-1] if grad.dim() else 1, acc_dtype(grad), grad.device, self.generator)
+        w = projection_vector(grad.shape[-1] if grad.dim() > 1 else 1, acc_dtype(grad), grad.device, self.generator)
         return w, project(grad, w)
 
     def resolve(self, call, batch_size: int) -> None:

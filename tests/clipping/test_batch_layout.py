@@ -306,6 +306,32 @@ def test_a_module_without_a_rule_on_the_data_that_keeps_examples_apart_is_proven
     _exact(model, torch.randn(5, 3), batch_dim=0, B=5)
 
 
+class ScalarGain(nn.Module):
+    """No norm rule; one number in and out per example: a (B,) input and output (a time step's gain, a
+    regression head of one's own). With ``centre``, it mixes examples (the batch mean)."""
+
+    def __init__(self, centre=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(1.5))
+        self.centre = centre
+
+    def forward(self, t):
+        return ((t - t.mean()) if self.centre else t) * self.weight
+
+
+def test_a_module_without_a_rule_with_one_number_per_example_is_proven_and_exact():
+    """A (B,) output has no feature dim to project: the proof crashed on it (a reshape error) before
+    2026-11-25."""
+    model = nn.Sequential(ScalarGain())
+    t = torch.linspace(0.1, 1.0, 6, dtype=torch.float64)
+    model.double()
+    assert_exact(model, lambda: model(t), lambda i: model(t[i:i + 1]).sum(), 6)
+    centring = nn.Sequential(ScalarGain(centre=True))
+    controller = ghostdp.GhostClipping(centring, 1e-3)
+    with pytest.raises(RuntimeError, match="ScalarGain.*mixes examples inside its forward"):
+        controller.loss(centring(torch.linspace(-1, 1, 6)), reduction="sum").backward()
+
+
 class _Backward(torch.autograd.Function):
     """Identity forward; backward applies ``change`` to the output grad (a GPU effect or a leak)."""
 
