@@ -202,12 +202,16 @@ class ForwardRecorder:
         so that the layout proof can read its gradient. A module that mixes examples in its own forward (a batch
         mean) shows that only in its inputs' gradients, where no recorded call below may look (one example
         moved the update by 7 C before 2026-11-25)."""
-        if not args or not self._recording(module) or not self._trainable_owned(module):
+        if not (args or kwargs) or not self._recording(module) or not self._trainable_owned(module):
             return None
-        x = args[0]
+        # The first input as on_forward flattens them: the first positional one, else the first keyword one.
+        key, x = (None, args[0]) if args else next(iter(kwargs.items()))
         if not isinstance(x, torch.Tensor) or x.requires_grad or not x.is_floating_point():
             return None
-        return (InputSink.apply(x, zero_size_leaf(self.sinks, x.device)),) + tuple(args[1:]), kwargs
+        x = InputSink.apply(x, zero_size_leaf(self.sinks, x.device))
+        if key is None:
+            return (x,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, key: x}
 
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching

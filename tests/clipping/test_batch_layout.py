@@ -293,6 +293,21 @@ def test_a_module_without_a_rule_that_mixes_examples_in_its_forward_is_refused(c
         controller.loss(model(x).sum(1), reduction="sum").backward()
 
 
+def test_a_mixing_module_called_with_its_input_by_keyword_is_refused_too():
+    class CallsByKeyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.centring = BatchCentring(1)
+
+        def forward(self, x):
+            return self.centring(x=x)
+
+    model = CallsByKeyword()
+    controller = ghostdp.GhostClipping(model, 1e-3)
+    with pytest.raises(RuntimeError, match=r"\(BatchCentring\) has no norm rule and mixes examples"):
+        controller.loss(model(torch.linspace(-1, 1, 8).unsqueeze(1)).sum(1), reduction="sum").backward()
+
+
 def test_a_module_without_a_rule_on_the_data_that_keeps_examples_apart_is_proven_and_exact():
     class Gain(nn.Module):
         def __init__(self):
