@@ -189,6 +189,14 @@ class LayoutProver:
         w = projection_vector(grad.shape[-1] if grad.dim() > 1 else 1, acc_dtype(grad), grad.device, self.generator)
         return w, project(grad, w)
 
+    def first_holding(self, options, projected, g: torch.Tensor):
+        """The first of the layouts ``options`` that keeps the examples apart: ``projected`` = (w, G_v projected
+        onto w) from the proof's backward (``project``), ``g`` = G_1 from the ordinary one; None if none does."""
+        w, projected_v = projected
+        v = self.v.to(device=w.device, dtype=w.dtype)
+        projected_1 = project(g, w)
+        return next((c for c in options if holds(c, projected_v, projected_1, v, g.dtype)), None)
+
     def resolve(self, call, batch_size: int) -> None:
         """call.grads hold G_1: keep the first candidate layout per output that the proof confirms."""
         found = []
@@ -196,13 +204,11 @@ class LayoutProver:
             if g is None or projected is None:
                 found.append(("dim", call.batch_dims[slot]))
                 continue
-            w, projected_v = projected
-            v = self.v.to(device=w.device, dtype=w.dtype)
             options = candidates(tuple(g.shape), batch_size, call.tokenwise, call.batch_dims[slot])
             broadcast = call.expanded[slot]  # size 1 on dim 0, broadcast to the batch there (recording.py)
             if broadcast:
                 options = [c for c in options if c == BATCH_FIRST]
-            chosen = next((c for c in options if holds(c, projected_v, project(g, w), v, g.dtype)), None)
+            chosen = self.first_holding(options, projected, g)
             if chosen is None:
                 refuse(call, g, batch_size, options, broadcast)
             found.append(chosen)

@@ -19,7 +19,7 @@ from ..norms import batched
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
 from .capture import check_inputs_unchanged
-from .layout import LayoutProver, holds, project
+from .layout import LayoutProver
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
 from .samples import write_samples
@@ -479,12 +479,9 @@ class PassOne:
             call.input_edge = None
             if g_v is None or g_1 is None or g_1.dim() <= d or g_1.shape[d] != B:
                 continue  # no gradient, or no batch dim to check: a tensor shared by the batch
-            w, projected_v = self.layouts.project(g_v)
-            v = self.layouts.v.to(device=w.device, dtype=w.dtype)
-            projected_1 = project(g_1, w)
             # Its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one.
-            options = [d] + [k for k in range(g_1.dim() - 1) if k != d and g_1.shape[k] == B]
-            if not any(holds(("dim", k), projected_v, projected_1, v, g_1.dtype) for k in options):
+            options = [("dim", k) for k in [d] + [k for k in range(g_1.dim() - 1) if k != d and g_1.shape[k] == B]]
+            if self.layouts.first_holding(options, self.layouts.project(g_v), g_1) is None:
                 raise RuntimeError(
                     f"module '{call.name}' ({type(call.module).__name__}) has no norm rule and mixes examples "
                     f"inside its forward: the gradient of its input (shape {tuple(g_1.shape)}) takes example j's "
