@@ -29,6 +29,17 @@ def float64_and_seed():
     torch.set_default_dtype(previous)
 
 
+class Gain(torch.nn.Module):
+    """No norm rule (the fallback): an elementwise gain of either sign."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(-1.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
 class Scale(torch.nn.Module):
     """No norm rule: its gradients come from the fallback."""
 

@@ -410,6 +410,9 @@ def test_stepping_the_wrapped_optimizer_directly_is_refused():
     inner.step()
 
 
+FOREIGN_BATCH = "did not come from the Poisson-sampling data loader that make_private returned"
+
+
 def test_batches_not_drawn_by_the_returned_poisson_loader_are_refused():
     """A loop over the loader it gave make_private (the variable kept its old name) got its steps accounted as
     Poisson draws that never happened: fixed batches, here in order, each example in one known step of an
@@ -424,14 +427,14 @@ def test_batches_not_drawn_by_the_returned_poisson_loader_are_refused():
     x, y = next(iter(original))
     opt.zero_grad()
     crit(model(x), y).backward()
-    with pytest.raises(PrivacyStepError, match="did not come from the Poisson-sampling data loader that make_private returned"):
+    with pytest.raises(PrivacyStepError, match=FOREIGN_BATCH):
         opt.step()
     assert engine.accountant.steps == 0
     opt.reset_step_state()
     train(model, opt, crit, loader, steps=2)  # the returned loader: fine
     opt.zero_grad()
     crit(model(x), y).backward()
-    with pytest.raises(PrivacyStepError, match="did not come from the Poisson-sampling data loader that make_private returned"):
+    with pytest.raises(PrivacyStepError, match=FOREIGN_BATCH):
         opt.step()
 
 

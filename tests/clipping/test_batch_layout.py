@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import (CLIPPING_MODES, assert_exact, assert_norms_as_forms_alternate, clipped_sum,
+from conftest import (CLIPPING_MODES, Gain, assert_exact, assert_norms_as_forms_alternate, clipped_sum,
                       reference_per_example_grads)
 
 
@@ -309,15 +309,7 @@ def test_a_mixing_module_called_with_its_input_by_keyword_is_refused_too():
 
 
 def test_a_module_without_a_rule_on_the_data_that_keeps_examples_apart_is_proven_and_exact():
-    class Gain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
-
-        def forward(self, x):
-            return x * self.weight
-
-    model = nn.Sequential(Gain(), nn.Tanh(), nn.Linear(3, 2))
+    model = nn.Sequential(Gain(3), nn.Tanh(), nn.Linear(3, 2))
     _exact(model, torch.randn(5, 3), batch_dim=0, B=5)
 
 

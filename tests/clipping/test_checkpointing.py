@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ghostdp
 from ghostdp import per_example_loss
-from conftest import assert_exact_model
+from conftest import Gain, assert_exact_model
 from test_models import B, classification_loss, padded_text
 
 CE = nn.CrossEntropyLoss()
@@ -52,17 +52,6 @@ def test_a_users_checkpointed_blocks_are_exact():
     torch.manual_seed(0)
     model = CheckpointedNet().double()
     assert_exact_model(model, torch.randint(0, 20, (B, 6)), classification_loss(torch.randint(0, 3, (B,))), B)
-
-
-class Gain(nn.Module):
-    """No norm rule: the fallback."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(-1.5, 1.5, d))
-
-    def forward(self, x):
-        return x * self.weight
 
 
 class FallbackInCheckpoint(nn.Module):

@@ -10,18 +10,7 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import CLIPPING_MODES, assert_exact
-
-
-class Gain(nn.Module):
-    """No norm rule: an elementwise gain (the fallback)."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d))
-
-    def forward(self, x):
-        return x * self.weight
+from conftest import CLIPPING_MODES, Gain, assert_exact
 
 
 class Chained(nn.Module):

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 import ghostdp
-from conftest import assert_exact
+from conftest import Gain, assert_exact
 
 B = 4  # examples in D; T == B where a layer is sequence-first
 T = 4
@@ -247,15 +247,6 @@ class UnrolledLSTMCell(nn.Module):
         for t in range(x.shape[1]):
             state = self.cell(x[:, t], state)
         return self.head(state[0])
-
-
-class Gain(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(-1.5, 1.5, d))
-
-    def forward(self, x):
-        return x * self.weight
 
 
 def _wav2vec2():
