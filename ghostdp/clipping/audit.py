@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import CheckpointFunction
 
 from .capture import found_call
+from .fallback_paths import stops, uncounted_parameters
 from .probe import ProbeIdentity
 
 _PROBE_NODE = ProbeIdentity._backward_cls
@@ -115,11 +116,14 @@ RELEASED_NODE_FIX = ("use non-reentrant activation checkpointing (torch.utils.ch
 
 def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset(), recorded=None,
                 kinds=None):
-    """(stray parameters, recorded calls, reentrant checkpoint nodes) of the graph below ``roots``.
+    """(stray parameters, recorded calls, reentrant checkpoint nodes, uncounted (parameter, call) pairs) of the
+    graph below ``roots``.
 
     ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
-    use_reentrant=True) hides its region's graph until its own backward recomputes it (reentrant.py).
+    use_reentrant=True) hides its region's graph until its own backward recomputes it (reentrant.py). A call
+    without a rule gets the nodes where its fallback's VJP stops (``fallback_stops``), and a parameter of one
+    that a path from the roots reaches past every VJP is uncounted (fallback_paths.py).
     ``stop``: nodes not entered (audited before); ``seen`` receives the nodes visited;
     ``captured_types``: the node types of the controller's captured calls (their edges are set here);
     ``recorded``: the edges of Python Functions' nodes, read while they were alive (released_edges);
@@ -127,22 +131,29 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     """
     edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded, kinds)
     calls = {}
+    points = {}  # node -> the call whose output grads are taken there (a probe's, a captured call's)
     reentrant = []
     for node in found:
         kind = type(node)
         if kind is _PROBE_NODE:
             call = getattr(node, "call", None)
-            if call is not None:
-                calls[id(call)] = call
         elif kind in captured_types:
             call = found_call(node)
-            if call is not None:
-                calls[id(call)] = call
         else:
             reentrant.append(node)
+            continue
+        if call is not None:
+            calls[id(call)] = points[node] = call
     attributed = _edges_in_regions(calls.values())
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
-    return list(stray.values()), list(calls.values()), reentrant
+    fallback = [call for call in calls.values() if call.rule is None]
+    if fallback:
+        for call in fallback:
+            call.fallback_stops = stops(call, points)
+        uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type())
+    else:
+        uncounted = []
+    return list(stray.values()), list(calls.values()), reentrant, uncounted
 
 
 def _edges_in_regions(calls) -> set:

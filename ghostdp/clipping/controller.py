@@ -105,11 +105,13 @@ def _clipping_groups(max_grad_norm, parameter_groups, mode):
 
 
 def _forget_captured_edges(calls) -> None:
-    """Drops the edges the audit gave captured calls: a call lives in its node's metadata, and its edge
-    to that node would keep both alive past the graph (a cycle through C++ that no collector sees)."""
+    """Drops the edges the audit gave captured calls, and the fallback's stops: a call lives in its node's
+    metadata (or its probe's), and its edge to that node (or to another call's probe) would keep both alive past
+    the graph (a cycle through C++ that no collector sees)."""
     for call in calls:
         if call.captured is not None:
             call.edges = ()
+        call.fallback_stops = None
 
 
 def _attached_controller(module):
@@ -278,15 +280,15 @@ class GhostClipping:
         self._refuse_gradient_hooks(trainable)
         seen, kinds = set(), []
         types = self.recorder.captured_types
-        stray, calls, regions = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types,
-                                            kinds=kinds)
+        stray, calls, regions, uncounted = audit_graph([per_example_losses.grad_fn], trainable, seen=seen,
+                                                       captured_types=types, kinds=kinds)
         try:
             replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
             if replaced:  # parameters swapped in after attaching: audit them too, from now on
                 self._parameters.update(replaced)
                 seen, kinds = set(), []
-                stray, calls, regions = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced},
-                                                    seen=seen, captured_types=types, kinds=kinds)
+                stray, calls, regions, uncounted = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced},
+                                                               seen=seen, captured_types=types, kinds=kinds)
             reached = next((c for c in calls if c.fired), None)
             if reached is not None:
                 raise RuntimeError(
@@ -302,6 +304,8 @@ class GhostClipping:
                 self._regions.watch(regions)
             if stray:
                 self._refuse_stray(stray, calls)
+            if uncounted:
+                self._refuse_uncounted(uncounted)
         except BaseException:
             _forget_captured_edges(calls)
             raise
@@ -315,7 +319,7 @@ class GhostClipping:
         passed = self.pass_one.current
         audited = passed.audited
         kinds = []
-        stray, _, inner = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited,
+        stray, _, inner, _ = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited,
                                       recorded=tracer.function_edges, kinds=kinds)
         tracer.nodes.clear()
         tracer.function_edges.clear()
@@ -364,6 +368,22 @@ class GhostClipping:
             "it (e.g. a parent reads child.weight directly, on every step or only for some inputs), so "
             "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
             "its parameter, freeze the parameter, or register a norm rule for the parent module.")
+
+    def _refuse_uncounted(self, uncounted):
+        """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs
+        (fallback_paths.py)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        param, call = uncounted[0]
+        described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p, _ in uncounted[:5])
+        raise RuntimeError(
+            f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}), "
+            "which has no norm rule, along a path that does not go through the outputs its forward returned: a "
+            "tensor computed inside its forward was kept (on the module, or in an output container that is not a "
+            "tuple, list or dict) and used after the forward. ghostdp takes such a module's per-example gradients "
+            "from its returned outputs, so that part of each example's gradient would escape clipping. Fix: use "
+            "the value the forward returns (return the kept tensor too, as part of a tuple or dict), pass it to "
+            "the next call as an argument, or detach() what is kept; or register a norm rule for the module "
+            "(ghostdp.register_norm_rule).")
 
     @torch.no_grad()  # called by a user outside a backward too: no graph from the activations to the norms
     def per_example_norms(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:

@@ -371,7 +371,7 @@ class PassOne:
             self.in_fallback = True
             try:
                 factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B,
-                                             call.input_nodes))
+                                             call.fallback_stops or call.input_nodes))
             finally:
                 self.in_fallback = False
         passed = self.current

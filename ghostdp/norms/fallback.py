@@ -10,7 +10,9 @@ The VJP stays in the call's region, from its outputs down to its inputs (the reg
 attributes to the call): the gradient reaching an input's node is stopped there. Without the stop, a
 module called twice in a chain (``m(f(m(x)))``, a weight-normalised layer reused) took, in its second
 call, the first call's part of the gradient too, through its input: the first call's part counted twice,
-and an example whose two parts nearly cancelled was clipped by far too little (measured: 2.57 C).
+and an example whose two parts nearly cancelled was clipped by far too little (measured: 2.57 C). It also
+stops where the output grads of another call of the same parameters are taken (a state handed back to
+the module through an attribute; clipping/fallback_paths.py, which also refuses paths no VJP counts).
 Cost: one batched backward of the module per chunk of examples, so this is
 for small or rare modules (GRU, raw nn.Parameters, custom layers).
 """
@@ -85,9 +87,10 @@ def _masked_cotangents(grad, dim, lo, hi, expanded):
     return cot
 
 
-def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size, input_nodes=frozenset()):
-    """{name: Instantiated((B, *shape))} for the given own parameters of one module call; ``input_nodes``: the
-    autograd nodes of its inputs, where its region ends (module doc)."""
+def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size, stops=frozenset()):
+    """{name: Instantiated((B, *shape))} for the given own parameters of one module call; ``stops``: the autograd
+    nodes where its VJP ends: its inputs' (module doc), and where the output grads of other calls of these
+    parameters are taken (clipping/fallback_paths.py)."""
     live = [(e, g, d, x) for e, g, d, x in zip(edges, grads, batch_dims, expanded) if g is not None]
     names = list(params)
     chunks = {n: [] for n in names}
@@ -95,7 +98,7 @@ def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size,
         return {n: Instantiated(params[n].new_zeros((batch_size,) + params[n].shape)) for n in names}
     per_example = sum(g.numel() for _, g, _, _ in live) + sum(p.numel() for p in params.values())
     step = max(1, ELEMENT_BUDGET // per_example)
-    with _stopped_at(input_nodes):
+    with _stopped_at(stops):
         for lo in range(0, batch_size, step):
             _vjp_chunk(params, names, live, lo, min(batch_size, lo + step), chunks)
     return {n: Instantiated(torch.cat(chunks[n])) for n in names}

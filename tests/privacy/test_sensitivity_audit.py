@@ -234,6 +234,37 @@ class ChainedGain(nn.Module):
         return self.head(self.gain(torch.tanh(self.mix(self.gain(x)))).mean(1))
 
 
+class StatefulGain(Gain):
+    """A gain that adds a state its parent sets on it (``self.state``)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.state = None
+
+    def forward(self, x):
+        y = x * self.weight
+        return y if self.state is None else y + self.state
+
+
+class HandedBackState(nn.Module):
+    """A module without a norm rule whose first output the parent hands back as the second call's state, an
+    attribute rather than an argument (fallback_paths.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = StatefulGain(5)
+        self.mix = nn.Linear(5, 5).requires_grad_(False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        self.gain.state = None
+        h = self.gain(x)
+        self.gain.state = h
+        out = self.gain(torch.tanh(self.mix(h)))
+        self.gain.state = None
+        return self.head(out.mean(1))
+
+
 class UnrolledLSTMCell(nn.Module):
     """nn.LSTMCell (the fallback; two outputs) stepped over the sequence: one call per step."""
 
@@ -307,6 +338,8 @@ ZOO = [
          sequence=True),
     Arch("fallback-module-chained", ChainedGain, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
+    Arch("fallback-module-state-handed-back", HandedBackState, lambda n, g: _tokens(n, g, 5), _logits_of,
+         continuous="x", sequence=True),
     Arch("lstm-cell-unrolled", UnrolledLSTMCell, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
