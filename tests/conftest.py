@@ -40,6 +40,19 @@ class Gain(torch.nn.Module):
         return x * self.weight
 
 
+class StatefulGain(Gain):
+    """No norm rule: a gain that adds a state its parent sets on it (``self.state``), as a recurrent cell may keep
+    one (clipping/fallback_paths.py)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.state = None
+
+    def forward(self, x):
+        y = x * self.weight
+        return y if self.state is None else y + self.state
+
+
 class Scale(torch.nn.Module):
     """No norm rule: its gradients come from the fallback."""
 

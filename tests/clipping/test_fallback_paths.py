@@ -10,22 +10,10 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import CLIPPING_MODES, Gain, assert_exact
+from conftest import CLIPPING_MODES, Gain, StatefulGain, assert_exact
 
 SEED = 1295  # an example whose two parts nearly cancel (a search over seeds)
 UNCOUNTED = "does not go through the outputs its forward returned"
-
-
-class Stateful(Gain):
-    """A gain that adds a state its parent sets on it (``self.state``), as a recurrent cell may keep one."""
-
-    def __init__(self, d):
-        super().__init__(d)
-        self.state = None
-
-    def forward(self, x):
-        y = x * self.weight
-        return y if self.state is None else y + self.state
 
 
 class HandsStateBack(nn.Module):
@@ -33,7 +21,7 @@ class HandsStateBack(nn.Module):
 
     def __init__(self, d=2):
         super().__init__()
-        self.gain = Stateful(d)
+        self.gain = StatefulGain(d)
         self.mix = nn.Linear(d, d, bias=False).requires_grad_(False)
 
     def forward(self, x):

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 import ghostdp
-from conftest import Gain, assert_exact
+from conftest import Gain, StatefulGain, assert_exact
 
 B = 4  # examples in D; T == B where a layer is sequence-first
 T = 4
@@ -232,18 +232,6 @@ class ChainedGain(nn.Module):
 
     def forward(self, x):
         return self.head(self.gain(torch.tanh(self.mix(self.gain(x)))).mean(1))
-
-
-class StatefulGain(Gain):
-    """A gain that adds a state its parent sets on it (``self.state``)."""
-
-    def __init__(self, d):
-        super().__init__(d)
-        self.state = None
-
-    def forward(self, x):
-        y = x * self.weight
-        return y if self.state is None else y + self.state
 
 
 class HandedBackState(nn.Module):
