@@ -144,22 +144,19 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
             continue
         if call is not None:
             calls[id(call)] = points[node] = call
-    attributed = _edges_in_regions(calls.values())
+    attributed = _edges_in_regions(calls.values(), points)
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     fallback = [call for call in calls.values() if call.rule is None]
-    if fallback:
-        for call in fallback:
-            call.fallback_stops = stops(call, points)
-        uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type())
-    else:
-        uncounted = []
+    uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type()) if fallback else []
     return list(stray.values()), list(calls.values()), reentrant, uncounted
 
 
-def _edges_in_regions(calls) -> set:
+def _edges_in_regions(calls, points: dict) -> set:
     """The edges (node, input index) into each call's own parameters that lie in its region: from its
     outputs' nodes down to, not into, its input nodes. One small walk per call, so written without
-    _edges_into_parameters' general set-up."""
+    _edges_into_parameters' general set-up. A call without a rule gets its ``fallback_stops``: its input nodes
+    and the output-grad points (``points``: node -> call) of other calls of its parameters that its walk meets
+    (fallback_paths.py)."""
     accumulator = accumulate_grad_type()
     attributed = set()
     for call in calls:
@@ -167,6 +164,7 @@ def _edges_in_regions(calls) -> set:
         stop = call.input_nodes
         stack = [e.node for e in call.edges]
         seen = set()
+        met = [] if call.rule is None else None
         while stack:
             node = stack.pop()
             if node in seen:
@@ -182,4 +180,8 @@ def _edges_in_regions(calls) -> set:
                         attributed.add((node, idx))
                 elif nxt not in stop:
                     stack.append(nxt)
+                    if met is not None and nxt in points:
+                        met.append(nxt)
+        if met is not None:
+            call.fallback_stops = stops(call, {node: points[node] for node in met})
     return attributed

@@ -28,7 +28,8 @@ import operator
 
 def stops(call, points: dict) -> frozenset:
     """The nodes where ``call``'s fallback VJP stops: its inputs' nodes, and the output-grad points of the other
-    calls that share one of its parameters (see the module doc)."""
+    calls that share one of its parameters (see the module doc), among ``points`` (node -> call): those that the
+    walk of the call's region met (audit._edges_in_regions; in most models none, and nothing is added)."""
     own = {id(p) for p in call.params.values()}
     shared = [node for node, other in points.items()
               if other is not call and any(id(p) in own for p in other.params.values())]
