@@ -319,8 +319,8 @@ class GhostClipping:
         passed = self.pass_one.current
         audited = passed.audited
         kinds = []
-        stray, _, inner, _ = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited,
-                                      recorded=tracer.function_edges, kinds=kinds)
+        stray, _, inner, _ = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable,
+                                         stop=audited, recorded=tracer.function_edges, kinds=kinds)
         tracer.nodes.clear()
         tracer.function_edges.clear()
         calls = passed.region_calls[first_call:]
@@ -373,7 +373,7 @@ class GhostClipping:
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs
         (fallback_paths.py)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        param, call = uncounted[0]
+        _, call = uncounted[0]
         described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p, _ in uncounted[:5])
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}), "

@@ -8,7 +8,8 @@ to a parameter; the fallback's sum is right only if each such path is counted by
   parameter is in G_j already (G_j sums everything above j), so k's VJP must stop at j's output-grad
   points (its probe nodes, or a captured call's node). Before 2026-11-25 only k's inputs stopped it, and a
   state that the parent hands the module back as an attribute (``m.state = m(x)``; the next call adds it)
-  was counted twice: one example moved the update by 2.5 C (``stops``);
+  was counted twice: one example's norm came out 23 times too small, so it moved the update by 23 C
+  (``stops``);
 - **counted by none**: a path from the loss into a call's interior that passes no output-grad point of a call
   of that parameter, or leaves the last one it passed through that call's inputs (where its VJP stops). A
   tensor the forward kept on the module (``self.last = x * self.g``) and its parent read after the forward
