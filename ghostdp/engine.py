@@ -305,7 +305,8 @@ class PrivacyEngine:
             largest = logical.largest_batch()
         else:  # the loader's own fixed batches
             largest = min(getattr(logical, "batch_size", None) or len(dataset), len(dataset))
-        return choose_physical_batch_size(PhysicalBatchSearch(run, clean, device, largest, budget_mb))
+        with controller.pass_one.layouts.proving_every_pass():  # training proves on a schedule (layout.py)
+            return choose_physical_batch_size(PhysicalBatchSearch(run, clean, device, largest, budget_mb))
 
     def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule=None):
         if not isinstance(data_loader, DataLoader):

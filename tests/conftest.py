@@ -29,6 +29,13 @@ def float64_and_seed():
     torch.set_default_dtype(previous)
 
 
+def without_scheduled_proofs(controller):
+    """Switches off the layout proofs that a schedule repeats (layout.REPROOF_EVERY), for tests of what a step
+    between proofs does (its backwards, its peak memory) or of the proofs new graph forms need."""
+    controller.pass_one.layouts.reproof_every = 0
+    return controller
+
+
 class Gain(torch.nn.Module):
     """No norm rule (the fallback): an elementwise gain of either sign."""
 

@@ -15,9 +15,12 @@ of non-deterministic GPU reductions; and a leak from j into e shows amplified by
 2^(2 SPREAD)), so the allowance for reduction order (TOLERANCE) can be generous. Both sides are
 compared per example (l2 over its rows) after projecting the feature dim onto a random vector w.
 The proof runs when a layer's shape signature (which dims equal B) is new, and its result is kept
-for that signature; every layer is proven again when the step's graph signature (audit.py) is new.
+for that signature; every layer is proven again when the step's graph signature (audit.py) is new, and at
+norm passes 1, 2, 4, ... (REPROOF_EVERY): a proof also depends on the values it ran on.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -35,6 +38,11 @@ TOLERANCE_OTHER = 1.0
 SPREAD = 6
 
 PROVEN_GRAPHS = 16  # graph forms whose layouts a LayoutProver keeps (select)
+# A proof covers the values it ran on as well as the graph: an in-batch term weighted 0 on the proof's step (a
+# warm-up schedule), or silenced by a mask or a ReLU there, mixes examples later with the same graph signature.
+# So every layout is proven again at norm passes 1, 2, 4, ..., REPROOF_EVERY and every REPROOF_EVERY-th after
+# (LayoutProver.proof_due): one more backward on those steps, under 1% of the time after the first few hundred.
+REPROOF_EVERY = 256
 
 BATCH_FIRST = ("dim", 0)
 _ONE_BATCH_FIRST = (BATCH_FIRST,)
@@ -132,6 +140,12 @@ def _most_recent(forms: dict, graph: tuple) -> GraphLayouts:
     return known
 
 
+def proof_scheduled(n: int, every: int = REPROOF_EVERY) -> bool:
+    """Whether norm pass n (from 0) proves every layout again: n = 1, 2, 4, ..., ``every``, then every ``every``-th
+    (never with ``every`` 0)."""
+    return every > 0 and n > 0 and (n & (n - 1) == 0 and n <= every or n % every == 0)
+
+
 class LayoutProver:
     """The proven layouts of a controller's module calls, and the proof of new ones.
 
@@ -146,6 +160,25 @@ class LayoutProver:
         self.current = GraphLayouts()  # those of the graph of the running pass (select)
         self.generator = torch.Generator().manual_seed(0x6a05)  # never the global RNG (dropout)
         self.v = None
+        self.passes = 0       # norm passes begun (proof_due)
+        self.reproof_every = REPROOF_EVERY  # 0: only new graph forms and shapes are proven (tests of that logic)
+
+    @contextlib.contextmanager
+    def proving_every_pass(self):
+        """Inside, every norm pass proves the layouts: the physical batch search's probes measure the memory of a
+        step with a proof, which a schedule (REPROOF_EVERY) runs during training too."""
+        every, self.reproof_every = self.reproof_every, 1
+        try:
+            yield
+        finally:
+            self.reproof_every = every
+
+    def proof_due(self) -> bool:
+        """Counts a norm pass; whether it proves every layout again, its graph form proven or not (REPROOF_EVERY).
+        Before 2026-11-25 a proof held for its graph form for good: a contrastive term weighted 0 at the first
+        step and 1 from the second mixed examples unchecked."""
+        n, self.passes = self.passes, self.passes + 1
+        return proof_scheduled(n, self.reproof_every)
 
     def assign(self, calls, batch_size: int, everything: bool = False, within: GraphLayouts | None = None) -> list:
         """Each call's proven layouts, where its shapes have some; the calls left to prove (all of them

@@ -91,8 +91,9 @@ class PassOne:
         ``graph``: the signature of the step's graph (audit.py); on a graph not proven before, every call's
         layout is proven again."""
         B = per_example_losses.shape[0]
+        due = self.layouts.proof_due()  # a proof covers the values it ran on too (layout.REPROOF_EVERY)
         layouts = self.layouts.select(graph)
-        reprove = not layouts.complete
+        reprove = due or not layouts.complete
         probes = list(self.recorder.probes.values())
         captured = [c for c in calls if c.captured is not None]
         unproven = self.layouts.assign(calls, B, everything=reprove) if probes or captured else []

@@ -431,8 +431,9 @@ class DPTrainerMixin:
             self.dp_optimizer.reset_step_state()
 
         largest = self._train_loader.logical_batches.largest_batch()
-        return choose_physical_batch_size(PhysicalBatchSearch(run, clean, self.args.device, largest,
-                                                              self.dp_args.memory_budget_mb))
+        with self.controller.pass_one.layouts.proving_every_pass():  # training proves on a schedule (layout.py)
+            return choose_physical_batch_size(PhysicalBatchSearch(run, clean, self.args.device, largest,
+                                                                  self.dp_args.memory_budget_mb))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and torch.is_grad_enabled():

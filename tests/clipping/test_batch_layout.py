@@ -5,7 +5,7 @@ from torch import nn
 
 import ghostdp
 from conftest import (CLIPPING_MODES, Gain, assert_exact, assert_norms_as_forms_alternate, clipped_sum,
-                      reference_per_example_grads)
+                      reference_per_example_grads, without_scheduled_proofs)
 
 
 def _exact(model, x, batch_dim, B):
@@ -102,7 +102,9 @@ def test_an_output_shared_by_the_whole_batch_is_refused_even_when_its_size_equal
 
 
 def _counting_proofs(controller):
-    """The list that gets one entry per layout proof of ``controller`` from now on."""
+    """The list that gets one entry per layout proof of ``controller`` from now on; the proofs that a schedule
+    repeats (layout.REPROOF_EVERY) are switched off, to count those that new graph forms and shapes need."""
+    without_scheduled_proofs(controller)
     proofs = []
     original = controller.pass_one._prove_layouts
     controller.pass_one._prove_layouts = lambda *a: (proofs.append(1), original(*a))
@@ -148,6 +150,51 @@ def test_a_loss_that_starts_mixing_examples_with_the_same_shapes_is_proven_again
     model.zero_grad()
     controller.loss(model(x).pow(2).sum(1), "sum").backward()  # the proven head again: no new proof
     assert len(proofs) == 2
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("loss", list(MIXING_LOSSES))
+def test_mixing_weighted_zero_on_the_proof_step_is_refused_at_a_later_proof(clipping, loss):
+    """A proof holds for the values it ran on too: an in-batch term weighted 0 at the first step (a warm-up
+    schedule) gives that step's gradients no mixing, and from the next step on it mixes with the same graph
+    signature. Before 2026-11-25 the first proof held for good and every later step went through."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    x = torch.randn(8, 4) * 3
+
+    def losses(weight):
+        out = model(x)
+        return out.pow(2).sum(1) + weight * MIXING_LOSSES[loss](out)
+
+    controller.loss(losses(0.0), "sum").backward()
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="gradient mixes several examples"):
+        controller.loss(losses(1.0), "sum").backward()
+
+
+def test_every_layout_is_proven_again_on_a_schedule():
+    """Proofs run at the first pass of a graph form and at passes 1, 2, 4, ..., reproof_every and every
+    reproof_every-th after; a step with a proof leaves the same clipped sums as one without."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.pass_one.layouts.reproof_every = 4
+    proven_at = []
+    original = controller.pass_one._prove_layouts
+    passes = iter(range(100))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    sums = []
+    for _ in range(13):
+        index = next(passes)
+        controller.pass_one._prove_layouts = lambda *a, i=index: (proven_at.append(i), original(*a))
+        controller.loss(model(x).pow(2).sum(1), "sum").backward()
+        sums.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        model.zero_grad()
+    assert proven_at == [0, 1, 2, 4, 8, 12]
+    assert all(torch.equal(s, sums[0]) for s in sums[1:])
+    controller.detach()
+    _exact(model, x, 0, 5)
 
 
 class MixesOnSomeSteps(nn.Module):

@@ -17,7 +17,8 @@ from ghostdp.clipping.capture import CAPTURED_CALL
 from ghostdp.clipping.probe import ProbeIdentity
 from ghostdp.norms.factors import OuterProduct
 from ghostdp.norms.linear import _conv1d_holds_output_grad, _linear_holds_output_grad
-from conftest import assert_exact_model, clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
+from conftest import (assert_exact_model, clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error,
+                      without_scheduled_proofs)
 from test_graph_audit import ReadsChildWeightSometimes
 from test_models import B, classification_loss, padded_text, tiny_bert
 
@@ -140,7 +141,7 @@ def test_two_passes_capture_every_call_above_the_lowest_and_take_their_grads_fro
     is captured, LayerNorms too. Pass 1 names only the probes, and the captured calls' G come from their
     nodes' pre-hooks as autograd reaches them (none is held to the end of pass 1). Exact against the loop."""
     model = TokenNet().train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    controller = without_scheduled_proofs(ghostdp.GhostClipping(model, 1.0, clipping="ghost"))
     captured, probed = recorded_modules(model(torch.randn(B, 3, 6)))
     assert captured == {model.down, model.norm, model.head} and probed == {model.up}
     named, by_hooks = watch_pass_one(controller, monkeypatch)
@@ -175,7 +176,7 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     node: a second backward names its edge. With no probe at all, the first backward names every captured
     call, and each call whose node runs hands its G over by its pre-hook. Exact."""
     model = SideBranch().train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    controller = without_scheduled_proofs(ghostdp.GhostClipping(model, 1.0, clipping="ghost"))
     x = torch.randn(B, 6, requires_grad=True)
     assert recorded_modules(model(x * 1.0)) == ({model.up, model.head}, {model.side})
     named, by_hooks = watch_pass_one(controller, monkeypatch)
@@ -247,7 +248,7 @@ def test_book_keeping_holds_a_copy_of_a_first_token_not_the_whole_hidden_states(
     model = FirstTokenHead().double().train()
     x = torch.randn(B, 16, 6, dtype=torch.float64)
     for clipping, alive in (("bookkeeping", False), ("ghost", True)):
-        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        controller = without_scheduled_proofs(ghostdp.GhostClipping(model, 1.0, clipping=clipping))
         for _ in range(2):  # the layout proof's backward and pass 1, then pass 1 alone
             model.hidden_alive.clear()
             controller.loss(model(x).pow(2).sum(1)).backward()

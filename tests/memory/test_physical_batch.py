@@ -76,6 +76,20 @@ def test_the_search_finds_the_largest_batch_that_fits_and_leaves_no_state(caplog
     assert engine.accountant.history == [[1.0, 0.5, 3]]
 
 
+def test_every_probe_of_the_search_takes_the_layout_proof_that_training_repeats_on_a_schedule(monkeypatch):
+    """Training proves the layouts again at passes 1, 2, 4, ... (clipping/layout.py), a backward more: the
+    chosen batch must fit those steps too, so each probe that runs its step proves."""
+    from ghostdp.clipping.pass_one import PassOne
+    proofs, forwards = [], []
+    prove = PassOne._prove_layouts
+    monkeypatch.setattr(PassOne, "_prove_layouts", lambda self, *a: (proofs.append(1), prove(self, *a)))
+    model = FitsUpTo(7)
+    model.register_forward_hook(lambda m, args, out: forwards.append(args[0].shape[0]))
+    engine, model, _, _, _ = private(model, "auto", memory_budget_mb=1e6)
+    assert len(forwards) > 2 and len(proofs) == len(forwards)
+    assert engine.controller.pass_one.layouts.reproof_every == 256  # the schedule is back after the search
+
+
 def test_on_a_cpu_the_chosen_batch_keeps_a_real_step_within_the_budget():
     torch.manual_seed(0)
     wide = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256),
