@@ -158,7 +158,8 @@ def to_a_step_between_proofs(step):
 def count_aten_ops(step) -> int:
     """ATen operators one call of ``step`` dispatches (each op once, at the backend level), counted on the
     second of two calls: under a dispatch mode autograd records some ops with other node types (reshape's
-    alias node), so the first step's graph is new to ghostdp and takes a layout proof (audit.py)."""
+    alias node), so the first step's graph is new to ghostdp and takes a layout proof (audit.py); and a step
+    between the proofs that ghostdp repeats on a schedule (to_a_step_between_proofs)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
@@ -170,6 +171,7 @@ def count_aten_ops(step) -> int:
 
     with Counter():
         step()
+        to_a_step_between_proofs(step)
         Counter.count = 0
         step()
     return Counter.count

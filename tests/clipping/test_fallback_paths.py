@@ -10,27 +10,10 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import CLIPPING_MODES, Gain, StatefulGain, assert_exact
+from conftest import CLIPPING_MODES, Gain, HandsStateBack, assert_exact
 
 SEED = 1295  # an example whose two parts nearly cancel (a search over seeds)
 UNCOUNTED = "does not go through the outputs its forward returned"
-
-
-class HandsStateBack(nn.Module):
-    """The parent keeps the first call's returned output as the second call's state."""
-
-    def __init__(self, d=2):
-        super().__init__()
-        self.gain = StatefulGain(d)
-        self.mix = nn.Linear(d, d, bias=False).requires_grad_(False)
-
-    def forward(self, x):
-        self.gain.state = None
-        h = self.gain(x)
-        self.gain.state = h
-        out = self.gain(torch.tanh(self.mix(h)))
-        self.gain.state = None
-        return out
 
 
 class KeepsLast(Gain):
