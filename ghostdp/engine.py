@@ -355,27 +355,40 @@ class PrivacyEngine:
         """make_private with the smallest noise multiplier whose epsilon after ``epochs`` stays <= target_epsilon."""
         if "noise_multiplier" in kwargs:
             raise ValueError("make_private_with_epsilon chooses noise_multiplier; do not pass one")
+        sampling = dict(batch_size_schedule=kwargs.get("batch_size_schedule"),
+                        poisson_sampling=kwargs.get("poisson_sampling", True))
         sigma = self.noise_for_epsilon(data_loader, target_epsilon=target_epsilon, target_delta=target_delta,
-                                       epochs=epochs, batch_size_schedule=kwargs.get("batch_size_schedule"),
-                                       poisson_sampling=kwargs.get("poisson_sampling", True))
+                                       epochs=epochs, **sampling)
         private = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                     criterion=criterion, noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
         self.optimizer.calibrated_epsilon = target_epsilon
+        self.optimizer.calibrated_steps = self.calibrated_steps(data_loader, epochs=epochs, **sampling)
         return private
 
     def noise_for_epsilon(self, data_loader, *, target_epsilon: float, target_delta: float, epochs: int,
                           batch_size_schedule=None, poisson_sampling: bool = True) -> float:
         """The smallest noise multiplier whose epsilon after ``epochs`` of this loader (and batch-size
         schedule) stays <= target_epsilon, with this engine's accountant."""
+        plan = self._calibration_plan(data_loader, epochs, batch_size_schedule, poisson_sampling)
+        return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, plan=plan,
+                                    accountant=self.accountant.mechanism)
+
+    def calibrated_steps(self, data_loader, *, epochs: int, batch_size_schedule=None,
+                         poisson_sampling: bool = True) -> int:
+        """The steps of ``epochs`` of this loader (and batch-size schedule): what noise_for_epsilon calibrates for.
+        Set as the DP optimizer's ``calibrated_steps``, it warns once training goes past them."""
+        return sum(steps for _, steps in self._calibration_plan(data_loader, epochs, batch_size_schedule,
+                                                                poisson_sampling))
+
+    def _calibration_plan(self, data_loader, epochs, batch_size_schedule, poisson_sampling) -> list:
+        """(sample rate, steps) of each run of ``epochs`` of the loader."""
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
         if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
             raise TypeError("calibrating the noise needs a torch DataLoader over a dataset with len()")
         sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
         _check_batch_size_schedule(batch_size_schedule, data_loader, poisson_sampling)
-        plan = SamplingPlan(sample_rate, steps_per_epoch, n, batch_size_schedule).steps(epochs)
-        return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, plan=plan,
-                                    accountant=self.accountant.mechanism)
+        return SamplingPlan(sample_rate, steps_per_epoch, n, batch_size_schedule).steps(epochs)
 
     # ------------------------------------------------------------------ privacy spent, state
     def get_epsilon(self, delta: float) -> float:

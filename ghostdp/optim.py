@@ -14,6 +14,8 @@ the noise agree on all ranks.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .data import BatchTracker, any_rank, collective_device, distributed_rank_and_size
@@ -153,6 +155,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._sums_written_by_mode = None  # this step's backwards wrote their clipped sums past DDP (book-keeping)
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
+        self.calibrated_steps = None      # the steps that calibration planned: more are warned of, once
         self._pending_scheduler_state = None
         controller.passes = []
         controller.pass_observers.append(self._on_norm_pass)
@@ -511,10 +514,24 @@ class DPOptimizer(torch.optim.Optimizer):
                 unclipped, examples, expected, self.noise_multiplier, self.random_source)
         if self.accountant is not None:
             self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
+            self._warn_past_calibration()
         self._mid_logical_batch = False
         self._expect_fresh_grads = True
         self._noise_added = True
         return True
+
+    def _warn_past_calibration(self):
+        """Once: the accountant has counted more steps than the noise was calibrated for (make_private_with_epsilon's
+        epochs), so the epsilon spent now exceeds target_epsilon. engine.get_epsilon reports it correctly; the
+        warning says that the target no longer holds."""
+        if self.calibrated_steps is None or self.accountant.steps <= self.calibrated_steps:
+            return
+        warnings.warn(
+            f"training has gone past the {self.calibrated_steps} steps that the noise was calibrated for "
+            f"(target_epsilon={self.calibrated_epsilon}): the privacy spent now exceeds that target "
+            "(engine.get_epsilon(delta) gives it). Fix: stop after the epochs given to make_private_with_epsilon, "
+            "or calibrate for as many epochs as you train.", stacklevel=4)
+        self.calibrated_steps = None
 
     def _refuse_a_step_without_noise(self, optimizer, args, kwargs):
         if self._noise_added or not self.controller.attached:  # detached: the model trains as before attaching

@@ -177,8 +177,16 @@ def test_make_private_with_epsilon_spends_at_most_the_target():
     model, opt, crit, loader = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(make_data(), batch_size=8),
         criterion=torch.nn.CrossEntropyLoss(), target_epsilon=4.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0)
-    train(model, opt, crit, loader, steps=2 * len(loader))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the planned steps draw no warning
+        train(model, opt, crit, loader, steps=2 * len(loader))
     assert 0.99 * 4.0 <= engine.get_epsilon(1e-5) <= 4.0
+    with pytest.warns(UserWarning, match=f"gone past the {2 * len(loader)} steps that the noise was calibrated for"):
+        train(model, opt, crit, loader, steps=1)
+    assert engine.get_epsilon(1e-5) > 4.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        train(model, opt, crit, loader, steps=1)
 
 
 def test_lr_scheduler_and_param_groups_work_through_the_dp_optimizer():

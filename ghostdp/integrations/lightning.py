@@ -109,6 +109,9 @@ class DPCallback(Callback):
                 poisson_sampling=self.sampling["poisson_sampling"])
             _, optimizer, _, _ = self.engine.make_private(noise_multiplier=sigma, **common)
             optimizer.calibrated_epsilon = self.target_epsilon
+            optimizer.calibrated_steps = self.engine.calibrated_steps(
+                self._source_loader, epochs=trainer.max_epochs, batch_size_schedule=self.sampling["batch_size_schedule"],
+                poisson_sampling=self.sampling["poisson_sampling"])
         else:
             _, optimizer, _, _ = self.engine.make_private(noise_multiplier=self.noise_multiplier, **common)
         trainer.strategy.optimizers = [optimizer]
