@@ -156,6 +156,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
         self.calibrated_steps = None      # the steps that calibration planned: more are warned of, once
+        self._warned_past_calibration = False
         self._pending_scheduler_state = None
         controller.passes = []
         controller.pass_observers.append(self._on_norm_pass)
@@ -524,14 +525,15 @@ class DPOptimizer(torch.optim.Optimizer):
         """Once: the accountant has counted more steps than the noise was calibrated for (make_private_with_epsilon's
         epochs), so the epsilon spent now exceeds target_epsilon. engine.get_epsilon reports it correctly; the
         warning says that the target no longer holds."""
-        if self.calibrated_steps is None or self.accountant.steps <= self.calibrated_steps:
+        if (self._warned_past_calibration or self.calibrated_steps is None
+                or self.accountant.steps <= self.calibrated_steps):
             return
+        self._warned_past_calibration = True
         warnings.warn(
             f"training has gone past the {self.calibrated_steps} steps that the noise was calibrated for "
             f"(target_epsilon={self.calibrated_epsilon}): the privacy spent now exceeds that target "
             "(engine.get_epsilon(delta) gives it). Fix: stop after the epochs given to make_private_with_epsilon, "
             "or calibrate for as many epochs as you train.", stacklevel=4)
-        self.calibrated_steps = None
 
     def _refuse_a_step_without_noise(self, optimizer, args, kwargs):
         if self._noise_added or not self.controller.attached:  # detached: the model trains as before attaching

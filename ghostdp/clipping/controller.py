@@ -336,6 +336,11 @@ class GhostClipping:
             for call in calls:
                 call.edges, call.input_nodes = (), frozenset()
 
+    def _described(self, params) -> str:
+        """The parameters by their names in the model (by shape where they have none), quoted, for an error."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in params)
+
     def _refuse_gradient_hooks(self, trainable: dict) -> None:
         """Refuse a trainable parameter with a gradient hook of its own (``register_hook``,
         ``register_post_accumulate_grad_hook``): the norms of pass 1 never see what it does to the gradient,
@@ -344,8 +349,7 @@ class GhostClipping:
         hooked = [p for p in trainable.values() if p._backward_hooks or p._post_accumulate_grad_hooks]
         if not hooked:
             return
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in hooked[:5])
+        described = self._described(hooked[:5])
         raise RuntimeError(
             f"the trainable parameter(s) {described} have a gradient hook (Tensor.register_hook or "
             "register_post_accumulate_grad_hook). ghostdp bounds each example's gradient before any such hook "
@@ -361,8 +365,7 @@ class GhostClipping:
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
                 "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
                 "Fix: call model.train() before the forward of a training step.")
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in stray)
+        described = self._described(stray)
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
             "it (e.g. a parent reads child.weight directly, on every step or only for some inputs), so "
@@ -372,9 +375,8 @@ class GhostClipping:
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs
         (fallback_paths.py)."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
         _, call = uncounted[0]
-        described = ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p, _ in uncounted[:5])
+        described = self._described([p for p, _ in uncounted[:5]])
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}), "
             "which has no norm rule, along a path that does not go through the outputs its forward returned: a "
