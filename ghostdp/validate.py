@@ -28,7 +28,7 @@ def find_problems(model: torch.nn.Module) -> list[str]:
             problems.append(
                 f"module {label} has uninitialised lazy parameters. Fix: run one forward pass on a sample "
                 "batch before making the model private.")
-        elif isinstance(m, torch.nn.Embedding) and m.scale_grad_by_freq and any(
+        elif isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.scale_grad_by_freq and any(
                 p.requires_grad for p in m.parameters()):
             problems.append(
                 f"module {label} has scale_grad_by_freq=True, which scales gradients by token counts over "

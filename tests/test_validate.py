@@ -36,8 +36,9 @@ def test_lazy_module_is_rejected():
 
 
 def test_embedding_options_that_couple_examples_are_rejected():
-    with pytest.raises(ModelNotPrivatizable, match="scale_grad_by_freq=False"):
-        ghostdp.GhostClipping(nn.Embedding(5, 2, scale_grad_by_freq=True), 1.0)
+    for table in (nn.Embedding, nn.EmbeddingBag):
+        with pytest.raises(ModelNotPrivatizable, match=f"{table.__name__}.*scale_grad_by_freq=False"):
+            ghostdp.GhostClipping(table(5, 2, scale_grad_by_freq=True), 1.0)
     with pytest.raises(ModelNotPrivatizable, match="sparse=False"):
         ghostdp.GhostClipping(nn.Embedding(5, 2, sparse=True), 1.0)
     frozen = nn.Embedding(5, 2, sparse=True)

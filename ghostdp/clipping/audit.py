@@ -20,6 +20,7 @@ losses) is proven again (pass_one.PassOne.run; inside a reentrant region, PassOn
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import CheckpointFunction
@@ -29,15 +30,33 @@ from .fallback_paths import stops, uncounted_parameters
 from .probe import ProbeIdentity
 
 _PROBE_NODE = ProbeIdentity._backward_cls
-_MARKED = {}  # node type -> whether it is a probe's or a reentrant checkpoint's (torch's or a subclass)
+# node type -> whether the walk lists its nodes: a probe's, a reentrant checkpoint's (torch's or a subclass), an
+# embedding lookup's (frequency_scaled)
+_MARKED = {}
 
 
 def _marked(kind: type) -> bool:
     known = _MARKED.get(kind)
     if known is None:
         forward = getattr(kind, "_forward_cls", None)  # a Python Function's backward node type names its Function
-        known = _MARKED[kind] = isinstance(forward, type) and issubclass(forward, (ProbeIdentity, CheckpointFunction))
+        known = _MARKED[kind] = ((isinstance(forward, type) and issubclass(forward, (ProbeIdentity, CheckpointFunction)))
+                                 or kind in embedding_lookup_types())
     return known
+
+
+@functools.cache
+def embedding_lookup_types() -> frozenset:
+    """The node types of F.embedding's and F.embedding_bag's backward (nn.Embedding, nn.EmbeddingBag)."""
+    with torch.enable_grad():
+        table, ids = torch.zeros(2, 1, requires_grad=True), torch.zeros(1, 1, dtype=torch.long)
+        return frozenset({type(torch.nn.functional.embedding(ids, table).grad_fn),
+                          type(torch.nn.functional.embedding_bag(ids, table).grad_fn)})
+
+
+def frequency_scaled(node) -> bool:
+    """Whether an embedding lookup's backward divides each row's gradient by the count of its index over the
+    whole batch (scale_grad_by_freq=True): an example's gradient then depends on the other examples' indices."""
+    return bool(getattr(node, "_saved_scale_grad_by_freq", False))
 
 
 @functools.cache
@@ -114,16 +133,27 @@ RELEASED_NODE_FIX = ("use non-reentrant activation checkpointing (torch.utils.ch
                      "or gradient_checkpointing_kwargs={'use_reentrant': False} in transformers), or upgrade torch.")
 
 
+class GraphAudit(NamedTuple):
+    """What audit_graph found (see there)."""
+    stray: list
+    calls: list
+    reentrant: list
+    uncounted: list
+    frequency_scaled: list
+
+
 def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset(), recorded=None,
-                kinds=None):
-    """(stray parameters, recorded calls, reentrant checkpoint nodes, uncounted (parameter, call) pairs) of the
-    graph below ``roots``.
+                kinds=None) -> GraphAudit:
+    """The stray parameters, recorded calls, reentrant checkpoint nodes, uncounted (parameter, call) pairs and
+    frequency-scaled embedding lookups of the graph below ``roots``.
 
     ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
     use_reentrant=True) hides its region's graph until its own backward recomputes it (reentrant.py). A call
     without a rule gets the nodes where its fallback's VJP stops (``fallback_stops``), and a parameter of one
-    that a path from the roots reaches past every VJP is uncounted (fallback_paths.py).
+    that a path from the roots reaches past every VJP is uncounted (fallback_paths.py). An embedding lookup with
+    scale_grad_by_freq couples the examples' gradients in its backward, where the layout proof (a property of
+    the graph's data flow) does not look: any such node is listed (``frequency_scaled``), in any module.
     ``stop``: nodes not entered (audited before); ``seen`` receives the nodes visited;
     ``captured_types``: the node types of the controller's captured calls (their edges are set here);
     ``recorded``: the edges of Python Functions' nodes, read while they were alive (released_edges);
@@ -132,9 +162,15 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded, kinds)
     calls = {}
     points = {}  # node -> the call whose output grads are taken there (a probe's, a captured call's)
-    reentrant = []
+    reentrant, scaled = [], []
+    lookups = embedding_lookup_types()
     for node in found:
         kind = type(node)
+        if kind in lookups:
+            if frequency_scaled(node):
+                scaled.append(node)
+            if kind not in captured_types:
+                continue
         if kind is _PROBE_NODE:
             call = getattr(node, "call", None)
         elif kind in captured_types:
@@ -148,7 +184,7 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     fallback = [call for call in calls.values() if call.rule is None]
     uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type()) if fallback else []
-    return list(stray.values()), list(calls.values()), reentrant, uncounted
+    return GraphAudit(list(stray.values()), list(calls.values()), reentrant, uncounted, scaled)
 
 
 def _edges_in_regions(calls, points: dict) -> set:

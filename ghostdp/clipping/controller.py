@@ -280,15 +280,17 @@ class GhostClipping:
         self._refuse_gradient_hooks(trainable)
         seen, kinds = set(), []
         types = self.recorder.captured_types
-        stray, calls, regions, uncounted = audit_graph([per_example_losses.grad_fn], trainable, seen=seen,
-                                                       captured_types=types, kinds=kinds)
+        found = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types, kinds=kinds)
+        calls = found.calls
         try:
             replaced = {id(p): p for c in calls for p in c.params.values() if id(p) not in trainable}
             if replaced:  # parameters swapped in after attaching: audit them too, from now on
                 self._parameters.update(replaced)
                 seen, kinds = set(), []
-                stray, calls, regions, uncounted = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced},
-                                                               seen=seen, captured_types=types, kinds=kinds)
+                found = audit_graph([per_example_losses.grad_fn], {**trainable, **replaced}, seen=seen,
+                                    captured_types=types, kinds=kinds)
+                calls = found.calls
+            regions = found.reentrant
             reached = next((c for c in calls if c.fired), None)
             if reached is not None:
                 raise RuntimeError(
@@ -302,10 +304,12 @@ class GhostClipping:
                 if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
                     raise NotImplementedError(REENTRANT_DISTRIBUTED)
                 self._regions.watch(regions)
-            if stray:
-                self._refuse_stray(stray, calls)
-            if uncounted:
-                self._refuse_uncounted(uncounted)
+            if found.stray:
+                self._refuse_stray(found.stray, calls)
+            if found.uncounted:
+                self._refuse_uncounted(found.uncounted)
+            if found.frequency_scaled:
+                self._refuse_frequency_scaling(found.frequency_scaled)
         except BaseException:
             _forget_captured_edges(calls)
             raise
@@ -319,18 +323,20 @@ class GhostClipping:
         passed = self.pass_one.current
         audited = passed.audited
         kinds = []
-        stray, _, inner, _ = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable,
-                                         stop=audited, recorded=tracer.function_edges, kinds=kinds)
+        found = audit_graph([n for n in tracer.nodes if n not in audited], passed.trainable, stop=audited,
+                            recorded=tracer.function_edges, kinds=kinds)
         tracer.nodes.clear()
         tracer.function_edges.clear()
         calls = passed.region_calls[first_call:]
         try:
-            if inner:
+            if found.reentrant:
                 raise NotImplementedError(
                     "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
                     "inner region's graph. " + NON_REENTRANT_FIX)
-            if stray:
-                self._refuse_stray(stray, calls=True)
+            if found.stray:
+                self._refuse_stray(found.stray, calls=True)
+            if found.frequency_scaled:
+                self._refuse_frequency_scaling(found.frequency_scaled)
             self.pass_one.region_audited(calls, ("region",) + tuple(kinds))
         finally:
             for call in calls:
@@ -386,6 +392,18 @@ class GhostClipping:
             "the value the forward returns (return the kept tensor too, as part of a tuple or dict), pass it to "
             "the next call as an argument, or detach() what is kept; or register a norm rule for the module "
             "(ghostdp.register_norm_rule).")
+
+    def _refuse_frequency_scaling(self, lookups):
+        """Raise for embedding lookups whose backward scales by index counts over the batch (audit.frequency_scaled)."""
+        tables = {id(t): t for t in (getattr(node.next_functions[0][0], "variable", None) for node in lookups)
+                  if t is not None}
+        tables = list(tables.values())
+        into = f" of {self._described(tables[:5])}" if tables else ""
+        raise RuntimeError(
+            f"an embedding lookup scales the gradient{into} by how often each index occurs in the whole batch "
+            "(F.embedding, F.embedding_bag or nn.EmbeddingBag with scale_grad_by_freq=True): each example's gradient "
+            "then depends on the other examples' indices, so one example changes the others' clipped gradients and "
+            "can move the update by more than the clipping norm. Fix: scale_grad_by_freq=False.")
 
     @torch.no_grad()  # called by a user outside a backward too: no graph from the activations to the norms
     def per_example_norms(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:

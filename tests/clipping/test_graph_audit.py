@@ -80,8 +80,8 @@ def test_a_released_node_is_walked_through_its_recorded_edges_and_refused_withou
     weight = nn.Parameter(torch.randn(3))
     edge = weight.view(3).grad_fn.next_functions[0]  # (weight's gradient accumulator, 0)
     node = _ReleasedNode()
-    stray, calls, _, _ = audit_graph([node], {id(weight): weight}, recorded={node: (edge,)})
-    assert stray == [weight] and calls == []  # the recorded edge into the weight is seen (no call covers it)
+    found = audit_graph([node], {id(weight): weight}, recorded={node: (edge,)})
+    assert found.stray == [weight] and found.calls == []  # the recorded edge into the weight is seen (no call covers it)
     with pytest.raises(RuntimeError, match=r"cannot read the edges of the autograd node _ReleasedNode.*use_reentrant=False"):
         audit_graph([node], {id(weight): weight})
 
