@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from . import collector
 from .data import BatchTracker, any_rank, collective_device, distributed_rank_and_size
 from .sharding import local_parts
 
@@ -487,6 +488,7 @@ class DPOptimizer(torch.optim.Optimizer):
         slack = max((self.SUM_BOUND_SLACK.get(g.dtype, 1e-3) for g in grads), default=1e-3)
         return examples * clipped_with * (1 + slack)
 
+    @collector.paused()
     def pre_step(self, logical_batch_size: int | None = None) -> bool:
         """Noise and checks if a logical batch is complete; returns False while chunks remain.
 
@@ -549,6 +551,7 @@ class DPOptimizer(torch.optim.Optimizer):
             "step() on the optimizer that make_private returned (a loop of one's own that steps the wrapped "
             "optimizer itself calls dp_optimizer.pre_step() first, as DPTrainer does).")
 
+    @collector.paused()
     def step(self, closure=None):
         loss = None
         if closure is not None:

@@ -14,6 +14,9 @@ of a ghost step at B=32), and it ranks the libraries as that GPU does. For each 
 - ATen ops dispatched per step (counted below autograd, forward and backward, noise and optimizer);
 - extra host time per hooked layer: (median step - median plain step) / layers with trainable
   parameters, the cost the GPU issue counts at about 1 ms per layer;
+- "GC ms": the mean time per step that Python's cyclic garbage collector ran in that mode's steps (gc.callbacks),
+  which the medians leave out: a collection of the whole process (~170 ms here) every few hundred private steps
+  lands in one round only (ghostdp/collector.py);
 - two floors, plain steps that do only the work DP-SGD cannot skip, interleaved with the rest:
   "noise floor" adds ghostdp's noise draw (RandomSource.add_gaussian_, as the DP optimizer calls it)
   to every trained gradient: book-keeping's floor. "two-pass floor" also runs an activation-gradient
@@ -132,32 +135,62 @@ def measure(args, freeze_embeddings: bool, against=None) -> dict:
         steps[plan_floor.PLAN_FLOOR]()
     ops = {mode: count_aten_ops(step) for mode, step in steps.items()}
     times = {mode: [] for mode in steps}
-    for round_ in range(args.warmup + args.rounds):
-        for mode, step in round_order(steps, round_):
-            start = time.perf_counter()
-            step()
-            if round_ >= args.warmup:
-                times[mode].append(time.perf_counter() - start)
+    with collector_time(steps) as collecting:
+        for round_ in range(args.warmup + args.rounds):
+            for mode, step in round_order(steps, round_):
+                collecting.mode = mode if round_ >= args.warmup else None
+                start = time.perf_counter()
+                step()
+                if round_ >= args.warmup:
+                    times[mode].append(time.perf_counter() - start)
     plain = times["plain"]
     rows = {}
     for mode, ts in times.items():
         rows[mode] = {"ratio": median([t / p for t, p in zip(ts, plain)]), "median_ms": 1e3 * median(ts),
-                      "aten_ops": ops[mode],
+                      "aten_ops": ops[mode], "gc_ms": 1e3 * collecting.seconds[mode] / len(ts),
                       "ms_per_layer": 1e3 * (median(ts) - median(plain)) / max(1, layers)}
     rows["plain"]["hooked_layers"] = layers
     return rows
+
+
+class _CollectorClock:
+    """Seconds Python's cyclic garbage collector ran during each mode's measured steps (``mode``: the mode
+    whose step runs now, None between measured steps)."""
+
+    def __init__(self, modes):
+        self.seconds = {mode: 0.0 for mode in modes}
+        self.mode, self._start = None, None
+
+    def __call__(self, phase, info):
+        import time
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.mode is not None and self._start is not None:
+            self.seconds[self.mode] += time.perf_counter() - self._start
+
+
+@contextlib.contextmanager
+def collector_time(modes):
+    import gc
+    clock = _CollectorClock(modes)
+    gc.callbacks.append(clock)
+    try:
+        yield clock
+    finally:
+        gc.callbacks.remove(clock)
 
 
 def report(name, rows):
     layers = rows["plain"]["hooked_layers"]
     print(f"\n{name} ({layers} layers with trainable parameters)")
     width = max(16, *(len(mode) + 2 for mode in rows))
-    print(f"{'mode':<{width}}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}")
+    print(f"{'mode':<{width}}{'ratio':>8}{'median ms':>11}{'ATen ops':>10}{'ops/plain':>10}{'ms/layer':>10}"
+          f"{'GC ms':>8}")
     for mode, r in rows.items():
         if mode == FLOORS[0]:
-            print("-" * (width + 49))
+            print("-" * (width + 57))
         print(f"{mode:<{width}}{r['ratio']:>7.2f}x{r['median_ms']:>11.2f}{r['aten_ops']:>10}"
-              f"{r['aten_ops'] / rows['plain']['aten_ops']:>9.2f}x{r['ms_per_layer']:>10.3f}")
+              f"{r['aten_ops'] / rows['plain']['aten_ops']:>9.2f}x{r['ms_per_layer']:>10.3f}{r['gc_ms']:>8.3f}")
 
 
 def parse(argv=None):

@@ -134,10 +134,23 @@ def test_overhead_benchmark_reports_ratios_ops_and_per_layer_cost_for_both_embed
         # The floors add the noise, then an activation-gradient pass; ghost does both and more.
         ops = {m: r["aten_ops"] for m, r in rows.items()}
         assert ops["noise floor"] < ops["two-pass floor"] < ops["ghost"]
-        assert all(math.isfinite(r["ms_per_layer"]) for r in rows.values())
+        assert all(math.isfinite(r["ms_per_layer"]) and r["gc_ms"] >= 0 for r in rows.values())
     assert rows["plain"]["hooked_layers"] < results["trainable"]["plain"]["hooked_layers"]  # frozen embeddings
     assert json.loads(out.read_text())["frozen"]["ghost"]["aten_ops"] == results["frozen"]["ghost"]["aten_ops"]
     assert "ms/layer" in capsys.readouterr().out
+
+
+def test_the_collector_clock_counts_collections_in_the_mode_that_runs_them():
+    import gc
+
+    from profiling import overhead
+    with overhead.collector_time(["plain", "ghost"]) as clock:
+        clock.mode = "ghost"
+        gc.collect()
+        clock.mode = None
+        gc.collect()  # between measured steps: counted nowhere
+    assert clock.seconds["ghost"] > 0 and clock.seconds["plain"] == 0
+    assert clock not in gc.callbacks
 
 
 def test_overhead_benchmark_runs_another_revisions_ghostdp_in_the_same_rounds(capsys):
@@ -291,3 +304,14 @@ def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked):
         for (name, a), b in zip(floor_model.named_parameters(), private.parameters()):
             if a.requires_grad:
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_collector_benchmark_runs_each_setting_in_a_process_of_its_own(capsys):
+    from profiling import collector
+    rows = collector.main(["--modes", "bookkeeping", "--steps", "30", "--layers", "1", "--hidden", "16",
+                           "--heads", "2", "--vocab", "64"])
+    assert [(r["mode"], r["pause"]) for r in rows] == [("bookkeeping", "off"), ("bookkeeping", "on")]
+    off, on = rows
+    assert all(r["mean_ms"] > 0 and r["gc_ms"] >= 0 and len(r["collections"]) == 3 for r in rows)
+    assert on["collections"][0] <= off["collections"][0]  # the pause never adds collections
+    assert "collections per step" in capsys.readouterr().out

@@ -40,8 +40,6 @@ pass 1.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.graph import GradientEdge
 
@@ -93,7 +91,7 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     call.input_versions = tuple([a._version for a in args])
     call.captured = output_nr
     node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
-    node.register_prehook(functools.partial(_on_output_grads, call))
+    node.register_prehook(call.on_output_grads)  # a bound method: fewer objects per call than a partial
     return type(node)
 
 
@@ -128,7 +126,8 @@ def found_call(node):
     return call
 
 
-def _on_output_grads(call, grad_outputs):
+def on_output_grads(call, grad_outputs):
+    """A captured call's node is about to run with ``grad_outputs`` (its pre-hook, ModuleCall.on_output_grads)."""
     grad = grad_outputs[call.captured]
     receiver = call.recorder.pass_one
     if receiver.receives_output_grads():

@@ -5,6 +5,7 @@ import copy
 
 import torch
 
+from .. import collector
 from .records import BackwardRecord
 
 
@@ -30,6 +31,7 @@ class ClippedLoss(torch.autograd.Function):
         return ctx.losses.sum() / divisor
 
     @staticmethod
+    @collector.paused()  # the pass's objects die by reference count as it ends (collector.py)
     def backward(ctx, grad_output):
         if ctx.consumed:
             raise RuntimeError(

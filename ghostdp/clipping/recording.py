@@ -324,7 +324,7 @@ class ForwardRecorder:
                 saved = _compact_views(args)
         kind = _RECORDED if self.pass_one.current is None and not self.regions.depth else self._call_kind()
         if kind is _RECORDED or kind is _IN_REGION:
-            call.shapes = (tuple(t.shape),)
+            call.shapes = (t.shape,)  # a torch.Size: a tuple
             call.grads = [None]
             call.input_nodes = _grad_fns(args)
             live = self.live  # the call's parameters have one more recorded use that pass 1 has not reached

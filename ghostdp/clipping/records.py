@@ -10,6 +10,7 @@ import torch
 from ..norms.batched import NormQueue, mass_roots, mass_rows
 from ..norms.deferred import DeferredGrams
 from ..norms.factors import InputGrams
+from .capture import on_output_grads
 from .modes import new_factor_store
 
 
@@ -60,6 +61,10 @@ class ModuleCall:
         self.input_edge = self.fallback_stops = None
         self.input_nodes = _NO_NODES
         self.fired = self.done = self.named = self.by_hook = self.in_region = False
+
+    def on_output_grads(self, grad_outputs):
+        """The pre-hook of a captured call's node (capture.py)."""
+        return on_output_grads(self, grad_outputs)
 
     def __del__(self):
         # getattr: a copy made without __init__ (torch.compile's tracing) has no state to release.
