@@ -69,18 +69,25 @@ def _clipped_sum_from_the_batch_backward(model, ids, v, C=1.0):
     return sum(g * min(1.0, C / (float(g.norm()) + 1e-6)) for g in rows)
 
 
+def _assert_refused(model, ids, v, clipping, match=REFUSED, flag_after_attaching=False):
+    """The DP loss's backward is refused; ``flag_after_attaching``: the model's ``table`` gets the flag once attached."""
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        if flag_after_attaching:
+            model.table.scale_grad_by_freq = True
+        with pytest.raises(RuntimeError, match=match):
+            controller.loss(model(ids, v), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
 def test_a_lookup_scaled_by_batch_counts_inside_a_module_without_a_rule_is_refused(clipping):
     model = Scored(Lookup(scale_grad_by_freq=True)).double()
     (ids, v), (ids_j, v_j) = _neighbouring_batches()
     moved = _clipped_sum_from_the_batch_backward(model, ids_j, v_j) - _clipped_sum_from_the_batch_backward(model, ids, v)
     assert float(moved.norm()) > 2.0, "degenerate test: the added example does not move the others' clipped sum"
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=REFUSED + r".*Fix: scale_grad_by_freq=False"):
-            controller.loss(model(ids, v), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_refused(model, ids, v, clipping, match=REFUSED + r".*Fix: scale_grad_by_freq=False")
     assert model.table.weight.grad is None  # refused before anything reached p.grad
 
 
@@ -88,13 +95,7 @@ def test_a_lookup_scaled_by_batch_counts_inside_a_module_without_a_rule_is_refus
 def test_a_bag_lookup_scaled_by_batch_counts_is_refused(clipping):
     model = Scored(Lookup(scale_grad_by_freq=True, bag=True)).double()
     (ids, _), _ = _neighbouring_batches()
-    v = torch.randn(K, D, dtype=torch.float64)
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=REFUSED):
-            controller.loss(model(ids, v), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_refused(model, ids, torch.randn(K, D, dtype=torch.float64), clipping)
 
 
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
@@ -102,13 +103,7 @@ def test_an_embedding_whose_flag_is_set_after_attaching_is_refused_at_the_step(c
     """nn.Embedding has a norm rule that knows nothing of counts; the attach-time check saw the flag off."""
     model = Scored(nn.Embedding(V, D)).double()
     (ids, v), _ = _neighbouring_batches()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        model.table.scale_grad_by_freq = True
-        with pytest.raises(RuntimeError, match=REFUSED):
-            controller.loss(model(ids, v), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_refused(model, ids, v, clipping, flag_after_attaching=True)
 
 
 class CheckpointedLookup(nn.Module):
@@ -127,14 +122,7 @@ class CheckpointedLookup(nn.Module):
 def test_a_frequency_scaled_lookup_inside_a_reentrant_checkpoint_is_refused_by_the_region_audit():
     model = CheckpointedLookup().double()
     (ids, _), _ = _neighbouring_batches()
-    v = torch.randn(K, K, D, dtype=torch.float64)
-    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
-    try:
-        model.table.scale_grad_by_freq = True
-        with pytest.raises(RuntimeError, match=REFUSED):
-            controller.loss(model(ids, v), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_refused(model, ids, torch.randn(K, K, D, dtype=torch.float64), "ghost", flag_after_attaching=True)
 
 
 @pytest.mark.parametrize("bag", [False, True])
