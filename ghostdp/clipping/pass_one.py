@@ -456,28 +456,29 @@ class PassOne:
         passed.deferred = []
 
     def _prove_fallback_inputs(self, per_example_losses, unproven):
-        """The proof for the first input of each unproven call without a rule (recording.on_fallback_forward):
-        its gradient, with the proof's cotangent v and with ones, must keep the examples apart on the module's
+        """The proof for the float inputs of each unproven call without a rule (recording.on_fallback_forward): each
+        input's gradient, with the proof's cotangent v and with ones, must keep the examples apart on the module's
         batch dim, as an output's must (layout.holds). A module that mixes examples inside its own forward (a
         batch mean) passes the output proof, since its output grads are per example; its input grads are not.
         Two more backwards, on proof steps only, where such calls are."""
-        calls = [c for c in unproven if c.input_edge is not None]
-        if not calls:
+        inputs = [(c, edge) for c in unproven for edge in c.input_edges]
+        if not inputs:
             return
         B = per_example_losses.shape[0]
-        dims = [output_batch_dims(c.module, 1)[0] for c in calls]
         self.current, self.in_fallback = NormPass(B, proving=True), True  # probes and recomputations stay quiet
         try:
             with self.controller._region("ghostdp.layout_proof"):
-                edges = [c.input_edge for c in calls]
+                edges = [edge for _, edge in inputs]
                 scaled = torch.autograd.grad(per_example_losses, edges, self.layouts.v.to(per_example_losses),
                                              retain_graph=True, allow_unused=True)
                 plain = torch.autograd.grad(per_example_losses, edges, torch.ones_like(per_example_losses),
                                             retain_graph=True, allow_unused=True)
         finally:
             self.current, self.in_fallback = None, False
-        for call, d, g_v, g_1 in zip(calls, dims, scaled, plain):
-            call.input_edge = None
+            for call in unproven:
+                call.input_edges = ()
+        for (call, _), g_v, g_1 in zip(inputs, scaled, plain):
+            d = output_batch_dims(call.module, 1)[0]
             if g_v is None or g_1 is None or g_1.dim() <= d or g_1.shape[d] != B:
                 continue  # no gradient, or no batch dim to check: a tensor shared by the batch
             # Its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one.
@@ -485,7 +486,7 @@ class PassOne:
             if self.layouts.first_holding(options, self.layouts.project(g_v), g_1) is None:
                 raise RuntimeError(
                     f"module '{call.name}' ({type(call.module).__name__}) has no norm rule and mixes examples "
-                    f"inside its forward: the gradient of its input (shape {tuple(g_1.shape)}) takes example j's "
+                    f"inside its forward: the gradient of its input of shape {tuple(g_1.shape)} takes example j's "
                     "loss into example i's rows (e.g. a mean or a statistic over the batch), so one example "
                     "would move every other example's clipped gradient. Fix: compute per example (normalise "
                     "over each example's own features, as LayerNorm and GroupNorm do), or register a norm rule "

@@ -82,7 +82,7 @@ class ProbeIdentity(torch.autograd.Function):
 
 class InputSink(torch.autograd.Function):
     """A copy of a tensor that does not require grad, on the graph through a zero-size leaf (the recorder's
-    sink leaf): the first input of a module without a rule, so that the layout proof can read that input's
+    sink leaf): a float input of a module without a rule, so that the layout proof can read that input's
     gradient (pass_one.PassOne._prove_fallback_inputs). Pass 1 never asks for the sink leaf, so nothing
     runs there; the backward hands nothing on."""
 

@@ -150,7 +150,7 @@ class ForwardRecorder:
             # and the call must record the gathered ones that the forward used (and autograd will reach).
             handles.append(m.register_forward_hook(functools.partial(self.on_forward, name, entry),
                                                    with_kwargs=True, prepend=True))
-            if entry is None:  # its first input's gradient is proven too (PassOne._prove_fallback_inputs)
+            if entry is None:  # its inputs' gradients are proven too (PassOne._prove_fallback_inputs)
                 handles.append(m.register_forward_pre_hook(self.on_fallback_forward, with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(id(m))
@@ -198,20 +198,25 @@ class ForwardRecorder:
         return zero_size_leaf(self.probes, device)
 
     def on_fallback_forward(self, module, args, kwargs):
-        """A module without a rule: its first input, if it is a float tensor without grad, through an InputSink,
-        so that the layout proof can read its gradient. A module that mixes examples in its own forward (a batch
-        mean) shows that only in its inputs' gradients, where no recorded call below may look (one example
-        moved the update by 7 C before 2026-11-25)."""
+        """A module without a rule: each of its float tensor arguments without grad (positional or keyword) through
+        an InputSink, so that the layout proof can read that input's gradient. A module that mixes examples in
+        its own forward (a batch mean) shows that only in its inputs' gradients, where no recorded call below may
+        look (one example moved the update by 7 C before 2026-11-25, and by 11.7 C through a second input
+        before 2026-11-26)."""
         if not (args or kwargs) or not self._recording(module) or not self._trainable_owned(module):
             return None
-        # The first input as on_forward flattens them: the first positional one, else the first keyword one.
-        key, x = (None, args[0]) if args else next(iter(kwargs.items()))
-        if not isinstance(x, torch.Tensor) or x.requires_grad or not x.is_floating_point():
-            return None
-        x = InputSink.apply(x, zero_size_leaf(self.sinks, x.device))
-        if key is None:
-            return (x,) + tuple(args[1:]), kwargs
-        return args, {**kwargs, key: x}
+        sunk = {}  # id(tensor) -> its sink: a tensor passed twice is copied once
+
+        def through_sink(x):
+            if not isinstance(x, torch.Tensor) or x.requires_grad or not x.is_floating_point():
+                return x
+            if id(x) not in sunk:
+                sunk[id(x)] = InputSink.apply(x, zero_size_leaf(self.sinks, x.device))
+            return sunk[id(x)]
+
+        new_args = tuple([through_sink(a) for a in args])
+        new_kwargs = {k: through_sink(v) for k, v in kwargs.items()}
+        return (new_args, new_kwargs) if sunk else None
 
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
@@ -279,10 +284,10 @@ class ForwardRecorder:
                                     inputs=saved)
         if recording:
             call.grads = [None] * len(slots)
-            first = inputs[0] if inputs else None
-            if (rule is None and isinstance(first, torch.Tensor) and first.requires_grad
-                    and first.is_floating_point()):
-                call.input_edge = _edge(first)
+            if rule is None:  # every float input's gradient edge, for the proof (PassOne._prove_fallback_inputs)
+                graded = {id(t): t for t in inputs
+                          if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()}
+                call.input_edges = tuple([_edge(t) for t in graded.values()])
             # The nodes that bound the call's region below (the audit stops there); a leaf input has
             # only its gradient accumulator below, where the audit stops anyway.
             call.input_nodes = _grad_fns(inputs)

@@ -40,14 +40,14 @@ class ModuleCall:
     pass 1's recomputation of a reentrant checkpoint's region (reentrant.py). ``proven_in``: the layout.GraphLayouts
     its layouts come from or go to (its graph form's, or its region form's). ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
-    ``input_edge``: a module without a rule, its first input's gradient edge (recording.InputSink), whose
-    gradient the layout proof checks too (PassOne._prove_fallback_inputs); ``fallback_stops``: from the step's
+    ``input_edges``: a module without a rule, its float inputs' gradient edges (recording.InputSink), whose
+    gradients the layout proof checks too (PassOne._prove_fallback_inputs); ``fallback_stops``: from the step's
     audit to the end of pass 1, the nodes where its fallback's VJP stops (fallback_paths.py).
     """
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "named", "by_hook", "input_versions", "in_region", "proven_in", "input_edge",
+                 "captured", "named", "by_hook", "input_versions", "in_region", "proven_in", "input_edges",
                  "fallback_stops")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
@@ -58,7 +58,8 @@ class ModuleCall:
         self.batch_dims = batch_dims
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = self.proven_in = None
-        self.input_edge = self.fallback_stops = None
+        self.input_edges = ()
+        self.fallback_stops = None
         self.input_nodes = _NO_NODES
         self.fired = self.done = self.named = self.by_hook = self.in_region = False
 

@@ -355,6 +355,82 @@ def test_a_mixing_module_called_with_its_input_by_keyword_is_refused_too():
         controller.loss(model(torch.linspace(-1, 1, 8).unsqueeze(1)).sum(1), reduction="sum").backward()
 
 
+class MixesSecondInput(nn.Module):
+    """No norm rule; it mixes examples in its second input only (``mixes``: else it keeps them apart)."""
+
+    def __init__(self, d, mixes=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+        self.mixes = mixes
+
+    def forward(self, x, y):
+        return x * self.weight + (y.mean(0, keepdim=True) if self.mixes else y) * self.shift
+
+
+class TwoInputs(nn.Module):
+    """Calls MixesSecondInput on the data; ``how``: y as it is (no grad), made to require grad first (as
+    transformers' enable_input_require_grads does for an embedding's output), or passed by keyword."""
+
+    def __init__(self, how, mixes=True):
+        super().__init__()
+        self.inner = MixesSecondInput(2, mixes)
+        self.how = how
+
+    def forward(self, x, y):
+        if self.how == "requires grad":
+            y = y.clone().requires_grad_()
+        if self.how == "keyword":
+            return self.inner(x, y=y).sum(1)
+        return self.inner(x, y).sum(1)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("how", ["no grad", "requires grad", "keyword"])
+def test_a_module_without_a_rule_that_mixes_examples_in_its_second_input_is_refused(clipping, how):
+    """Only the first input's gradient was proven: with the batch mean of the second, an added example moved the
+    others' clipped sum by 11.7 C (B = 8) before 2026-11-26 (checked below on the per-example definition). Every
+    float input's gradient is proven now."""
+    model = TwoInputs(how).double()
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 2, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    added = torch.zeros(1, 2, dtype=torch.float64), torch.full((1, 2), 1e4, dtype=torch.float64)
+
+    def clipped_sum(x, y):  # each example's gradient from the batch's forward (its mean), clipped to C = 1
+        losses = model(x, y)
+        total = 0
+        for i in range(len(losses)):
+            g = torch.cat([t.flatten() for t in torch.autograd.grad(losses[i], list(model.parameters()),
+                                                                     retain_graph=True)])
+            total = total + g * min(1.0, 1.0 / float(g.norm()))
+        return total
+
+    moved = clipped_sum(torch.cat([x, added[0]]), torch.cat([y, added[1]])) - clipped_sum(x, y)
+    assert float(moved.norm()) > 2.0, "degenerate test: the added example does not move the others' clipped sum"
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=r"\(MixesSecondInput\) has no norm rule and mixes examples"):
+            controller.loss(model(x, y), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+@pytest.mark.parametrize("how", ["no grad", "requires grad", "keyword"])
+def test_a_module_without_a_rule_that_keeps_each_input_apart_is_proven_and_exact(how):
+    model = TwoInputs(how, mixes=False).double()
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    assert_exact(model, lambda: model(x, y), lambda i: model(x[i:i + 1], y[i:i + 1]).sum(), 5)
+
+
+def test_an_input_shared_by_the_batch_is_not_taken_for_mixing():
+    """A (1, d) second input, added to every example, has no batch dim to prove: it is passed over."""
+    model = TwoInputs("no grad", mixes=False).double()
+    torch.manual_seed(0)
+    x, shared = torch.randn(5, 2, dtype=torch.float64), torch.randn(1, 2, dtype=torch.float64)
+    assert_exact(model, lambda: model(x, shared), lambda i: model(x[i:i + 1], shared).sum(), 5)
+
+
 def test_a_module_without_a_rule_on_the_data_that_keeps_examples_apart_is_proven_and_exact():
     model = nn.Sequential(Gain(3), nn.Tanh(), nn.Linear(3, 2))
     _exact(model, torch.randn(5, 3), batch_dim=0, B=5)
