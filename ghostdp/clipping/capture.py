@@ -140,10 +140,26 @@ def on_output_grads(call, grad_outputs):
         # runs the others' nodes again).
         elif passed.delivers_by_hooks and call.by_hook and id(call) not in passed.captured_received:
             receiver.arrive(call, grad)
+        elif call.named:  # what the node runs with: see hooked_output_grad
+            call.hooked_grad = grad
         return None
     if grad is not None and grad.numel():
         receiver.refuse_if_not_from_dp_loss(call)
     return None
+
+
+def hooked_output_grad(call, captured):
+    """A named call's G as its layer's backward used it. The backward captures a named edge's gradient before the
+    tensor hooks that the model registered on the layer's output (``output.register_hook``) run, where the
+    node runs after (where it does not, after them): the pre-hook keeps what the node runs with, which differs
+    from ``captured`` only where such a hook returned another tensor (a hook that tripled a Linear's output
+    grad left book-keeping's clipped sum 41% off before 2026-11-26)."""
+    hooked, call.hooked_grad = call.hooked_grad, None
+    if hooked is None or captured is None or hooked is captured or (
+            hooked.data_ptr() == captured.data_ptr() and hooked.shape == captured.shape
+            and hooked.stride() == captured.stride()):
+        return captured
+    return hooked
 
 
 def check_inputs_unchanged(call) -> None:

@@ -18,7 +18,7 @@ from ..data import any_rank
 from ..norms import batched
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
-from .capture import check_inputs_unchanged
+from .capture import check_inputs_unchanged, hooked_output_grad
 from .layout import LayoutProver
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
@@ -228,7 +228,7 @@ class PassOne:
         passed.queue_held = True
         try:
             for k, call in enumerate(named, start=len(probes)):
-                grad, grads[k] = grads[k], None
+                grad, grads[k] = hooked_output_grad(call, grads[k]), None
                 if grad is not None and id(call) not in passed.captured_received:
                     self.receive_captured(call, grad)
         finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 from collections import defaultdict
 
 import torch
@@ -30,6 +31,9 @@ from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .reentrant import USE_NON_REENTRANT
+
+# torch's global forward hooks (register_module_forward_hook): they run before every module's own forward hooks.
+_GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
 
 _EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
 # What a forward hook records (ForwardRecorder._call_kind): a call of the forward; a call of a reentrant
@@ -132,6 +136,8 @@ class ForwardRecorder:
         self._capturing = self.two_passes
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
+        self._own_hooks = {}  # id(module) -> the id of its on_forward hook, which must run before any other
+        self._hooked_before = set()  # ids of ruled modules warned of a forward hook that runs before on_forward
         # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
         # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
         self.gathered = {}  # (id(unit), name) -> the gathered parameter of this step
@@ -148,8 +154,10 @@ class ForwardRecorder:
                 entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
             # First among the forward hooks: FSDP2's own puts the sharded parameters back after the forward,
             # and the call must record the gathered ones that the forward used (and autograd will reach).
-            handles.append(m.register_forward_hook(functools.partial(self.on_forward, name, entry),
-                                                   with_kwargs=True, prepend=True))
+            handle = m.register_forward_hook(functools.partial(self.on_forward, name, entry), with_kwargs=True,
+                                             prepend=True)
+            handles.append(handle)
+            self._own_hooks[id(m)] = handle.id
             if entry is None:  # its inputs' gradients are proven too (PassOne._prove_fallback_inputs)
                 handles.append(m.register_forward_pre_hook(self.on_fallback_forward, with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
@@ -221,6 +229,9 @@ class ForwardRecorder:
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
             entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
+        if entry is not None and (_GLOBAL_FORWARD_HOOKS
+                                  or next(iter(module._forward_hooks)) != self._own_hooks[id(module)]):
+            entry = self._hooked_before_us(name, module)
         if not self._recording(module):
             if self.watch_checkpoints and self._training(module) and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))
@@ -296,6 +307,22 @@ class ForwardRecorder:
         if kind is _IN_REGION or kind is _IN_PROOF:
             self._note_region_call(call, kind)
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _hooked_before_us(self, name, module):
+        """A forward hook ran before on_forward on a ruled module (registered with prepend=True after attaching, or
+        a global module hook): ``output`` may be what that hook returned, not the layer's result, which the rule
+        assumes (a hook that tripled a Linear's output made its norm 3 times too small, and two passes moved the
+        update by 3 C). The call takes the exact fallback, which differentiates the output it is given; None."""
+        if id(module) not in self._hooked_before:
+            self._hooked_before.add(id(module))
+            warnings.warn(
+                f"a forward hook runs before ghostdp's on module '{name}' ({type(module).__name__}): a global module "
+                "hook (torch.nn.modules.module.register_module_forward_hook) or one registered with prepend=True "
+                "after the model was made private. Its output may not be the layer's own, so ghostdp forms its "
+                "per-example norms with the exact but slower fallback. To keep the layer's norm rule, register the "
+                "hook on the module before make_private / GhostClipping, or without prepend=True (a global hook "
+                "always runs first: register it on the modules that need it instead).")
+        return None
 
     def _call_kind(self):
         """What a forward records now: an ordinary call; a call of a reentrant checkpoint's region recomputed

@@ -36,7 +36,7 @@ class ModuleCall:
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
     edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole, or G is small), ``by_hook``
     whether the node's pre-hook hands G over when the node runs in pass 1 (else a named call's G comes from
-    the backward's result), and ``input_versions`` those of its inputs at the forward. ``in_region``: made by
+    the backward's result; ``hooked_grad``: the G its node ran with, capture.hooked_output_grad), and ``input_versions`` those of its inputs at the forward. ``in_region``: made by
     pass 1's recomputation of a reentrant checkpoint's region (reentrant.py). ``proven_in``: the layout.GraphLayouts
     its layouts come from or go to (its graph form's, or its region form's). ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
@@ -47,7 +47,7 @@ class ModuleCall:
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "named", "by_hook", "input_versions", "in_region", "proven_in", "input_edges",
+                 "captured", "named", "by_hook", "hooked_grad", "input_versions", "in_region", "proven_in", "input_edges",
                  "fallback_stops")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
@@ -59,7 +59,7 @@ class ModuleCall:
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = self.proven_in = None
         self.input_edges = ()
-        self.fallback_stops = None
+        self.fallback_stops = self.hooked_grad = None
         self.input_nodes = _NO_NODES
         self.fired = self.done = self.named = self.by_hook = self.in_region = False
 
