@@ -229,9 +229,6 @@ class ForwardRecorder:
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
             entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
-        if entry is not None and (_GLOBAL_FORWARD_HOOKS
-                                  or next(iter(module._forward_hooks)) != self._own_hooks[id(module)]):
-            entry = self._hooked_before_us(name, module)
         if not self._recording(module):
             if self.watch_checkpoints and self._training(module) and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))
@@ -239,6 +236,8 @@ class ForwardRecorder:
         params = self._trainable_owned(module)
         if not params:
             return None
+        if entry is not None and not self._runs_first(module):
+            entry = self._hooked_before_us(name, module)
         if self.watch_checkpoints and not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
             self.forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
         if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
@@ -307,6 +306,11 @@ class ForwardRecorder:
         if kind is _IN_REGION or kind is _IN_PROOF:
             self._note_region_call(call, kind)
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _runs_first(self, module) -> bool:
+        """Whether on_forward is the first forward hook that runs on ``module`` (one this recorder attached)."""
+        own = self._own_hooks.get(id(module))  # None: a copy of an attached module (an EMA model's deepcopy)
+        return own is None or (not _GLOBAL_FORWARD_HOOKS and next(iter(module._forward_hooks)) == own)
 
     def _hooked_before_us(self, name, module):
         """A forward hook ran before on_forward on a ruled module (registered with prepend=True after attaching, or

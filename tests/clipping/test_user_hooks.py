@@ -109,3 +109,19 @@ def test_a_tensor_hook_on_a_layer_output_is_in_its_norm_and_clipped_sum(tokens):
     torch.manual_seed(0)
     x = torch.randn(B, *((4,) if tokens else ()), 3, dtype=torch.float64)
     assert_exact(model, lambda: model(x), lambda i: model(x[i:i + 1]).sum(), B)
+
+
+def test_a_copy_of_an_attached_model_runs_its_forward_without_a_check():
+    """A deepcopy (an EMA model) carries the hooks over: its forward neither fails nor warns."""
+    import copy
+    model = Squared()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        ema = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                ema(torch.randn(B, 3))
+            ema.eval()(torch.randn(B, 3))
+    finally:
+        controller.detach()
