@@ -136,8 +136,10 @@ class ForwardRecorder:
         self._capturing = self.two_passes
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
-        self._own_hooks = {}  # id(module) -> the id of its on_forward hook, which must run before any other
-        self._hooked_before = set()  # ids of ruled modules warned of a forward hook that runs before on_forward
+        # id(module) -> (the id of its on_forward hook, which must run before any other forward hook; its class's
+        # forward, which its rule was chosen for)
+        self._attached = {}
+        self._warned_changed = set()  # ids of ruled modules warned of a change since attaching (_changed_since)
         # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
         # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
         self.gathered = {}  # (id(unit), name) -> the gathered parameter of this step
@@ -157,7 +159,7 @@ class ForwardRecorder:
             handle = m.register_forward_hook(functools.partial(self.on_forward, name, entry), with_kwargs=True,
                                              prepend=True)
             handles.append(handle)
-            self._own_hooks[id(m)] = handle.id
+            self._attached[id(m)] = (handle.id, type(m).forward)
             if entry is None:  # its inputs' gradients are proven too (PassOne._prove_fallback_inputs)
                 handles.append(m.register_forward_pre_hook(self.on_fallback_forward, with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
@@ -236,8 +238,10 @@ class ForwardRecorder:
         params = self._trainable_owned(module)
         if not params:
             return None
-        if entry is not None and not self._runs_first(module):
-            entry = self._hooked_before_us(name, module)
+        if entry is not None:
+            change = self._changed_since_attaching(module)
+            if change is not None:
+                entry = self._to_fallback(name, module, change)
         if self.watch_checkpoints and not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
             self.forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
         if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
@@ -307,25 +311,37 @@ class ForwardRecorder:
             self._note_region_call(call, kind)
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
 
-    def _runs_first(self, module) -> bool:
-        """Whether on_forward is the first forward hook that runs on ``module`` (one this recorder attached)."""
-        own = self._own_hooks.get(id(module))  # None: a copy of an attached module (an EMA model's deepcopy)
-        return own is None or (not _GLOBAL_FORWARD_HOOKS and next(iter(module._forward_hooks)) == own)
+    def _changed_since_attaching(self, module) -> tuple[str, str] | None:
+        """What keeps a ruled module's rule from reading its call: a forward hook that runs before on_forward (a
+        global module hook, or one registered with prepend=True after attaching), whose output may not be the
+        layer's own (a hook that tripled a Linear's output made its norm 3 times too small, and two passes moved
+        the update by 3 C); or its class's forward replaced after attaching (the rule knows the one it was chosen
+        for: a forward that tripled the input took the norm 2-3 times too small). (what changed, the fix), or None."""
+        attached = self._attached.get(id(module))
+        if attached is None:  # a copy of an attached module (an EMA model's deepcopy carries the hooks)
+            return None
+        hook, forward = attached
+        if type(module).forward is not forward:
+            return (f"the forward of class {type(module).__name__} was replaced after the model was made private",
+                    "replace it before make_private / GhostClipping")
+        if _GLOBAL_FORWARD_HOOKS or next(iter(module._forward_hooks)) != hook:
+            return ("a forward hook runs before ghostdp's: a global module hook "
+                    "(torch.nn.modules.module.register_module_forward_hook) or one registered with prepend=True "
+                    "after the model was made private",
+                    "register the hook on the module before make_private / GhostClipping, or without prepend=True "
+                    "(a global hook always runs first: register it on the modules that need it instead)")
+        return None
 
-    def _hooked_before_us(self, name, module):
-        """A forward hook ran before on_forward on a ruled module (registered with prepend=True after attaching, or
-        a global module hook): ``output`` may be what that hook returned, not the layer's result, which the rule
-        assumes (a hook that tripled a Linear's output made its norm 3 times too small, and two passes moved the
-        update by 3 C). The call takes the exact fallback, which differentiates the output it is given; None."""
-        if id(module) not in self._hooked_before:
-            self._hooked_before.add(id(module))
+    def _to_fallback(self, name, module, change: tuple[str, str]):
+        """The call takes the exact fallback, which differentiates the output it is given (warned once per
+        module); None, the fallback's entry."""
+        if id(module) not in self._warned_changed:
+            self._warned_changed.add(id(module))
+            what, fix = change
             warnings.warn(
-                f"a forward hook runs before ghostdp's on module '{name}' ({type(module).__name__}): a global module "
-                "hook (torch.nn.modules.module.register_module_forward_hook) or one registered with prepend=True "
-                "after the model was made private. Its output may not be the layer's own, so ghostdp forms its "
-                "per-example norms with the exact but slower fallback. To keep the layer's norm rule, register the "
-                "hook on the module before make_private / GhostClipping, or without prepend=True (a global hook "
-                "always runs first: register it on the modules that need it instead).")
+                f"on module '{name}' ({type(module).__name__}), {what}, so its output may not be what its norm rule "
+                "assumes: ghostdp forms its per-example norms with the exact but slower fallback. To keep the "
+                f"rule, {fix}.")
         return None
 
     def _call_kind(self):
