@@ -41,6 +41,14 @@ CHANGED_PARAMETER = (
     "optimizer step), or freeze the parameter and compute the changed values out of place.")
 
 
+REMOVED_PARAMETER = (
+    "parameter '{name}' is no longer a parameter of its module: it was removed or moved after the model was made "
+    "private (a parametrization registered afterwards, such as weight_norm, spectral_norm or "
+    "torch.nn.utils.parametrize.register_parametrization, moves the weight into a new submodule), and ghostdp "
+    "hooked and audits the model as it was then. Fix: change the model before make_private / GhostClipping, or "
+    "make it private again (a new engine and optimizer, or controller.detach() and a new GhostClipping).")
+
+
 class BufferWatch:
     """Warns once per buffer, and refuses a parameter, that a training forward of the attached model changes
     (see the module doc)."""
@@ -71,7 +79,20 @@ class BufferWatch:
     def _note(self, module, args):
         if module.training and torch.is_grad_enabled():
             tensors = list(map(_GET, self._dicts, self._keys))
-            self._before = (tensors, list(map(_VERSION, tensors)))
+            try:
+                versions = list(map(_VERSION, tensors))
+            except AttributeError:  # a watched tensor is gone from its module since attaching
+                versions = self._versions_without_removed(tensors)
+            self._before = (tensors, versions)
+
+    def _versions_without_removed(self, tensors) -> list:
+        """The versions, None for a buffer set to None; a parameter gone from its module since attaching is
+        refused: ghostdp hooked and audits the model as it was (a parametrization registered afterwards moves the
+        weight into a module no rule or call knows, and crashed here with an AttributeError before)."""
+        for n, t in enumerate(tensors):
+            if t is None and n >= self._buffers:
+                raise RuntimeError(REMOVED_PARAMETER.format(name=self._watched[n][0]))
+        return [None if t is None else t._version for t in tensors]
 
     def _compare(self, module, args, output):
         if self._before is None:
@@ -80,9 +101,13 @@ class BufferWatch:
         self._before = None
         now = list(map(_GET, self._dicts, self._keys))
         # The common case in a few C loops: the same tensors with the same versions.
-        if not (all(map(operator.is_, now, tensors)) and list(map(_VERSION, now)) == versions):
+        try:
+            same = all(map(operator.is_, now, tensors)) and list(map(_VERSION, now)) == versions
+        except AttributeError:  # a buffer set to None
+            same = False
+        if not same:
             for n, (old, version, new) in enumerate(zip(tensors, versions, now)):
-                if new is old and new._version == version:
+                if new is old and (new is None or new._version == version):
                     continue
                 if n >= self._buffers:
                     raise RuntimeError(CHANGED_PARAMETER.format(name=self._watched[n][0]))

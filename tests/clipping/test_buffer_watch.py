@@ -139,3 +139,36 @@ def test_a_buffer_registered_as_none_and_set_from_the_batch_is_warned_of():
     controller = ghostdp.GhostClipping(model, 1.0)
     caught = _steps(model, controller)
     assert len(caught) == 1 and "buffer '0.mean' changed during a training forward" in str(caught[0].message)
+
+
+class _Tripled(nn.Module):
+    def forward(self, weight):
+        return 3 * weight
+
+
+@pytest.mark.parametrize("change", ["parametrization", "deleted bias"])
+def test_a_parameter_removed_after_attaching_is_refused_by_name(change):
+    """A parametrization registered after attaching moves the weight into a new submodule: the watch read the
+    missing tensor's version and crashed with an AttributeError (before 2026-11-26); it names it and the fix now."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    if change == "parametrization":
+        torch.nn.utils.parametrize.register_parametrization(model[2], "weight", _Tripled())
+        name = "2.weight"
+    else:
+        model[2].bias = None
+        name = "2.bias"
+    with pytest.raises(RuntimeError, match=f"parameter '{name}' is no longer a parameter of its module.*Fix: change "
+                                           "the model before make_private"):
+        model(torch.randn(8, 4))
+    controller.detach()
+
+
+def test_a_buffer_set_to_none_after_attaching_is_not_a_crash():
+    model = nn.Sequential(RunningCenter(), nn.Linear(4, 2)).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    model[0].mean = None
+    model[0].forward = lambda x: x  # its forward no longer reads it
+    controller.loss(model(torch.randn(8, 4)).pow(2).sum(1)).backward()
+    assert model[1].weight.grad is not None
+    controller.detach()
