@@ -469,12 +469,18 @@ def test_parameters_replaced_after_make_private_are_refused():
 
 
 def test_submodule_replaced_after_steps_is_refused():
-    """The step's check walks the model again only when its tree changed: a replaced submodule is seen."""
+    """The step's check walks the model again only when its tree changed: a replaced submodule is seen. A trained
+    replacement is refused at the backward already (the graph audit: its parameters were not the model's); a
+    frozen one gets no gradient there, and the optimizer's parameters that left the model are refused at the step."""
     _, model, opt, crit, loader = private(poisson_sampling=False)
     train(model, opt, crit, loader, steps=1)
     name, child = next((n, c) for n, c in model.named_children() if isinstance(c, torch.nn.Linear))
-    setattr(model, name, torch.nn.Linear(child.in_features, child.out_features))
     x, y = next(iter(loader))
+    setattr(model, name, torch.nn.Linear(child.in_features, child.out_features))
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="were not parameters of the model when it was made private"):
+        crit(model(x), y).backward()
+    setattr(model, name, torch.nn.Linear(child.in_features, child.out_features).requires_grad_(False))
     opt.zero_grad()
     crit(model(x), y).backward()
     with pytest.raises(ValueError, match="replaced after make_private"):

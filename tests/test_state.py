@@ -222,7 +222,8 @@ def test_parameter_read_outside_its_module_is_refused():
 def test_trainable_tensor_outside_the_model_is_clipped_nowhere_and_cannot_be_stepped():
     # A tensor that requires grad but is not a model parameter (peft's enable_input_require_grads makes
     # the embeddings' output one) is never stepped by the DP optimizer, so the controller lets it be;
-    # an optimizer over it is refused.
+    # an optimizer over a parameter outside the model is refused, and so (since 2026-11-26) is the DP loss's
+    # backward into one (a bare controller's user could step it: two passes gave it an unclipped gradient).
     lin = nn.Linear(3, 3)
     temperature = nn.Parameter(torch.tensor(2.0))
     engine = ghostdp.PrivacyEngine(seed=0)
@@ -233,7 +234,9 @@ def test_trainable_tensor_outside_the_model_is_clipped_nowhere_and_cannot_be_ste
                             criterion=nn.MSELoss(), noise_multiplier=1.0, max_grad_norm=1.0)
     controller = ghostdp.GhostClipping(nn.Linear(3, 3), 1.0)
     x = torch.randn(4, 3, requires_grad=True)
-    controller.loss((controller.module(x) * temperature).sum(1)).backward()
+    with pytest.raises(RuntimeError, match="were not parameters of the model when it was made private"):
+        controller.loss((controller.module(x) * temperature).sum(1)).backward()
+    controller.loss((controller.module(x) * 2.0).sum(1)).backward()
     assert controller.module.weight.grad is not None and controller.last_norms.shape == (4,)
 
 

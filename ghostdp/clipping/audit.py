@@ -67,18 +67,20 @@ def accumulate_grad_type() -> type:
 
 
 def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=False, seen=None,
-                           captured_types=frozenset(), recorded=None, kinds=None):
+                           captured_types=frozenset(), recorded=None, kinds=None, foreign=None):
     """({(node, input index): parameter}, [probe and checkpoint nodes]) for every edge below ``roots``
     into the gradient accumulator of one of ``parameters`` (id -> parameter), not entering ``stop``
     nodes; with ``marked``, the probe and reentrant checkpoint nodes reached are listed, and the nodes
     of ``captured_types``. ``seen``: a set that receives the nodes visited. ``recorded``: node -> its
     next_functions, read while it was alive (released_edges). ``kinds``: a list that receives the type of
-    each node as the walk meets it (the graph's signature: the module doc). One visit per node, no generator and few calls
-    per node: this runs every step."""
+    each node as the walk meets it (the graph's signature: the module doc). ``foreign``: a dict that receives the
+    nn.Parameters requiring grad whose accumulators the walk meets and that are not among ``parameters``, by id.
+    One visit per node, no generator and few calls per node: this runs every step."""
     edges = {}
     found = []
     seen = set() if seen is None else seen
     kinds = [] if kinds is None else kinds
+    foreign = {} if foreign is None else foreign
     accumulator = accumulate_grad_type()
     marked_types = _MARKED
     stack = [r for r in roots if r is not None]
@@ -103,9 +105,12 @@ def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=Fal
             kind = type(nxt)
             note(kind)
             if kind is accumulator:  # a leaf's gradient accumulator: nothing below it
-                param = parameters.get(id(nxt.variable))
+                leaf = nxt.variable
+                param = parameters.get(id(leaf))
                 if param is not None:
                     edges[(node, idx)] = param
+                elif isinstance(leaf, torch.nn.Parameter):  # not a probe's, a sink's or an input's leaf
+                    foreign[id(leaf)] = leaf
                 continue
             if marked:
                 is_marked = marked_types.get(kind)
@@ -140,12 +145,13 @@ class GraphAudit(NamedTuple):
     reentrant: list
     uncounted: list
     frequency_scaled: list
+    foreign: list
 
 
 def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_types=frozenset(), recorded=None,
                 kinds=None) -> GraphAudit:
-    """The stray parameters, recorded calls, reentrant checkpoint nodes, uncounted (parameter, call) pairs and
-    frequency-scaled embedding lookups of the graph below ``roots``.
+    """The stray parameters, recorded calls, reentrant checkpoint nodes, uncounted (parameter, call) pairs,
+    frequency-scaled embedding lookups and foreign parameters of the graph below ``roots``.
 
     ``parameters``: id -> trainable parameter of the model. A stray parameter has a gradient edge
     outside every recorded call of its module. A reentrant checkpoint (torch.utils.checkpoint with
@@ -153,13 +159,17 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     without a rule gets the nodes where its fallback's VJP stops (``fallback_stops``), and a parameter of one
     that a path from the roots reaches past every VJP is uncounted (fallback_paths.py). An embedding lookup with
     scale_grad_by_freq couples the examples' gradients in its backward, where the layout proof (a property of
-    the graph's data flow) does not look: any such node is listed (``frequency_scaled``), in any module.
+    the graph's data flow) does not look: any such node is listed (``frequency_scaled``), in any module. A
+    foreign parameter is an nn.Parameter that gets gradient but is not one of ``parameters`` (a module added to
+    the model after attaching, a parameter held outside the model): no norm counts it.
     ``stop``: nodes not entered (audited before); ``seen`` receives the nodes visited;
     ``captured_types``: the node types of the controller's captured calls (their edges are set here);
     ``recorded``: the edges of Python Functions' nodes, read while they were alive (released_edges);
     ``kinds`` receives the node types in the order the walk meets them: the graph's signature (below).
     """
-    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded, kinds)
+    foreign = {}
+    edges, found = _edges_into_parameters(roots, parameters, stop, True, seen, captured_types, recorded, kinds,
+                                          foreign)
     calls = {}
     points = {}  # node -> the call whose output grads are taken there (a probe's, a captured call's)
     reentrant, scaled = [], []
@@ -184,7 +194,8 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     fallback = [call for call in calls.values() if call.rule is None]
     uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type()) if fallback else []
-    return GraphAudit(list(stray.values()), list(calls.values()), reentrant, uncounted, scaled)
+    return GraphAudit(list(stray.values()), list(calls.values()), reentrant, uncounted, scaled,
+                      list(foreign.values()))
 
 
 def _edges_in_regions(calls, points: dict) -> set:

@@ -310,6 +310,8 @@ class GhostClipping:
                 self._refuse_uncounted(found.uncounted)
             if found.frequency_scaled:
                 self._refuse_frequency_scaling(found.frequency_scaled)
+            if found.foreign:
+                self._refuse_foreign(found.foreign)
         except BaseException:
             _forget_captured_edges(calls)
             raise
@@ -337,6 +339,8 @@ class GhostClipping:
                 self._refuse_stray(found.stray, calls=True)
             if found.frequency_scaled:
                 self._refuse_frequency_scaling(found.frequency_scaled)
+            if found.foreign:
+                self._refuse_foreign(found.foreign)
             self.pass_one.region_audited(calls, ("region",) + tuple(kinds))
         finally:
             for call in calls:
@@ -392,6 +396,18 @@ class GhostClipping:
             "the value the forward returns (return the kept tensor too, as part of a tuple or dict), pass it to "
             "the next call as an argument, or detach() what is kept; or register a norm rule for the module "
             "(ghostdp.register_norm_rule).")
+
+    def _refuse_foreign(self, params):
+        """Raise for nn.Parameters that get gradient from the DP loss but are not the attached model's
+        (audit.GraphAudit.foreign)."""
+        named = self._described(params[:5])  # by name where the model holds them now, else by shape
+        raise RuntimeError(
+            f"the parameter(s) {named} get gradient from the DP loss but were not parameters of the model when it "
+            "was made private (a module added or replaced afterwards, e.g. a new classification head, or a "
+            "parameter held outside the model, e.g. a learned temperature): no per-example norm counts them, so "
+            "two passes would give them an unclipped gradient and book-keeping none. Fix: make every trained "
+            "parameter part of the model before make_private / GhostClipping (or make it private again), or "
+            "freeze or detach the others.")
 
     def _refuse_frequency_scaling(self, lookups):
         """Raise for embedding lookups whose backward scales by index counts over the batch (audit.frequency_scaled)."""

@@ -105,3 +105,46 @@ def test_a_region_tracer_records_the_edges_of_python_functions_nodes_while_they_
     node = y.grad_fn
     assert node in tracer.nodes and z.grad_fn in tracer.nodes
     assert tracer.function_edges == {node: node.next_functions}  # only the Python Function's node
+
+
+class BodyAndHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+FOREIGN = "get gradient from the DP loss but were not parameters of the model when it was made private"
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_module_added_after_attaching_is_refused(clipping):
+    """Its parameters were in no recorded call and not among the model's at attach: the audit took their leaves for
+    inputs. Two passes gave the new head an unclipped gradient (1000 times C * B below, before 2026-11-26);
+    book-keeping silently none."""
+    torch.manual_seed(0)
+    model, x = BodyAndHead().double(), 100 * torch.randn(6, 3, dtype=torch.float64)
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    model.head = nn.Linear(3, 2).double()  # a new classification head
+    unclipped, = torch.autograd.grad(model(x).pow(2).sum(), model.head.weight)
+    assert float(unclipped.norm()) > 100 * 1e-3 * 6, "degenerate test: the head's gradient is within C * B"
+    with pytest.raises(RuntimeError, match=r"'head.bias', 'head.weight' " + FOREIGN + ".*Fix: make every trained"):
+        controller.loss(model(x).pow(2).sum(1), reduction="sum").backward()
+    assert model.head.weight.grad is None
+    controller.detach()
+
+
+def test_a_parameter_held_outside_the_model_is_refused_and_a_tensor_that_requires_grad_is_not():
+    model = BodyAndHead()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    x = torch.randn(6, 3)
+    temperature = nn.Parameter(torch.tensor(2.0))  # a learned scale the training script keeps
+    with pytest.raises(RuntimeError, match=r"'\(\)' " + FOREIGN):
+        controller.loss((model(x) * temperature).pow(2).sum(1)).backward()
+    model.zero_grad()
+    shift = torch.ones(3, requires_grad=True)  # an input made to require grad: never stepped, no concern
+    controller.loss(model(x + shift).pow(2).sum(1)).backward()
+    assert model.head.weight.grad is not None
+    controller.detach()
