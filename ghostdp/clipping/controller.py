@@ -378,9 +378,11 @@ class GhostClipping:
         described = self._described(stray)
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
-            "it (e.g. a parent reads child.weight directly, on every step or only for some inputs), so "
-            "ghostdp cannot bound its per-example norm. Fix: call the owning module instead of reading "
-            "its parameter, freeze the parameter, or register a norm rule for the parent module.")
+            "it (e.g. a parent reads child.weight directly, on every step or only for some inputs, or the loss "
+            "adds a penalty on the weights), so ghostdp cannot bound its per-example norm. Fix: call the owning "
+            "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
+            "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
+            "weights and not on the data.")
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

@@ -148,3 +148,14 @@ def test_a_parameter_held_outside_the_model_is_refused_and_a_tensor_that_require
     controller.loss(model(x + shift).pow(2).sum(1)).backward()
     assert model.head.weight.grad is not None
     controller.detach()
+
+
+def test_a_weight_penalty_in_the_loss_is_refused_with_weight_decay_as_the_fix():
+    """Its gradient reaches every parameter outside the modules' forwards, in no example's norm."""
+    model = BodyAndHead()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    penalty = 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+    with pytest.raises(RuntimeError, match="outside the forward.*a penalty on the weights.*use the optimizer's "
+                                           "weight_decay"):
+        controller.loss(model(torch.randn(4, 3)).pow(2).sum(1) + penalty).backward()
+    controller.detach()
