@@ -139,7 +139,7 @@ class ForwardRecorder:
         # id(module) -> (the id of its on_forward hook, which must run before any other forward hook; its class's
         # forward, which its rule was chosen for)
         self._attached = {}
-        self._warned_changed = set()  # ids of ruled modules warned of a change since attaching (_changed_since)
+        self._warned_changed = set()  # ids of ruled modules warned of a change (_changed_since_attaching)
         # FSDP2 gathers each unit's parameters into other tensors for its forward: those are what autograd
         # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
         self.gathered = {}  # (id(unit), name) -> the gathered parameter of this step
