@@ -149,11 +149,11 @@ def on_output_grads(call, grad_outputs):
 
 
 def hooked_output_grad(call, captured):
-    """A named call's G as its layer's backward used it. The backward captures a named edge's gradient before the
-    tensor hooks that the model registered on the layer's output (``output.register_hook``) run, where the
-    node runs after (where it does not, after them): the pre-hook keeps what the node runs with, which differs
-    from ``captured`` only where such a hook returned another tensor (a hook that tripled a Linear's output
-    grad left book-keeping's clipped sum 41% off before 2026-11-26)."""
+    """A named call's G as its layer's backward used it. Where the call's node runs in the backward, autograd
+    captures the named edge's gradient before the tensor hooks on the layer's output (``output.register_hook`` in
+    the model's forward) run; where it does not run, after them. The node's pre-hook keeps what the node runs
+    with, which differs from ``captured`` only where such a hook returned another tensor (a hook that tripled a
+    2-D Linear output's grad left book-keeping's clipped sum 41% off before 2026-11-26)."""
     hooked, call.hooked_grad = call.hooked_grad, None
     if hooked is None or captured is None or hooked is captured or (
             hooked.data_ptr() == captured.data_ptr() and hooked.shape == captured.shape
