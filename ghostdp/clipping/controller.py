@@ -304,14 +304,7 @@ class GhostClipping:
                 if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
                     raise NotImplementedError(REENTRANT_DISTRIBUTED)
                 self._regions.watch(regions)
-            if found.stray:
-                self._refuse_stray(found.stray, calls)
-            if found.uncounted:
-                self._refuse_uncounted(found.uncounted)
-            if found.frequency_scaled:
-                self._refuse_frequency_scaling(found.frequency_scaled)
-            if found.foreign:
-                self._refuse_foreign(found.foreign)
+            self._refuse_what_the_audit_found(found, calls)
         except BaseException:
             _forget_captured_edges(calls)
             raise
@@ -335,16 +328,24 @@ class GhostClipping:
                 raise NotImplementedError(
                     "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
                     "inner region's graph. " + NON_REENTRANT_FIX)
-            if found.stray:
-                self._refuse_stray(found.stray, calls=True)
-            if found.frequency_scaled:
-                self._refuse_frequency_scaling(found.frequency_scaled)
-            if found.foreign:
-                self._refuse_foreign(found.foreign)
+            self._refuse_what_the_audit_found(found, calls=True)
             self.pass_one.region_audited(calls, ("region",) + tuple(kinds))
         finally:
             for call in calls:
                 call.edges, call.input_nodes = (), frozenset()
+
+    def _refuse_what_the_audit_found(self, found, calls):
+        """Raise for what the graph audit found wrong (audit.GraphAudit), if anything: stray, uncounted, frequency-
+        scaled or foreign. ``calls``: the step's recorded calls, for the stray refusal's message (True in a
+        reentrant region, where the step recorded some)."""
+        if found.stray:
+            self._refuse_stray(found.stray, calls)
+        if found.uncounted:
+            self._refuse_uncounted(found.uncounted)
+        if found.frequency_scaled:
+            self._refuse_frequency_scaling(found.frequency_scaled)
+        if found.foreign:
+            self._refuse_foreign(found.foreign)
 
     def _described(self, params) -> str:
         """The parameters by their names in the model (by shape where they have none), quoted, for an error."""
