@@ -155,11 +155,7 @@ def hooked_output_grad(call, captured):
     with, which differs from ``captured`` only where such a hook returned another tensor (a hook that tripled a
     2-D Linear output's grad left book-keeping's clipped sum 41% off before 2026-11-26)."""
     hooked, call.hooked_grad = call.hooked_grad, None
-    if hooked is None or captured is None or hooked is captured or (
-            hooked.data_ptr() == captured.data_ptr() and hooked.shape == captured.shape
-            and hooked.stride() == captured.stride()):
-        return captured
-    return hooked
+    return captured if hooked is None else hooked
 
 
 def check_inputs_unchanged(call) -> None:
