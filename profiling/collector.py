@@ -15,18 +15,47 @@ means and in the collector's time, not in the medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
+import time
 
 from profiling.bench import MODES
 
 
+class CollectorClock:
+    """Seconds Python's cyclic garbage collector ran, and its collections by generation, during each mode's
+    measured steps (``mode``: the mode whose step runs now, None between measured steps)."""
+
+    def __init__(self, modes):
+        self.seconds = {mode: 0.0 for mode in modes}
+        self.collections = {mode: [0, 0, 0] for mode in modes}
+        self.mode, self._start = None, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.mode is not None and self._start is not None:
+            self.seconds[self.mode] += time.perf_counter() - self._start
+            self.collections[self.mode][info["generation"]] += 1
+
+
+@contextlib.contextmanager
+def collector_time(modes):
+    """A CollectorClock in gc.callbacks for the block (profiling.overhead's "GC ms", run_one's figures)."""
+    import gc
+    clock = CollectorClock(modes)
+    gc.callbacks.append(clock)
+    try:
+        yield clock
+    finally:
+        gc.callbacks.remove(clock)
+
+
 def run_one(mode: str, pause: bool, steps: int, frozen: bool, model_args: list) -> dict:
     """One setting in this process: {"mean_ms", "median_ms", "gc_ms", "collections"}."""
-    import gc
     import statistics
-    import time
 
     import torch
 
@@ -43,26 +72,15 @@ def run_one(mode: str, pause: bool, steps: int, frozen: bool, model_args: list) 
     step = make_step(mode, build_model(args).train(), args, (ids, labels))
     for _ in range(args.warmup):
         step()
-    collections, spent, start = [0, 0, 0], [0.0], [0.0]
-
-    def clock(phase, info):
-        if phase == "start":
-            start[0] = time.perf_counter()
-        else:
-            spent[0] += time.perf_counter() - start[0]
-            collections[info["generation"]] += 1
-
     times = []
-    gc.callbacks.append(clock)
-    try:
+    with collector_time([mode]) as clock:
+        clock.mode = mode
         for _ in range(steps):
             began = time.perf_counter()
             step()
             times.append(time.perf_counter() - began)
-    finally:
-        gc.callbacks.remove(clock)
     return {"mean_ms": 1e3 * statistics.mean(times), "median_ms": 1e3 * statistics.median(times),
-            "gc_ms": 1e3 * spent[0] / steps, "collections": [c / steps for c in collections]}
+            "gc_ms": 1e3 * clock.seconds[mode] / steps, "collections": [c / steps for c in clock.collections[mode]]}
 
 
 def parse(argv=None):

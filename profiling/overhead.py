@@ -48,6 +48,7 @@ import json
 import os
 
 from profiling import plan_floor
+from profiling.collector import collector_time
 from profiling.bench import (GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, count_aten_ops,
                              make_step)
 from profiling.revision import ghostdp_at
@@ -151,33 +152,6 @@ def measure(args, freeze_embeddings: bool, against=None) -> dict:
                       "ms_per_layer": 1e3 * (median(ts) - median(plain)) / max(1, layers)}
     rows["plain"]["hooked_layers"] = layers
     return rows
-
-
-class _CollectorClock:
-    """Seconds Python's cyclic garbage collector ran during each mode's measured steps (``mode``: the mode
-    whose step runs now, None between measured steps)."""
-
-    def __init__(self, modes):
-        self.seconds = {mode: 0.0 for mode in modes}
-        self.mode, self._start = None, None
-
-    def __call__(self, phase, info):
-        import time
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self.mode is not None and self._start is not None:
-            self.seconds[self.mode] += time.perf_counter() - self._start
-
-
-@contextlib.contextmanager
-def collector_time(modes):
-    import gc
-    clock = _CollectorClock(modes)
-    gc.callbacks.append(clock)
-    try:
-        yield clock
-    finally:
-        gc.callbacks.remove(clock)
 
 
 def report(name, rows):
