@@ -36,9 +36,10 @@ class ModuleCall:
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
     edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole, or G is small), ``by_hook``
     whether the node's pre-hook hands G over when the node runs in pass 1 (else a named call's G comes from
-    the backward's result; ``hooked_grad``: the G its node ran with, capture.hooked_output_grad), and ``input_versions`` those of its inputs at the forward. ``in_region``: made by
-    pass 1's recomputation of a reentrant checkpoint's region (reentrant.py). ``proven_in``: the layout.GraphLayouts
-    its layouts come from or go to (its graph form's, or its region form's). ``recorder``: the ForwardRecorder
+    the backward's result; ``hooked_grad``: the G its node ran with, capture.hooked_output_grad), and
+    ``input_versions`` those of its inputs at the forward. ``in_region``: made by pass 1's recomputation of a
+    reentrant checkpoint's region (reentrant.py). ``proven_in``: the layout.GraphLayouts its layouts come from or
+    go to (its graph form's, or its region form's). ``recorder``: the ForwardRecorder
     (recording.py) that counts its uses; its ``pass_one`` receives the call's output grads.
     ``input_edges``: a module without a rule, its float inputs' gradient edges (recording.InputSink), whose
     gradients the layout proof checks too (PassOne._prove_fallback_inputs); ``fallback_stops``: from the step's
@@ -47,8 +48,8 @@ class ModuleCall:
 
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
-                 "captured", "named", "by_hook", "hooked_grad", "input_versions", "in_region", "proven_in", "input_edges",
-                 "fallback_stops")
+                 "captured", "named", "by_hook", "hooked_grad", "input_versions", "in_region", "proven_in",
+                 "input_edges", "fallback_stops")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
