@@ -305,7 +305,8 @@ class PrivacyEngine:
             largest = logical.largest_batch()
         else:  # the loader's own fixed batches
             largest = min(getattr(logical, "batch_size", None) or len(dataset), len(dataset))
-        with controller.pass_one.layouts.proving_every_pass():  # training proves on a schedule (layout.py)
+        # Training proves the layouts and checks the forward on a schedule (layout.py, independence.py).
+        with controller.pass_one.layouts.proving_every_pass(), controller.independence.checking_every_forward():
             return choose_physical_batch_size(PhysicalBatchSearch(run, clean, device, largest, budget_mb))
 
     def _private_loader(self, data_loader, poisson_sampling, max_physical_batch_size, batch_size_schedule=None):

@@ -30,9 +30,17 @@ def float64_and_seed():
 
 
 def without_scheduled_proofs(controller):
-    """Switches off the layout proofs that a schedule repeats (layout.REPROOF_EVERY), for tests of what a step
-    between proofs does (its backwards, its peak memory) or of the proofs new graph forms need."""
+    """Switches off the layout proofs that a schedule repeats (layout.REPROOF_EVERY), and the forward checks on
+    the same schedule (independence.py), for tests of what a step between proofs does (its forwards, its
+    backwards, its peak memory) or of the proofs new graph forms need."""
     controller.pass_one.layouts.reproof_every = 0
+    return without_forward_checks(controller)
+
+
+def without_forward_checks(controller):
+    """Switches off the reruns that check the forward on scheduled steps (clipping/independence.py), for tests of
+    what the training forward itself does (its copies, its ops)."""
+    controller.independence.every = 0
     return controller
 
 

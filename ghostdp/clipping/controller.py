@@ -28,6 +28,7 @@ from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .audit import audit_graph
 from .buffers import BufferWatch
+from .independence import ForwardIndependence
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .pass_one import PassOne
@@ -201,6 +202,9 @@ class GhostClipping:
         self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
         # Buffers that a training forward changes are released without noise: warned of (buffers.py).
         self._handles = self.recorder.attach(module) + BufferWatch(module).attach(module)
+        # A forward that mixes examples where no gradient flows (a batch statistic under no_grad): independence.py.
+        self.independence = ForwardIndependence(module, self.recorder)
+        self._handles += self.independence.attach(module)
         _ATTACHED[module] = self
 
     # ----------------------------------------------------------------- settings
@@ -449,6 +453,7 @@ class GhostClipping:
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
             _forget_captured_edges(calls)
+        self.independence.refuse_mixing(B, passed.calls)
         if passed.held_bytes:
             self._kept_fraction = passed.kept_bytes / passed.held_bytes
             self._warn_of_keeping_under_checkpointing(mode, regions)

@@ -19,6 +19,7 @@ from ..norms import batched
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
 from .capture import check_inputs_unchanged, hooked_output_grad
+from .generators import random_states
 from .layout import LayoutProver
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
@@ -45,18 +46,6 @@ RANDOM_DRAWS_IN_PASS_ONE = (
     "each example's clip coefficient would belong to one gradient and the clipped sum to another, which can "
     "exceed the clipping norm (measured: 1.14 C). Fix: keep preserve_rng_state=True (torch's default), or "
     "make the backward deterministic.")
-
-
-def _random_states(device) -> list:
-    """The states of the global generators that a backward on ``device`` draws from (the CPU's, the device's)."""
-    states = [torch.default_generator.get_state()]
-    if device.type != "cpu":
-        try:
-            read = torch.get_device_module(device.type).get_rng_state
-        except (AttributeError, RuntimeError):  # a backend without a global generator of its own
-            return states
-        states.append(read(device))
-    return states
 
 
 def _backward_to_probes(losses, inputs, cotangent, retain):
@@ -107,7 +96,7 @@ class PassOne:
         # must see the same backward, which a random draw in one would not repeat in the other. (A book-keeping
         # step without a proof has one backward: nothing to compare.)
         second_backward = bool(unproven) or bool(regions) or mode.continues_backward
-        self._random_before = _random_states(per_example_losses.device) if second_backward else None
+        self._random_before = random_states(per_example_losses.device) if second_backward else None
         # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
@@ -142,7 +131,7 @@ class PassOne:
 
     def _refuse_random_draws(self, device):
         """Refuse a backward of this pass that drew random numbers (RANDOM_DRAWS_IN_PASS_ONE)."""
-        if any(not torch.equal(a, b) for a, b in zip(self._random_before, _random_states(device))):
+        if any(not torch.equal(a, b) for a, b in zip(self._random_before, random_states(device))):
             raise RuntimeError(RANDOM_DRAWS_IN_PASS_ONE)
 
     def receives_output_grads(self) -> bool:

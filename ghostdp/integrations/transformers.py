@@ -431,7 +431,9 @@ class DPTrainerMixin:
             self.dp_optimizer.reset_step_state()
 
         largest = self._train_loader.logical_batches.largest_batch()
-        with self.controller.pass_one.layouts.proving_every_pass():  # training proves on a schedule (layout.py)
+        # Training proves the layouts and checks the forward on a schedule (layout.py, independence.py).
+        controller = self.controller
+        with controller.pass_one.layouts.proving_every_pass(), controller.independence.checking_every_forward():
             return choose_physical_batch_size(PhysicalBatchSearch(run, clean, self.args.device, largest,
                                                                   self.dp_args.memory_budget_mb))
 

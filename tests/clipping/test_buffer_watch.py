@@ -10,7 +10,8 @@ import ghostdp
 
 
 class RunningCenter(nn.Module):
-    """Centres its input with a running mean of the batches: a statistic of the data in a buffer."""
+    """Centres its input with a running mean of the earlier batches, then adds the batch's to it: a statistic of
+    the data in a buffer. (Centring on a mean that holds the batch itself mixes its examples: independence.py.)"""
 
     def __init__(self, replace=False):
         super().__init__()
@@ -18,13 +19,14 @@ class RunningCenter(nn.Module):
         self.replace = replace
 
     def forward(self, x):
+        out = x - self.mean.clone()
         if self.training:
             with torch.no_grad():
                 if self.replace:  # a new tensor in the buffer's place
                     self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
                 else:
                     self.mean.mul_(0.9).add_(0.1 * x.mean(0))
-        return x - self.mean
+        return out
 
 
 def _steps(model, controller, n=3):

@@ -236,7 +236,8 @@ class FirstTokenHead(nn.Module):
         below = self.body(x)
         hidden = below * 2.0  # saves no tensor for its backward: only the pooler's input holds hidden
         alive = weakref.ref(hidden)
-        below.register_hook(lambda grad: self.hidden_alive.append(alive() is not None))
+        if below.requires_grad:  # not in ghostdp's reruns without gradient (independence.py)
+            below.register_hook(lambda grad: self.hidden_alive.append(alive() is not None))
         return self.pooler(hidden[:, 0])
 
 

@@ -84,10 +84,16 @@ def test_every_probe_of_the_search_takes_the_layout_proof_that_training_repeats_
     prove = PassOne._prove_layouts
     monkeypatch.setattr(PassOne, "_prove_layouts", lambda self, *a: (proofs.append(1), prove(self, *a)))
     model = FitsUpTo(7)
-    model.register_forward_hook(lambda m, args, out: forwards.append(args[0].shape[0]))
+    model.register_forward_hook(lambda m, args, out: forwards.append(args[0].shape[0] if torch.is_grad_enabled()
+                                                                    else "rerun"))
     engine, model, _, _, _ = private(model, "auto", memory_budget_mb=1e6)
-    assert len(forwards) > 2 and len(proofs) == len(forwards)
+    trained = [f for f in forwards if f != "rerun"]
+    assert len(trained) > 2 and len(proofs) == len(trained)
     assert engine.controller.pass_one.layouts.reproof_every == 256  # the schedule is back after the search
+    # Each probe's forward is checked too (independence.py: two reruns without gradient), and the schedule and
+    # count of forwards are as before the search.
+    assert forwards.count("rerun") == 2 * sum(1 for b in trained if b > 1)  # a batch of one has no other example
+    assert engine.controller.independence.every == 256 and engine.controller.independence.forwards == 0
 
 
 def test_on_a_cpu_the_chosen_batch_keeps_a_real_step_within_the_budget():

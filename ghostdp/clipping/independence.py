@@ -1,0 +1,294 @@
+"""Whether the model's forward keeps the examples apart where no gradient shows it.
+
+The layout proof (layout.py) and the proof of a fallback's inputs (pass_one.py) read gradients, so they see
+a forward that mixes examples on a path autograd differentiates. A statistic of the batch computed without
+gradient mixes them where no gradient flows: a mean under torch.no_grad() or of detached tensors, a running
+statistic used in train() mode, tokens routed under a capacity that the batch shares. Each example's gradient
+then depends on the other examples' data, and an added example moves all of their clipped gradients:
+``x - x.detach().mean(0)`` before a Linear moved the clipped sum of 8 examples by 4.5 C, both modes
+(before 2026-11-26).
+
+So on the training forwards that the layout proof's schedule names (the first; then 1, 2, 4, ...,
+REPROOF_EVERY and every REPROOF_EVERY-th), the model runs twice more without gradient, from the random
+generators' and buffers' states of the forward itself: on the same batch, and on the batch with its last
+example (dim 0 of every tensor argument of the batch's size) replaced by a copy of its first. The other
+examples' outputs must not move. Outputs are compared through float64 fingerprints, one random +-1
+projection per example of each output with the batch on dim 0, against what the first rerun differs from the
+forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ,
+a third rerun measures the reruns' own spread). A move is refused at the norm pass that follows, for the
+batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first model
+would have been perturbed along its positions: the layout proof placed a call's examples on another dim, or a
+module has batch_first=False and a replaced argument has another dim of the batch's size.
+
+The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a
+copy: the forward's tensors, which its graph may have saved, keep their versions), so training draws and
+stores what it would have without them; the model's other forward hooks (the user's) do run again. A
+forward that cannot run again is warned of once and trains unchecked. Not covered: mixing after the
+model's forward (between its output and the DP loss), state a forward keeps outside its buffers, and data
+that mixes only on steps off the schedule. Cost: two forwards without gradient on those steps, under 1% of
+the forwards after the first few hundred.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from .generators import random_states, restore_random_states
+from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
+
+# A move of the other examples' fingerprints counts when it exceeds NOISE_MARGIN times what the forward and
+# its first rerun differ by, plus a floor relative to the fingerprints' size (relative_floor): the batch may
+# decide a kernel for all examples (transformers drops an attention mask that is all ones, and a replaced
+# example may make it so), and another kernel rounds differently, by some units in the last place, which
+# grow through the layers. The floor costs sensitivity: a batch mean moves the others by about 1/B of the
+# examples' difference. Measured (x - x.detach().mean(0) before a Linear, d = 64, Gaussian examples): seen
+# in float32 up to B = 4096 (not 16384), in bfloat16 up to B = 32 (not 64).
+NOISE_MARGIN = 4.0
+
+
+def relative_floor(dtype) -> float:
+    """2^-14, or 4 units in the last place of a lower precision (float16, bfloat16)."""
+    return max(2.0 ** -14, 4 * torch.finfo(dtype).eps)
+
+
+MIXING_OUTSIDE_GRADIENTS = (
+    "the model's forward mixes examples where no gradient flows: replacing the last of the {batch} examples by a "
+    "copy of the first moved the other examples' {output} (by {moved:.3g} of its size), with the random "
+    "generators and buffers as the forward had them. Something computes a statistic of the batch without "
+    "gradient: a mean or variance under torch.no_grad() or of detached tensors, a running statistic used in "
+    "train() mode, or a routing capacity shared by the batch. Each example's clipped gradient then depends on "
+    "the others' data, and one example can move the update by more than the clipping norm (measured: 4.5 C). "
+    "Fix: compute such statistics per example (normalise over each example's own features, as LayerNorm and "
+    "GroupNorm do), from data outside the private batch, or keep them fixed during training.")
+
+RERUN_FAILED = (
+    "ghostdp could not check that the model's forward keeps the examples apart: running it again without "
+    "gradient raised {error!r}. A forward that mixes examples without gradient (a batch statistic under "
+    "torch.no_grad()) would go unnoticed. Fix: let the model's forward run twice per step (no state kept "
+    "between calls outside its buffers).")
+
+
+class Mixing(NamedTuple):
+    """A forward whose other examples' outputs moved when its last example was replaced."""
+    batch: int
+    output: str     # where in the model's output: 'output', "output['logits']", ...
+    moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
+    ambiguous: bool  # a replaced argument has another dim of the batch's size (its examples may lie there)
+
+
+def _leaves(output):
+    """The output's tensors, with their pytree key paths."""
+    return tree_flatten_with_path(output)[0]
+
+
+def _device(module, args, kwargs):
+    """An accelerator among the batch's and the model's first tensors, else the CPU: its generator is the one
+    the forward draws from besides the CPU's."""
+    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+    param = next(module.parameters(), None)
+    for t in (first, param):
+        if t is not None and t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
+
+
+def _with_last_replaced(flat, batch: int):
+    """The batch's tensors with row ``batch - 1`` on dim 0 replaced by row 0; whether any was replaced, and
+    whether one of those has another dim of size ``batch``."""
+    replaced, any_replaced, ambiguous = [], False, False
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            ambiguous = ambiguous or batch in t.shape[1:]
+            t = t.clone()
+            t[batch - 1] = t[0]
+            any_replaced = True
+        replaced.append(t)
+    return replaced, any_replaced, ambiguous
+
+
+def _distributed() -> bool:
+    """Several processes: every rank reruns on the same forwards, since a forward may gather (FSDP2) or
+    broadcast (DDP's buffers) across them, whatever its own batch holds."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class ForwardIndependence:
+    """The check of the module doc, for one attached model. ``finding``: the Mixing of the last training
+    forward, until the norm pass that follows reads it (``refuse_mixing``)."""
+
+    def __init__(self, module, recorder):
+        self.recorder = recorder
+        # Modules that may take their examples on another dim than 0 (batch_first=False: torch's recurrent and
+        # attention layers, ghostdp.layers): where the batch's tensors are square, dim 0 may be their sequence.
+        self.sequence_first = [name for name, m in module.named_modules() if getattr(m, "batch_first", True) is False]
+        self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
+        self.forwards = 0                     # training forwards begun
+        self.finding = None
+        self._start = None                    # (device, random states, buffers) of a forward to check, at its start
+        self._running = False                 # the reruns are running: the hooks stay out
+        self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
+        self._warned = False
+
+    @contextlib.contextmanager
+    def checking_every_forward(self):
+        """Inside, every training forward is checked: the physical batch search's probes measure the memory of a
+        step with a check, which the schedule runs during training too. The count of forwards is kept as it was,
+        so that every process checks the same forwards of training afterwards (their searches may differ)."""
+        every, forwards = self.every, self.forwards
+        self.every = 1 if every else 0
+        try:
+            yield
+        finally:
+            self.every, self.forwards = every, forwards
+
+    def attach(self, module) -> list:
+        """The hooks on the model (after BufferWatch's, which compares the forward's own changes first)."""
+        return [module.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
+                module.register_forward_hook(self._on_forward_end, with_kwargs=True)]
+
+    def _on_forward_start(self, module, args, kwargs):
+        if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
+            return  # not a training forward, or a checkpoint's recomputation
+        self.finding = None
+        n, self.forwards = self.forwards, self.forwards + 1
+        if self.every and (n == 0 or proof_scheduled(n, self.every)):
+            device = _device(module, args, kwargs)
+            self._start = (device, random_states(device), _buffers(module))
+
+    def _on_forward_end(self, module, args, kwargs, output):
+        start, self._start = self._start, None
+        if start is None or self._running:
+            return
+        flat, spec = tree_flatten((args, kwargs))
+        batch = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
+        replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
+        if not any_replaced and not _distributed():
+            return
+        try:
+            self.finding = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous)
+        except torch.OutOfMemoryError:
+            raise  # the step does not fit with its check (the physical batch search counts it so)
+        except Exception as error:  # noqa: BLE001 - the training forward itself succeeded: warn, do not break it
+            if not self._warned:
+                self._warned = True
+                warnings.warn(RERUN_FAILED.format(error=error))
+
+    def _compare(self, module, spec, flat, replaced, output, batch: int, start, ambiguous: bool):
+        """The reruns of the module doc; a Mixing, or None. The generators, the buffers and the recorder's
+        checkpoint flag are put back as the forward left them."""
+        device, states, buffers = start
+        leaves = _leaves(output)
+        signs = [self._signs(t) if _per_example(t, batch) else None for _, t in leaves]
+        with torch.no_grad():
+            forward = _fingerprints(leaves, signs, batch)
+        checkable = batch > 1 and any(f is not None for f in forward)
+        if not checkable and not _distributed():
+            return None
+        after = random_states(device), _buffers(module, values=False), self.recorder.forward_checkpointed
+        self._running = True
+        try:
+            def rerun(arguments):
+                _with_copies(buffers)
+                restore_random_states(device, states)
+                args, kwargs = tree_unflatten(arguments, spec)
+                with torch.no_grad():
+                    rerun_leaves = _leaves(module(*args, **kwargs))
+                    if len(rerun_leaves) != len(leaves):  # an output of another structure: nothing to compare
+                        return [None] * len(leaves)
+                    return _fingerprints(rerun_leaves, signs, batch)
+
+            # Where this process's batch cannot be checked, another's may: it reruns with them (see _distributed).
+            same, moved = rerun(flat), rerun(replaced)
+            floors = [None if s is None else relative_floor(s.dtype) for s in signs]
+            found = _largest_move(forward, same, moved, batch, floors) if checkable else None
+            # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
+            # there are several).
+            if found is not None or _distributed():
+                again = rerun(flat)
+                found = _largest_move(forward, same, moved, batch, floors, again) if checkable else None
+        finally:
+            self._running = False
+            restore_random_states(device, after[0])
+            _put_back(after[1])
+            self.recorder.forward_checkpointed = after[2]
+        if found is None:
+            return None
+        k, size = found
+        return Mixing(batch, "output" + keystr(leaves[k][0]), size, ambiguous)
+
+    def _signs(self, t: torch.Tensor) -> torch.Tensor:
+        signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1
+        return signs.to(device=t.device, dtype=t.dtype)
+
+    def refuse_mixing(self, batch_size: int, calls) -> None:
+        """At the norm pass after a checked forward: refuse a Mixing where the per-example losses are the
+        batch the forward was perturbed in and every call's proven layout has the examples on dim 0."""
+        finding, self.finding = self.finding, None
+        if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
+            return
+        if any(layout != BATCH_FIRST for call in calls if call.layouts is not None for layout in call.layouts):
+            return
+        raise RuntimeError(MIXING_OUTSIDE_GRADIENTS.format(batch=finding.batch, output=finding.output,
+                                                           moved=finding.moved))
+
+
+def _buffers(module, values: bool = True) -> list:
+    """(dict, key, tensor, a copy of its values or None) of every buffer of ``module``."""
+    with torch.no_grad():
+        return [(owner._buffers, key, t, t.clone() if values else None) for owner in module.modules()
+                for key, t in owner._buffers.items() if t is not None]
+
+
+def _with_copies(buffers) -> None:
+    """Each buffer's dict holds a new copy of the values saved: a rerun's in-place updates go there, and the
+    tensors the forward left (which its graph may have saved, at their versions) stay untouched."""
+    with torch.no_grad():
+        for held, key, _, values in buffers:
+            held[key] = values.clone()
+
+
+def _put_back(buffers) -> None:
+    for held, key, tensor, _ in buffers:
+        held[key] = tensor
+
+
+def _per_example(t, batch: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0 and t.shape[0] == batch
+
+
+def _fingerprints(leaves, signs, batch: int) -> list:
+    """Per output tensor with the batch on dim 0: each example's values projected on the +-1 ``signs``,
+    summed in float64 (the products are exact in any dtype), (batch,); None for the others."""
+    out = []
+    for (_, t), s in zip(leaves, signs):
+        if s is None or not _per_example(t, batch) or t.shape[1:] != s.shape or t.dtype != s.dtype:
+            out.append(None)
+            continue
+        # In eighths of the batch: the products' copy stays small beside a language model's logits.
+        rows = t.detach().split(max(1, batch // 8))
+        out.append(torch.cat([(part * s).reshape(len(part), -1).sum(1, dtype=torch.float64) for part in rows]))
+    return out
+
+
+def _largest_move(forward, same, moved, batch: int, floors, again=None):
+    """(output index, relative move) of the output whose examples 0..batch-2 moved most beyond noise and its
+    ``floors`` (relative), or None."""
+    best = None
+    for k, (f, s, m, floor) in enumerate(zip(forward, same, moved, floors)):
+        if f is None or s is None or m is None:
+            continue
+        noise = float((f - s).abs().max())
+        if again is not None and again[k] is not None:
+            noise = max(noise, float((again[k] - s).abs().max()))
+        scale = float(s.abs().max())
+        move = float((m[:batch - 1] - s[:batch - 1]).abs().max())
+        if move > NOISE_MARGIN * noise + floor * scale:
+            relative = move / scale if scale > 0 else float("inf")
+            if best is None or relative > best[1]:
+                best = (k, relative)
+    return best

@@ -1,0 +1,327 @@
+"""A forward that mixes examples where no gradient flows is refused (clipping/independence.py).
+
+A statistic of the batch computed without gradient (a detached mean, one under torch.no_grad(), a running
+statistic used in train() mode) makes each example's gradient depend on the other examples' data: no gradient
+shows it, so the layout proof passed it, and one added example moved the others' clipped sum by 4.5 C. The
+check reruns the forward on checked steps with the last example replaced by a copy of the first, the random
+generators and buffers as the forward had them, and refuses a move of the other examples' outputs.
+"""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from conftest import CLIPPING_MODES, assert_exact
+from ghostdp.clipping.independence import RERUN_FAILED
+
+REFUSED = "the model's forward mixes examples where no gradient flows"
+B, D = 8, 2
+
+
+class DetachedCentring(nn.Module):
+    """x minus the batch's mean of x, detached, before a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        return self.lin(x - x.detach().mean(0, keepdim=True))
+
+
+class NoGradStandardise(nn.Module):
+    """No norm rule (the fallback): a gain after subtracting the batch mean computed under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x):
+        with torch.no_grad():
+            mean = x.mean(0, keepdim=True)
+        return (x - mean) * self.gain
+
+
+class RunningCentring(nn.Module):
+    """A Linear after subtracting a running mean that a train() forward updates from the batch first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+        self.register_buffer("running_mean", torch.zeros(D))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.lin(x - self.running_mean)
+
+
+MIXING = {"detached mean": DetachedCentring, "no_grad mean, no rule": NoGradStandardise,
+          "running mean": RunningCentring}
+
+
+class Scored(nn.Module):
+    """Per-example loss <body(x)_i, v_i>."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x, v):
+        return (self.body(x) * v).sum(1)
+
+
+def _neighbouring_batches():
+    """D: 8 examples with large loss weights (each clipped); D + j: an example with a zero loss weight (its own
+    gradient is 0) and a far-off x, which moves the batch's statistic."""
+    x, v = torch.randn(B, D), 100 * torch.randn(B, D)
+    return (x, v), (torch.cat([x, 1e3 * torch.ones(1, D)]), torch.cat([v, torch.zeros(1, D)]))
+
+
+def _clipped_sum_from_the_batch_forward(model, x, v, C=1.0):
+    """Each example's gradient through the batch's forward (one-hot cotangents on its losses), clipped to C and
+    summed: the per-example definition for this forward, flattened over the parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses = model(x, v)
+    total = 0
+    for i in range(len(losses)):
+        grads = torch.autograd.grad(losses, params, torch.eye(len(losses), dtype=losses.dtype)[i], retain_graph=True)
+        g = torch.cat([t.flatten() for t in grads])
+        total = total + g * min(1.0, C / (float(g.norm()) + 1e-6))
+    return total
+
+
+@pytest.mark.parametrize("body", list(MIXING))
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_batch_statistic_without_gradient_is_refused(body, clipping):
+    (x, v), (xj, vj) = _neighbouring_batches()
+    model = Scored(MIXING[body]()).train()
+    state = {k: t.clone() for k, t in model.state_dict().items()}
+    moved = _clipped_sum_from_the_batch_forward(model, x, v) - _clipped_sum_from_the_batch_forward(model, xj, vj)
+    assert float(moved.norm()) > 2.0, "degenerate test: the added example does not move the others' clipped sum"
+    model.load_state_dict(state)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the running mean is a changed buffer (buffers.py)
+            with pytest.raises(RuntimeError, match=REFUSED):
+                controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, v):
+        return (self.drop(self.lin(x)) * v).sum(1)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_dropout_is_not_mixing_and_the_random_stream_is_put_back(clipping):
+    """The reruns draw dropout's masks from the forward's own generator state (they would differ otherwise and
+    read as mixing), and training's stream goes on after them as if they had not run."""
+    x, v = torch.randn(B, D), torch.randn(B, D)
+    model = Dropped().train()
+    torch.manual_seed(1)
+    plain_losses = model(x, v)
+    plain_next = torch.rand(4)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        torch.manual_seed(1)
+        losses = model(x, v)
+        assert controller.independence.forwards == 1 and controller.independence.finding is None
+        controller.loss(losses, reduction="sum").backward()
+        assert torch.equal(torch.rand(4), plain_next)
+        assert torch.equal(losses, plain_losses)
+    finally:
+        controller.detach()
+
+
+class CountsForwards(nn.Module):
+    """A buffer that each train() forward increments (harmless: no data in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x).squeeze(1)
+
+
+def test_buffers_are_put_back_after_the_reruns():
+    model = CountsForwards().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a changed buffer (buffers.py)
+            losses = model(torch.randn(B, D))
+        assert controller.independence.forwards == 1
+        assert float(model.calls) == 1.0  # not 3: the two reruns' increments are undone
+        controller.loss(losses, reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+def test_a_checked_forward_leaves_the_step_exact():
+    """The check leaves the step as it was: each controller checks its first forward, and the clipped sum is the per-example loop's."""
+    model = Scored(nn.Sequential(nn.Linear(D, 3), nn.Tanh(), nn.Linear(3, D)))
+    x, v = torch.randn(B, D), torch.randn(B, D)
+    assert_exact(model, lambda: model(x, v), lambda i: model(x[i:i + 1], v[i:i + 1]).sum(), B)
+
+
+class SequenceFirst(nn.Module):
+    """A sequence-first attention layer run on T == B positions: the check's replacement lands on a position, which
+    the attention mixes into the others as it should; the layout proof shows the examples on dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0)
+
+    def forward(self, x):  # (T, B, d) -> (T, B, d)
+        return self.attention(x)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_sequence_first_model_whose_length_is_the_batch_size_is_not_refused(clipping):
+    model = SequenceFirst().train()
+    x = torch.randn(B, B, 4)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        out = model(x)
+        assert controller.independence.finding is not None  # the positions moved each other, as attention does
+        losses = out.pow(2).mean((0, 2))
+        controller.loss(losses, reduction="sum").backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        controller.detach()
+
+
+class MixesFromTheThirdForward(DetachedCentring):
+    """Keeps the examples apart on its first three forwards, then centres on the batch's detached mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += torch.is_grad_enabled()
+        return self.lin(x - x.detach().mean(0, keepdim=True) if self.forwards > 3 else x)
+
+
+def test_a_forward_that_starts_mixing_later_is_refused_at_the_next_checked_forward():
+    """Checked forwards are the layout proof's schedule (0, 1, 2, 4, 8, ...): forward 3 mixes unchecked (see the
+    module doc of independence.py), forward 4 is refused."""
+    x, v = _neighbouring_batches()[0]
+    model = Scored(MixesFromTheThirdForward()).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        for _ in range(4):
+            controller.loss(model(x, v), reduction="sum").backward()
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss(model(x, v), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class Labelled(nn.Module):
+    """An output dict, as transformers' ModelOutput flattens: the refusal names the output that moved."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = DetachedCentring()
+
+    def forward(self, x):
+        return {"logits": self.body(x), "shared": torch.ones(3)}
+
+
+def test_the_refusal_names_the_output_that_moved():
+    x, v = _neighbouring_batches()[0]
+    model = Labelled().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match=r"output\['logits'\]"):
+            controller.loss((model(x)["logits"] * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class RefusesToRunWithoutGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("this model runs only with gradient")
+        return self.lin(x).squeeze(1)
+
+
+def test_a_forward_that_cannot_run_again_is_warned_of_once_and_trains():
+    model = RefusesToRunWithoutGradient().train()
+    x = torch.randn(B, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        message = RERUN_FAILED.split("{")[0]
+        with pytest.warns(UserWarning, match=message):
+            controller.loss(model(x), reduction="sum").backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            controller.loss(model(x), reduction="sum").backward()  # forward 1 is checked too: no second warning
+        assert model.lin.weight.grad is not None
+    finally:
+        controller.detach()
+
+
+def test_a_batch_of_one_is_not_rerun():
+    model = CountsForwards().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calls = []
+            model.register_forward_hook(lambda *_: calls.append(1))
+            controller.loss(model(torch.randn(1, D)), reduction="sum").backward()
+        assert calls == [1]
+    finally:
+        controller.detach()
+
+
+class ChoosesAKernelForTheBatch(nn.Module):
+    """Rounds its output to float32 where no example is masked (as transformers drops an attention mask that is
+    all ones, and another kernel rounds otherwise): the batch decides how, not what, each example computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, mask):
+        y = self.lin(x)
+        return y.float().double() if bool(mask.all()) else y
+
+
+def test_a_kernel_chosen_for_the_whole_batch_is_not_mixing(monkeypatch):
+    """The replaced last example (masked) makes the mask all ones: the others' outputs move by float32's rounding,
+    under the relative floor. Without the floor the same move is refused, so the test sees a real move."""
+    from ghostdp.clipping import independence
+    model = ChoosesAKernelForTheBatch().train()
+    x, v, mask = torch.randn(B, D), torch.randn(B, D), torch.ones(B, dtype=torch.bool)
+    mask[-1] = False
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        controller.loss((model(x, mask) * v).sum(1), reduction="sum").backward()
+        monkeypatch.setattr(independence, "relative_floor", lambda dtype: 0.0)
+        controller.independence.forwards = 0  # the next forward is checked
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss((model(x, mask) * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
