@@ -25,8 +25,8 @@ copy: the forward's tensors, which its graph may have saved, keep their versions
 stores what it would have without them; the model's other forward hooks (the user's) do run again. A
 forward that cannot run again is warned of once and trains unchecked. Not covered: mixing after the
 model's forward (between its output and the DP loss), state a forward keeps outside its buffers, and data
-that mixes only on steps off the schedule. Cost: two forwards without gradient on those steps, under 1% of
-the forwards after the first few hundred.
+that mixes only on steps off the schedule. Cost: two forwards without gradient on those steps (CPU stand-in,
+book-keeping: a checked step 31.2 ms against 21.8 ms; one step in 256 after the first few hundred: ~0.2%).
 """
 from __future__ import annotations
 
