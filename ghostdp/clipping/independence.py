@@ -72,6 +72,9 @@ RERUN_FAILED = (
     "between calls outside its buffers).")
 
 
+_NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.checkpoint's warning
+
+
 class Mixing(NamedTuple):
     """A forward whose other examples' outputs moved when its last example was replaced."""
     batch: int
@@ -196,7 +199,9 @@ class ForwardIndependence:
                 _with_copies(buffers)
                 restore_random_states(device, states)
                 args, kwargs = tree_unflatten(arguments, spec)
-                with torch.no_grad():
+                with torch.no_grad(), warnings.catch_warnings():
+                    # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
+                    warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
                     rerun_leaves = _leaves(module(*args, **kwargs))
                     if len(rerun_leaves) != len(leaves):  # an output of another structure: nothing to compare
                         return [None] * len(leaves)

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import ghostdp
 from conftest import CLIPPING_MODES, assert_exact
@@ -345,5 +346,30 @@ def test_a_kernel_chosen_for_the_whole_batch_is_not_mixing(monkeypatch):
         controller.independence.forwards = 0  # the next forward is checked
         with pytest.raises(RuntimeError, match=REFUSED):
             controller.loss((model(x, mask) * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+
+    def forward(self, x):  # the checkpoint's input is an activation: it requires grad in training only
+        return self.c(checkpoint(self.b, self.a(x), use_reentrant=True)).squeeze(1)
+
+
+def test_the_reruns_of_a_reentrant_checkpoint_do_not_warn_of_inputs_without_grad():
+    """torch's reentrant checkpoint warns where none of its inputs requires grad, as in every rerun without
+    gradient: the training forward, whose checkpoint's input does, warns of nothing, and neither do its reruns."""
+    model = ReentrantCheckpoint().train()
+    x = torch.randn(B, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            losses = model(x)
+        assert controller.independence.forwards == 1 and controller.independence.finding is None
+        controller.loss(losses, reduction="sum").backward()
     finally:
         controller.detach()
