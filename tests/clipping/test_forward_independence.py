@@ -82,8 +82,21 @@ class PairedInputs(nn.Module):
         return self.pair((x, 2 * x))
 
 
+class DroppedThenCentred(nn.Module):
+    """Dropout, then a detached centring: the reruns must draw the forward's own masks, or the masks' differences
+    would hide the mixing (the reruns start from the generators' states of the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop, self.centre = nn.Dropout(0.5), DetachedCentring()
+
+    def forward(self, x):
+        return self.centre(self.drop(x))
+
+
 MIXING = {"detached mean": DetachedCentring, "no_grad mean, no rule": NoGradStandardise,
-          "running mean": RunningCentring, "mean of a tuple's input, no rule": PairedInputs}
+          "running mean": RunningCentring, "mean of a tuple's input, no rule": PairedInputs,
+          "detached mean after dropout": DroppedThenCentred}
 
 
 class Scored(nn.Module):
@@ -108,6 +121,7 @@ def _clipped_sum_from_the_batch_forward(model, x, v, C=1.0):
     """Each example's gradient through the batch's forward (one-hot cotangents on its losses), clipped to C and
     summed: the per-example definition for this forward, flattened over the parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(5)  # dropout: the first examples' masks are the same in both batches
     losses = model(x, v)
     total = 0
     for i in range(len(losses)):
@@ -183,13 +197,15 @@ class CountsForwards(nn.Module):
 
 def test_buffers_are_put_back_after_the_reruns():
     model = CountsForwards().train()
+    buffer = model.calls
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a changed buffer (buffers.py)
             losses = model(torch.randn(B, D))
         assert controller.independence.forwards == 1
-        assert float(model.calls) == 1.0  # not 3: the two reruns' increments are undone
+        # The forward's own tensor (its version as the forward left it), not a rerun's copy, and one increment.
+        assert model.calls is buffer and buffer._version == 1 and float(buffer) == 1.0
         controller.loss(losses, reduction="sum").backward()
     finally:
         controller.detach()
@@ -371,5 +387,86 @@ def test_the_reruns_of_a_reentrant_checkpoint_do_not_warn_of_inputs_without_grad
             losses = model(x)
         assert controller.independence.forwards == 1 and controller.independence.finding is None
         controller.loss(losses, reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_training_with_the_checks_is_bitwise_training_without_them(clipping):
+    """A BERT with dropout and padding, five steps of DP-SGD from one seed: the checked forwards (0, 1, 2, 4)
+    leave the generators, the buffers and so every parameter exactly as training without the checks would."""
+    from transformers import BertConfig, BertForSequenceClassification
+    from conftest import without_forward_checks
+
+    def train(checks: bool):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(BertConfig(
+            vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+            max_position_embeddings=16, hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2,
+            num_labels=3)).train()
+        controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+        if not checks:
+            without_forward_checks(controller)
+        reruns = []
+        model.register_forward_pre_hook(lambda *_: None if torch.is_grad_enabled() else reruns.append(1))
+        g = torch.Generator().manual_seed(1)
+        ids, mask = torch.randint(1, 30, (B, 8), generator=g), torch.ones(B, 8, dtype=torch.long)
+        mask[-1, 5:] = 0
+        labels = torch.randint(0, 3, (B,), generator=g)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(5):
+            optimizer.zero_grad()
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            controller.loss(torch.nn.functional.cross_entropy(logits, labels, reduction="none")).backward()
+            optimizer.step()
+        controller.detach()
+        return model.state_dict(), len(reruns), torch.rand(3)
+
+    with_checks, without = train(True), train(False)
+    assert with_checks[1] == 8 and without[1] == 0  # forwards 0, 1, 2 and 4 checked: two reruns each
+    assert all(torch.equal(with_checks[0][k], without[0][k]) for k in without[0])
+    assert torch.equal(with_checks[2], without[2])  # the global generator's stream too
+
+
+class DrawsOnlyWithGradient(nn.Module):
+    """Draws random numbers in a training forward only: its reruns leave the generator elsewhere than the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            x = x + 0.0 * torch.rand(x.shape)
+        return self.lin(x).squeeze(1)
+
+
+def test_the_generators_are_left_where_the_forward_left_them():
+    model = DrawsOnlyWithGradient().train()
+    x = torch.randn(B, D)
+    torch.manual_seed(3)
+    model(x)
+    after_forward = torch.rand(4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        torch.manual_seed(3)
+        model(x)  # checked, its reruns draw nothing
+        assert torch.equal(torch.rand(4), after_forward)
+    finally:
+        controller.detach()
+
+
+def test_book_keeping_keeps_its_one_backward_on_a_checked_forward():
+    """A trained layer run without gradient in train() mode reads as a checkpoint's forward to book-keeping
+    (recording.py), which then takes two passes: the reruns' own such calls leave that flag as it was."""
+    model = Scored(nn.Sequential(nn.Linear(D, 3), nn.Tanh(), nn.Linear(3, D))).train()
+    x, v = torch.randn(B, D), torch.randn(B, D)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+    try:
+        controller.passes = []
+        losses = model(x, v)
+        assert controller.independence.forwards == 1  # checked
+        controller.loss(losses, reduction="sum").backward()
+        assert controller.passes[-1].wrote_sums  # one backward: book-keeping wrote the clipped sums itself
     finally:
         controller.detach()
