@@ -121,8 +121,8 @@ def _distributed() -> bool:
 
 
 class ForwardIndependence:
-    """The check of the module doc, for one attached model. ``finding``: the Mixing of the last training
-    forward, until the norm pass that follows reads it (``refuse_mixing``)."""
+    """The check of the module doc, for one attached model. ``finding``: the Mixing of a checked forward, until
+    the norm pass that follows reads it (``refuse_mixing``)."""
 
     def __init__(self, module, recorder):
         self.recorder = recorder
@@ -157,7 +157,6 @@ class ForwardIndependence:
     def _on_forward_start(self, module, args, kwargs):
         if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
             return  # not a training forward, or a checkpoint's recomputation
-        self.finding = None
         n, self.forwards = self.forwards, self.forwards + 1
         if self.every and (n == 0 or proof_scheduled(n, self.every)):
             device = _device(module, args, kwargs)
@@ -173,7 +172,9 @@ class ForwardIndependence:
         if not any_replaced and not _distributed():
             return
         try:
-            self.finding = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous)
+            # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check
+            # one of them and backpropagate after the next.
+            self.finding = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous) or self.finding
         except torch.OutOfMemoryError:
             raise  # the step does not fit with its check (the physical batch search counts it so)
         except Exception as error:  # noqa: BLE001 - the training forward itself succeeded: warn, do not break it
@@ -196,16 +197,7 @@ class ForwardIndependence:
         self._running = True
         try:
             def rerun(arguments):
-                _with_copies(buffers)
-                restore_random_states(device, states)
-                args, kwargs = tree_unflatten(arguments, spec)
-                with torch.no_grad(), warnings.catch_warnings():
-                    # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
-                    warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
-                    rerun_leaves = _leaves(module(*args, **kwargs))
-                    if len(rerun_leaves) != len(leaves):  # an output of another structure: nothing to compare
-                        return [None] * len(leaves)
-                    return _fingerprints(rerun_leaves, signs, batch)
+                return self._rerun(module, tree_unflatten(arguments, spec), device, states, buffers, signs, batch)
 
             # Where this process's batch cannot be checked, another's may: it reruns with them (see _distributed).
             same, moved = rerun(flat), rerun(replaced)
@@ -225,6 +217,21 @@ class ForwardIndependence:
             return None
         k, size = found
         return Mixing(batch, "output" + keystr(leaves[k][0]), size, ambiguous)
+
+    @staticmethod
+    def _rerun(module, arguments, device, states, buffers, signs, batch: int) -> list:
+        """The fingerprints of one forward without gradient on ``arguments`` (args, kwargs), from the generators'
+        ``states`` and copies of the ``buffers``' values at the forward's start."""
+        _with_copies(buffers)
+        restore_random_states(device, states)
+        args, kwargs = arguments
+        with torch.no_grad(), warnings.catch_warnings():
+            # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
+            warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
+            leaves = _leaves(module(*args, **kwargs))
+            if len(leaves) != len(signs):  # an output of another structure: nothing to compare
+                return [None] * len(signs)
+            return _fingerprints(leaves, signs, batch)
 
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1

@@ -470,3 +470,18 @@ def test_book_keeping_keeps_its_one_backward_on_a_checked_forward():
         assert controller.passes[-1].wrote_sums  # one backward: book-keeping wrote the clipped sums itself
     finally:
         controller.detach()
+
+
+def test_a_finding_waits_for_the_norm_pass_through_another_forward():
+    """Two forwards per step (two views of each example, as contrastive training takes): the first is checked and
+    mixes, the second is not checked; their DP loss is refused."""
+    x, v = _neighbouring_batches()[0]
+    model = Scored(DetachedCentring()).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        controller.independence.forwards = 4  # forward 4 is checked, forward 5 is not
+        first, second = model(x, v), model(x + 0.1, v)
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss(first + second, reduction="sum").backward()
+    finally:
+        controller.detach()
