@@ -88,15 +88,11 @@ def _leaves(output):
     return tree_flatten_with_path(output)[0]
 
 
-def _device(module, args, kwargs):
-    """An accelerator among the batch's and the model's first tensors, else the CPU: its generator is the one
-    the forward draws from besides the CPU's."""
-    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-    param = next(module.parameters(), None)
-    for t in (first, param):
-        if t is not None and t.device.type != "cpu":
-            return t.device
-    return torch.device("cpu")
+def _accelerators(module, args, kwargs) -> list:
+    """The devices other than the CPU that the batch and the model's parameters lie on: a forward draws from
+    their generators besides the CPU's (a model split over several GPUs draws its dropout on each)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return list({t.device: None for t in tensors + list(module.parameters()) if t.device.type != "cpu"})
 
 
 def _with_last_replaced(flat, batch: int):
@@ -132,7 +128,7 @@ class ForwardIndependence:
         self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
         self.forwards = 0                     # training forwards begun
         self.finding = None
-        self._start = None                    # (device, random states, buffers) of a forward to check, at its start
+        self._start = None                    # (devices, random states, buffers) of a forward to check, at its start
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
@@ -159,8 +155,8 @@ class ForwardIndependence:
             return  # not a training forward, or a checkpoint's recomputation
         n, self.forwards = self.forwards, self.forwards + 1
         if self.every and (n == 0 or proof_scheduled(n, self.every)):
-            device = _device(module, args, kwargs)
-            self._start = (device, random_states(device), _buffers(module))
+            devices = _accelerators(module, args, kwargs)
+            self._start = (devices, random_states(*devices), _buffers(module))
 
     def _on_forward_end(self, module, args, kwargs, output):
         start, self._start = self._start, None
@@ -185,7 +181,7 @@ class ForwardIndependence:
     def _compare(self, module, spec, flat, replaced, output, batch: int, start, ambiguous: bool):
         """The reruns of the module doc; a Mixing, or None. The generators, the buffers and the recorder's
         checkpoint flag are put back as the forward left them."""
-        device, states, buffers = start
+        devices, states, buffers = start
         leaves = _leaves(output)
         signs = [self._signs(t) if _per_example(t, batch) else None for _, t in leaves]
         with torch.no_grad():
@@ -193,11 +189,11 @@ class ForwardIndependence:
         checkable = batch > 1 and any(f is not None for f in forward)
         if not checkable and not _distributed():
             return None
-        after = random_states(device), _buffers(module, values=False), self.recorder.forward_checkpointed
+        after = random_states(*devices), _buffers(module, values=False), self.recorder.forward_checkpointed
         self._running = True
         try:
             def rerun(arguments):
-                return self._rerun(module, tree_unflatten(arguments, spec), device, states, buffers, signs, batch)
+                return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
             # Where this process's batch cannot be checked, another's may: it reruns with them (see _distributed).
             same, moved = rerun(flat), rerun(replaced)
@@ -210,7 +206,7 @@ class ForwardIndependence:
                 found = _largest_move(forward, same, moved, batch, floors, again) if checkable else None
         finally:
             self._running = False
-            restore_random_states(device, after[0])
+            restore_random_states(after[0])
             _put_back(after[1])
             self.recorder.forward_checkpointed = after[2]
         if found is None:
@@ -219,11 +215,11 @@ class ForwardIndependence:
         return Mixing(batch, "output" + keystr(leaves[k][0]), size, ambiguous)
 
     @staticmethod
-    def _rerun(module, arguments, device, states, buffers, signs, batch: int) -> list:
+    def _rerun(module, arguments, states, buffers, signs, batch: int) -> list:
         """The fingerprints of one forward without gradient on ``arguments`` (args, kwargs), from the generators'
         ``states`` and copies of the ``buffers``' values at the forward's start."""
         _with_copies(buffers)
-        restore_random_states(device, states)
+        restore_random_states(states)
         args, kwargs = arguments
         with torch.no_grad(), warnings.catch_warnings():
             # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.

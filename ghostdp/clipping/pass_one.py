@@ -19,7 +19,7 @@ from ..norms import batched
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
 from .capture import check_inputs_unchanged, hooked_output_grad
-from .generators import random_states
+from .generators import random_states, same_random_states
 from .layout import LayoutProver
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
@@ -131,7 +131,7 @@ class PassOne:
 
     def _refuse_random_draws(self, device):
         """Refuse a backward of this pass that drew random numbers (RANDOM_DRAWS_IN_PASS_ONE)."""
-        if any(not torch.equal(a, b) for a, b in zip(self._random_before, random_states(device))):
+        if not same_random_states(self._random_before, random_states(device)):
             raise RuntimeError(RANDOM_DRAWS_IN_PASS_ONE)
 
     def receives_output_grads(self) -> bool:
