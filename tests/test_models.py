@@ -205,3 +205,35 @@ def test_bfloat16_model_both_clipping_modes_agree():
         assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
     scale = grads["ghost"].abs().max()
     assert float((grads["ghost"] - grads["bookkeeping"]).abs().max() / scale) < 2e-2
+
+
+def _small(**extra):
+    return dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, vocab_size=30,
+                max_position_embeddings=32, **extra)
+
+
+MORE_TRANSFORMERS = {
+    # one layer's parameters shared by every layer (cross terms across the calls), factorised embeddings
+    "albert": lambda tf: tf.AlbertForSequenceClassification(tf.AlbertConfig(
+        embedding_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+        num_labels=3, **_small())),
+    "distilbert": lambda tf: tf.DistilBertForSequenceClassification(tf.DistilBertConfig(
+        vocab_size=30, dim=16, n_layers=2, n_heads=2, hidden_dim=24, dropout=0.0, attention_dropout=0.0,
+        seq_classif_dropout=0.0, max_position_embeddings=32, num_labels=3)),
+    # rotary positions, a parallel attention and MLP residual
+    "gpt-neox": lambda tf: tf.GPTNeoXForSequenceClassification(tf.GPTNeoXConfig(
+        hidden_dropout=0.0, attention_dropout=0.0, num_labels=3, pad_token_id=0, **_small())),
+    # NoNorm (an elementwise affine without statistics: the fallback) and bottlenecks
+    "mobilebert": lambda tf: tf.MobileBertForSequenceClassification(tf.MobileBertConfig(
+        embedding_size=8, intra_bottleneck_size=8, true_hidden_size=8, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_feedforward_networks=1, num_labels=3, **_small())),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_TRANSFORMERS))
+def test_more_transformers_with_padding(name):
+    import transformers
+    model = MORE_TRANSFORMERS[name](transformers).double()
+    ids, mask = padded_text(30)
+    labels = torch.randint(0, 3, (B,))
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), classification_loss(labels), B)
