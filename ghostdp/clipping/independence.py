@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from .. import collector
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
 
@@ -169,8 +170,11 @@ class ForwardIndependence:
             return
         try:
             # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check
-            # one of them and backpropagate after the next.
-            self.finding = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous) or self.finding
+            # one of them and backpropagate after the next. Python's collector is paused, as in ghostdp's other
+            # parts of a step (collector.py): the reruns' objects die by reference count.
+            with collector.paused():
+                found = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous)
+            self.finding = found or self.finding
         except torch.OutOfMemoryError:
             raise  # the step does not fit with its check (the physical batch search counts it so)
         except Exception as error:  # noqa: BLE001 - the training forward itself succeeded: warn, do not break it
