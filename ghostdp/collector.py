@@ -11,7 +11,9 @@ step instead of 2.75, and the whole process every ~600 steps: ``python -m profil
 ghost bookkeeping --steps 600 --repeats 2`` (collector time per step, two runs): ghost 1.14 and 1.11 ms -> 0.52
 and 0.49 ms, book-keeping 0.83 and 0.87 ms -> 0.51 and 0.55 ms, plain 0.001 ms. The forward's collections remain.
 
-The forward check's reruns (clipping/independence.py) run paused too. ``paused()`` turns the collector off for its block and back on after, only where it was on (a caller that
+The forward check's reruns (clipping/independence.py) run paused too.
+
+``paused()`` turns the collector off for its block and back on after, only where it was on (a caller that
 turned it off keeps it off), also when the block raises. Reference counting frees objects as before; only
 reference cycles made inside the block wait for the next collection after it. ``PAUSE`` = False switches it off.
 """

@@ -212,7 +212,8 @@ def test_buffers_are_put_back_after_the_reruns():
 
 
 def test_a_checked_forward_leaves_the_step_exact():
-    """The check leaves the step as it was: each controller checks its first forward, and the clipped sum is the per-example loop's."""
+    """The check leaves the step as it was: each controller checks its first forward, and the clipped sum is the
+    per-example loop's."""
     model = Scored(nn.Sequential(nn.Linear(D, 3), nn.Tanh(), nn.Linear(3, D)))
     x, v = torch.randn(B, D), torch.randn(B, D)
     assert_exact(model, lambda: model(x, v), lambda i: model(x[i:i + 1], v[i:i + 1]).sum(), B)
