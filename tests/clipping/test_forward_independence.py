@@ -486,3 +486,20 @@ def test_a_finding_waits_for_the_norm_pass_through_another_forward():
             controller.loss(first + second, reduction="sum").backward()
     finally:
         controller.detach()
+
+
+def test_the_switch_the_refusal_names_turns_the_check_off():
+    """The refusal tells a user whose model keeps its examples apart but moves by more than rounding allows (a GPU's
+    16-bit kernels chosen by the batch's content) to set controller.independence.every = 0: that switch works."""
+    x, v = _neighbouring_batches()[0]
+    model = Scored(DetachedCentring()).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match=r"controller\.independence\.every = 0"):
+            controller.loss(model(x, v), reduction="sum").backward()
+        controller.independence.every = 0
+        model.zero_grad(set_to_none=True)
+        controller.loss(model(x, v), reduction="sum").backward()
+        assert model.body.lin.weight.grad is not None
+    finally:
+        controller.detach()
