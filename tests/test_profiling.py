@@ -315,3 +315,15 @@ def test_collector_benchmark_runs_each_setting_in_a_process_of_its_own(capsys):
     assert all(r["mean_ms"] > 0 and r["gc_ms"] >= 0 and len(r["collections"]) == 3 for r in rows)
     assert on["collections"][0] <= off["collections"][0]  # the pause never adds collections
     assert "collections per step" in capsys.readouterr().out
+
+
+def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
+    """profiling.forward_check, scaled down: a model that keeps its examples apart passes its checked forward (with
+    its only padded example replaced, which makes the mask all ones), and a detached batch mean is found."""
+    from profiling import forward_check
+    rows = forward_check.main(["--dtypes", "float32", "--models", "bert (sdpa)", "detached batch mean",
+                               "--batches", "8", "16"])
+    bert, mixing = rows
+    assert bert["model"] == "bert (sdpa)" and not bert["found"] and bert["move"] <= bert["threshold"]
+    assert mixing["largest_batch_found"] == 16
+    assert "largest relative move" in capsys.readouterr().out

@@ -1,0 +1,133 @@
+"""The forward check's margins on a device: how far models that keep their examples apart move, and what it finds.
+
+    python -m profiling.forward_check                        # CPU, float32 and bfloat16
+    python -m profiling.forward_check --device cuda --dtypes float32 bfloat16 float16
+
+ghostdp reruns the model's forward on scheduled steps with the batch's last example replaced by a copy of its first
+and refuses a move of the other examples' outputs beyond what rounding allows (ghostdp/clipping/independence.py:
+the forward's spread and a floor, 2^-14 of the output or 8 units in the last place of a 16-bit dtype). The floor
+was set on a CPU, where models that keep their examples apart move by exactly 0. On a GPU a 16-bit model whose
+kernels depend on the batch's content could move by more: an attention mask of all ones that transformers drops
+(the replaced example was the only padded one), a mixture of experts whose experts see other token counts. Per
+model and dtype this prints the largest relative move of the other examples' outputs, the threshold it had to
+pass, and whether the check would refuse (it must not); and, for a detached batch mean before a Linear (a model
+that mixes), the largest batch at which the check still finds it. Each figure comes from one checked forward of
+a fresh model (seeded).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+BATCH, LENGTH, VOCAB = 8, 32, 1000
+
+
+def _models():
+    """name -> (build, whether its batch is text whose last example alone is padded)."""
+    import torch
+    from torch import nn
+    import transformers as tf
+
+    small = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
+                 max_position_embeddings=64)
+
+    class DetachedMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.lin(x - x.detach().mean(0, keepdim=True))
+
+    return {
+        "bert (sdpa)": (lambda: tf.BertForSequenceClassification(tf.BertConfig(**small)), True),
+        "llama (sdpa)": (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **small)), True),
+        "mixtral (4 experts, top 2)": (lambda: tf.MixtralForCausalLM(tf.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **small)), True),
+        "detached batch mean": (DetachedMean, False),
+    }, torch
+
+
+@contextlib.contextmanager
+def _recorded_moves():
+    """Every (relative move, relative threshold) the check compares, with its floors as they are."""
+    from ghostdp.clipping import independence
+    seen = []
+    compare = independence._largest_move
+
+    def spy(forward, same, moved, batch, floors, again=None):
+        for f, s, m, floor in zip(forward, same, moved, floors):
+            if f is None or s is None or m is None:
+                continue
+            scale = float(s.abs().max()) or 1.0
+            noise = float((f - s).abs().max())
+            seen.append((float((m[:batch - 1] - s[:batch - 1]).abs().max()) / scale,
+                         (independence.NOISE_MARGIN * noise + floor * scale) / scale))
+        return compare(forward, same, moved, batch, floors, again)
+
+    independence._largest_move = spy
+    try:
+        yield seen
+    finally:
+        independence._largest_move = compare
+
+
+def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
+    """One checked forward of a fresh model: (largest relative move, its threshold, whether it was found)."""
+    import torch
+    import ghostdp
+    torch.manual_seed(0)
+    model = build().to(device=device, dtype=dtype).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with _recorded_moves() as seen:
+            if text:
+                ids = torch.randint(1, VOCAB, (batch, LENGTH), device=device)
+                mask = torch.ones(batch, LENGTH, dtype=torch.long, device=device)
+                mask[-1, LENGTH // 2:] = 0  # the only padded example: its copy of the first makes the mask all ones
+                model(input_ids=ids, attention_mask=mask)
+            else:
+                model(torch.randn(batch, 64, device=device, dtype=dtype))
+        move, threshold = max(seen, default=(0.0, 0.0))
+        return move, threshold, controller.independence.finding is not None
+    finally:
+        controller.detach()
+
+
+def largest_batch_found(build, dtype, device, batches) -> int | None:
+    """The largest of ``batches`` at which the check finds the mixing model's mixing."""
+    found = [b for b in batches if checked_forward(build, False, dtype, device, batch=b)[2]]
+    return max(found, default=None)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--models", nargs="+", default=None, help="a subset of the model names (default: all)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[8, 16, 32, 64, 256, 1024, 4096],
+                        help="batch sizes tried for the mixing model's detection limit")
+    args = parser.parse_args(argv)
+    models, torch = _models()
+    device = torch.device(args.device)
+    names = args.models or list(models)
+    rows = []
+    print(f"forward check on {device}: largest relative move of the other examples' outputs / threshold")
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name in names:
+            build, text = models[name]
+            if text:
+                move, threshold, found = checked_forward(build, True, dtype, device)
+                rows.append(dict(model=name, dtype=dtype_name, move=move, threshold=threshold, found=found))
+                verdict = "REFUSED (a false refusal)" if found else "passes"
+                print(f"{dtype_name:9s} {name:28s} {move:10.3g} / {threshold:9.3g}  {verdict}")
+            else:
+                limit = largest_batch_found(build, dtype, device, args.batches)
+                rows.append(dict(model=name, dtype=dtype_name, largest_batch_found=limit))
+                print(f"{dtype_name:9s} {name:28s} found up to B = {limit} of {args.batches}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
