@@ -80,7 +80,8 @@ class _ModelTree:
         for m in module.modules():
             self.entries.extend((m._parameters, k, p) for k, p in m._parameters.items())
             self.entries.extend((m._modules, k, c) for k, c in m._modules.items())
-        self.params = {id(p) for p in module.parameters()}  # ids: no Python Tensor.__hash__
+        self.parameters = list(module.parameters())
+        self.params = {id(p) for p in self.parameters}  # ids: no Python Tensor.__hash__
         self.fresh = True
 
     def unchanged(self) -> bool:
@@ -256,6 +257,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "call make_private again with the new model and a new optimizer.")
 
     def _on_norm_pass(self, per_example_losses):
+        self._refuse_trainable_parameters_outside()
         if not self._expect_fresh_grads:
             return
         self._expect_fresh_grads = False
@@ -265,6 +267,29 @@ class DPOptimizer(torch.optim.Optimizer):
                 "a new logical batch started while p.grad still holds the previous step's gradient, which "
                 "would be added into this step unclipped and counted twice. Call optimizer.zero_grad() "
                 "(or model.zero_grad()) after each optimizer.step().")
+
+    def _refuse_trainable_parameters_outside(self) -> None:
+        """Before a norm pass: every parameter of the model that requires grad is one this optimizer noises. The
+        controller clips every trainable parameter and leaves its clipped sum in p.grad; one outside the optimizer
+        keeps it there without noise, and another optimizer stepping it, or anything else that reads it (gradient
+        logging), releases it. Measured before 2026-11-26: a second optimizer over a classifier head stepped it by
+        the unnoised clipped sum. It reads the parameters of the model's tree as the step's check last saw it
+        (_check_params_belong_to_model): one added or replaced since was not the model's at attach, which the
+        graph audit and that check refuse."""
+        if self._model_tree is None:
+            self._model_tree = _ModelTree(self.controller.module)
+        ours = {id(p) for group in self.param_groups for p in group["params"]}
+        attached = self.controller._parameters  # one replaced since attaching is refused by the other checks
+        outside = [p for p in self._model_tree.parameters
+                   if p.requires_grad and id(p) not in ours and id(p) in attached]
+        if outside:
+            names = [self._param_names.get(p, f"shape {tuple(p.shape)}") for p in outside]
+            raise PrivacyStepError(
+                f"{len(outside)} parameters of the model require grad but are not in the DP optimizer "
+                f"({names[:5]}): ghostdp clips them with the others and leaves their clipped sum in p.grad, where no "
+                "noise is ever added, so another optimizer stepping them, or anything that reads their gradients "
+                "(gradient logging), would release them without noise. Fix: freeze what you do not train "
+                "(p.requires_grad_(False)), or give the optimizer every trainable parameter (before make_private).")
 
     def reset_step_state(self) -> None:
         """Forget backwards that will not be stepped (the automatic physical batch search's probes)."""

@@ -192,7 +192,7 @@ def test_make_private_with_epsilon_spends_at_most_the_target():
 def test_lr_scheduler_and_param_groups_work_through_the_dp_optimizer():
     model = make_model()
     opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.01},
-                             {"params": model[2].parameters(), "lr": 0.02}])
+                             {"params": model[3].parameters(), "lr": 0.02}])  # model[2] is the Dropout
     _, model, opt, crit, loader = private(model=model, optimizer=opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train(model, opt, crit, loader, steps=1)
@@ -366,6 +366,39 @@ def test_optimizer_over_other_parameters_is_refused():
     model, other = make_model(), make_model()
     with pytest.raises(ValueError, match="not parameters of the private model"):
         private(model=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_trainable_parameters_outside_the_dp_optimizer_are_refused_before_any_gradient_is_written():
+    """A DP optimizer over the body while the head still requires grad: the head's clipped sum would stay in p.grad
+    without noise, and a second optimizer over it (as here) stepped it by that unnoised sum before 2026-11-26.
+    Refused at the norm pass, before any gradient is written; freezing the head is the fix."""
+    model = make_model()
+    _, model, opt, crit, loader = private(model=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.1))
+    head = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    x, y = next(iter(loader))
+    with pytest.raises(PrivacyStepError, match=r"require grad but are not in the DP optimizer \(\['3.weight', "
+                                               r"'3.bias'\]\)"):
+        crit(model(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    head.step()  # nothing to step: no gradient was written
+    model[3].requires_grad_(False)
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    opt.step()
+    assert model[0].weight.grad is not None and model[3].weight.grad is None
+
+
+def test_a_parameter_unfrozen_after_make_private_and_outside_the_optimizer_is_refused():
+    model = make_model()
+    model[3].requires_grad_(False)
+    _, model, opt, crit, loader = private(model=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.1))
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    model[3].bias.requires_grad_(True)
+    with pytest.raises(PrivacyStepError, match=r"\['3.bias'\]"):
+        crit(model(x), y).backward()
 
 
 @pytest.mark.parametrize("poisson", [True, False])
