@@ -38,6 +38,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .. import collector
+from ..data import distributed_rank_and_size
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
 
@@ -116,13 +117,6 @@ def _with_last_replaced(flat, batch: int):
     return replaced, any_replaced, ambiguous
 
 
-def _distributed() -> bool:
-    """Several processes: every rank reruns on the same forwards, since a forward may gather (FSDP2) or
-    broadcast (DDP's buffers) across them, whatever its own batch holds."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class ForwardIndependence:
     """The check of the module doc, for one attached model. ``finding``: the Mixing of a checked forward, until
     the norm pass that follows reads it (``refuse_mixing``)."""
@@ -170,16 +164,19 @@ class ForwardIndependence:
         if start is None or self._running:
             return
         flat, spec = tree_flatten((args, kwargs))
-        batch = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
+        batch = self.recorder._batch_hint or 0  # the first tensor argument's dim 0, read by the recorder's pre-hook
         replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
-        if not any_replaced and not _distributed():
+        # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
+        # may gather (FSDP2) or broadcast (DDP's buffers) across them.
+        several = distributed_rank_and_size()[1] > 1
+        if not any_replaced and not several:
             return
         try:
             # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check
             # one of them and backpropagate after the next. Python's collector is paused, as in ghostdp's other
             # parts of a step (collector.py): the reruns' objects die by reference count.
             with collector.paused():
-                found = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous)
+                found = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous, several)
             self.finding = found or self.finding
         except torch.OutOfMemoryError:
             raise  # the step does not fit with its check (the physical batch search counts it so)
@@ -188,7 +185,7 @@ class ForwardIndependence:
                 self._warned = True
                 warnings.warn(RERUN_FAILED.format(error=error))
 
-    def _compare(self, module, spec, flat, replaced, output, batch: int, start, ambiguous: bool):
+    def _compare(self, module, spec, flat, replaced, output, batch: int, start, ambiguous: bool, several: bool):
         """The reruns of the module doc; a Mixing, or None. The generators, the buffers and the recorder's
         checkpoint flag are put back as the forward left them."""
         devices, states, buffers = start
@@ -197,7 +194,7 @@ class ForwardIndependence:
         with torch.no_grad():
             forward = _fingerprints(leaves, signs, batch)
         checkable = batch > 1 and any(f is not None for f in forward)
-        if not checkable and not _distributed():
+        if not checkable and not several:
             return None
         after = random_states(*devices), _buffers(module, values=False), self.recorder.forward_checkpointed
         self._running = True
@@ -205,13 +202,13 @@ class ForwardIndependence:
             def rerun(arguments):
                 return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
-            # Where this process's batch cannot be checked, another's may: it reruns with them (see _distributed).
+            # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
             found = _largest_move(forward, same, moved, batch, floors) if checkable else None
             # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
             # there are several).
-            if found is not None or _distributed():
+            if found is not None or several:
                 again = rerun(flat)
                 found = _largest_move(forward, same, moved, batch, floors, again) if checkable else None
         finally:
