@@ -118,6 +118,19 @@ def reference_per_example_grads(model, example_loss, batch_size):
     return out
 
 
+def clipped_sum_through_the_batch(losses, params, C=1.0):
+    """Each example's gradient of ``params`` as the batch's backward forms it (one-hot cotangents on the batch's
+    (B,) ``losses``, so whatever the batch shares in its forward or backward is the batch's), clipped to C and
+    summed, flattened over the parameters: the per-example definition for a model that mixes examples, which a
+    per-example loop (one example at a time) cannot reproduce."""
+    total = 0
+    for i in range(len(losses)):
+        grads = torch.autograd.grad(losses, params, torch.eye(len(losses), dtype=losses.dtype)[i], retain_graph=True)
+        g = torch.cat([t.flatten() for t in grads])
+        total = total + g * min(1.0, C / (float(g.norm()) + 1e-6))
+    return total
+
+
 def clipped_sum(per_example, C):
     norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in grads.values())) for grads in per_example])
     total = {n: torch.zeros_like(g) for n, g in per_example[0].items()}

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ghostdp
-from conftest import CLIPPING_MODES, assert_exact
+from conftest import CLIPPING_MODES, assert_exact, clipped_sum_through_the_batch
 from ghostdp.clipping.independence import RERUN_FAILED
 
 REFUSED = "the model's forward mixes examples where no gradient flows"
@@ -117,18 +117,11 @@ def _neighbouring_batches():
     return (x, v), (torch.cat([x, 1e3 * torch.ones(1, D)]), torch.cat([v, torch.zeros(1, D)]))
 
 
-def _clipped_sum_from_the_batch_forward(model, x, v, C=1.0):
-    """Each example's gradient through the batch's forward (one-hot cotangents on its losses), clipped to C and
-    summed: the per-example definition for this forward, flattened over the parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def _clipped_sum_from_the_batch_forward(model, x, v):
+    """The clipped sum through the batch's forward (conftest.clipped_sum_through_the_batch) of every trainable
+    parameter."""
     torch.manual_seed(5)  # dropout: the first examples' masks are the same in both batches
-    losses = model(x, v)
-    total = 0
-    for i in range(len(losses)):
-        grads = torch.autograd.grad(losses, params, torch.eye(len(losses), dtype=losses.dtype)[i], retain_graph=True)
-        g = torch.cat([t.flatten() for t in grads])
-        total = total + g * min(1.0, C / (float(g.norm()) + 1e-6))
-    return total
+    return clipped_sum_through_the_batch(model(x, v), [p for p in model.parameters() if p.requires_grad])
 
 
 @pytest.mark.parametrize("body", list(MIXING))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ghostdp
-from conftest import CLIPPING_MODES, assert_exact
+from conftest import CLIPPING_MODES, assert_exact, clipped_sum_through_the_batch
 
 V, D, K = 40, 2, 8  # table rows, width, examples sharing one token with the added example
 PAD, SHARED = 0, 1
@@ -60,13 +60,10 @@ def _neighbouring_batches():
     return D_, Dj
 
 
-def _clipped_sum_from_the_batch_backward(model, ids, v, C=1.0):
-    """Each example's gradient as the batch's backward forms it (one-hot cotangents on the batch's losses, so the
-    counts are the batch's), clipped to C and summed: what the fallback's per-example VJP computed."""
-    losses = model(ids, v)
-    rows = [torch.autograd.grad(losses, model.table.weight, torch.eye(len(losses), dtype=losses.dtype)[i],
-                                retain_graph=True)[0] for i in range(len(losses))]
-    return sum(g * min(1.0, C / (float(g.norm()) + 1e-6)) for g in rows)
+def _clipped_sum_from_the_batch_backward(model, ids, v):
+    """The table's clipped sum as the batch's backward forms each example's gradient (the counts are the batch's:
+    conftest.clipped_sum_through_the_batch): what the fallback's per-example VJP computed."""
+    return clipped_sum_through_the_batch(model(ids, v), [model.table.weight])
 
 
 def _assert_refused(model, ids, v, clipping, match=REFUSED, flag_after_attaching=False):
