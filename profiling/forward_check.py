@@ -17,7 +17,6 @@ a fresh model (seeded).
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 BATCH, LENGTH, VOCAB = 8, 32, 1000
 
@@ -48,30 +47,6 @@ def _models():
     }, torch
 
 
-@contextlib.contextmanager
-def _recorded_moves():
-    """Every (relative move, relative threshold) the check compares, with its floors as they are."""
-    from ghostdp.clipping import independence
-    seen = []
-    compare = independence._largest_move
-
-    def spy(forward, same, moved, batch, floors, again=None):
-        for f, s, m, floor in zip(forward, same, moved, floors):
-            if f is None or s is None or m is None:
-                continue
-            scale = float(s.abs().max()) or 1.0
-            noise = float((f - s).abs().max())
-            seen.append((float((m[:batch - 1] - s[:batch - 1]).abs().max()) / scale,
-                         (independence.NOISE_MARGIN * noise + floor * scale) / scale))
-        return compare(forward, same, moved, batch, floors, again)
-
-    independence._largest_move = spy
-    try:
-        yield seen
-    finally:
-        independence._largest_move = compare
-
-
 def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
     """One checked forward of a fresh model: (largest relative move, its threshold, whether it was found)."""
     import torch
@@ -80,16 +55,17 @@ def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
     model = build().to(device=device, dtype=dtype).train()
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
-        with _recorded_moves() as seen:
-            if text:
-                ids = torch.randint(1, VOCAB, (batch, LENGTH), device=device)
-                mask = torch.ones(batch, LENGTH, dtype=torch.long, device=device)
-                mask[-1, LENGTH // 2:] = 0  # the only padded example: its copy of the first makes the mask all ones
-                model(input_ids=ids, attention_mask=mask)
-            else:
-                model(torch.randn(batch, 64, device=device, dtype=dtype))
-        move, threshold = max(seen, default=(0.0, 0.0))
-        return move, threshold, controller.independence.finding is not None
+        if text:
+            ids = torch.randint(1, VOCAB, (batch, LENGTH), device=device)
+            mask = torch.ones(batch, LENGTH, dtype=torch.long, device=device)
+            mask[-1, LENGTH // 2:] = 0  # the only padded example: its copy of the first makes the mask all ones
+            model(input_ids=ids, attention_mask=mask)
+        else:
+            model(torch.randn(batch, 64, device=device, dtype=dtype))
+        check = controller.independence
+        largest = max(check.last_moves, key=lambda m: m.relative, default=None)
+        move, threshold = (0.0, 0.0) if largest is None else (largest.relative, largest.threshold)
+        return move, threshold, check.finding is not None
     finally:
         controller.detach()
 

@@ -129,6 +129,7 @@ class ForwardIndependence:
         self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
         self.forwards = 0                     # training forwards begun
         self.finding = None
+        self.last_moves = []                  # the Moves of the last checked forward (profiling.forward_check)
         self._start = None                    # (devices, random states, buffers) of a forward to check, at its start
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
@@ -194,6 +195,7 @@ class ForwardIndependence:
         with torch.no_grad():
             forward = _fingerprints(leaves, signs, batch)
         checkable = batch > 1 and any(f is not None for f in forward)
+        self.last_moves = []
         if not checkable and not several:
             return None
         after = random_states(*devices), _buffers(module, values=False), self.recorder.forward_checkpointed
@@ -205,21 +207,22 @@ class ForwardIndependence:
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            found = _largest_move(forward, same, moved, batch, floors) if checkable else None
+            moves = _moves(forward, same, moved, batch, floors) if checkable else []
             # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
             # there are several).
-            if found is not None or several:
+            if _largest_exceeding(moves) is not None or several:
                 again = rerun(flat)
-                found = _largest_move(forward, same, moved, batch, floors, again) if checkable else None
+                moves = _moves(forward, same, moved, batch, floors, again) if checkable else []
+            self.last_moves = moves
         finally:
             self._running = False
             restore_random_states(after[0])
             _put_back(after[1])
             self.recorder.forward_checkpointed = after[2]
+        found = _largest_exceeding(moves)
         if found is None:
             return None
-        k, size, threshold = found
-        return Mixing(batch, "output" + keystr(leaves[k][0]), size, threshold, ambiguous)
+        return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous)
 
     @staticmethod
     def _rerun(module, arguments, states, buffers, signs, batch: int) -> list:
@@ -290,10 +293,19 @@ def _fingerprints(leaves, signs, batch: int) -> list:
     return out
 
 
-def _largest_move(forward, same, moved, batch: int, floors, again=None):
-    """(output index, relative move, relative threshold) of the output whose examples 0..batch-2 moved most beyond
-    noise and its ``floors`` (relative), or None."""
-    best = None
+class Move(NamedTuple):
+    """One output's comparison: how far its examples 0..batch-2 moved and what was allowed, both relative to its
+    largest fingerprint, and whether the move exceeds the allowance."""
+    output: int          # the index of the output tensor (pytree leaf)
+    relative: float
+    threshold: float
+    exceeds: bool
+
+
+def _moves(forward, same, moved, batch: int, floors, again=None) -> list:
+    """A Move per output with fingerprints: the move of examples 0..batch-2 against NOISE_MARGIN times the
+    reruns' own spread (the forward's, and ``again``'s where given) plus its ``floors`` (relative)."""
+    out = []
     for k, (f, s, m, floor) in enumerate(zip(forward, same, moved, floors)):
         if f is None or s is None or m is None:
             continue
@@ -303,8 +315,11 @@ def _largest_move(forward, same, moved, batch: int, floors, again=None):
         scale = float(s.abs().max())
         move = float((m[:batch - 1] - s[:batch - 1]).abs().max())
         threshold = NOISE_MARGIN * noise + floor * scale
-        if move > threshold:
-            relative = move / scale if scale > 0 else float("inf")
-            if best is None or relative > best[1]:
-                best = (k, relative, threshold / scale if scale > 0 else float("inf"))
-    return best
+        out.append(Move(k, move / scale if scale > 0 else float("inf") if move > 0 else 0.0,
+                        threshold / scale if scale > 0 else float("inf"), move > threshold))
+    return out
+
+
+def _largest_exceeding(moves):
+    """The Move that exceeds its allowance by the largest relative move, or None."""
+    return max((m for m in moves if m.exceeds), key=lambda m: m.relative, default=None)
