@@ -149,6 +149,8 @@ class Chunk:
     padding: bool = False  # a stand-in row (weight 0) that keeps the ranks' chunk counts equal
     sample_rate: float | None = None    # q of the draw (Poisson sampling), recorded by the accountant
     expected_size: float | None = None  # q * N over all ranks: the divisor of the noisy sum
+    pass_index: int | None = None       # the loader's own batches: which pass over its sampler (an example is
+                                        # in at most one batch of a pass); None with Poisson sampling
 
     @property
     def is_last(self) -> bool:
@@ -162,6 +164,7 @@ class BatchTracker:
         self.pending = collections.deque()
         self.yielded: list[Chunk] = []
         self.logical_batches = 0  # drawn by the sampler so far (whichever loader iterates it)
+        self.passes = 0           # passes begun over the loader's own batch sampler (poisson_sampling=False)
         self.iterated = False     # the DPDataLoader itself has handed a batch to the loop (not a loader re-made
                                   # over its batch sampler, as accelerate's prepare does)
 
@@ -194,10 +197,12 @@ class ChunkedBatchSampler(Sampler):
 
     def __iter__(self):
         poisson = isinstance(self.logical, PoissonBatchSampler)
+        pass_index = None
         if poisson:
             batches = self.logical.with_positions()
         else:
             batches = ((None, indices) for indices in self.logical)
+            pass_index, self.tracker.passes = self.tracker.passes, self.tracker.passes + 1
         for position, indices in batches:
             rate = self.logical.rate_at(position[0]) if poisson else None
             expected = rate * self.logical.num_samples if poisson else None
@@ -212,7 +217,7 @@ class ChunkedBatchSampler(Sampler):
                 rows = indices[index * size:(index + 1) * size]
                 padding = distributed and not rows
                 self.tracker.pending.append(Chunk(logical_id, index, count, len(indices), position, padding,
-                                                  rate, expected))
+                                                  rate, expected, pass_index))
                 yield [0] if padding else rows
 
 

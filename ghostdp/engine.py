@@ -56,10 +56,12 @@ def _users_sampler(data_loader):
 
 def _check_sampler(data_loader, poisson_sampling: bool) -> None:
     """Poisson sampling replaces the loader's sampler: a warning where it was the user's own (its weighting is
-    lost). Without it the loader's batches are used as they are, and the accountant assumes Poisson sampling at
-    batch size / dataset size: refused for a sampler that draws some examples more often or twice in a batch."""
+    lost). Without it the loader's batches are used as they are, and the accountant assumes that each example is
+    in at most one batch a pass: refused for a sampler that draws some examples more often or twice in a batch."""
     own = _users_sampler(data_loader)
     if own is None:
+        if not poisson_sampling:
+            _check_one_batch_a_pass(data_loader.sampler, len(data_loader.dataset))
         return
     if poisson_sampling:
         warnings.warn(f"the data loader's {own} is not used: with Poisson sampling every example joins each batch "
@@ -69,10 +71,29 @@ def _check_sampler(data_loader, poisson_sampling: bool) -> None:
         return
     raise ValueError(
         f"with poisson_sampling=False the data loader's {own} draws the batches, but the accountant assumes each "
-        "example joins each batch with probability batch size / dataset size: a weighted, balanced or "
+        "example is in at most one batch a pass over the loader: a weighted, balanced or "
         "with-replacement sampler puts some examples in more batches (or twice in one, clipped twice), so their "
         "privacy loss would exceed the epsilon reported. Fix: poisson_sampling=True (the default), or a "
         "DataLoader with shuffle=True or False.")
+
+
+def _check_one_batch_a_pass(sampler, dataset_size: int) -> None:
+    """torch's standard samplers that still repeat examples within a pass: a RandomSampler asked for more
+    examples than the dataset has (it chains permutations) and a DistributedSampler that pads its shards with
+    examples of other ranks' (drop_last=False and a dataset size its world size does not divide)."""
+    if type(sampler) is torch.utils.data.RandomSampler and sampler.num_samples > dataset_size:
+        raise ValueError(
+            f"with poisson_sampling=False the loader's RandomSampler draws {sampler.num_samples} examples a pass "
+            f"from a dataset of {dataset_size}, so some examples are in two batches of a pass and the accounting "
+            "(one Gaussian mechanism a pass) would be optimistic. Fix: num_samples <= len(dataset) (train more "
+            "epochs instead), or poisson_sampling=True.")
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last and dataset_size % sampler.num_replicas:
+        raise ValueError(
+            f"with poisson_sampling=False the DistributedSampler pads the {dataset_size} examples to "
+            f"{sampler.total_size} for {sampler.num_replicas} processes by repeating some, which are then in two "
+            "batches of a pass and the accounting (one Gaussian mechanism a pass) would be optimistic. Fix: "
+            "DistributedSampler(..., drop_last=True), a dataset size the number of processes divides, or "
+            "poisson_sampling=True.")
 
 
 def _check_batch_size_schedule(schedule, data_loader, poisson_sampling) -> None:
@@ -163,8 +184,10 @@ class PrivacyEngine:
         given, which must support reduction="none") returns the DP loss; without a criterion,
         build losses with ``engine.controller.loss(per_example_losses)``. With
         poisson_sampling=True the loader is rebuilt to draw Poisson batches of expected size
-        batch_size; with False the loader's own batches are kept and the accountant still
-        assumes Poisson sampling at rate batch_size / len(dataset), as Opacus and others do.
+        batch_size; with False the loader's own batches are kept (shuffled or in order), each example
+        is in at most one batch a pass, and the accountant records each pass as one Gaussian
+        mechanism without amplification (accounting/passes.py): a proven bound, larger than
+        Poisson's. Accounting such batches as Poisson draws, as Opacus and others do, can be optimistic.
 
         Several processes (torchrun / accelerate, process group initialised first): batch_size is
         each process's expected share (q = batch_size * world_size / len(dataset)), each rank
@@ -243,7 +266,7 @@ class PrivacyEngine:
                 optimizer, controller=controller, noise_multiplier=float(noise_multiplier),
                 expected_batch_size=expected_batch_size, sample_rate=sample_rate, accountant=self.accountant,
                 random_source=self.random_source, tracker=tracker, fixed_batch_size=fixed,
-                loss_reduction=loss_reduction, adaptive_clipping=adaptive)
+                loss_reduction=loss_reduction, adaptive_clipping=adaptive, poisson_sampling=poisson_sampling)
         except Exception:
             controller.detach()
             raise
@@ -377,18 +400,22 @@ class PrivacyEngine:
     def calibrated_steps(self, data_loader, *, epochs: int, batch_size_schedule=None,
                          poisson_sampling: bool = True) -> int:
         """The steps of ``epochs`` of this loader (and batch-size schedule): what noise_for_epsilon calibrates for.
-        Set as the DP optimizer's ``calibrated_steps``, it warns once training goes past them."""
+        Set as the DP optimizer's ``calibrated_steps``, it warns once training goes past them. With
+        poisson_sampling=False, the passes over the data (``epochs``): what the accountant counts then."""
         return sum(steps for _, steps in self._calibration_plan(data_loader, epochs, batch_size_schedule,
                                                                 poisson_sampling))
 
     def _calibration_plan(self, data_loader, epochs, batch_size_schedule, poisson_sampling) -> list:
-        """(sample rate, steps) of each run of ``epochs`` of the loader."""
+        """(sample rate, steps) of each run of ``epochs`` of the loader; the loader's own batches are one Gaussian
+        mechanism (sample rate 1) a pass (accounting/passes.py)."""
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
         if not isinstance(data_loader, DataLoader) or not hasattr(data_loader.dataset, "__len__"):
             raise TypeError("calibrating the noise needs a torch DataLoader over a dataset with len()")
         sample_rate, n, steps_per_epoch = _sampling_plan(data_loader, distributed_rank_and_size()[1])
         _check_batch_size_schedule(batch_size_schedule, data_loader, poisson_sampling)
+        if not poisson_sampling:
+            return [(1.0, epochs)]
         return SamplingPlan(sample_rate, steps_per_epoch, n, batch_size_schedule).steps(epochs)
 
     # ------------------------------------------------------------------ privacy spent, state

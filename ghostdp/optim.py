@@ -3,7 +3,8 @@
 After backward, p.grad holds the clipped sum sum_i c_i g_i (ghostdp's controller puts it there).
 At the end of a logical batch, step() does, for every parameter of the wrapped optimizer:
     p.grad = (p.grad + N(0, sigma^2 C^2)) / expected_batch_size     (loss_reduction="mean")
-then the wrapped optimizer's step, and records (sigma, q) in the accountant.
+then the wrapped optimizer's step, and records (sigma, q) in the accountant (with the loader's own batches,
+poisson_sampling=False: each pass over them once, at q = 1; accounting/passes.py).
 
 With several processes (DDP), p.grad holds the average over ranks of their clipped sums; it is
 multiplied by the world size back into the sum over all ranks' examples, and every rank adds the
@@ -19,6 +20,7 @@ import warnings
 import torch
 
 from . import collector
+from .accounting.passes import PassAccounting
 from .data import BatchTracker, any_rank, collective_device, distributed_rank_and_size
 from .sharding import local_parts
 
@@ -103,8 +105,10 @@ class DPOptimizer(torch.optim.Optimizer):
         controller: the GhostClipping controller attached to the model.
         noise_multiplier: sigma; the noise std is sigma * max_grad_norm.
         expected_batch_size: q * N, the divisor of the noisy sum (loss_reduction="mean").
-        sample_rate: q, recorded in the accountant at each step.
+        sample_rate: q, recorded in the accountant at each step (Poisson sampling).
         accountant: a ghostdp.accounting accountant, or None for no accounting.
+        poisson_sampling: False for the loader's own batches: the accountant then records each pass over
+            them once, without amplification (accounting/passes.py).
         random_source: a ghostdp.randomness.RandomSource for the noise.
         tracker: the BatchTracker of a DPDataLoader, or None when the loop uses its own loader;
             ``fixed_batch_size`` then bounds the examples of one step.
@@ -116,7 +120,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, controller, noise_multiplier: float,
                  expected_batch_size: float, sample_rate: float, accountant, random_source,
                  tracker: BatchTracker | None = None, fixed_batch_size: int | None = None,
-                 loss_reduction: str = "mean", adaptive_clipping=None):
+                 loss_reduction: str = "mean", adaptive_clipping=None, poisson_sampling: bool = True):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("this optimizer is already a DPOptimizer; pass the original optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -134,6 +138,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.random_source = random_source
         self.tracker = tracker
         self.fixed_batch_size = fixed_batch_size
+        self.poisson_sampling = poisson_sampling
+        self.passes = None if poisson_sampling or accountant is None else PassAccounting(accountant)
         self.loss_reduction = loss_reduction
         self.world_size = distributed_rank_and_size()[1]
         self.adaptive_clipping = adaptive_clipping
@@ -336,7 +342,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if backward_calls == 0 and expected != 0:
             raise PrivacyStepError("optimizer.step() was called without a backward() of the DP loss for this "
                                    "batch. Call loss.backward() first.")
-        if (expected is None and self.tracker is not None and self.fixed_batch_size is None
+        if (expected is None and self.tracker is not None and self.poisson_sampling
                 and (self.tracker.iterated or self.tracker.logical_batches == 0)):
             # Poisson sampling, and its loader has yielded nothing since the last step (or its sampler never drew).
             raise PrivacyStepError(
@@ -540,7 +546,10 @@ class DPOptimizer(torch.optim.Optimizer):
             unclipped, examples = self._summed_over_ranks(unclipped, examples)
             self.controller.max_grad_norm = self.adaptive_clipping.update(
                 unclipped, examples, expected, self.noise_multiplier, self.random_source)
-        if self.accountant is not None:
+        if self.passes is not None:
+            self.passes.record(self.noise_multiplier, chunks[-1].pass_index if chunks else None)
+            self._warn_past_calibration()
+        elif self.accountant is not None:
             self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
             self._warn_past_calibration()
         self._mid_logical_batch = False
@@ -556,8 +565,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 or self.accountant.steps <= self.calibrated_steps):
             return
         self._warned_past_calibration = True
+        unit = "steps" if self.passes is None else "passes over the data"
         warnings.warn(
-            f"training has gone past the {self.calibrated_steps} steps that the noise was calibrated for "
+            f"training has gone past the {self.calibrated_steps} {unit} that the noise was calibrated for "
             f"(target_epsilon={self.calibrated_epsilon}): the privacy spent now exceeds that target "
             "(engine.get_epsilon(delta) gives it). Fix: stop after the epochs given to make_private_with_epsilon, "
             "or calibrate for as many epochs as you train.", stacklevel=4)

@@ -1,5 +1,5 @@
 """`import ghostdp` does no heavy work: no integration's library and no scipy module is imported until used
-(scipy.signal and scipy.special alone took ~1.3 s). tests/test_accounting.py runs the code that imports them."""
+(scipy.signal and scipy.special alone took ~1.3 s). tests/accounting/test_accountants.py runs the code that imports them."""
 import subprocess
 import sys
 

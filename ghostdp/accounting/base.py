@@ -36,7 +36,9 @@ class Accountant:
     """Privacy accounting of DP-SGD steps, each a Poisson-subsampled Gaussian mechanism.
 
     ``history`` holds [noise_multiplier, sample_rate, num_steps] runs in order; consecutive
-    steps with the same mechanism are merged.
+    steps with the same mechanism are merged. A step at sample rate 1 is a Gaussian mechanism without
+    amplification: what one pass of fixed batches (poisson_sampling=False) is recorded as, so ``steps``
+    counts optimizer steps with Poisson sampling and passes over the data without it.
     """
 
     mechanism = ""
@@ -53,6 +55,17 @@ class Accountant:
             self.history[-1][2] += num_steps
         else:
             self.history.append([noise_multiplier, sample_rate, num_steps])
+
+    def restate_last_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """Replaces the last step recorded by another: a pass of fixed batches (passes.py) is recorded at its
+        first step and restated when a later step of it has a smaller noise multiplier."""
+        if not self.history:
+            raise ValueError("there is no step to restate")
+        check_mechanism(noise_multiplier, sample_rate)
+        self.history[-1][2] -= 1
+        if self.history[-1][2] == 0:
+            self.history.pop()
+        self.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
     @property
     def steps(self) -> int:
