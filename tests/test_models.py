@@ -68,6 +68,44 @@ def test_vit():
     assert_exact_model(model, dict(pixel_values=pixels), classification_loss(torch.randint(0, 3, (B,))), B)
 
 
+def test_swin_windows_hold_several_rows_of_each_example():
+    """Swin runs its attention on (B * windows, tokens, d); its relative position bias (a table read by index,
+    shared by the batch and broadcast by the model itself) is frozen, as ghostdp's error asks (next test)."""
+    from transformers import SwinConfig, SwinForImageClassification
+    cfg = SwinConfig(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4,
+                     num_labels=3, drop_path_rate=0.0)
+    model = SwinForImageClassification(cfg).double()
+    for name, p in model.named_parameters():
+        p.requires_grad_("relative_position_bias" not in name)
+    pixels = torch.randn(B, 3, 16, 16)
+    assert_exact_model(model, dict(pixel_values=pixels), classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+@pytest.mark.parametrize("model_name", ["deberta-v2", "swin"])
+def test_a_model_that_broadcasts_a_shared_output_itself_fails_naming_the_module_to_freeze(model_name):
+    """DeBERTa's relative embeddings and Swin's relative position bias are computed once for the batch and
+    broadcast (repeated) by the model; ghostdp had broadcast them already, and the model's own error (a bmm or
+    sdpa size mismatch) did not say why."""
+    import transformers as tf
+    if model_name == "deberta-v2":
+        model = tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
+            pos_att_type=["p2c", "c2p"], num_labels=3, **_small()))
+        model.deberta.encoder.rel_embeddings.weight.requires_grad_(False)  # read by the encoder directly
+        inputs, culprit = dict(input_ids=padded_text(30)[0]), "deberta.encoder.layer.0.attention.self.pos_query_proj"
+    else:
+        model = tf.SwinForImageClassification(tf.SwinConfig(
+            image_size=16, patch_size=2, embed_dim=8, depths=[1], num_heads=[2], window_size=4, num_labels=3))
+        inputs = dict(pixel_values=torch.randn(B, 3, 16, 16))
+        culprit = "swin.encoder.layers.0.blocks.0.attention.relative_position_bias"
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError) as caught:
+        model(**inputs)
+    controller.detach()
+    notes = "".join(getattr(caught.value, "__notes__", []))
+    assert f"broadcast the output of module '{culprit}'" in notes and "Fix: freeze that module's parameters" in notes
+
+
 @pytest.mark.parametrize("base", ["bert", "roberta", "gpt2", "llama"])
 def test_peft_lora(base):
     from peft import LoraConfig, get_peft_model
@@ -223,6 +261,11 @@ MORE_TRANSFORMERS = {
     # rotary positions, a parallel attention and MLP residual
     "gpt-neox": lambda tf: tf.GPTNeoXForSequenceClassification(tf.GPTNeoXConfig(
         hidden_dropout=0.0, attention_dropout=0.0, num_labels=3, pad_token_id=0, **_small())),
+    # global attention on the first token: its projections run sequence-first on one position, (1, B, d), an
+    # output of size 1 on dim 0 that is not shared by the batch (it was broadcast to it: the forward crashed)
+    "longformer": lambda tf: tf.LongformerForSequenceClassification(tf.LongformerConfig(
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attention_window=4, pad_token_id=0,
+        num_labels=3, **_small())),
     # NoNorm (an elementwise affine without statistics: the fallback) and bottlenecks
     "mobilebert": lambda tf: tf.MobileBertForSequenceClassification(tf.MobileBertConfig(
         embedding_size=8, intra_bottleneck_size=8, true_hidden_size=8, hidden_dropout_prob=0.0,

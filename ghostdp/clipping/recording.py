@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 import warnings
 from collections import defaultdict
 
@@ -35,6 +36,7 @@ from .reentrant import USE_NON_REENTRANT
 # torch's global forward hooks (register_module_forward_hook): they run before every module's own forward hooks.
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
 
+_ADDS_NOTES = sys.version_info >= (3, 11)  # BaseException.add_note
 _EXPANDED, _NOT_EXPANDED = (True,), (False,)  # a ruled call's one output, broadcast to the batch or not
 # What a forward hook records (ForwardRecorder._call_kind): a call of the forward; a call of a reentrant
 # checkpoint's region, recomputed by pass 1 or by the layout proof; nothing (an inert probe).
@@ -94,6 +96,16 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _batch_on_dim_one(args, B) -> bool:
+    """An input of shape (1, B, ...) that carries gradient: a sequence-first layer's input of sequence length 1
+    (Longformer's global attention), whose output of size 1 on dim 0 is not shared by the batch."""
+    for a in args:
+        if (isinstance(a, torch.Tensor) and a.requires_grad and a.dim() > 1 and a.shape[0] == 1
+                and a.shape[1] == B):
+            return True
+    return False
+
+
 def _grad_fns(tensors) -> frozenset:
     """The autograd nodes that made ``tensors`` (none for a leaf or a tensor without grad)."""
     return frozenset([node for node in map(_GRAD_FN, tensors) if node is not None])
@@ -122,6 +134,7 @@ class ForwardRecorder:
         self.probes = {}              # device -> the probe leaf of the calls' probes
         self.sinks = {}               # device -> the leaf of the InputSinks (probe.py) of modules without a rule
         self._batch_hint = None
+        self.broadcast_in_forward = []  # (name, shape) of the outputs of batch size 1 broadcast in this forward
         # A call without a rule and with several outputs: its fallback runs after pass 1 has gone below it.
         self.graph_needed_after_pass1 = False
         # Book-keeping: the forward ran a trained layer under a checkpoint (saved-tensor hooks, or with
@@ -149,7 +162,8 @@ class ForwardRecorder:
         self.root = module
         if self.watch_checkpoints:
             self._checkpointing_flags = _checkpointing_flag_holders(module)
-        handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True)]
+        handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True),
+                   module.register_forward_hook(self.on_root_forward_end, always_call=True)]
         for name, m in hooked_modules(module):
             entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
             if entry is not None and not set(owned_parameters(m)) <= entry.params:
@@ -192,11 +206,34 @@ class ForwardRecorder:
     def on_root_forward(self, module, args, kwargs):
         if self._recording(module):
             self._batch_hint = _leading_dim(args, kwargs)
+            self.broadcast_in_forward.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
                 if self.watch_checkpoints:
                     self.forward_checkpointed = _saved_tensor_hooks(False) is not None
                     self._capturing = not self._checkpointing_flag_set()
+
+    def on_root_forward_end(self, module, args, output):
+        """Runs also when the model's forward raised (always_call): if a module's output of batch size 1 was
+        broadcast to the batch before, the error most likely comes from that (the model broadcasts it itself,
+        or its dim 0 was not a batch dim), which the model's own message cannot say."""
+        error = sys.exc_info()[1]  # output is None: the forward raised (not a forward inside an except block)
+        if output is not None or error is None or not self.broadcast_in_forward:
+            return
+        name, shape = self.broadcast_in_forward[-1]  # the last before the error
+        explanation = (
+            f"ghostdp: this forward broadcast the output of module '{name}', of shape {tuple(shape)}, to the batch "
+            f"of {self._batch_hint} examples (an output of batch size 1 is taken as shared by the batch, like "
+            "BERT's position embeddings, so that its gradient stays per example), and the model's forward then "
+            "failed. If the model broadcasts that output itself (DeBERTa's relative embeddings, Swin's relative "
+            "position bias, peft's prompt tuning) or its dim 0 is not a batch dim (a sequence-first layer on a "
+            "sequence of length 1: Longformer's global attention), ghostdp cannot split its gradient by "
+            "example. Fix: freeze that module's parameters (requires_grad_(False)) before making the model "
+            "private (prompt tuning trains nothing else: use another adapter, e.g. LoRA).")
+        if _ADDS_NOTES:
+            error.add_note(explanation)
+        else:  # Python 3.10: shown before the model's error
+            warnings.warn(explanation)
 
     def on_unit_forward(self, unit, args):
         if self._recording(unit):
@@ -283,8 +320,10 @@ class ForwardRecorder:
             t = flat[i]
             # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
             # batch here so that its output grad stays per example.
-            expanded = B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
+            expanded = (B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1
+                        and not (dim == 0 and _batch_on_dim_one(inputs, B)))
             if expanded:
+                self.broadcast_in_forward.append((name, t.shape))
                 t = t.expand(*t.shape[:dim], B, *t.shape[dim + 1:])
             if recording or kind is _IN_PROOF:
                 call.edges.append(_edge(flat[i]))
@@ -366,7 +405,9 @@ class ForwardRecorder:
         call = ModuleCall(self, name, module, entry, params)
         B = self._batch_hint
         t, saved = output, args
-        if B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1:  # shared by the batch: see on_forward
+        if (B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1  # shared by the batch: see on_forward
+                and not _batch_on_dim_one(args, B)):
+            self.broadcast_in_forward.append((name, t.shape))
             t = t.expand(B, *t.shape[1:])
             saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
             call.expanded = _EXPANDED

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import ghostdp
+from ghostdp.clipping import recording
 from conftest import (CLIPPING_MODES, Gain, assert_exact, assert_norms_as_forms_alternate, clipped_sum,
                       reference_per_example_grads, without_scheduled_proofs)
 
@@ -63,6 +64,82 @@ def test_a_sequence_first_layer_on_one_position_is_refused_not_broadcast(clippin
         controller.loss(model(torch.randn(4, 1, 3)).pow(2).sum(1)).backward()
     controller.detach()
     _exact(model, torch.randn(4, 2, 3), batch_dim=0, B=4)
+
+
+class SequenceFirstOnATrainedInput(nn.Module):
+    """As Longformer's global attention: a sequence-first layer on one position of hidden states that carry
+    gradient, (1, B, 3), pooled over that position."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        first = torch.tanh(self.embed(x))[:, :1].transpose(0, 1)  # (1, B, 3)
+        return self.head(torch.tanh(self.lin(first)).sum(0))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_sequence_first_layer_on_one_position_of_a_trained_input_is_not_broadcast_and_is_exact(clipping):
+    """Its input of shape (1, B, ...) carries gradient, so its output of size 1 on dim 0 is not one shared by the
+    batch (a shared one is computed from no example: position ids, a table); the proof finds dim 1. It was
+    broadcast to (B, B, 4) and refused (Longformer's forward crashed)."""
+    torch.manual_seed(0)
+    model = SequenceFirstOnATrainedInput()
+    _exact(model, torch.randn(4, 3, 3), batch_dim=0, B=4)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    controller.loss(model(torch.randn(4, 3, 3)).pow(2).sum(1)).backward()
+    assert controller.recorder.broadcast_in_forward == []
+    controller.detach()
+
+
+class PromptRepeatedByTheModel(nn.Module):
+    """As peft's prompt tuning: a prompt looked up once, of batch size 1, repeated to the batch by the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt, self.head = nn.Embedding(2, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        prompt = self.prompt(torch.arange(2)[None])  # (1, 2, 3)
+        return self.head(torch.cat([prompt.repeat(x.shape[0], 1, 1), x], 1)).sum(1)
+
+
+class WithPositions(nn.Module):
+    """BERT's position embeddings: looked up once, of batch size 1, broadcast to the batch by ghostdp."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Embedding(4, 3)
+
+    def forward(self, x):
+        return x + self.positions(torch.arange(4)[None])
+
+
+def test_a_forward_that_fails_after_a_broadcast_is_explained_and_one_that_fails_without_is_left_alone(monkeypatch):
+    model = PromptRepeatedByTheModel()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match") as caught:
+        model(torch.randn(3, 4, 3))
+    notes = "".join(caught.value.__notes__)
+    assert "broadcast the output of module 'prompt', of shape (1, 2, 3), to the batch of 3 examples" in notes
+    assert "use another adapter, e.g. LoRA" in notes
+    monkeypatch.setattr(recording, "_ADDS_NOTES", False)  # Python 3.10: no notes, a warning before the error
+    with pytest.warns(UserWarning, match="broadcast the output of module 'prompt'"), pytest.raises(RuntimeError):
+        model(torch.randn(3, 4, 3))
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError) as caught:  # an error with no broadcast in its forward: the model's own
+        model(torch.randn(1, 4, 5))
+    assert not getattr(caught.value, "__notes__", None)
+    controller.detach()
+    model = WithPositions()  # a broadcast that works, inside an exception handler: that exception is not the
+    controller = ghostdp.GhostClipping(model, 1.0)  # forward's
+    try:
+        raise KeyError("the loop's own")
+    except KeyError as handled:
+        model(torch.randn(3, 4, 3))
+        assert controller.recorder.broadcast_in_forward and not getattr(handled, "__notes__", None)
+    controller.detach()
 
 
 def test_flattened_batch_rows_in_blocks_are_exact():
