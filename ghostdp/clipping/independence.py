@@ -41,6 +41,8 @@ from .. import collector
 from ..data import distributed_rank_and_size
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
+from .padding import (DEPENDS_ON_PADDING, EXTRA, at_real_positions, in_eval_mode, padded_arguments,
+                      sequence_length)
 
 # A move of the other examples' fingerprints counts when it exceeds NOISE_MARGIN times what the forward and
 # its first rerun differ by, plus a floor relative to the fingerprints' size (relative_floor): the batch may
@@ -80,6 +82,15 @@ RERUN_FAILED = (
 
 
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.checkpoint's warning
+
+
+class PaddingDependence(NamedTuple):
+    """A forward whose outputs at the original positions moved when the batch was padded further (padding.py)."""
+    batch: int
+    length: int     # T of the forward's attention_mask; the batch was padded to T + EXTRA
+    output: str
+    moved: float
+    threshold: float
 
 
 class Mixing(NamedTuple):
@@ -130,6 +141,12 @@ class ForwardIndependence:
         self.forwards = 0                     # training forwards begun
         self.finding = None
         self.last_moves = []                  # the Moves of the last checked forward (profiling.forward_check)
+        # padding.py: the lengths (attention_mask's T) of the training forwards, two at most (whether they differ),
+        # and the PaddingDependence found on a checked forward (kept: refused once the lengths differ).
+        self.lengths = set()
+        self.padding_finding = None
+        self.check_padding = True             # False: no padding reruns (the refusal names this switch)
+        self.last_padding_moves = []
         self._start = None                    # (devices, random states, buffers) of a forward to check, at its start
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
@@ -156,6 +173,10 @@ class ForwardIndependence:
         if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
             return  # not a training forward, or a checkpoint's recomputation
         n, self.forwards = self.forwards, self.forwards + 1
+        if len(self.lengths) < 2:
+            length = sequence_length(kwargs)
+            if length is not None:
+                self.lengths.add(length)
         if self.every and (n == 0 or proof_scheduled(n, self.every)):
             devices = _accelerators(module, args, kwargs)
             self._start = (devices, random_states(*devices), _buffers(module))
@@ -204,15 +225,18 @@ class ForwardIndependence:
             def rerun(arguments):
                 return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
+            self._check_padding(module, tree_unflatten(flat, spec), leaves, states, buffers, signs, batch,
+                                forward, checkable)
+
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            moves = _moves(forward, same, moved, batch, floors) if checkable else []
+            moves = _moves(forward, same, moved, batch - 1, floors) if checkable else []
             # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
             # there are several).
             if _largest_exceeding(moves) is not None or several:
                 again = rerun(flat)
-                moves = _moves(forward, same, moved, batch, floors, again) if checkable else []
+                moves = _moves(forward, same, moved, batch - 1, floors, again) if checkable else []
             self.last_moves = moves
         finally:
             self._running = False
@@ -225,9 +249,10 @@ class ForwardIndependence:
         return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous)
 
     @staticmethod
-    def _rerun(module, arguments, states, buffers, signs, batch: int) -> list:
+    def _rerun(module, arguments, states, buffers, signs, batch: int, positions=None) -> list:
         """The fingerprints of one forward without gradient on ``arguments`` (args, kwargs), from the generators'
-        ``states`` and copies of the ``buffers``' values at the forward's start."""
+        ``states`` and copies of the ``buffers``' values at the forward's start. ``positions``: (the forward's
+        outputs, T, attention mask) of a padding check (padding.py): the outputs are read at its real positions."""
         _with_copies(buffers)
         restore_random_states(states)
         args, kwargs = arguments
@@ -237,7 +262,33 @@ class ForwardIndependence:
             leaves = _leaves(module(*args, **kwargs))
             if len(leaves) != len(signs):  # an output of another structure: nothing to compare
                 return [None] * len(signs)
+            if positions is not None:
+                leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
             return _fingerprints(leaves, signs, batch)
+
+    def _check_padding(self, module, arguments, leaves, states, buffers, signs, batch: int, forward,
+                       checkable: bool) -> None:
+        """padding.py: the forward in eval() mode on the batch and on the batch padded further; a move of any
+        example's outputs at the original positions is kept as ``padding_finding``."""
+        self.last_padding_moves = []
+        padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
+        if padded is None:
+            return
+        padded_arguments_, length = padded
+        positions = (leaves, length, arguments[1]["attention_mask"])
+        with in_eval_mode(module):
+            plain = self._rerun(module, arguments, states, buffers, signs, batch, positions)
+            try:
+                longer = self._rerun(module, padded_arguments_, states, buffers, signs, batch, positions)
+            except (IndexError, RuntimeError, ValueError):  # more positions than the model has: unchecked here
+                return
+        floors = [None if s is None else relative_floor(s.dtype) for s in signs]
+        moves = _moves(plain, plain, longer, batch, floors)  # every example; eval() draws nothing
+        self.last_padding_moves = moves
+        found = _largest_exceeding(moves)
+        if found is not None:
+            self.padding_finding = PaddingDependence(batch, length, "output" + keystr(leaves[found.output][0]),
+                                                     found.relative, found.threshold)
 
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1
@@ -246,6 +297,11 @@ class ForwardIndependence:
     def refuse_mixing(self, batch_size: int, calls) -> None:
         """At the norm pass after a checked forward: refuse a Mixing where the per-example losses are the
         batch the forward was perturbed in and every call's proven layout has the examples on dim 0."""
+        padding = self.padding_finding
+        if padding is not None and len(self.lengths) > 1:
+            raise RuntimeError(DEPENDS_ON_PADDING.format(
+                batch=padding.batch, length=padding.length, extra=EXTRA, output=padding.output,
+                moved=padding.moved, threshold=padding.threshold, lengths=", ".join(map(str, sorted(self.lengths)))))
         finding, self.finding = self.finding, None
         if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
             return
@@ -302,8 +358,8 @@ class Move(NamedTuple):
     exceeds: bool
 
 
-def _moves(forward, same, moved, batch: int, floors, again=None) -> list:
-    """A Move per output with fingerprints: the move of examples 0..batch-2 against NOISE_MARGIN times the
+def _moves(forward, same, moved, compared: int, floors, again=None) -> list:
+    """A Move per output with fingerprints: the move of examples 0..compared-1 against NOISE_MARGIN times the
     reruns' own spread (the forward's, and ``again``'s where given) plus its ``floors`` (relative)."""
     out = []
     for k, (f, s, m, floor) in enumerate(zip(forward, same, moved, floors)):
@@ -313,7 +369,7 @@ def _moves(forward, same, moved, batch: int, floors, again=None) -> list:
         if again is not None and again[k] is not None:
             noise = max(noise, float((again[k] - s).abs().max()))
         scale = float(s.abs().max())
-        move = float((m[:batch - 1] - s[:batch - 1]).abs().max())
+        move = float((m[:compared] - s[:compared]).abs().max())
         threshold = NOISE_MARGIN * noise + floor * scale
         out.append(Move(k, move / scale if scale > 0 else float("inf") if move > 0 else 0.0,
                         threshold / scale if scale > 0 else float("inf"), move > threshold))

@@ -1,0 +1,135 @@
+"""Whether each example's outputs depend on how far the batch is padded.
+
+With dynamic padding (a collator pads each batch to its longest example, as transformers'
+DataCollatorWithPadding does) the number of positions T belongs to the batch: an added long example pads every
+other example further. A model that reads padded positions its attention mask excludes (a mean over all
+positions, ``h.mean(1)``, instead of over the unmasked ones) then gives each example a gradient that depends on
+the others' lengths: one added example of length 48 moved the clipped sum of 8 others by 1.8 C (a 2-layer BERT
+with such a head, float64), besides its own C, and no check saw it before 2026-11-26.
+
+So the forward check (independence.py) reruns, on its schedule, a forward called with an ``attention_mask`` of
+shape (B, T) (transformers' convention) twice more without gradient and in eval() mode (dropout would draw other
+masks for longer tensors): on the batch, and on the batch padded by EXTRA more positions (``padded_arguments``).
+Each output's values at the batch's real positions (``at_real_positions``) must not move. A forward that cannot
+take the longer batch (more positions than the model has) goes unchecked for padding on that step. A model found
+to move is refused only once the training forwards' lengths have differed: padded to one fixed length
+(padding="max_length"), T is no property of the batch. Not covered: a loss that reads padded positions (the
+check compares the model's outputs), batches without an attention_mask keyword. transformers' BERT, RoBERTa,
+DistilBERT, ALBERT, ELECTRA, Funnel, GPT-2 and Llama (sdpa and eager, right and left padding, float32 and
+bfloat16; CPU) move by at most 0.0039 of their size in bfloat16 (the floor there: 0.0625), 2e-7 in float32.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+LABELS_IGNORED = -100  # transformers' ignore index: a padded label position is not a target
+EXTRA = 8  # positions added: a mean over T + 8 positions instead of T moves far beyond rounding
+
+DEPENDS_ON_PADDING = (
+    "the model's outputs depend on how far the batch is padded: padding the batch of {batch} examples (length "
+    "{length}) by {extra} more positions with attention_mask 0 moved {output} at the real positions by "
+    "{moved:.3g} of its size (beyond {threshold:.3g}, what rounding allows; eval() mode, no gradient), and the "
+    "batches' lengths differ from step to step ({lengths}): each batch is padded to its longest example, so one "
+    "example's length moves the others' outputs and clipped gradients, and one example can move the update by "
+    "more than the clipping norm (measured: 1.8 C besides its own). Something reads positions that the attention "
+    "mask excludes: a mean or sum over all positions (h.mean(1)), a pooling window across the padding. Fix: use "
+    "the mask where the model pools ((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)), or pad every batch "
+    "to one fixed length (tokenizer(..., padding='max_length', max_length=...)). If you are sure the move is "
+    "rounding, or that your loss reads none of the outputs that moved, switch this check off with "
+    "controller.independence.check_padding = False (engine.controller after make_private).")
+
+
+def sequence_length(kwargs) -> int | None:
+    """T of the forward's attention_mask keyword of shape (B, T), or None."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
+        return mask.shape[1]
+    return None
+
+
+def _pad_id(module, input_ids: torch.Tensor | None, mask: torch.Tensor):
+    """The id the batch was padded with (read at a masked position), else the model's config.pad_token_id; None
+    where neither says (a sequence classifier finds each example's last token by it: another id would move it)."""
+    if input_ids is None:
+        return 0
+    masked = input_ids[mask == 0]
+    if masked.numel():
+        return int(masked[0])
+    for m in module.modules():
+        pad = getattr(getattr(m, "config", None), "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return None
+
+
+def padded_arguments(module, args, kwargs, batch: int):
+    """(args, kwargs) with every tensor of leading shape (batch, T) padded by EXTRA positions on dim 1
+    (attention_mask with 0, labels with -100, the input ids with the pad id, others with 0), and T; or None where
+    the forward has no attention_mask of shape (batch, T) or the pad id is unknown."""
+    mask = kwargs.get("attention_mask")
+    length = sequence_length(kwargs)
+    if length is None or mask.shape[0] != batch:
+        return None
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()
+                    and a.shape[:2] == mask.shape), None)
+    pad_id = _pad_id(module, ids, mask)
+    if pad_id is None:
+        return None
+
+    def pad(t, fill):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[:2] != mask.shape:
+            return t
+        extra = t.new_full((batch, EXTRA, *t.shape[2:]), fill if not t.is_floating_point() else 0)
+        return torch.cat([t, extra], 1)
+
+    def fill_of(key, t):
+        if key == "attention_mask":
+            return 0
+        if key == "labels":
+            return LABELS_IGNORED
+        return pad_id if t is ids else 0
+
+    new_args = tuple(pad(a, fill_of(None, a)) for a in args)
+    new_kwargs = {k: pad(v, fill_of(k, v)) for k, v in kwargs.items()}
+    return (new_args, new_kwargs), length
+
+
+def at_real_positions(leaves, original, length: int, mask: torch.Tensor) -> list:
+    """Each output narrowed to its ``original``'s shape along the dims that grew from ``length`` by EXTRA
+    (positions, and both of an attention map's; None where the shapes differ otherwise), and zero at the positions
+    the attention mask excludes along every dim of that length: what a model computes there (a causal model's
+    fully masked rows under left padding average over all positions) reaches no loss that ignores padding."""
+    out = []
+    for (_, p), (_, t) in zip(leaves, original):
+        if not isinstance(p, torch.Tensor) or not isinstance(t, torch.Tensor) or p.dim() != t.dim():
+            out.append(None)
+            continue
+        for dim, (a, b) in enumerate(zip(p.shape, t.shape)):
+            if a != b:
+                if not (b == length and a == length + EXTRA):
+                    p = None
+                    break
+                p = p.narrow(dim, 0, length)
+        if p is not None and p.dim() > 1 and p.shape[0] == mask.shape[0]:
+            for dim in range(1, p.dim()):
+                if p.shape[dim] == length:
+                    shape = [mask.shape[0]] + [length if d == dim else 1 for d in range(1, p.dim())]
+                    p = torch.where(mask.reshape(shape).bool(), p, 0)  # a NaN there (a row with no key) too
+        out.append(p)
+    return out
+
+
+@contextlib.contextmanager
+def in_eval_mode(module):
+    """``module`` and its submodules in eval() mode inside; each gets its own flag back after."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
