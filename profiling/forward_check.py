@@ -10,8 +10,10 @@ was set on a CPU, where models that keep their examples apart move by exactly 0.
 kernels depend on the batch's content could move by more: an attention mask of all ones that transformers drops
 (the replaced example was the only padded one), a mixture of experts whose experts see other token counts. Per
 model and dtype this prints the largest relative move of the other examples' outputs, the threshold it had to
-pass, and whether the check would refuse (it must not); and, for a detached batch mean before a Linear (a model
-that mixes), the largest batch at which the check still finds it. Each figure comes from one checked forward of
+pass, and whether the check would refuse (it must not); the same for the padding check (ghostdp/clipping/padding.py:
+the batch padded by 8 more positions in eval() mode, outputs compared at the real positions: another kernel for
+a longer sequence rounds otherwise); and, for a detached batch mean before a Linear (a model that mixes), the
+largest batch at which the check still finds it. Each figure comes from one checked forward of
 a fresh model (seeded).
 """
 from __future__ import annotations
@@ -47,8 +49,14 @@ def _models():
     }, torch
 
 
+def _largest(moves):
+    largest = max(moves, key=lambda m: m.relative, default=None)
+    return (0.0, 0.0) if largest is None else (largest.relative, largest.threshold)
+
+
 def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
-    """One checked forward of a fresh model: (largest relative move, its threshold, whether it was found)."""
+    """One checked forward of a fresh model: (largest relative move, its threshold, whether it was found) of the
+    replaced example and, for text, of the padding check."""
     import torch
     import ghostdp
     torch.manual_seed(0)
@@ -63,9 +71,8 @@ def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
         else:
             model(torch.randn(batch, 64, device=device, dtype=dtype))
         check = controller.independence
-        largest = max(check.last_moves, key=lambda m: m.relative, default=None)
-        move, threshold = (0.0, 0.0) if largest is None else (largest.relative, largest.threshold)
-        return move, threshold, check.finding is not None
+        padding = (*_largest(check.last_padding_moves), check.padding_finding is not None)
+        return (*_largest(check.last_moves), check.finding is not None, *padding)
     finally:
         controller.detach()
 
@@ -88,16 +95,22 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device)
     names = args.models or list(models)
     rows = []
-    print(f"forward check on {device}: largest relative move of the other examples' outputs / threshold")
+    print(f"forward check on {device}: largest relative move of the other examples' outputs / threshold; "
+          "of the outputs at the real positions of the batch padded further / threshold")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for name in names:
             build, text = models[name]
             if text:
-                move, threshold, found = checked_forward(build, True, dtype, device)
-                rows.append(dict(model=name, dtype=dtype_name, move=move, threshold=threshold, found=found))
+                move, threshold, found, padding_move, padding_threshold, padding_found = checked_forward(
+                    build, True, dtype, device)
+                rows.append(dict(model=name, dtype=dtype_name, move=move, threshold=threshold, found=found,
+                                 padding_move=padding_move, padding_threshold=padding_threshold,
+                                 padding_found=padding_found))
                 verdict = "REFUSED (a false refusal)" if found else "passes"
-                print(f"{dtype_name:9s} {name:28s} {move:10.3g} / {threshold:9.3g}  {verdict}")
+                padding_verdict = "REFUSED (a false refusal)" if padding_found else "passes"
+                print(f"{dtype_name:9s} {name:28s} {move:10.3g} / {threshold:9.3g}  {verdict};  padding "
+                      f"{padding_move:10.3g} / {padding_threshold:9.3g}  {padding_verdict}")
             else:
                 limit = largest_batch_found(build, dtype, device, args.batches)
                 rows.append(dict(model=name, dtype=dtype_name, largest_batch_found=limit))

@@ -325,5 +325,7 @@ def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
                                "--batches", "8", "16"])
     bert, mixing = rows
     assert bert["model"] == "bert (sdpa)" and not bert["found"] and bert["move"] <= bert["threshold"]
+    assert not bert["padding_found"] and 0 < bert["padding_threshold"]
+    assert bert["padding_move"] <= bert["padding_threshold"]
     assert mixing["largest_batch_found"] == 16
     assert "largest relative move" in capsys.readouterr().out
