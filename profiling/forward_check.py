@@ -12,7 +12,8 @@ kernels depend on the batch's content could move by more: an attention mask of a
 model and dtype this prints the largest relative move of the other examples' outputs, the threshold it had to
 pass, and whether the check would refuse (it must not); the same for the padding check (ghostdp/clipping/padding.py:
 the batch padded by 8 more positions in eval() mode, outputs compared at the real positions: another kernel for
-a longer sequence rounds otherwise); and, for a detached batch mean before a Linear (a model that mixes), the
+a longer sequence rounds otherwise) and for the batch without its last example (eval() mode: another kernel for
+a smaller batch); and, for a detached batch mean before a Linear (a model that mixes), the
 largest batch at which the check still finds it. Each figure comes from one checked forward of
 a fresh model (seeded).
 """
@@ -59,6 +60,7 @@ def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
     replaced example and, for text, of the padding check."""
     import torch
     import ghostdp
+    from ghostdp.clipping import independence
     torch.manual_seed(0)
     model = build().to(device=device, dtype=dtype).train()
     controller = ghostdp.GhostClipping(model, 1.0)
@@ -72,7 +74,11 @@ def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
             model(torch.randn(batch, 64, device=device, dtype=dtype))
         check = controller.independence
         padding = (*_largest(check.last_padding_moves), check.padding_finding is not None)
-        return (*_largest(check.last_moves), check.finding is not None, *padding)
+        # The finding is the replaced example's, else the removed one's (independence.REMOVED).
+        replaced_found = check.finding is not None and check.finding.how == independence.REPLACED
+        removed_found = check.finding is not None and check.finding.how == independence.REMOVED
+        return (*_largest(check.last_moves), replaced_found, *padding, *_largest(check.last_removal_moves),
+                removed_found)
     finally:
         controller.detach()
 
@@ -95,22 +101,25 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device)
     names = args.models or list(models)
     rows = []
-    print(f"forward check on {device}: largest relative move of the other examples' outputs / threshold; "
-          "of the outputs at the real positions of the batch padded further / threshold")
+    print(f"forward check on {device}: largest relative move / threshold of the other examples' outputs with the "
+          "last example replaced; of the outputs at the real positions of the batch padded further; of the other "
+          "examples' outputs without the last one")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for name in names:
             build, text = models[name]
             if text:
-                move, threshold, found, padding_move, padding_threshold, padding_found = checked_forward(
-                    build, True, dtype, device)
+                (move, threshold, found, padding_move, padding_threshold, padding_found, removal_move,
+                 removal_threshold, removal_found) = checked_forward(build, True, dtype, device)
                 rows.append(dict(model=name, dtype=dtype_name, move=move, threshold=threshold, found=found,
                                  padding_move=padding_move, padding_threshold=padding_threshold,
-                                 padding_found=padding_found))
-                verdict = "REFUSED (a false refusal)" if found else "passes"
-                padding_verdict = "REFUSED (a false refusal)" if padding_found else "passes"
-                print(f"{dtype_name:9s} {name:28s} {move:10.3g} / {threshold:9.3g}  {verdict};  padding "
-                      f"{padding_move:10.3g} / {padding_threshold:9.3g}  {padding_verdict}")
+                                 padding_found=padding_found, removal_move=removal_move,
+                                 removal_threshold=removal_threshold, removal_found=removal_found))
+                cells = []
+                for m, t, f in ((move, threshold, found), (padding_move, padding_threshold, padding_found),
+                                (removal_move, removal_threshold, removal_found)):
+                    cells.append(f"{m:9.3g} / {t:8.3g} {'REFUSED (a false refusal)' if f else 'passes'}")
+                print(f"{dtype_name:9s} {name:28s} " + ";  ".join(cells))
             else:
                 limit = largest_batch_found(build, dtype, device, args.batches)
                 rows.append(dict(model=name, dtype=dtype_name, largest_batch_found=limit))

@@ -327,5 +327,6 @@ def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
     assert bert["model"] == "bert (sdpa)" and not bert["found"] and bert["move"] <= bert["threshold"]
     assert not bert["padding_found"] and 0 < bert["padding_threshold"]
     assert bert["padding_move"] <= bert["padding_threshold"]
+    assert not bert["removal_found"] and 0 < bert["removal_threshold"] and bert["removal_move"] <= bert["removal_threshold"]
     assert mixing["largest_batch_found"] == 16
     assert "largest relative move" in capsys.readouterr().out

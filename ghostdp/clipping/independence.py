@@ -15,18 +15,26 @@ example (dim 0 of every tensor argument of the batch's size) replaced by a copy 
 examples' outputs must not move. Outputs are compared through float64 fingerprints, one random +-1
 projection per example of each output with the batch on dim 0, against what the first rerun differs from the
 forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ,
-a third rerun measures the reruns' own spread). A move is refused at the norm pass that follows, for the
-batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first model
-would have been perturbed along its positions: the layout proof placed a call's examples on another dim, or a
-module has batch_first=False and a replaced argument has another dim of the batch's size.
+a third rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read
+alone (``x / x.shape[0]`` let an added example move the others' clipped sum by 0.8 C besides its own C): with
+three or more examples, the forward also runs in eval() mode on the batch and without its last example (eval():
+a smaller batch would draw other dropout masks, on a GPU for every example), and the others' outputs must not
+move there either; a forward with an attention mask runs once more, padded further (padding.py). A move is refused
+at the norm pass that follows, for the batch of its per-example losses, unless the examples might not lie on dim 0,
+where a sequence-first model would have been perturbed along its positions: the layout proof placed a call's
+examples on another dim, or a module has batch_first=False and a replaced argument has another dim of the batch's
+size. The eval() reruns run in one process only (whether a rank's batch can be padded depends on its examples, and
+the ranks' forwards must not differ).
 
 The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a
 copy: the forward's tensors, which its graph may have saved, keep their versions), so training draws and
 stores what it would have without them; the model's other forward hooks (the user's) do run again. A
 forward that cannot run again is warned of once and trains unchecked. Not covered: mixing after the
 model's forward (between its output and the DP loss), state a forward keeps outside its buffers, and data
-that mixes only on steps off the schedule. Cost: two forwards without gradient on those steps (CPU stand-in,
-book-keeping: a checked step 31.2 ms against 21.8 ms; one step in 256 after the first few hundred: ~0.2%).
+that mixes only on steps off the schedule. Cost: four forwards without gradient on those steps (five with an
+attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9 ms against 21.3 ms
+unchecked, 43.9 ms without the padding rerun), so 10 of the first 300 steps add ~2.4% over them, and one step
+in 256 ~0.5% after.
 """
 from __future__ import annotations
 
@@ -62,12 +70,12 @@ def relative_floor(dtype) -> float:
 
 
 MIXING_OUTSIDE_GRADIENTS = (
-    "the model's forward mixes examples where no gradient flows: replacing the last of the {batch} examples by a "
-    "copy of the first moved the other examples' {output} by {moved:.3g} of its size (beyond {threshold:.3g}, what "
-    "rounding and the reruns' own spread allow), with the random generators and buffers as the forward had them. "
-    "Something computes a statistic of the batch without "
-    "gradient: a mean or variance under torch.no_grad() or of detached tensors, a running statistic used in "
-    "train() mode, or a routing capacity shared by the batch. Each example's clipped gradient then depends on "
+    "the model's forward mixes examples where no gradient flows: {how} moved the other examples' {output} by "
+    "{moved:.3g} of its size (beyond {threshold:.3g}, what rounding and the reruns' own spread allow), with the "
+    "random generators and buffers as the forward had them. Something computes a "
+    "statistic of the batch without gradient: a mean or variance under torch.no_grad() or of detached tensors, a "
+    "running statistic used in train() mode, a routing capacity shared by the batch, or a scale by the batch's "
+    "size (x / x.shape[0]). Each example's clipped gradient then depends on "
     "the others' data, and one example can move the update by more than the clipping norm (measured: 4.5 C). "
     "Fix: compute such statistics per example (normalise over each example's own features, as LayerNorm and "
     "GroupNorm do), from data outside the private batch, or keep them fixed during training. If you are sure that "
@@ -93,13 +101,18 @@ class PaddingDependence(NamedTuple):
     threshold: float
 
 
+REPLACED = "replacing the last of the {batch} examples by a copy of the first"
+REMOVED = "removing the last of the {batch} examples (the forward run again in eval() mode)"
+
+
 class Mixing(NamedTuple):
-    """A forward whose other examples' outputs moved when its last example was replaced."""
+    """A forward whose other examples' outputs moved when its last example was replaced (or removed)."""
     batch: int
     output: str     # where in the model's output: 'output', "output['logits']", ...
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
     threshold: float  # the move allowed there, relative likewise
     ambiguous: bool  # a replaced argument has another dim of the batch's size (its examples may lie there)
+    how: str = REPLACED
 
 
 def _leaves(output):
@@ -112,6 +125,12 @@ def _accelerators(module, args, kwargs) -> list:
     their generators besides the CPU's (a model split over several GPUs draws its dropout on each)."""
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     return list({t.device: None for t in tensors + list(module.parameters()) if t.device.type != "cpu"})
+
+
+def _without_last(flat, batch: int) -> list:
+    """The batch's tensors without row ``batch - 1`` on dim 0 (those _with_last_replaced replaces a row of)."""
+    return [t[:batch - 1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
+            for t in flat]
 
 
 def _with_last_replaced(flat, batch: int):
@@ -225,8 +244,8 @@ class ForwardIndependence:
             def rerun(arguments):
                 return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
-            self._check_padding(module, tree_unflatten(flat, spec), leaves, states, buffers, signs, batch,
-                                forward, checkable)
+            removal = None if several else self._check_in_eval_mode(module, flat, spec, leaves, states, buffers,
+                                                                    signs, batch, checkable)
 
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
@@ -243,16 +262,20 @@ class ForwardIndependence:
             restore_random_states(after[0])
             _put_back(after[1])
             self.recorder.forward_checkpointed = after[2]
-        found = _largest_exceeding(moves)
+        found, how = _largest_exceeding(moves), REPLACED
+        if found is None:
+            found, how = _largest_exceeding(removal or []), REMOVED
         if found is None:
             return None
-        return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous)
+        return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous,
+                      how)
 
     @staticmethod
     def _rerun(module, arguments, states, buffers, signs, batch: int, positions=None) -> list:
-        """The fingerprints of one forward without gradient on ``arguments`` (args, kwargs), from the generators'
-        ``states`` and copies of the ``buffers``' values at the forward's start. ``positions``: (the forward's
-        outputs, T, attention mask) of a padding check (padding.py): the outputs are read at its real positions."""
+        """The fingerprints of one forward without gradient on ``arguments`` (args, kwargs) of ``batch`` examples,
+        from the generators' ``states`` and copies of the ``buffers``' values at the forward's start.
+        ``positions``: (the forward's outputs, T, attention mask) of a padding check (padding.py): the outputs are
+        read at the real positions."""
         _with_copies(buffers)
         restore_random_states(states)
         args, kwargs = arguments
@@ -266,29 +289,46 @@ class ForwardIndependence:
                 leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
             return _fingerprints(leaves, signs, batch)
 
-    def _check_padding(self, module, arguments, leaves, states, buffers, signs, batch: int, forward,
-                       checkable: bool) -> None:
-        """padding.py: the forward in eval() mode on the batch and on the batch padded further; a move of any
-        example's outputs at the original positions is kept as ``padding_finding``."""
-        self.last_padding_moves = []
+    def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, batch: int,
+                            checkable: bool):
+        """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
+        the batch; without its last example, where there are three or more (a forward that depends on the batch's
+        size alone: replacing an example does not change it); and, for a forward with an attention mask, on the
+        batch padded further (padding.py: a move of its real positions is kept as ``padding_finding``). The
+        Moves of examples 0..batch-2 without the last, or None. One process only: whether a rank can pad its
+        batch depends on its examples, and the ranks' forwards must not differ (FSDP2 gathers in them)."""
+        self.last_padding_moves, self.last_removal_moves = [], []
+        arguments = tree_unflatten(flat, spec)
         padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
-        if padded is None:
-            return
-        padded_arguments_, length = padded
-        positions = (leaves, length, arguments[1]["attention_mask"])
+        removing = checkable and batch > 2
+        if padded is None and not removing:
+            return None
+        positions = None if padded is None else (leaves, padded[1], arguments[1]["attention_mask"])
+        floors = [None if s is None else relative_floor(s.dtype) for s in signs]
         with in_eval_mode(module):
             plain = self._rerun(module, arguments, states, buffers, signs, batch, positions)
-            try:
-                longer = self._rerun(module, padded_arguments_, states, buffers, signs, batch, positions)
-            except (IndexError, RuntimeError, ValueError):  # more positions than the model has: unchecked here
-                return
-        floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-        moves = _moves(plain, plain, longer, batch, floors)  # every example; eval() draws nothing
-        self.last_padding_moves = moves
-        found = _largest_exceeding(moves)
+            if removing:
+                try:
+                    fewer = self._rerun(module, tree_unflatten(_without_last(flat, batch), spec), states, buffers,
+                                        signs, batch - 1, positions)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
+                    fewer = None
+                if fewer is not None:
+                    self.last_removal_moves = _moves(plain, plain, fewer, batch - 1, floors)
+            if padded is not None:
+                try:
+                    longer = self._rerun(module, padded[0], states, buffers, signs, batch, positions)
+                except (IndexError, RuntimeError, ValueError):  # more positions than the model has: unchecked here
+                    longer = None
+                if longer is not None:
+                    self.last_padding_moves = _moves(plain, plain, longer, batch, floors)  # eval() draws nothing
+        found = _largest_exceeding(self.last_padding_moves)
         if found is not None:
-            self.padding_finding = PaddingDependence(batch, length, "output" + keystr(leaves[found.output][0]),
+            self.padding_finding = PaddingDependence(batch, padded[1], "output" + keystr(leaves[found.output][0]),
                                                      found.relative, found.threshold)
+        return self.last_removal_moves
 
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1
@@ -307,8 +347,9 @@ class ForwardIndependence:
             return
         if any(layout != BATCH_FIRST for call in calls if call.layouts is not None for layout in call.layouts):
             return
-        raise RuntimeError(MIXING_OUTSIDE_GRADIENTS.format(batch=finding.batch, output=finding.output,
-                                                           moved=finding.moved, threshold=finding.threshold))
+        raise RuntimeError(MIXING_OUTSIDE_GRADIENTS.format(
+            how=finding.how.format(batch=finding.batch), output=finding.output, moved=finding.moved,
+            threshold=finding.threshold))
 
 
 def _buffers(module, values: bool = True) -> list:

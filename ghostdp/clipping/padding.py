@@ -99,26 +99,29 @@ def padded_arguments(module, args, kwargs, batch: int):
 
 
 def at_real_positions(leaves, original, length: int, mask: torch.Tensor) -> list:
-    """Each output narrowed to its ``original``'s shape along the dims that grew from ``length`` by EXTRA
-    (positions, and both of an attention map's; None where the shapes differ otherwise), and zero at the positions
-    the attention mask excludes along every dim of that length: what a model computes there (a causal model's
-    fully masked rows under left padding average over all positions) reaches no loss that ignores padding."""
+    """Each output narrowed to its ``original``'s shape along the dims after the first that grew from ``length``
+    by EXTRA (positions, and both of an attention map's; None where the shapes differ otherwise), and zero at the
+    positions the attention mask excludes along every dim of that length (the mask's first rows: a batch without
+    its last example has fewer): what a model computes there (a causal model's fully masked rows under left
+    padding average over all positions) reaches no loss that ignores padding."""
     out = []
     for (_, p), (_, t) in zip(leaves, original):
         if not isinstance(p, torch.Tensor) or not isinstance(t, torch.Tensor) or p.dim() != t.dim():
             out.append(None)
             continue
-        for dim, (a, b) in enumerate(zip(p.shape, t.shape)):
+        for dim in range(1, p.dim()):
+            a, b = p.shape[dim], t.shape[dim]
             if a != b:
                 if not (b == length and a == length + EXTRA):
                     p = None
                     break
                 p = p.narrow(dim, 0, length)
-        if p is not None and p.dim() > 1 and p.shape[0] == mask.shape[0]:
+        if p is not None and p.dim() > 1 and p.shape[0] <= mask.shape[0]:
+            rows = mask[:p.shape[0]]
             for dim in range(1, p.dim()):
                 if p.shape[dim] == length:
-                    shape = [mask.shape[0]] + [length if d == dim else 1 for d in range(1, p.dim())]
-                    p = torch.where(mask.reshape(shape).bool(), p, 0)  # a NaN there (a row with no key) too
+                    shape = [rows.shape[0]] + [length if d == dim else 1 for d in range(1, p.dim())]
+                    p = torch.where(rows.reshape(shape).bool(), p, 0)  # a NaN there (a row with no key) too
         out.append(p)
     return out
 

@@ -94,9 +94,22 @@ class DroppedThenCentred(nn.Module):
         return self.centre(self.drop(x))
 
 
+class ScaledByTheBatchSize(nn.Module):
+    """A Linear on sin(B² x): the batch's size alone moves each example (replacing an example keeps it; removing
+    one, in eval() mode, does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+        self.drop = nn.Dropout(0.3)  # the removal runs in eval() mode: a smaller batch would draw other masks
+
+    def forward(self, x):
+        return self.drop(self.lin(torch.sin(x * x.shape[0] ** 2)))
+
+
 MIXING = {"detached mean": DetachedCentring, "no_grad mean, no rule": NoGradStandardise,
           "running mean": RunningCentring, "mean of a tuple's input, no rule": PairedInputs,
-          "detached mean after dropout": DroppedThenCentred}
+          "detached mean after dropout": DroppedThenCentred, "the batch's size": ScaledByTheBatchSize}
 
 
 class Scored(nn.Module):
@@ -329,6 +342,29 @@ def test_a_batch_of_one_is_not_rerun():
         controller.detach()
 
 
+class OffsetPerRow(nn.Module):
+    """A Linear plus a fixed offset for each row of a batch of 8: runs on 8 examples only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("offsets", torch.randn(B, D))
+
+    def forward(self, x):
+        return self.lin(x) + self.offsets
+
+
+def test_a_forward_that_takes_only_its_batch_size_is_checked_without_the_removal():
+    """The removal's rerun fails (a buffer of the batch's size); the replacement is still checked, silently."""
+    model = OffsetPerRow().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        controller.loss(model(torch.randn(B, D)).pow(2).sum(1)).backward()
+    assert controller.independence.last_moves and controller.independence.last_removal_moves == []
+    controller.detach()
+
+
 class ChoosesAKernelForTheBatch(nn.Module):
     """Rounds its output to float32 where no example is masked (as transformers drops an attention mask that is
     all ones, and another kernel rounds otherwise): the batch decides how, not what, each example computes."""
@@ -417,8 +453,9 @@ def test_training_with_the_checks_is_bitwise_training_without_them(clipping):
         return model.state_dict(), len(reruns), torch.rand(3)
 
     with_checks, without = train(True), train(False)
-    # forwards 0, 1, 2 and 4 checked: two reruns each, and two more of the padding check (clipping/padding.py)
-    assert with_checks[1] == 16 and without[1] == 0
+    # forwards 0, 1, 2 and 4 checked: two reruns each, and three in eval() mode (the batch, the batch without its
+    # last example, the batch padded further: clipping/padding.py)
+    assert with_checks[1] == 20 and without[1] == 0
     assert all(torch.equal(with_checks[0][k], without[0][k]) for k in without[0])
     assert torch.equal(with_checks[2], without[2])  # the global generator's stream too
 
