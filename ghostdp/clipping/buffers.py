@@ -13,6 +13,11 @@ that no clipping bounds (``nn.Embedding(max_norm=...)`` renormalises the rows th
 moved the table by 7.4 with C = 1e-3, before any optimizer step; the model check refuses that one by name).
 FSDP2's sharded parameters, which its forward gathers and puts back, are not watched.
 About 40 us a forward for BERT's 200 tensors: the versions are read before and after each training forward.
+
+Tensors that a module keeps as plain attributes (``self.queue = torch.cat([self.queue, keys])``) are compared
+on the forward check's schedule only (independence.py; a walk of every module's attributes), and warned of the
+same way: a memory bank of earlier examples' features makes later steps' gradients depend on examples not
+sampled for them.
 """
 from __future__ import annotations
 
@@ -47,6 +52,35 @@ REMOVED_PARAMETER = (
     "torch.nn.utils.parametrize.register_parametrization, moves the weight into a new submodule), and ghostdp "
     "hooked and audits the model as it was then. Fix: change the model before make_private / GhostClipping, or "
     "make it private again (a new engine and optimizer, or controller.detach() and a new GhostClipping).")
+
+
+CHANGED_ATTRIBUTE = (
+    "module attribute '{name}', a tensor outside the module's parameters and buffers, changed during a training "
+    "forward. If it keeps data of the batch that a later forward reads (a queue or memory bank of features, as "
+    "MoCo keeps), one example's data reaches the gradients of steps it was not sampled for, where no clipping "
+    "bounds it and the accounting does not count it: the privacy guarantee does not hold. Fix: keep no state of "
+    "the data between forwards (take negatives from the batch itself); if it does not depend on the data (a "
+    "cache of positions), ignore this warning.")
+
+
+def tensor_attributes(module: torch.nn.Module) -> list:
+    """(name, owner's __dict__, key, tensor, version) of every tensor that a module of ``module`` holds as a plain
+    attribute (not a parameter or buffer: those live in their own dicts)."""
+    return [(f"{prefix}.{key}" if prefix else key, owner.__dict__, key, value, value._version)
+            for prefix, owner in module.named_modules() for key, value in owner.__dict__.items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
+
+
+def changed_attributes(before: list, module: torch.nn.Module) -> list:
+    """The names among ``module``'s tensor attributes now that are new, replaced or changed in place since
+    ``before`` (tensor_attributes)."""
+    seen = {(id(d), key): (t, version) for _, d, key, t, version in before}
+    changed = []
+    for name, d, key, t, version in tensor_attributes(module):
+        old = seen.get((id(d), key))
+        if old is None or old[0] is not t or old[1] != version:
+            changed.append(name)
+    return changed
 
 
 class BufferWatch:

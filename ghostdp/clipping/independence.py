@@ -26,15 +26,15 @@ examples on another dim, or a module has batch_first=False and a replaced argume
 size. The eval() reruns run in one process only (whether a rank's batch can be padded depends on its examples, and
 the ranks' forwards must not differ).
 
-The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a
-copy: the forward's tensors, which its graph may have saved, keep their versions), so training draws and
-stores what it would have without them; the model's other forward hooks (the user's) do run again. A
-forward that cannot run again is warned of once and trains unchecked. Not covered: mixing after the
-model's forward (between its output and the DP loss), state a forward keeps outside its buffers, and data
-that mixes only on steps off the schedule. Cost: four forwards without gradient on those steps (five with an
-attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9 ms against 21.3 ms
-unchecked, 43.9 ms without the padding rerun), so 10 of the first 300 steps add ~2.4% over them, and one step
-in 256 ~0.5% after.
+The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a copy: the
+forward's tensors, which its graph may have saved, keep their versions), and so are the tensors the modules keep as
+plain attributes (a checked forward that changes one is warned of: buffers.CHANGED_ATTRIBUTE), so training draws and
+stores what it would have without them; the model's other forward hooks (the user's) do run again. A forward that
+cannot run again is warned of once and trains unchecked. Not covered: mixing after the model's forward (between its
+output and the DP loss), and data that mixes only on steps off the schedule. Cost: four forwards without gradient on
+those steps (five with an attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9
+ms against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the first 300 steps add ~2.4% over them,
+and one step in 256 ~0.5% after.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from .. import collector
 from ..data import distributed_rank_and_size
+from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
 from .padding import (DEPENDS_ON_PADDING, EXTRA, at_real_positions, in_eval_mode, padded_arguments,
@@ -170,6 +171,7 @@ class ForwardIndependence:
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
+        self._changed_attributes = set()   # tensor attributes a checked forward changed (warned of once each)
 
     @contextlib.contextmanager
     def checking_every_forward(self):
@@ -198,12 +200,13 @@ class ForwardIndependence:
                 self.lengths.add(length)
         if self.every and (n == 0 or proof_scheduled(n, self.every)):
             devices = _accelerators(module, args, kwargs)
-            self._start = (devices, random_states(*devices), _buffers(module))
+            self._start = (devices, random_states(*devices), _buffers(module), tensor_attributes(module))
 
     def _on_forward_end(self, module, args, kwargs, output):
         start, self._start = self._start, None
         if start is None or self._running:
             return
+        self._warn_of_attributes(changed_attributes(start[3], module))
         flat, spec = tree_flatten((args, kwargs))
         batch = self.recorder._batch_hint or 0  # the first tensor argument's dim 0, read by the recorder's pre-hook
         replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
@@ -226,10 +229,17 @@ class ForwardIndependence:
                 self._warned = True
                 warnings.warn(RERUN_FAILED.format(error=error))
 
+    def _warn_of_attributes(self, names) -> None:
+        """Once per name: a tensor attribute that the checked forward replaced or changed (buffers.py)."""
+        for name in names:
+            if name not in self._changed_attributes:
+                self._changed_attributes.add(name)
+                warnings.warn(CHANGED_ATTRIBUTE.format(name=name))
+
     def _compare(self, module, spec, flat, replaced, output, batch: int, start, ambiguous: bool, several: bool):
         """The reruns of the module doc; a Mixing, or None. The generators, the buffers and the recorder's
         checkpoint flag are put back as the forward left them."""
-        devices, states, buffers = start
+        devices, states, buffers, _ = start
         leaves = _leaves(output)
         signs = [self._signs(t) if _per_example(t, batch) else None for _, t in leaves]
         with torch.no_grad():
@@ -239,6 +249,9 @@ class ForwardIndependence:
         if not checkable and not several:
             return None
         after = random_states(*devices), _buffers(module, values=False), self.recorder.forward_checkpointed
+        # The tensor attributes as the forward left them (values of those it changed: a rerun changes them again).
+        attributes = [(d, key, t, t.clone() if name in self._changed_attributes else None)
+                      for name, d, key, t, _ in tensor_attributes(module)]
         self._running = True
         try:
             def rerun(arguments):
@@ -262,6 +275,7 @@ class ForwardIndependence:
             restore_random_states(after[0])
             _put_back(after[1])
             self.recorder.forward_checkpointed = after[2]
+            _put_back_attributes(attributes)
         found, how = _largest_exceeding(moves), REPLACED
         if found is None:
             found, how = _largest_exceeding(removal or []), REMOVED
@@ -370,6 +384,16 @@ def _with_copies(buffers) -> None:
 def _put_back(buffers) -> None:
     for held, key, tensor, _ in buffers:
         held[key] = tensor
+
+
+def _put_back_attributes(attributes) -> None:
+    """Each tensor attribute is the tensor the forward left, with its values where the forward changed it (the
+    reruns may have replaced it, or changed it in place)."""
+    with torch.no_grad():
+        for held, key, tensor, values in attributes:
+            held[key] = tensor
+            if values is not None and not torch.equal(tensor, values):
+                tensor.copy_(values)
 
 
 def _per_example(t, batch: int) -> bool:

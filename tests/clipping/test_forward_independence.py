@@ -365,6 +365,53 @@ def test_a_forward_that_takes_only_its_batch_size_is_checked_without_the_removal
     controller.detach()
 
 
+class QueueOfFeatures(nn.Module):
+    """As MoCo: each example's features against a queue of earlier batches' features, kept as a plain attribute
+    (replaced, or written in place) and updated by every training forward."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.lin, self.in_place = nn.Linear(D, D), in_place
+        self.queue = torch.zeros(2 * B, D)
+
+    def forward(self, x):
+        h = self.lin(x)
+        scores = h @ self.queue.clone().T  # a copy, as MoCo takes: the queue changes before the backward
+        if self.training and self.in_place:
+            with torch.no_grad():
+                self.queue.copy_(torch.cat([self.queue[B:], h.detach()]))
+        elif self.training:
+            self.queue = torch.cat([self.queue[B:], h.detach()])
+        return torch.cat([h, scores], 1)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_queue_of_features_kept_as_an_attribute_is_warned_of_and_the_reruns_leave_it(in_place):
+    """Later steps' gradients read earlier examples (the queue): warned of by name, on the checked forwards; the
+    reruns update the queue too, and what training keeps is what it would keep without them."""
+    def train(checks: bool):
+        torch.manual_seed(0)
+        model = QueueOfFeatures(in_place).train()
+        controller = ghostdp.GhostClipping(model, 1.0)
+        if not checks:
+            controller.independence.every = 0
+        g = torch.Generator().manual_seed(9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                optimizer.zero_grad()
+                controller.loss(model(torch.randn(B, D, generator=g)).pow(2).sum(1)).backward()
+                optimizer.step()
+        controller.detach()
+        warned = [str(w.message) for w in caught if "module attribute 'queue'" in str(w.message)]
+        return model.queue.clone(), model.lin.weight.detach().clone(), warned
+
+    with_checks, without = train(True), train(False)
+    assert len(with_checks[2]) == 1 and "MoCo" in with_checks[2][0] and without[2] == []
+    assert torch.equal(with_checks[0], without[0]) and torch.equal(with_checks[1], without[1])
+
+
 class ChoosesAKernelForTheBatch(nn.Module):
     """Rounds its output to float32 where no example is masked (as transformers drops an attention mask that is
     all ones, and another kernel rounds otherwise): the batch decides how, not what, each example computes."""
