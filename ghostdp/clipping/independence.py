@@ -167,7 +167,8 @@ class ForwardIndependence:
         self.padding_finding = None
         self.check_padding = True             # False: no padding reruns (the refusal names this switch)
         self.last_padding_moves = []
-        self._start = None                    # (devices, random states, buffers) of a forward to check, at its start
+        self._start = None                    # (devices, random states, buffers, tensor attributes) of a forward to
+                                              # check, at its start
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
