@@ -81,7 +81,8 @@ MIXING_OUTSIDE_GRADIENTS = (
     "Fix: compute such statistics per example (normalise over each example's own features, as LayerNorm and "
     "GroupNorm do), from data outside the private batch, or keep them fixed during training. If you are sure that "
     "the examples stay apart and the move is rounding (16-bit weights, kernels that the batch's content chooses), "
-    "switch the check off with controller.independence.every = 0 (engine.controller after make_private).")
+    "switch the check off with controller.independence.every = 0 (engine.controller after make_private, "
+    "trainer.controller in DPTrainer).")
 
 RERUN_FAILED = (
     "ghostdp could not check that the model's forward keeps the examples apart: running it again without "

@@ -38,7 +38,8 @@ DEPENDS_ON_PADDING = (
     "the mask where the model pools ((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)), or pad every batch "
     "to one fixed length (tokenizer(..., padding='max_length', max_length=...)). If you are sure the move is "
     "rounding, or that your loss reads none of the outputs that moved, switch this check off with "
-    "controller.independence.check_padding = False (engine.controller after make_private).")
+    "controller.independence.check_padding = False (engine.controller after make_private, trainer.controller "
+    "in DPTrainer).")
 
 
 def sequence_length(kwargs) -> int | None:
