@@ -152,6 +152,33 @@ def test_peft_lora(base):
     controller.detach()
 
 
+@pytest.mark.parametrize("method", ["ia3", "loha", "prefix-tuning"])
+def test_more_peft_methods(method):
+    """IA3 (learned scalings, no rule: the fallback), LoHa (Hadamard product of two low-rank factors, read inside its
+    layer) and prefix tuning (virtual keys and values from a prompt encoder, passed as past_key_values)."""
+    import peft
+    from transformers import GPT2Config, GPT2LMHeadModel
+    if method == "loha":
+        model, cfg = tiny_bert(), peft.LoHaConfig(r=2, target_modules=["query", "value"])
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=25, n_embd=16, n_layer=2, n_head=2, n_positions=16,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).double()
+        cfg = (peft.IA3Config(task_type="CAUSAL_LM", target_modules=["c_attn", "mlp.c_proj"],
+                              feedforward_modules=["mlp.c_proj"]) if method == "ia3"
+               else peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    model = peft.get_peft_model(model, cfg).double()
+    for p in model.parameters():  # adapters that start at zero or one: make the test non-degenerate
+        if p.requires_grad:
+            nn.init.normal_(p, mean=1.0 if method == "ia3" else 0.0, std=0.3)
+    ids, mask = padded_text(25)
+    if method == "loha":
+        loss = classification_loss(torch.randint(0, 3, (B,)))
+    else:
+        def loss(out, sl):
+            return out.logits.pow(2).mean((1, 2))
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), loss, B)
+
+
 def test_conv_net_with_groupnorm_and_inplace_relu():
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(inplace=True),
