@@ -454,3 +454,66 @@ def test_a_trainer_step_with_gradient_checkpointing_equals_the_per_example_refer
     assert model.is_gradient_checkpointing
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-12)
+
+
+class VariableLengths(torch.utils.data.Dataset):
+    """Examples of 3 to 14 tokens, padded by ``pad_to_longest`` to each batch's longest (dynamic padding)."""
+
+    def __init__(self, n=N):
+        g = torch.Generator().manual_seed(0)
+        self.ids = [torch.randint(1, 60, (int(k),), generator=g) for k in torch.randint(3, 15, (n,), generator=g)]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": int(self.ids[i][0] > 30)}
+
+
+def pad_to_longest(items):
+    length = max((len(item["input_ids"]) for item in items), default=1)
+    ids = torch.zeros(len(items), length, dtype=torch.long)
+    mask = torch.zeros(len(items), length, dtype=torch.long)
+    for k, item in enumerate(items):
+        ids[k, :len(item["input_ids"])], mask[k, :len(item["input_ids"])] = item["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.tensor([item["labels"] for item in items], dtype=torch.long)}
+
+
+def roomy_bert():
+    """bert() with room for more positions than the longest batch and the 8 the padding check adds."""
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+class MeanOverPadding(torch.nn.Module):
+    """BERT's encoder and a head on the mean over all positions, the padding included."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = roomy_bert().bert, torch.nn.Linear(16, 2)
+        self.config = self.encoder.config
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return SequenceClassifierOutput(logits=self.head(hidden.mean(1)))
+
+
+@pytest.mark.parametrize("head", ["bert", "mean over padding"])
+def test_dynamic_padding_in_the_trainer(tmp_path, head):
+    """Batches padded to their longest example: BERT's own head (the attention mask keeps padding out) trains; a
+    head that means over the padding is refused (clipping/padding.py), since one example's length moves the others'."""
+    model = roomy_bert() if head == "bert" else MeanOverPadding()
+    training = args(tmp_path, max_steps=4, remove_unused_columns=False)
+    trainer = DPTrainer(model=model, args=training, train_dataset=VariableLengths(), data_collator=pad_to_longest,
+                        dp_args=DPArguments(noise_multiplier=1.0, max_grad_norm=1.0, seed=3))
+    if head == "bert":
+        trainer.train()
+        assert len(trainer.controller.independence.lengths) == 2 and trainer.controller.independence.last_padding_moves
+        assert trainer.controller.independence.padding_finding is None
+    else:
+        with pytest.raises(RuntimeError, match="depend on how far the batch is padded"):
+            trainer.train()
