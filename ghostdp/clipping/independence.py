@@ -97,7 +97,8 @@ _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.ch
 class PaddingDependence(NamedTuple):
     """A forward whose outputs at the original positions moved when the batch was padded further (padding.py)."""
     batch: int
-    length: int     # T of the forward's attention_mask; the batch was padded to T + EXTRA
+    length: int     # T of the forward's attention_mask
+    extra: int      # the positions added
     output: str
     moved: float
     threshold: float
@@ -333,17 +334,19 @@ class ForwardIndependence:
                     fewer = None
                 if fewer is not None:
                     self.last_removal_moves = _moves(plain, plain, fewer, batch - 1, floors)
-            if padded is not None:
-                try:
-                    longer = self._rerun(module, padded[0], states, buffers, signs, batch, positions)
-                except (IndexError, RuntimeError, ValueError):  # more positions than the model has: unchecked here
-                    longer = None
-                if longer is not None:
-                    self.last_padding_moves = _moves(plain, plain, longer, batch, floors)  # eval() draws nothing
-        found = _largest_exceeding(self.last_padding_moves)
-        if found is not None:
-            self.padding_finding = PaddingDependence(batch, padded[1], "output" + keystr(leaves[found.output][0]),
-                                                     found.relative, found.threshold)
+            for extra in (EXTRA, 1) if padded is not None else ():
+                longer_batch = padded[0] if extra == EXTRA else padded_arguments(module, *arguments, batch, extra)[0]
+                try:  # more positions than the model has: one more, then unchecked for padding here
+                    longer = self._rerun(module, longer_batch, states, buffers, signs, batch, positions)
+                except (IndexError, RuntimeError, ValueError):
+                    continue
+                self.last_padding_moves = _moves(plain, plain, longer, batch, floors)  # eval() draws nothing
+                found = _largest_exceeding(self.last_padding_moves)
+                if found is not None:
+                    self.padding_finding = PaddingDependence(
+                        batch, padded[1], extra, "output" + keystr(leaves[found.output][0]), found.relative,
+                        found.threshold)
+                break
         return self.last_removal_moves
 
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
@@ -356,7 +359,7 @@ class ForwardIndependence:
         padding = self.padding_finding
         if padding is not None and len(self.lengths) > 1:
             raise RuntimeError(DEPENDS_ON_PADDING.format(
-                batch=padding.batch, length=padding.length, extra=EXTRA, output=padding.output,
+                batch=padding.batch, length=padding.length, extra=padding.extra, output=padding.output,
                 moved=padding.moved, threshold=padding.threshold, lengths=", ".join(map(str, sorted(self.lengths)))))
         finding, self.finding = self.finding, None
         if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):

@@ -11,7 +11,8 @@ So the forward check (independence.py) reruns, on its schedule, a forward called
 shape (B, T) (transformers' convention) twice more without gradient and in eval() mode (dropout would draw other
 masks for longer tensors): on the batch, and on the batch padded by EXTRA more positions (``padded_arguments``).
 Each output's values at the batch's real positions (``at_real_positions``) must not move. A forward that cannot
-take the longer batch (more positions than the model has) goes unchecked for padding on that step. A model found
+take EXTRA more positions (more than the model has) is padded by one; one that cannot take that either goes
+unchecked for padding on that step. A model found
 to move is refused only once the training forwards' lengths have differed: padded to one fixed length
 (padding="max_length"), T is no property of the batch. Not covered: a loss that reads padded positions (the
 check compares the model's outputs), batches without an attention_mask keyword. transformers' BERT, RoBERTa,
@@ -65,8 +66,8 @@ def _pad_id(module, input_ids: torch.Tensor | None, mask: torch.Tensor):
     return None
 
 
-def padded_arguments(module, args, kwargs, batch: int):
-    """(args, kwargs) with every tensor of leading shape (batch, T) padded by EXTRA positions on dim 1
+def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA):
+    """(args, kwargs) with every tensor of leading shape (batch, T) padded by ``extra`` positions on dim 1
     (attention_mask with 0, labels with -100, the input ids with the pad id, others with 0), and T; or None where
     the forward has no attention_mask of shape (batch, T) or the pad id is unknown."""
     mask = kwargs.get("attention_mask")
@@ -84,8 +85,8 @@ def padded_arguments(module, args, kwargs, batch: int):
     def pad(t, fill):
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[:2] != mask.shape:
             return t
-        extra = t.new_full((batch, EXTRA, *t.shape[2:]), fill if not t.is_floating_point() else 0)
-        return torch.cat([t, extra], 1)
+        added = t.new_full((batch, extra, *t.shape[2:]), fill if not t.is_floating_point() else 0)
+        return torch.cat([t, added], 1)
 
     def fill_of(key, t):
         if key == "attention_mask":
@@ -101,7 +102,7 @@ def padded_arguments(module, args, kwargs, batch: int):
 
 def at_real_positions(leaves, original, length: int, mask: torch.Tensor) -> list:
     """Each output narrowed to its ``original``'s shape along the dims after the first that grew from ``length``
-    by EXTRA (positions, and both of an attention map's; None where the shapes differ otherwise), and zero at the
+    (positions, and both of an attention map's; None where the shapes differ otherwise), and zero at the
     positions the attention mask excludes along every dim of that length (the mask's first rows: a batch without
     its last example has fewer): what a model computes there (a causal model's fully masked rows under left
     padding average over all positions) reaches no loss that ignores padding."""
@@ -113,7 +114,7 @@ def at_real_positions(leaves, original, length: int, mask: torch.Tensor) -> list
         for dim in range(1, p.dim()):
             a, b = p.shape[dim], t.shape[dim]
             if a != b:
-                if not (b == length and a == length + EXTRA):
+                if not (b == length and a > length):
                     p = None
                     break
                 p = p.narrow(dim, 0, length)
