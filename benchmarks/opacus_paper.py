@@ -29,6 +29,7 @@ import math
 import re
 import statistics
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -174,6 +175,8 @@ def make_step(task, mode, batch, device, seed=0):
     if mode in ("ghost", "bookkeeping"):
         import ghostdp
         engine = ghostdp.PrivacyEngine(accountant="rdp", seed=seed)
+        # Timed on its own batch, not one the returned loader yields: accounted step by step, warned of (unused here).
+        warnings.filterwarnings("ignore", message="with poisson_sampling=False this step's batch did not come")
         model, optimizer, criterion, _ = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, criterion=criterion, noise_multiplier=1.0,
             max_grad_norm=1.0, clipping=mode, poisson_sampling=False)  # the step is timed on its own batch
