@@ -50,8 +50,7 @@ from ..data import distributed_rank_and_size
 from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
-from .padding import (DEPENDS_ON_PADDING, EXTRA, at_real_positions, in_eval_mode, padded_arguments,
-                      sequence_length)
+from .padding import DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, in_eval_mode, padded_arguments
 
 # A move of the other examples' fingerprints counts when it exceeds NOISE_MARGIN times what the forward and
 # its first rerun differ by, plus a floor relative to the fingerprints' size (relative_floor): the batch may
@@ -198,9 +197,9 @@ class ForwardIndependence:
             return  # not a training forward, or a checkpoint's recomputation
         n, self.forwards = self.forwards, self.forwards + 1
         if len(self.lengths) < 2:
-            length = sequence_length(kwargs)
-            if length is not None:
-                self.lengths.add(length)
+            mask = attention_mask(module, args, kwargs)
+            if mask is not None:
+                self.lengths.add(mask.shape[1])
         if self.every and (n == 0 or proof_scheduled(n, self.every)):
             devices = _accelerators(module, args, kwargs)
             self._start = (devices, random_states(*devices), _buffers(module), tensor_attributes(module))
@@ -320,7 +319,7 @@ class ForwardIndependence:
         removing = checkable and batch > 2
         if padded is None and not removing:
             return None
-        positions = None if padded is None else (leaves, padded[1], arguments[1]["attention_mask"])
+        positions = None if padded is None else (leaves, padded[1], attention_mask(module, *arguments))
         floors = [None if s is None else relative_floor(s.dtype) for s in signs]
         with in_eval_mode(module):
             plain = self._rerun(module, arguments, states, buffers, signs, batch, positions)

@@ -7,21 +7,23 @@ positions, ``h.mean(1)``, instead of over the unmasked ones) then gives each exa
 the others' lengths: one added example of length 48 moved the clipped sum of 8 others by 1.8 C (a 2-layer BERT
 with such a head, float64), besides its own C, and no check saw it before 2026-11-26.
 
-So the forward check (independence.py) reruns, on its schedule, a forward called with an ``attention_mask`` of
-shape (B, T) (transformers' convention) twice more without gradient and in eval() mode (dropout would draw other
-masks for longer tensors): on the batch, and on the batch padded by EXTRA more positions (``padded_arguments``).
-Each output's values at the batch's real positions (``at_real_positions``) must not move. A forward that cannot
-take EXTRA more positions (more than the model has) is padded by one; one that cannot take that either goes
-unchecked for padding on that step. A model found
-to move is refused only once the training forwards' lengths have differed: padded to one fixed length
-(padding="max_length"), T is no property of the batch. Not covered: a loss that reads padded positions (the
-check compares the model's outputs), batches without an attention_mask keyword. transformers' BERT, RoBERTa,
-DistilBERT, ALBERT, ELECTRA, Funnel, GPT-2 and Llama (sdpa and eager, right and left padding, float32 and
-bfloat16; CPU) move by at most 0.0039 of their size in bfloat16 (the floor there: 0.0625), 2e-7 in float32.
+So the forward check (independence.py) reruns, on its schedule, a forward called with an ``attention_mask`` of shape
+(B, T) (transformers' convention; by keyword or by position) twice more without gradient and in eval() mode (dropout
+would draw other masks for longer tensors): on the batch, and on the batch padded by EXTRA more positions
+(``padded_arguments``). Each output's values at the batch's real positions (``at_real_positions``) must not move. A
+forward that cannot take EXTRA more positions (more than the model has) is padded by one; one that cannot take that
+either goes unchecked for padding on that step. A model found to move is refused only once the training forwards'
+lengths have differed: padded to one fixed length (padding="max_length"), T is no property of the batch. Not
+covered: a loss that reads padded positions (the check compares the model's outputs), forwards without an argument
+named attention_mask (by keyword, or by position in the forward's signature). transformers' BERT, RoBERTa,
+DistilBERT, ALBERT, ELECTRA, Funnel, GPT-2 and Llama (sdpa and eager, right and left padding, float32 and bfloat16;
+CPU) move by at most 0.0039 of their size in bfloat16 (the floor there: 0.0625), 2e-7 in float32.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 
 import torch
 
@@ -43,11 +45,35 @@ DEPENDS_ON_PADDING = (
     "in DPTrainer).")
 
 
-def sequence_length(kwargs) -> int | None:
-    """T of the forward's attention_mask keyword of shape (B, T), or None."""
-    mask = kwargs.get("attention_mask")
+def _parameter_names(forward) -> tuple:
+    """The names of the positional parameters of a bound ``forward`` (empty where it has no signature)."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+_NAMES = weakref.WeakKeyDictionary()  # module class -> the positional parameter names of its forward
+
+
+def _argument(module, args, kwargs, name: str):
+    """The forward's argument ``name``, by keyword or by its position in the forward's signature, or None."""
+    if name in kwargs:
+        return kwargs[name]
+    names = _NAMES.get(type(module))
+    if names is None:
+        names = _NAMES[type(module)] = _parameter_names(module.forward)
+    index = names.index(name) if name in names else len(args)
+    return args[index] if index < len(args) else None
+
+
+def attention_mask(module, args, kwargs) -> torch.Tensor | None:
+    """The forward's attention_mask argument (by keyword or position) if it is an integer or boolean (B, T)
+    tensor, else None."""
+    mask = _argument(module, args, kwargs, "attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
-        return mask.shape[1]
+        return mask
     return None
 
 
@@ -70,14 +96,14 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA):
     """(args, kwargs) with every tensor of leading shape (batch, T) padded by ``extra`` positions on dim 1
     (attention_mask with 0, labels with -100, the input ids with the pad id, others with 0), and T; or None where
     the forward has no attention_mask of shape (batch, T) or the pad id is unknown."""
-    mask = kwargs.get("attention_mask")
-    length = sequence_length(kwargs)
-    if length is None or mask.shape[0] != batch:
+    mask = attention_mask(module, args, kwargs)
+    if mask is None or mask.shape[0] != batch:
         return None
-    ids = kwargs.get("input_ids")
-    if ids is None:
-        ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()
-                    and a.shape[:2] == mask.shape), None)
+    length = mask.shape[1]
+    ids = _argument(module, args, kwargs, "input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.shape != mask.shape:
+        ids = next((a for a in args if isinstance(a, torch.Tensor) and a is not mask and not a.is_floating_point()
+                    and a.shape == mask.shape), None)
     pad_id = _pad_id(module, ids, mask)
     if pad_id is None:
         return None
@@ -89,7 +115,7 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA):
         return torch.cat([t, added], 1)
 
     def fill_of(key, t):
-        if key == "attention_mask":
+        if t is mask:
             return 0
         if key == "labels":
             return LABELS_IGNORED

@@ -58,19 +58,21 @@ def clipped_sum(model, ids, mask, C):
     return torch.cat([t.flatten() for t in total])
 
 
-def train_steps(model, batches, clipping="ghost"):
+def train_steps(model, batches, clipping="ghost", positional=False):
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     try:
         for ids, mask in batches:
-            controller.loss(model(input_ids=ids, attention_mask=mask).pow(2).sum(1)).backward()
+            out = model(ids, mask) if positional else model(input_ids=ids, attention_mask=mask)
+            controller.loss(out.pow(2).sum(1)).backward()
             model.zero_grad()
     finally:
         controller.detach()
     return controller
 
 
+@pytest.mark.parametrize("called", ["by keyword", "positionally"])
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
-def test_a_mean_over_padded_positions_is_refused_once_the_lengths_differ(clipping):
+def test_a_mean_over_padded_positions_is_refused_once_the_lengths_differ(clipping, called):
     torch.manual_seed(0)
     model = Pooled(masked=False).double()
     g = torch.Generator().manual_seed(1)
@@ -83,10 +85,11 @@ def test_a_mean_over_padded_positions_is_refused_once_the_lengths_differ(clippin
     assert float((clipped_sum(model, *longer, C) - clipped_sum(model, ids, mask, C)).norm()) > 1.5 * C
     g = torch.Generator().manual_seed(2)
     same_length = [padded_batch([6, 3, 5, 6], 6, g), padded_batch([2, 6, 6, 4], 6, g)]
-    train_steps(model, same_length, clipping)  # one length so far: not refused
+    positional = called == "positionally"  # the mask found by its name in the forward's signature
+    train_steps(model, same_length, clipping, positional)  # one length so far: not refused
     with pytest.raises(RuntimeError, match=REFUSED + r".*length \d+\) by 8 more positions.*lengths differ from step "
                                            r"to step \(6, 9\).*check_padding = False"):
-        train_steps(model, same_length + [padded_batch([9, 3, 5, 9], 9, g)], clipping)
+        train_steps(model, same_length + [padded_batch([9, 3, 5, 9], 9, g)], clipping, positional)
 
 
 def test_one_fixed_length_and_a_mask_that_pools_are_not_refused():
