@@ -13,8 +13,8 @@ model and dtype this prints the largest relative move of the other examples' out
 pass, and whether the check would refuse (it must not); the same for the padding check (ghostdp/clipping/padding.py:
 the batch padded by 8 more positions in eval() mode, outputs compared at the real positions: another kernel for
 a longer sequence rounds otherwise) and for the batch without its last example (eval() mode: another kernel for
-a smaller batch); and, for a detached batch mean before a Linear (a model that mixes), the
-largest batch at which the check still finds it. Each figure comes from one checked forward of
+a smaller batch); a BERT with a head that means over the padding must be found by the padding check; and, for
+a detached batch mean before a Linear (a model that mixes), the largest batch at which the check still finds it. Each figure comes from one checked forward of
 a fresh model (seeded).
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ BATCH, LENGTH, VOCAB = 8, 32, 1000
 
 
 def _models():
-    """name -> (build, whether its batch is text whose last example alone is padded)."""
+    """name -> (build, whether its batch is text whose last example alone is padded, whether its outputs depend on
+    the padding: a check that must find it)."""
     import torch
     from torch import nn
     import transformers as tf
@@ -41,12 +42,23 @@ def _models():
         def forward(self, x):
             return self.lin(x - x.detach().mean(0, keepdim=True))
 
+    class MeanOverPadding(nn.Module):
+        """BERT's encoder and a head on the mean over all positions, the padding included."""
+
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.head = tf.BertModel(tf.BertConfig(**small)), nn.Linear(64, 2)
+
+        def forward(self, input_ids, attention_mask):
+            return self.head(self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.mean(1))
+
     return {
-        "bert (sdpa)": (lambda: tf.BertForSequenceClassification(tf.BertConfig(**small)), True),
-        "llama (sdpa)": (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **small)), True),
+        "bert (sdpa)": (lambda: tf.BertForSequenceClassification(tf.BertConfig(**small)), True, False),
+        "llama (sdpa)": (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **small)), True, False),
         "mixtral (4 experts, top 2)": (lambda: tf.MixtralForCausalLM(tf.MixtralConfig(
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **small)), True),
-        "detached batch mean": (DetachedMean, False),
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **small)), True, False),
+        "bert, mean over padding": (MeanOverPadding, True, True),
+        "detached batch mean": (DetachedMean, False, False),
     }, torch
 
 
@@ -107,7 +119,7 @@ def main(argv=None) -> list[dict]:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for name in names:
-            build, text = models[name]
+            build, text, mixes_padding = models[name]
             if text:
                 (move, threshold, found, padding_move, padding_threshold, padding_found, removal_move,
                  removal_threshold, removal_found) = checked_forward(build, True, dtype, device)
@@ -116,9 +128,11 @@ def main(argv=None) -> list[dict]:
                                  padding_found=padding_found, removal_move=removal_move,
                                  removal_threshold=removal_threshold, removal_found=removal_found))
                 cells = []
-                for m, t, f in ((move, threshold, found), (padding_move, padding_threshold, padding_found),
-                                (removal_move, removal_threshold, removal_found)):
-                    cells.append(f"{m:9.3g} / {t:8.3g} {'REFUSED (a false refusal)' if f else 'passes'}")
+                for m, t, f, must in ((move, threshold, found, False),
+                                      (padding_move, padding_threshold, padding_found, mixes_padding),
+                                      (removal_move, removal_threshold, removal_found, False)):
+                    verdict = ("found" if f else "MISSED") if must else ("REFUSED (a false refusal)" if f else "passes")
+                    cells.append(f"{m:9.3g} / {t:8.3g} {verdict}")
                 print(f"{dtype_name:9s} {name:28s} " + ";  ".join(cells))
             else:
                 limit = largest_batch_found(build, dtype, device, args.batches)

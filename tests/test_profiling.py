@@ -319,14 +319,18 @@ def test_collector_benchmark_runs_each_setting_in_a_process_of_its_own(capsys):
 
 def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
     """profiling.forward_check, scaled down: a model that keeps its examples apart passes its checked forward (with
-    its only padded example replaced, which makes the mask all ones), and a detached batch mean is found."""
+    its only padded example replaced, which makes the mask all ones), a mean over the padding and a detached batch
+    mean are found."""
     from profiling import forward_check
-    rows = forward_check.main(["--dtypes", "float32", "--models", "bert (sdpa)", "detached batch mean",
-                               "--batches", "8", "16"])
-    bert, mixing = rows
+    rows = forward_check.main(["--dtypes", "float32", "--models", "bert (sdpa)", "bert, mean over padding",
+                               "detached batch mean", "--batches", "8", "16"])
+    bert, padding_dependent, mixing = rows
+    assert padding_dependent["padding_found"]
+    assert padding_dependent["padding_move"] > padding_dependent["padding_threshold"]
     assert bert["model"] == "bert (sdpa)" and not bert["found"] and bert["move"] <= bert["threshold"]
     assert not bert["padding_found"] and 0 < bert["padding_threshold"]
     assert bert["padding_move"] <= bert["padding_threshold"]
-    assert not bert["removal_found"] and 0 < bert["removal_threshold"] and bert["removal_move"] <= bert["removal_threshold"]
+    assert not bert["removal_found"] and 0 < bert["removal_threshold"]
+    assert bert["removal_move"] <= bert["removal_threshold"]
     assert mixing["largest_batch_found"] == 16
     assert "largest relative move" in capsys.readouterr().out
