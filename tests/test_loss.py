@@ -123,3 +123,42 @@ def test_accelerate_backward_runs_both_passes():
         norm = torch.sqrt(g.pow(2).sum() + b.pow(2).sum())
         ref += min(1.0, 1e-3 / (float(norm) + 1e-6)) * g
     assert torch.allclose(got, ref, rtol=1e-10)
+
+
+def test_a_mask_keeps_an_elementwise_loss_to_the_real_positions_however_far_the_batch_is_padded():
+    """MSE on (B, T, d): without a mask each example's loss means over every position, the padding included, so
+    padding the batch further (dynamic padding: another example is longer) moves it; with the attention mask it is
+    the mean over the example's own positions."""
+    g = torch.Generator().manual_seed(0)
+    B, T, d = 3, 5, 2
+    output, target = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    losses = per_example_loss(nn.MSELoss(), output, target, mask=mask)
+    for i in range(B):
+        n = int(mask[i].sum())
+        assert torch.allclose(losses[i], nn.functional.mse_loss(output[i, :n], target[i, :n]), rtol=1e-12)
+    longer = [torch.cat([t, torch.randn(B, 4, d, generator=g)], 1) for t in (output, target)]
+    longer_mask = torch.cat([mask, torch.zeros(B, 4, dtype=torch.long)], 1)
+    assert torch.allclose(per_example_loss(nn.MSELoss(), *longer, mask=longer_mask), losses, rtol=1e-12)
+    unmasked = per_example_loss(nn.MSELoss(), output, target)
+    assert not torch.allclose(per_example_loss(nn.MSELoss(), *longer), unmasked)
+
+
+def test_a_mask_with_class_weights_and_ignored_labels_counts_the_tokens_both_keep():
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 2, 4, 5
+    logits, labels = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    labels[0, 1] = -100
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    criterion = nn.CrossEntropyLoss(weight=torch.rand(V, generator=g) + 0.5)
+    losses = per_example_loss(criterion, logits, labels, mask=mask)
+    for i in range(B):
+        keep = (mask[i] == 1) & (labels[i] != -100)
+        expected = nn.functional.cross_entropy(logits[i][keep], labels[i][keep], weight=criterion.weight)
+        assert torch.allclose(losses[i], expected, rtol=1e-12)
+
+
+def test_a_mask_that_does_not_match_the_losses_is_refused():
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 3\) does not match the leading dims of the "
+                                         r"elementwise losses, \(2, 4, 1\)"):
+        per_example_loss(nn.MSELoss(), torch.zeros(2, 4, 1), torch.zeros(2, 4, 1), mask=torch.ones(2, 3))

@@ -86,7 +86,8 @@ def _token_weights(criterion, target):
     return weight[target.clamp(0, weight.shape[0] - 1)] * valid
 
 
-def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B,) losses: each example's loss is the mean over its own elements/tokens.
 
     For class-index losses (CrossEntropy, NLL) with several tokens per example, the
@@ -96,6 +97,11 @@ def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: t
     (class weight included). Outputs of shape
     (B, T, V) with labels (B, T) (Hugging Face's layout) and torch's (B, C, d1, ...)
     layout are both accepted.
+
+    ``mask`` (the batch's attention mask, (B, T), or any 0/1 tensor matching the leading dims of the
+    elementwise losses): only its nonzero positions count, in the mean too. Without it an elementwise
+    loss (MSE on (B, T, d)) means over every position, the padding included: with batches padded to
+    their longest example each example's loss then depends on the others' lengths.
     """
     if not hasattr(criterion, "reduction"):
         raise TypeError(
@@ -127,14 +133,29 @@ def per_example_loss(criterion: torch.nn.Module, output: torch.Tensor, target: t
     if raw.dim() == 0 or raw.shape[0] != B:
         raise ValueError(f"criterion {type(criterion).__name__} with reduction='none' returned shape "
                          f"{tuple(raw.shape)}, which has no batch dimension of size {B}")
+    kept = None if mask is None else _mask_of_elements(mask, raw).reshape(B, -1).to(raw.dtype)
     raw = raw.reshape(B, -1)
-    if index_target:
-        w = _token_weights(criterion, target).reshape(B, -1).to(raw.dtype)
-        total = w.sum(1)
-        return raw.sum(1) / total.clamp(min=torch.finfo(raw.dtype).tiny) * (total > 0)
+    if kept is not None:
+        raw = raw * kept
     if criterion.reduction == "batchmean":  # KLDivLoss: the batch mean of per-example sums
         return raw.sum(1)
+    if index_target or kept is not None:
+        # torch's elementwise index losses carry the class weight already (and 0 at ignore_index): divide by the
+        # weights of the counted tokens, as its "mean" does.
+        w = _token_weights(criterion, target).reshape(B, -1).to(raw.dtype) if index_target else 1.0
+        total = (w * kept if kept is not None else w).sum(1)
+        return raw.sum(1) / total.clamp(min=torch.finfo(raw.dtype).tiny) * (total > 0)
     return raw.mean(1)
+
+
+def _mask_of_elements(mask: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """``mask`` broadcast over the trailing dims of the elementwise losses ``raw`` (its leading dims must match)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() > raw.dim() or mask.shape != raw.shape[:mask.dim()]:
+        raise ValueError(
+            f"mask of shape {tuple(getattr(mask, 'shape', ()))} does not match the leading dims of the elementwise "
+            f"losses, {tuple(raw.shape)}: give the batch's attention mask, (B, T), for outputs (B, T, ...), or a "
+            "tensor of the losses' leading shape.")
+    return (mask != 0).reshape(*mask.shape, *[1] * (raw.dim() - mask.dim())).expand_as(raw)
 
 
 class DPCriterion(torch.nn.Module):
