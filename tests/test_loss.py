@@ -158,6 +158,19 @@ def test_a_mask_with_class_weights_and_ignored_labels_counts_the_tokens_both_kee
         assert torch.allclose(losses[i], expected, rtol=1e-12)
 
 
+def test_the_dp_criterion_passes_the_mask_on():
+    model = nn.Linear(2, 2)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    criterion = ghostdp.DPCriterion(nn.MSELoss(reduction="sum"), controller)
+    x, target = torch.randn(2, 3, 2), torch.randn(2, 3, 2)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss = criterion(model(x), target, mask)
+    expected = per_example_loss(nn.MSELoss(), model(x), target, mask=mask).sum()
+    assert torch.allclose(loss, expected, rtol=1e-12)
+    loss.backward()
+    controller.detach()
+
+
 def test_a_mask_that_does_not_match_the_losses_is_refused():
     with pytest.raises(ValueError, match=r"mask of shape \(2, 3\) does not match the leading dims of the "
                                          r"elementwise losses, \(2, 4, 1\)"):

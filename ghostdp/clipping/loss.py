@@ -177,7 +177,8 @@ class DPCriterion(torch.nn.Module):
         self.controller = controller
         self.expected_batch_size = expected_batch_size
 
-    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        losses = per_example_loss(self.criterion, output, target)
+    def forward(self, output: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: the positions that count (per_example_loss), e.g. the batch's attention mask."""
+        losses = per_example_loss(self.criterion, output, target, mask)
         reduction = "sum" if self.criterion.reduction == "sum" else "mean"
         return self.controller.loss(losses, reduction, self.expected_batch_size)
