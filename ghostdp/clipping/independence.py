@@ -48,26 +48,10 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from .. import collector
 from ..data import distributed_rank_and_size
 from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
+from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
 from .padding import DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, in_eval_mode, padded_arguments
-
-# A move of the other examples' fingerprints counts when it exceeds NOISE_MARGIN times what the forward and
-# its first rerun differ by, plus a floor relative to the fingerprints' size (relative_floor): the batch may
-# decide a kernel for all examples (transformers drops an attention mask that is all ones, and a replaced
-# example may make it so), and another kernel rounds differently, by some units in the last place, which
-# grow through the layers. The floor costs sensitivity: a batch mean moves the others by about 1/B of the
-# examples' difference. Measured (x - x.detach().mean(0) before a Linear, d = 64, Gaussian examples): seen
-# in float32 up to B = 4096 (not 16384), in bfloat16 up to B = 8 (not 16; with 4 ulp: 32, not 64). Not measured
-# on a GPU: a refusal names the move and the threshold, and how to switch the check off.
-NOISE_MARGIN = 4.0
-
-
-def relative_floor(dtype) -> float:
-    """2^-14, or 8 units in the last place of a lower precision (float16, bfloat16: rounding differences grow
-    through many layers, and a false refusal stops training)."""
-    return max(2.0 ** -14, 8 * torch.finfo(dtype).eps)
-
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} moved the other examples' {output} by "
@@ -243,9 +227,9 @@ class ForwardIndependence:
         checkpoint flag are put back as the forward left them."""
         devices, states, buffers, _ = start
         leaves = _leaves(output)
-        signs = [self._signs(t) if _per_example(t, batch) else None for _, t in leaves]
+        signs = [self._signs(t) if per_example_output(t, batch) else None for _, t in leaves]
         with torch.no_grad():
-            forward = _fingerprints(leaves, signs, batch)
+            forward = fingerprints_of(leaves, signs, batch)
         checkable = batch > 1 and any(f is not None for f in forward)
         self.last_moves = []
         if not checkable and not several:
@@ -265,12 +249,12 @@ class ForwardIndependence:
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            moves = _moves(forward, same, moved, batch - 1, floors) if checkable else []
+            moves = moves_between(forward, same, moved, batch - 1, floors) if checkable else []
             # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
             # there are several).
-            if _largest_exceeding(moves) is not None or several:
+            if largest_exceeding(moves) is not None or several:
                 again = rerun(flat)
-                moves = _moves(forward, same, moved, batch - 1, floors, again) if checkable else []
+                moves = moves_between(forward, same, moved, batch - 1, floors, again) if checkable else []
             self.last_moves = moves
         finally:
             self._running = False
@@ -278,9 +262,9 @@ class ForwardIndependence:
             _put_back(after[1])
             self.recorder.forward_checkpointed = after[2]
             _put_back_attributes(attributes)
-        found, how = _largest_exceeding(moves), REPLACED
+        found, how = largest_exceeding(moves), REPLACED
         if found is None:
-            found, how = _largest_exceeding(removal or []), REMOVED
+            found, how = largest_exceeding(removal or []), REMOVED
         if found is None:
             return None
         return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous,
@@ -303,7 +287,7 @@ class ForwardIndependence:
                 return [None] * len(signs)
             if positions is not None:
                 leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
-            return _fingerprints(leaves, signs, batch)
+            return fingerprints_of(leaves, signs, batch)
 
     def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, batch: int,
                             checkable: bool):
@@ -332,15 +316,15 @@ class ForwardIndependence:
                 except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
                     fewer = None
                 if fewer is not None:
-                    self.last_removal_moves = _moves(plain, plain, fewer, batch - 1, floors)
+                    self.last_removal_moves = moves_between(plain, plain, fewer, batch - 1, floors)
             for extra in (EXTRA, 1) if padded is not None else ():
                 longer_batch = padded[0] if extra == EXTRA else padded_arguments(module, *arguments, batch, extra)[0]
                 try:  # more positions than the model has: one more, then unchecked for padding here
                     longer = self._rerun(module, longer_batch, states, buffers, signs, batch, positions)
                 except (IndexError, RuntimeError, ValueError):
                     continue
-                self.last_padding_moves = _moves(plain, plain, longer, batch, floors)  # eval() draws nothing
-                found = _largest_exceeding(self.last_padding_moves)
+                self.last_padding_moves = moves_between(plain, plain, longer, batch, floors)  # eval() draws nothing
+                found = largest_exceeding(self.last_padding_moves)
                 if found is not None:
                     self.padding_finding = PaddingDependence(
                         batch, padded[1], extra, "output" + keystr(leaves[found.output][0]), found.relative,
@@ -398,53 +382,3 @@ def _put_back_attributes(attributes) -> None:
             held[key] = tensor
             if values is not None and not torch.equal(tensor, values):
                 tensor.copy_(values)
-
-
-def _per_example(t, batch: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0 and t.shape[0] == batch
-
-
-def _fingerprints(leaves, signs, batch: int) -> list:
-    """Per output tensor with the batch on dim 0: each example's values projected on the +-1 ``signs``,
-    summed in float64 (the products are exact in any dtype), (batch,); None for the others."""
-    out = []
-    for (_, t), s in zip(leaves, signs):
-        if s is None or not _per_example(t, batch) or t.shape[1:] != s.shape or t.dtype != s.dtype:
-            out.append(None)
-            continue
-        # In eighths of the batch: the products' copy stays small beside a language model's logits.
-        rows = t.detach().split(max(1, batch // 8))
-        out.append(torch.cat([(part * s).reshape(len(part), -1).sum(1, dtype=torch.float64) for part in rows]))
-    return out
-
-
-class Move(NamedTuple):
-    """One output's comparison: how far its examples 0..batch-2 moved and what was allowed, both relative to its
-    largest fingerprint, and whether the move exceeds the allowance."""
-    output: int          # the index of the output tensor (pytree leaf)
-    relative: float
-    threshold: float
-    exceeds: bool
-
-
-def _moves(forward, same, moved, compared: int, floors, again=None) -> list:
-    """A Move per output with fingerprints: the move of examples 0..compared-1 against NOISE_MARGIN times the
-    reruns' own spread (the forward's, and ``again``'s where given) plus its ``floors`` (relative)."""
-    out = []
-    for k, (f, s, m, floor) in enumerate(zip(forward, same, moved, floors)):
-        if f is None or s is None or m is None:
-            continue
-        noise = float((f - s).abs().max())
-        if again is not None and again[k] is not None:
-            noise = max(noise, float((again[k] - s).abs().max()))
-        scale = float(s.abs().max())
-        move = float((m[:compared] - s[:compared]).abs().max())
-        threshold = NOISE_MARGIN * noise + floor * scale
-        out.append(Move(k, move / scale if scale > 0 else float("inf") if move > 0 else 0.0,
-                        threshold / scale if scale > 0 else float("inf"), move > threshold))
-    return out
-
-
-def _largest_exceeding(moves):
-    """The Move that exceeds its allowance by the largest relative move, or None."""
-    return max((m for m in moves if m.exceeds), key=lambda m: m.relative, default=None)
