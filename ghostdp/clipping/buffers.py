@@ -71,12 +71,12 @@ def tensor_attributes(module: torch.nn.Module) -> list:
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
 
 
-def changed_attributes(before: list, module: torch.nn.Module) -> list:
-    """The names among ``module``'s tensor attributes now that are new, replaced or changed in place since
-    ``before`` (tensor_attributes)."""
+def changed_attributes(before: list, now: list) -> list:
+    """The names among the tensor attributes ``now`` that are new, replaced or changed in place since ``before``
+    (both tensor_attributes of one module)."""
     seen = {(id(d), key): (t, version) for _, d, key, t, version in before}
     changed = []
-    for name, d, key, t, version in tensor_attributes(module):
+    for name, d, key, t, version in now:
         old = seen.get((id(d), key))
         if old is None or old[0] is not t or old[1] != version:
             changed.append(name)

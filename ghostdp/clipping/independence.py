@@ -192,7 +192,8 @@ class ForwardIndependence:
         start, self._start = self._start, None
         if start is None or self._running:
             return
-        self._warn_of_attributes(changed_attributes(start[3], module))
+        attributes = tensor_attributes(module)  # as the forward left them
+        self._warn_of_attributes(changed_attributes(start[3], attributes))
         flat, spec = tree_flatten((args, kwargs))
         batch = self.recorder._batch_hint or 0  # the first tensor argument's dim 0, read by the recorder's pre-hook
         replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
@@ -206,7 +207,8 @@ class ForwardIndependence:
             # one of them and backpropagate after the next. Python's collector is paused, as in ghostdp's other
             # parts of a step (collector.py): the reruns' objects die by reference count.
             with collector.paused():
-                found = self._compare(module, spec, flat, replaced, output, batch, start, ambiguous, several)
+                found = self._compare(module, spec, flat, replaced, output, batch, start, attributes, ambiguous,
+                                      several)
             self.finding = found or self.finding
         except torch.OutOfMemoryError:
             raise  # the step does not fit with its check (the physical batch search counts it so)
@@ -222,9 +224,10 @@ class ForwardIndependence:
                 self._changed_attributes.add(name)
                 warnings.warn(CHANGED_ATTRIBUTE.format(name=name))
 
-    def _compare(self, module, spec, flat, replaced, output, batch: int, start, ambiguous: bool, several: bool):
-        """The reruns of the module doc; a Mixing, or None. The generators, the buffers and the recorder's
-        checkpoint flag are put back as the forward left them."""
+    def _compare(self, module, spec, flat, replaced, output, batch: int, start, attributes, ambiguous: bool,
+                 several: bool):
+        """The reruns of the module doc; a Mixing, or None. The generators, the buffers, the tensor ``attributes``
+        (tensor_attributes) and the recorder's checkpoint flag are put back as the forward left them."""
         devices, states, buffers, _ = start
         leaves = _leaves(output)
         signs = [self._signs(t) if per_example_output(t, batch) else None for _, t in leaves]
@@ -235,20 +238,20 @@ class ForwardIndependence:
         if not checkable and not several:
             return None
         after = random_states(*devices), _buffers(module, values=False), self.recorder.forward_checkpointed
-        # The tensor attributes as the forward left them (values of those it changed: a rerun changes them again).
+        # The values of the attributes a checked forward changed: a rerun changes them again.
         attributes = [(d, key, t, t.clone() if name in self._changed_attributes else None)
-                      for name, d, key, t, _ in tensor_attributes(module)]
+                      for name, d, key, t, _ in attributes]
         self._running = True
         try:
             def rerun(arguments):
                 return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
+            floors = [None if s is None else relative_floor(s.dtype) for s in signs]
             removal = None if several else self._check_in_eval_mode(module, flat, spec, leaves, states, buffers,
-                                                                    signs, batch, checkable)
+                                                                    signs, floors, batch, checkable)
 
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
-            floors = [None if s is None else relative_floor(s.dtype) for s in signs]
             moves = moves_between(forward, same, moved, batch - 1, floors) if checkable else []
             # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
             # there are several).
@@ -289,7 +292,7 @@ class ForwardIndependence:
                 leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
             return fingerprints_of(leaves, signs, batch)
 
-    def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, batch: int,
+    def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, floors, batch: int,
                             checkable: bool):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example, where there are three or more (a forward that depends on the batch's
@@ -304,7 +307,6 @@ class ForwardIndependence:
         if padded is None and not removing:
             return None
         positions = None if padded is None else (leaves, padded[1], attention_mask(module, *arguments))
-        floors = [None if s is None else relative_floor(s.dtype) for s in signs]
         with in_eval_mode(module):
             plain = self._rerun(module, arguments, states, buffers, signs, batch, positions)
             if removing:
