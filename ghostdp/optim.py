@@ -548,9 +548,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 unclipped, examples, expected, self.noise_multiplier, self.random_source)
         if self.passes is not None:
             self.passes.record(self.noise_multiplier, chunks[-1].pass_index if chunks else None)
-            self._warn_past_calibration()
         elif self.accountant is not None:
             self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
+        if self.accountant is not None:
             self._warn_past_calibration()
         self._mid_logical_batch = False
         self._expect_fresh_grads = True
