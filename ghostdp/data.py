@@ -49,6 +49,16 @@ def any_rank(flag: bool, device) -> bool:
     return bool(across_ranks(float(flag), device))
 
 
+def maxima_across_ranks(values, device) -> list[float]:
+    """Each of ``values`` (numbers; a flag as 0 or 1) maximised over every process in one all-reduce (float64,
+    exact for counts and lengths), or the values themselves in one process."""
+    if distributed_rank_and_size()[1] == 1:
+        return [float(v) for v in values]
+    reduced = torch.tensor([float(v) for v in values], dtype=torch.float64, device=collective_device(device))
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+    return reduced.tolist()
+
+
 class PoissonBatchSampler(Sampler):
     """Logical batches in which every example is present independently with probability ``sample_rate``.
 

@@ -142,6 +142,83 @@ def refusals():
     }
 
 
+class Pooled(torch.nn.Module):
+    """Token embeddings pooled over the positions, then a Linear. ``masked`` False: a mean over every position, the
+    padding too (its output depends on how far the batch is padded). A buffer, which DDP broadcasts at every
+    forward, the forward check's reruns too: every process must run the same ones."""
+
+    def __init__(self, masked):
+        super().__init__()
+        torch.manual_seed(0)
+        self.masked = masked
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids) * self.scale
+        if self.masked:
+            weights = attention_mask.unsqueeze(-1).to(h.dtype)
+            return self.head((h * weights).sum(1) / weights.sum(1))
+        return self.head(h.mean(1))
+
+
+class ScaledByBatchSize(torch.nn.Module):
+    """The MLP on x / B: each example's output depends on the batch's size alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.register_buffer("scale", torch.ones(5))
+
+    def forward(self, x):
+        return self.net(x * self.scale / x.shape[0])
+
+
+def padded(lengths, length):
+    """(input ids, attention mask) of examples of ``lengths`` padded to ``length`` with id 0, and labels."""
+    g = torch.Generator().manual_seed(sum(lengths) + length)
+    ids = torch.randint(1, 10, (len(lengths), length), generator=g)
+    mask = (torch.arange(length) < torch.tensor(lengths)[:, None]).long()
+    return (ids * mask, mask), torch.randint(0, 3, (len(lengths),), generator=g)
+
+
+def checked_steps(model, batches):
+    """Backward passes of a controller on DDP(model) over this rank's ``batches`` ((inputs, labels)), the model
+    called positionally; the forward check runs on the first. The error of the pass that raised (type, message),
+    or (None, "")."""
+    module = DDP(model)
+    controller = ghostdp.GhostClipping(module, C)
+    try:
+        for inputs, labels in batches:
+            model.zero_grad()
+            losses = torch.nn.functional.cross_entropy(module(*inputs), labels, reduction="none")
+            controller.loss(losses).backward()
+    except RuntimeError as error:
+        return type(error).__name__, str(error)
+    finally:
+        controller.detach()
+    return None, ""
+
+
+def forward_checks():
+    """The forward check's reruns in eval() mode with two processes: each pads its own batch to its own length."""
+    rank = dist.get_rank()
+    own_length = [4, 6][rank]  # one length on each process, another on the other
+    batches = [padded([own_length, 2, 3], own_length) for _ in range(3)]
+    return {
+        "padding_everywhere": checked_steps(Pooled(masked=False), batches),
+        # Process 1's batch of one example cannot be checked: process 0 finds the move, and both stop.
+        "padding_on_one": checked_steps(Pooled(masked=False), [padded([4, 2, 3], 4) if rank == 0 else
+                                                               padded([6], 6)] * 2),
+        "masked": checked_steps(Pooled(masked=True), batches),
+        "batch_size": checked_steps(ScaledByBatchSize(), [((torch.randn(4, 5),), torch.randint(0, 3, (4,)))] * 2),
+        # Process 1's batch of two examples is not checked without its last: process 0's of four is.
+        "batch_size_on_one": checked_steps(ScaledByBatchSize(), [((torch.randn(4 - 2 * rank, 5),),
+                                                                  torch.randint(0, 3, (4 - 2 * rank,)))] * 2),
+    }
+
+
 def trainer(noise, clipping="ghost"):
     from transformers import TrainingArguments
     from ghostdp.integrations.transformers import DPArguments, DPTrainer
@@ -367,7 +444,7 @@ def main(scenario, out):
                   "first_unseeded": train_exact(wrap_first=True, seed=None, physical=None),
                   "bookkeeping": train_bookkeeping(seed=11, physical=2),
                   "bookkeeping_checkpointed": train_bookkeeping(seed=11, physical=2, checkpointed=True),
-                  "noise": noise_draws(), "refusals": refusals()}
+                  "noise": noise_draws(), "refusals": refusals(), "forward_checks": forward_checks()}
     elif scenario == "fsdp":
         result = fsdp(out)
     else:

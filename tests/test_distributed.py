@@ -172,6 +172,26 @@ def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error,
         assert rank["refusals"][case][0] == error and match in rank["refusals"][case][1]
 
 
+def test_the_forward_checks_eval_reruns_run_in_step_and_every_rank_refuses_what_any_rank_found(engine_runs):
+    padding = "the model's outputs depend on how far the batch is padded"
+    elsewhere = "another process found that the model's forward depends on how far the batch is padded"
+    for rank, run in enumerate(engine_runs):
+        checks = run["forward_checks"]
+        # Each process pads its batches to one length of its own (4 and 6): they differ between the processes.
+        assert checks["padding_everywhere"][0] == "RuntimeError"
+        assert re.search(padding + r".*lengths differ \(\d on this process, 4 to 6 on all\)",
+                         checks["padding_everywhere"][1])
+        # Process 1's batch of one example has nothing to compare: it reruns in step, and stops with process 0.
+        assert checks["padding_on_one"][0] == "RuntimeError"
+        assert (padding if rank == 0 else elsewhere) in checks["padding_on_one"][1]
+        assert checks["masked"] == (None, "")  # a pooling that reads the mask: no refusal, no process left waiting
+        assert checks["batch_size"][0] == "RuntimeError"
+        assert "removing the last of the 4 examples" in checks["batch_size"][1]
+        assert checks["batch_size_on_one"][0] == "RuntimeError"
+        assert ("removing the last of the 4 examples" if rank == 0 else
+                "another process found that the model's forward mixes examples") in checks["batch_size_on_one"][1]
+
+
 def test_bookkeeping_sums_the_ranks_in_one_bucketed_all_reduce_per_step(engine_runs):
     for rank in engine_runs:
         run = rank["bookkeeping"]

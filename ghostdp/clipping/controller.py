@@ -453,7 +453,7 @@ class GhostClipping:
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
             _forget_captured_edges(calls)
-        self.independence.refuse_mixing(B, passed.calls)
+        self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
         if passed.held_bytes:
             self._kept_fraction = passed.kept_bytes / passed.held_bytes
             self._warn_of_keeping_under_checkpointing(mode, regions)

@@ -23,8 +23,13 @@ move there either; a forward with an attention mask runs once more, padded furth
 at the norm pass that follows, for the batch of its per-example losses, unless the examples might not lie on dim 0,
 where a sequence-first model would have been perturbed along its positions: the layout proof placed a call's
 examples on another dim, or a module has batch_first=False and a replaced argument has another dim of the batch's
-size. The eval() reruns run in one process only (whether a rank's batch can be padded depends on its examples, and
-the ranks' forwards must not differ).
+size. With several processes every process reruns the same forwards (a forward may gather parameters, FSDP2, or
+broadcast buffers, DDP): a rerun that one process needs (its batch can be padded, or has three or more examples)
+runs everywhere, on the batch itself where a process has nothing to check there; and every process refuses where
+any one found a move (it would otherwise wait for the refusing one in the next collective), the padding check
+once the lengths differ on any process or between processes (each pads its own batch). There a finding is
+decided at the norm pass after a checked forward (one all-reduce; a refusal between those would stop one process
+alone).
 
 The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a copy: the
 forward's tensors, which its graph may have saved, keep their versions), and so are the tensors the modules keep as
@@ -46,7 +51,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .. import collector
-from ..data import distributed_rank_and_size
+from ..data import distributed_rank_and_size, maxima_across_ranks
 from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import random_states, restore_random_states
@@ -66,6 +71,10 @@ MIXING_OUTSIDE_GRADIENTS = (
     "the examples stay apart and the move is rounding (16-bit weights, kernels that the batch's content chooses), "
     "switch the check off with controller.independence.every = 0 (engine.controller after make_private, "
     "trainer.controller in DPTrainer).")
+
+FOUND_ON_ANOTHER_PROCESS = (
+    "another process found that the model's forward {what} (its error says where, by how much, and the fix). "
+    "Every process stops here, so that none waits for the others in a collective.")
 
 RERUN_FAILED = (
     "ghostdp could not check that the model's forward keeps the examples apart: running it again without "
@@ -158,6 +167,7 @@ class ForwardIndependence:
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
         self._changed_attributes = set()   # tensor attributes a checked forward changed (warned of once each)
+        self._verdict_due = False          # several processes: a forward was checked since the last norm pass
 
     @contextlib.contextmanager
     def checking_every_forward(self):
@@ -200,6 +210,7 @@ class ForwardIndependence:
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
+        self._verdict_due = self._verdict_due or several
         if not any_replaced and not several:
             return
         try:
@@ -247,8 +258,8 @@ class ForwardIndependence:
                 return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            removal = None if several else self._check_in_eval_mode(module, flat, spec, leaves, states, buffers,
-                                                                    signs, floors, batch, checkable)
+            removal = self._check_in_eval_mode(module, flat, spec, leaves, states, buffers, signs, floors, batch,
+                                               checkable, several, devices)
 
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
@@ -293,68 +304,116 @@ class ForwardIndependence:
             return fingerprints_of(leaves, signs, batch)
 
     def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, floors, batch: int,
-                            checkable: bool):
+                            checkable: bool, several: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example, where there are three or more (a forward that depends on the batch's
         size alone: replacing an example does not change it); and, for a forward with an attention mask, on the
         batch padded further (padding.py: a move of its real positions is kept as ``padding_finding``). The
-        Moves of examples 0..batch-2 without the last, or None. One process only: whether a rank can pad its
-        batch depends on its examples, and the ranks' forwards must not differ (FSDP2 gathers in them)."""
+        Moves of examples 0..batch-2 without the last, or None. With ``several`` processes each rerun runs on
+        every process where any needs it (module doc); one that has nothing to check there runs its batch again.
+        ``devices``: the accelerators of the forward (a collective's tensor goes to the first)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = tree_unflatten(flat, spec)
         padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
         removing = checkable and batch > 2
-        if padded is None and not removing:
+        device = devices[0] if devices else torch.device("cpu")
+        removing_anywhere, padding_anywhere = ((removing, padded is not None) if not several else
+                                               map(bool, maxima_across_ranks([removing, padded is not None], device)))
+        if not (removing_anywhere or padding_anywhere):
             return None
         positions = None if padded is None else (leaves, padded[1], attention_mask(module, *arguments))
+
+        def rerun(arguments, examples=batch):
+            return self._rerun(module, arguments, states, buffers, signs, examples, positions)
+
         with in_eval_mode(module):
-            plain = self._rerun(module, arguments, states, buffers, signs, batch, positions)
-            if removing:
+            plain = rerun(arguments)
+            if removing_anywhere:
                 try:
-                    fewer = self._rerun(module, tree_unflatten(_without_last(flat, batch), spec), states, buffers,
-                                        signs, batch - 1, positions)
+                    fewer = rerun(tree_unflatten(_without_last(flat, batch), spec), batch - 1) if removing else None
+                    if not removing:
+                        rerun(arguments)  # in step with the processes that remove an example
                 except torch.OutOfMemoryError:
                     raise
                 except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
                     fewer = None
                 if fewer is not None:
                     self.last_removal_moves = moves_between(plain, plain, fewer, batch - 1, floors)
-            for extra in (EXTRA, 1) if padded is not None else ():
+            pending = padded is not None  # this process's batch is still to be padded
+            for extra in (EXTRA, 1) if padding_anywhere else ():
+                if several and extra != EXTRA and not maxima_across_ranks([pending], device)[0]:
+                    break
+                if not pending:
+                    if not several:
+                        break
+                    rerun(arguments)  # in step with the processes that pad
+                    continue
                 longer_batch = padded[0] if extra == EXTRA else padded_arguments(module, *arguments, batch, extra)[0]
                 try:  # more positions than the model has: one more, then unchecked for padding here
-                    longer = self._rerun(module, longer_batch, states, buffers, signs, batch, positions)
+                    longer = rerun(longer_batch)
                 except (IndexError, RuntimeError, ValueError):
                     continue
+                pending = False
                 self.last_padding_moves = moves_between(plain, plain, longer, batch, floors)  # eval() draws nothing
                 found = largest_exceeding(self.last_padding_moves)
                 if found is not None:
                     self.padding_finding = PaddingDependence(
                         batch, padded[1], extra, "output" + keystr(leaves[found.output][0]), found.relative,
                         found.threshold)
-                break
         return self.last_removal_moves
 
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1
         return signs.to(device=t.device, dtype=t.dtype)
 
-    def refuse_mixing(self, batch_size: int, calls) -> None:
+    def refuse_mixing(self, batch_size: int, calls, device) -> None:
         """At the norm pass after a checked forward: refuse a Mixing where the per-example losses are the
-        batch the forward was perturbed in and every call's proven layout has the examples on dim 0."""
+        batch the forward was perturbed in and every call's proven layout has the examples on dim 0; refuse a
+        PaddingDependence once the lengths differ. With several processes, only at the pass after a checked
+        forward, and on every process where any refuses (module doc; ``device``: the losses')."""
         padding = self.padding_finding
-        if padding is not None and len(self.lengths) > 1:
-            raise RuntimeError(DEPENDS_ON_PADDING.format(
-                batch=padding.batch, length=padding.length, extra=padding.extra, output=padding.output,
-                moved=padding.moved, threshold=padding.threshold, lengths=", ".join(map(str, sorted(self.lengths)))))
         finding, self.finding = self.finding, None
-        if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
+        mixing = finding if self._refusable(finding, batch_size, calls) else None
+        lengths = sorted(self.lengths)
+        if distributed_rank_and_size()[1] > 1:
+            if not self._verdict_due:
+                return
+            self._verdict_due = False
+            padded_somewhere, mixing_somewhere, longest, negated_shortest = maxima_across_ranks(
+                [padding is not None, mixing is not None, max(lengths, default=0), -min(lengths, default=float("inf"))],
+                device)
+            if padded_somewhere and (len(lengths) > 1 or longest > -negated_shortest):
+                if padding is None:
+                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what="depends on how far the batch is padded"))
+                raise RuntimeError(_padding_refusal(padding, f"{', '.join(map(str, lengths))} on this process, "
+                                                             f"{-negated_shortest:.0f} to {longest:.0f} on all"))
+            if mixing_somewhere:
+                if mixing is None:
+                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what="mixes examples where no gradient flows"))
+                raise RuntimeError(_mixing_refusal(mixing))
             return
-        if any(layout != BATCH_FIRST for call in calls if call.layouts is not None for layout in call.layouts):
-            return
-        raise RuntimeError(MIXING_OUTSIDE_GRADIENTS.format(
-            how=finding.how.format(batch=finding.batch), output=finding.output, moved=finding.moved,
-            threshold=finding.threshold))
+        if padding is not None and len(lengths) > 1:
+            raise RuntimeError(_padding_refusal(padding, ", ".join(map(str, lengths))))
+        if mixing is not None:
+            raise RuntimeError(_mixing_refusal(mixing))
 
+    def _refusable(self, finding, batch_size: int, calls) -> bool:
+        """Whether a Mixing is refused at this norm pass: its batch is the losses', and no call's proven layout
+        (nor a sequence-first module, where a replaced argument was square) leaves the examples off dim 0."""
+        if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
+            return False
+        return not any(layout != BATCH_FIRST for call in calls if call.layouts is not None for layout in call.layouts)
+
+
+def _padding_refusal(padding: PaddingDependence, lengths: str) -> str:
+    return DEPENDS_ON_PADDING.format(batch=padding.batch, length=padding.length, extra=padding.extra,
+                                     output=padding.output, moved=padding.moved, threshold=padding.threshold,
+                                     lengths=lengths)
+
+
+def _mixing_refusal(mixing: Mixing) -> str:
+    return MIXING_OUTSIDE_GRADIENTS.format(how=mixing.how.format(batch=mixing.batch), output=mixing.output,
+                                           moved=mixing.moved, threshold=mixing.threshold)
 
 def _buffers(module, values: bool = True) -> list:
     """(dict, key, tensor, a copy of its values or None) of every buffer of ``module``."""

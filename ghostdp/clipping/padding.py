@@ -34,7 +34,7 @@ DEPENDS_ON_PADDING = (
     "the model's outputs depend on how far the batch is padded: padding the batch of {batch} examples (length "
     "{length}) by {extra} more positions with attention_mask 0 moved {output} at the real positions by "
     "{moved:.3g} of its size (beyond {threshold:.3g}, what rounding allows; eval() mode, no gradient), and the "
-    "batches' lengths differ from step to step ({lengths}): each batch is padded to its longest example, so one "
+    "batches' lengths differ ({lengths}): each batch is padded to its longest example, so one "
     "example's length moves the others' outputs and clipped gradients, and one example can move the update by "
     "more than the clipping norm (measured: 1.8 C besides its own). Something reads positions that the attention "
     "mask excludes: a mean or sum over all positions (h.mean(1)), a pooling window across the padding. Fix: use "
@@ -58,9 +58,12 @@ _NAMES = weakref.WeakKeyDictionary()  # module class -> the positional parameter
 
 
 def _argument(module, args, kwargs, name: str):
-    """The forward's argument ``name``, by keyword or by its position in the forward's signature, or None."""
+    """The forward's argument ``name``, by keyword or by its position in the forward's signature, or None. A DDP
+    (or DataParallel) wrapper passes its arguments on: the signature is the wrapped module's."""
     if name in kwargs:
         return kwargs[name]
+    while isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        module = module.module
     names = _NAMES.get(type(module))
     if names is None:
         names = _NAMES[type(module)] = _parameter_names(module.forward)
