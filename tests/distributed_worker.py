@@ -201,6 +201,36 @@ def checked_steps(model, batches):
     return None, ""
 
 
+class Tagger(torch.nn.Module):
+    """A label per token (a buffer, as Pooled has)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.embed(input_ids) * self.scale)
+
+
+def token_loss_step(counts_padding):
+    """One step of a DP criterion on DDP(Tagger()) whose labels at the padding are a class (``counts_padding``) or
+    -100; its error (type, message), or (None, "")."""
+    module = DDP(Tagger())
+    controller = ghostdp.GhostClipping(module, C)
+    criterion = ghostdp.DPCriterion(torch.nn.CrossEntropyLoss(), controller)
+    (ids, mask), _ = padded([4, 2, 3], 4)
+    labels = ids % 3 if counts_padding else (ids % 3).masked_fill(mask == 0, -100)
+    try:
+        criterion(module(ids, mask), labels).backward()
+    except ValueError as error:
+        return type(error).__name__, str(error)
+    finally:
+        controller.detach()
+    return None, ""
+
+
 def forward_checks():
     """The forward check's reruns in eval() mode with two processes: each pads its own batch to its own length."""
     rank = dist.get_rank()
@@ -213,6 +243,7 @@ def forward_checks():
                                                                padded([6], 6)] * 2),
         "masked": checked_steps(Pooled(masked=True), batches),
         "batch_size": checked_steps(ScaledByBatchSize(), [((torch.randn(4, 5),), torch.randint(0, 3, (4,)))] * 2),
+        "counted_padding": token_loss_step(counts_padding=rank == 0),  # process 0's labels count its padding
         # Process 1's batch of two examples is not checked without its last: process 0's of four is.
         "batch_size_on_one": checked_steps(ScaledByBatchSize(), [((torch.randn(4 - 2 * rank, 5),),
                                                                   torch.randint(0, 3, (4 - 2 * rank,)))] * 2),

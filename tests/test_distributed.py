@@ -187,6 +187,9 @@ def test_the_forward_checks_eval_reruns_run_in_step_and_every_rank_refuses_what_
         assert checks["masked"] == (None, "")  # a pooling that reads the mask: no refusal, no process left waiting
         assert checks["batch_size"][0] == "RuntimeError"
         assert "removing the last of the 4 examples" in checks["batch_size"][1]
+        assert checks["counted_padding"][0] == "ValueError"
+        assert ("the loss counts positions that the batch's attention mask excludes" if rank == 0 else
+                "another process found that the loss counts positions") in checks["counted_padding"][1]
         assert checks["batch_size_on_one"][0] == "RuntimeError"
         assert ("removing the last of the 4 examples" if rank == 0 else
                 "another process found that the model's forward mixes examples") in checks["batch_size_on_one"][1]

@@ -175,3 +175,43 @@ def test_a_mask_that_does_not_match_the_losses_is_refused():
     with pytest.raises(ValueError, match=r"mask of shape \(2, 3\) does not match the leading dims of the "
                                          r"elementwise losses, \(2, 4, 1\)"):
         per_example_loss(nn.MSELoss(), torch.zeros(2, 4, 1), torch.zeros(2, 4, 1), mask=torch.ones(2, 3))
+
+
+class TokenTagger(nn.Module):
+    """A label per token, called as a transformers model is: input ids and their attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.embed(input_ids))
+
+
+def test_a_dp_criterion_without_a_mask_refuses_targets_that_count_the_padding():
+    """Labels copied from the padded input ids count the padding in each example's loss: with batches padded to
+    their longest example one example's length then moves the others' clipped gradients (5.3 C measured through
+    DPTrainer's loss before 2026-11-26, which reads the mask now). On the forwards the forward check runs on, a DP
+    criterion called without a mask refuses such targets; the mask, or -100 at the padding, is accepted."""
+    model = TokenTagger().double()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    criterion = ghostdp.DPCriterion(nn.CrossEntropyLoss(), controller)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    ids = torch.randint(1, 10, (3, 4), generator=torch.Generator().manual_seed(1)) * mask
+    labels = ids % 3  # the padding's label is a class (0), not -100
+    with pytest.raises(ValueError, match=r"the loss counts positions that the batch's attention mask excludes.*"
+                                         r"not the criterion's ignore_index \(-100\).*criterion\(output, target, "
+                                         r"attention_mask\)"):
+        criterion(model(ids, mask), labels)
+    with controller.independence.checking_every_forward():
+        criterion(model(ids, mask), labels, mask).backward()
+        criterion(model(ids, mask), labels.masked_fill(mask == 0, -100)).backward()
+        criterion(model(ids, torch.ones_like(mask)), labels).backward()  # no padding
+        tagger = ghostdp.DPCriterion(nn.MSELoss(), controller)  # a float target: every padded position counts
+        with pytest.raises(ValueError, match="the loss counts positions"):
+            tagger(model(ids, mask), torch.zeros(3, 4, 3, dtype=torch.float64))
+        tagger(model(ids, mask), torch.zeros(3, 4, 3, dtype=torch.float64), mask).backward()
+    controller.independence.every = 0  # no forward checked: nothing refused
+    criterion(model(ids, mask), labels).backward()
+    controller.detach()

@@ -9,7 +9,7 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
 from transformers.data.data_collator import DataCollatorWithFlattening
 
 from ghostdp.data import PoissonBatchSampler
-from ghostdp.integrations.transformers import DPArguments, DPTrainer
+from ghostdp.integrations.transformers import DPArguments, DPTrainer, per_example_losses
 from ghostdp.randomness import RandomSource
 
 N, T = 24, 10
@@ -132,6 +132,32 @@ def test_lora_causal_lm_step_equals_the_reference(tmp_path):
         torch.testing.assert_close(trained[name], r, rtol=1e-9, atol=1e-12)
         if not r.requires_grad:
             assert torch.equal(trained[name], r)
+
+
+def test_token_losses_count_only_the_positions_the_attention_mask_keeps(tmp_path):
+    """Labels copied from the padded input ids (not -100 at the padding) counted the padding in each example's token
+    mean before 2026-11-26: with batches padded to their longest example, one example's length moved the others'
+    losses and clipped gradients. DPTrainer's token losses read the attention mask now: the step equals the
+    reference on the real targets, and an example's loss does not move when its batch is padded further."""
+    masked, model = Examples(causal=True), gpt2_lora()
+    unmasked = Examples(causal=True)
+    unmasked.labels = unmasked.ids.clone()  # the padded positions' labels are tokens, not -100
+    reference = reference_step(copy.deepcopy(model), masked, first_batch(3, masked, 8 / N), 0.2, 0.5, 8,
+                               causal_token_mean)
+    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.2, loss="causal_lm", seed=3)
+    DPTrainer(model=model, args=args(tmp_path), train_dataset=unmasked, dp_args=dp).train()
+    trained = dict(model.named_parameters())
+    for name, r in reference.named_parameters():
+        torch.testing.assert_close(trained[name], r, rtol=1e-9, atol=1e-12)
+    item = unmasked[0]  # 7 tokens and 3 of padding
+    ids, mask, labels = (item[k][None] for k in ("input_ids", "attention_mask", "labels"))
+    further = [torch.cat([t, t.new_zeros(1, 5)], 1) for t in (ids, mask, labels)]  # 5 more, labelled with pad id 0
+    for kind in ("causal_lm", "token_classification"):
+        with torch.no_grad():
+            short = per_example_losses(kind, model(input_ids=ids, attention_mask=mask), labels, attention_mask=mask)
+            long = per_example_losses(kind, model(input_ids=further[0], attention_mask=further[1]), further[2],
+                                      attention_mask=further[1])
+        torch.testing.assert_close(short, long, rtol=1e-12, atol=0)
 
 
 class Logs(TrainerCallback):

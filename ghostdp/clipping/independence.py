@@ -56,7 +56,8 @@ from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
-from .padding import DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, in_eval_mode, padded_arguments
+from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
+                      in_eval_mode, padded_arguments)
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} moved the other examples' {output} by "
@@ -73,8 +74,11 @@ MIXING_OUTSIDE_GRADIENTS = (
     "trainer.controller in DPTrainer).")
 
 FOUND_ON_ANOTHER_PROCESS = (
-    "another process found that the model's forward {what} (its error says where, by how much, and the fix). "
+    "another process found that {what} (its error says where, by how much, and the fix). "
     "Every process stops here, so that none waits for the others in a collective.")
+FORWARD_MIXES = "the model's forward mixes examples where no gradient flows"
+FORWARD_DEPENDS_ON_PADDING = "the model's forward depends on how far the batch is padded"
+LOSS_COUNTS_PADDING = "the loss counts positions the attention mask excludes"
 
 RERUN_FAILED = (
     "ghostdp could not check that the model's forward keeps the examples apart: running it again without "
@@ -168,6 +172,7 @@ class ForwardIndependence:
         self._warned = False
         self._changed_attributes = set()   # tensor attributes a checked forward changed (warned of once each)
         self._verdict_due = False          # several processes: a forward was checked since the last norm pass
+        self.checked_mask = None           # (its attention mask or None,) of the last forward, where it was checked
 
     @contextlib.contextmanager
     def checking_every_forward(self):
@@ -190,11 +195,12 @@ class ForwardIndependence:
         if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
             return  # not a training forward, or a checkpoint's recomputation
         n, self.forwards = self.forwards, self.forwards + 1
-        if len(self.lengths) < 2:
-            mask = attention_mask(module, args, kwargs)
-            if mask is not None:
-                self.lengths.add(mask.shape[1])
-        if self.every and (n == 0 or proof_scheduled(n, self.every)):
+        scheduled = self.every and (n == 0 or proof_scheduled(n, self.every))
+        mask = attention_mask(module, args, kwargs) if scheduled or len(self.lengths) < 2 else None
+        if mask is not None and len(self.lengths) < 2:
+            self.lengths.add(mask.shape[1])
+        self.checked_mask = (mask,) if scheduled else None
+        if scheduled:
             devices = _accelerators(module, args, kwargs)
             self._start = (devices, random_states(*devices), _buffers(module), tensor_attributes(module))
 
@@ -362,6 +368,19 @@ class ForwardIndependence:
                         found.threshold)
         return self.last_removal_moves
 
+    def refuse_counted_padding(self, criterion, target) -> None:
+        """A DP criterion called without a mask, after a checked forward: refuse targets that count positions the
+        forward's attention mask excludes (padding.counted_padding), on every process where any found them."""
+        checked, self.checked_mask = self.checked_mask, None
+        if checked is None:
+            return
+        mask = checked[0]
+        counted = mask is not None and counted_padding(criterion, target, mask)
+        if distributed_rank_and_size()[1] > 1 and maxima_across_ranks([counted], target.device)[0] and not counted:
+            raise ValueError(FOUND_ON_ANOTHER_PROCESS.format(what=LOSS_COUNTS_PADDING))
+        if counted:
+            raise ValueError(COUNTS_PADDING.format(ignore=getattr(criterion, "ignore_index", None)))
+
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1
         return signs.to(device=t.device, dtype=t.dtype)
@@ -384,12 +403,12 @@ class ForwardIndependence:
                 device)
             if padded_somewhere and (len(lengths) > 1 or longest > -negated_shortest):
                 if padding is None:
-                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what="depends on how far the batch is padded"))
+                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what=FORWARD_DEPENDS_ON_PADDING))
                 raise RuntimeError(_padding_refusal(padding, f"{', '.join(map(str, lengths))} on this process, "
                                                              f"{-negated_shortest:.0f} to {longest:.0f} on all"))
             if mixing_somewhere:
                 if mixing is None:
-                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what="mixes examples where no gradient flows"))
+                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what=FORWARD_MIXES))
                 raise RuntimeError(_mixing_refusal(mixing))
             return
         if padding is not None and len(lengths) > 1:

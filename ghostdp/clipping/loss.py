@@ -178,7 +178,11 @@ class DPCriterion(torch.nn.Module):
         self.expected_batch_size = expected_batch_size
 
     def forward(self, output: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: the positions that count (per_example_loss), e.g. the batch's attention mask."""
+        """``mask``: the positions that count (per_example_loss), e.g. the batch's attention mask. Without one, a
+        target laid out as the model's attention mask that counts padded positions is refused after the forwards
+        that the forward check runs on (independence.py)."""
+        if mask is None:
+            self.controller.independence.refuse_counted_padding(self.criterion, target)
         losses = per_example_loss(self.criterion, output, target, mask)
         reduction = "sum" if self.criterion.reduction == "sum" else "mean"
         return self.controller.loss(losses, reduction, self.expected_batch_size)

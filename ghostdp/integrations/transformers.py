@@ -47,8 +47,9 @@ class DPArguments:
     ``TrainingArguments.max_grad_norm`` is turned off), or a ``ghostdp.AdaptiveClipNorm`` (each trainer
     works on its own copy; per-group clipping is PrivacyEngine's). ``loss`` is the per-example loss:
     "sequence_classification" (cross-entropy, or MSE when the model has one label),
-    "token_classification" (token mean over labels != -100 per example), "causal_lm" (the
-    same after shifting labels by one), or a callable (model outputs, labels) -> (B,) losses.
+    "token_classification" (token mean over labels != -100 per example, at the positions the batch's
+    attention_mask keeps), "causal_lm" (the same after shifting labels by one), or a callable (model
+    outputs, labels) -> (B,) losses.
     ``max_epsilon`` stops training before the step that would exceed it. ``clipping`` is "ghost"
     (two passes) or "bookkeeping" (one backward, more memory; with several processes the step sums
     the ranks' clipped sums in one bucketed all-reduce; with gradient_checkpointing its steps take
@@ -101,18 +102,27 @@ class DPArguments:
                             f"{type(self.batch_size_schedule).__name__}")
 
 
-def per_example_losses(kind, outputs, labels, num_labels=None, label_smoothing=0.0) -> torch.Tensor:
+def per_example_losses(kind, outputs, labels, num_labels=None, label_smoothing=0.0,
+                       attention_mask=None) -> torch.Tensor:
     """(B,) losses from model outputs and labels for one of LOSS_KINDS, or a callable. ``label_smoothing``:
-    TrainingArguments.label_smoothing_factor, for the cross-entropy kinds (as the Trainer's LabelSmoother)."""
+    TrainingArguments.label_smoothing_factor, for the cross-entropy kinds (as the Trainer's LabelSmoother).
+    ``attention_mask``: the batch's; a token loss counts only the positions it keeps. A label left at a
+    padded position (labels copied from the padded input ids, not set to -100) would otherwise count, and
+    with batches padded to their longest example each example's loss would depend on the others' lengths."""
     if callable(kind):
         return kind(outputs, labels)
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
     if kind == "sequence_classification" and num_labels == 1:
         return per_example_loss(torch.nn.MSELoss(), logits.squeeze(-1), labels.to(logits.dtype))
+    mask = None
+    if (kind != "sequence_classification" and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.shape == labels.shape):
+        mask = attention_mask
     if kind == "causal_lm":
         logits, labels = logits[:, :-1], labels[:, 1:]
+        mask = None if mask is None else mask[:, 1:]  # the positions of the targets
     return per_example_loss(torch.nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=label_smoothing),
-                            logits, labels)
+                            logits, labels, mask)
 
 
 def _pop_labels(inputs: dict) -> torch.Tensor:
@@ -390,7 +400,7 @@ class DPTrainerMixin:
             with self.compute_loss_context_manager():
                 outputs = model(**chunk)
                 losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels,
-                                            self.args.label_smoothing_factor)
+                                            self.args.label_smoothing_factor, chunk.get("attention_mask"))
                 if losses.dim() != 1 or losses.shape[0] != chunk_labels.shape[0]:
                     raise ValueError(f"the per-example loss returned shape {tuple(losses.shape)}; it must be "
                                      f"({chunk_labels.shape[0]},), one loss per example")
@@ -421,7 +431,7 @@ class DPTrainerMixin:
             with self.accelerator.no_sync(model):
                 with self.compute_loss_context_manager():
                     losses = per_example_losses(self.dp_args.loss, model(**inputs), labels, num_labels,
-                                                self.args.label_smoothing_factor)
+                                                self.args.label_smoothing_factor, inputs.get("attention_mask"))
                 self.controller.loss(losses).backward()
 
         def clean():
