@@ -269,6 +269,29 @@ def trainer(noise, clipping="ghost"):
             "world_size": dist.get_world_size()}
 
 
+def trainer_dynamic_padding(head):
+    """DPTrainer on batches padded to their longest example, each process padding its own: BERT's own head trains; a
+    head that means over the padding is refused on every process. The error (type, message), or (None, "")."""
+    from transformers import TrainingArguments
+    from ghostdp.integrations.transformers import DPArguments, DPTrainer
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_trainer import MeanOverPadding, VariableLengths, pad_to_longest, roomy_bert
+    torch.set_default_dtype(torch.float64)
+    model = roomy_bert() if head == "bert" else MeanOverPadding()
+    args = TrainingArguments(output_dir=os.environ["GHOSTDP_TEST_OUT"], per_device_train_batch_size=3,
+                             learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+                             max_steps=3, report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=0.0,
+                             dataloader_pin_memory=False, ddp_backend="gloo", disable_tqdm=True,
+                             remove_unused_columns=False)
+    trainer = DPTrainer(model=model, args=args, train_dataset=VariableLengths(), data_collator=pad_to_longest,
+                        dp_args=DPArguments(noise_multiplier=1.0, max_grad_norm=1.0, seed=3))
+    try:
+        trainer.train()
+    except RuntimeError as error:
+        return type(error).__name__, str(error)
+    return None, ""
+
+
 def fully_sharded(model):
     """FSDP2: each child with parameters, then the root, as fully_shard's documentation does."""
     from torch.distributed.fsdp import fully_shard
@@ -479,7 +502,8 @@ def main(scenario, out):
     elif scenario == "fsdp":
         result = fsdp(out)
     else:
-        result = {"exact": trainer(0.0), "noisy": trainer(1.0), "bookkeeping": trainer(0.0, "bookkeeping")}
+        result = {"exact": trainer(0.0), "noisy": trainer(1.0), "bookkeeping": trainer(0.0, "bookkeeping"),
+                  "dynamic_padding": {head: trainer_dynamic_padding(head) for head in ("bert", "mean over padding")}}
     torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
 
 

@@ -222,6 +222,18 @@ def test_dp_trainer_under_torchrun_or_accelerate_equals_one_process_on_the_union
             torch.testing.assert_close(rank["params"][name], value, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("runs", ["trainer_runs", "accelerate_trainer_runs"])
+def test_dp_trainer_refuses_a_mean_over_dynamic_padding_on_every_rank(runs, request):
+    """Each process pads its batches to their longest example; the forward check's eval() reruns run in step
+    through the DDP wrapper that the Trainer (or accelerate) puts around the model, called by keyword."""
+    for rank in request.getfixturevalue(runs):
+        padding = rank["dynamic_padding"]
+        assert padding["bert"] == (None, "")
+        assert padding["mean over padding"][0] == "RuntimeError"
+        assert re.search(r"(the model's outputs|another process found that the model's forward) depends? on how far "
+                         r"the batch is padded", padding["mean over padding"][1])
+
+
 def test_dp_trainer_ranks_stay_identical_with_noise(trainer_runs):
     ranks = [r["noisy"] for r in trainer_runs]
     assert ranks[0]["epsilon"] == ranks[1]["epsilon"] > 0
