@@ -38,10 +38,8 @@ def across_ranks(value: float, device, op: str = "max") -> float:
     picks the collective's)."""
     if distributed_rank_and_size()[1] == 1:
         return value
-    reduced = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(device))
-    ops = {"max": torch.distributed.ReduceOp.MAX, "min": torch.distributed.ReduceOp.MIN}
-    torch.distributed.all_reduce(reduced, op=ops[op])
-    return reduced.item()
+    sign = {"max": 1.0, "min": -1.0}[op]  # the minimum is the negated maximum of the negated values
+    return sign * maxima_across_ranks([sign * value], device)[0]
 
 
 def any_rank(flag: bool, device) -> bool:
