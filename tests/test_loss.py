@@ -208,6 +208,9 @@ def test_a_dp_criterion_without_a_mask_refuses_targets_that_count_the_padding():
         criterion(model(ids, mask), labels, mask).backward()
         criterion(model(ids, mask), labels.masked_fill(mask == 0, -100)).backward()
         criterion(model(ids, torch.ones_like(mask)), labels).backward()  # no padding
+        with pytest.raises(ValueError, match="the loss counts positions"):  # a causal LM's shifted targets
+            criterion(model(ids, mask)[:, :-1], labels[:, 1:])
+        criterion(model(ids, mask)[:, :-1], labels[:, 1:], mask[:, 1:]).backward()
         tagger = ghostdp.DPCriterion(nn.MSELoss(), controller)  # a float target: every padded position counts
         with pytest.raises(ValueError, match="the loss counts positions"):
             tagger(model(ids, mask), torch.zeros(3, 4, 3, dtype=torch.float64))

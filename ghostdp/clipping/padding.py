@@ -59,9 +59,14 @@ COUNTS_PADDING = (
 
 def counted_padding(criterion, target: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether an elementwise loss of ``criterion`` on ``target`` counts a position that ``mask`` (B, T) excludes:
-    a target laid out as the mask ((B, T, ...)) with a padded position that is not the criterion's ignore_index
-    (a float target: any padded position)."""
-    if target.dim() < 2 or target.shape[:2] != mask.shape:
+    a target laid out as the mask ((B, T, ...)), or one position shorter (a causal LM's targets, shifted: against
+    the mask's last T - 1 positions), with a padded position that is not the criterion's ignore_index (a float
+    target: any padded position)."""
+    if target.dim() < 2 or target.shape[0] != mask.shape[0]:
+        return False
+    if target.shape[1] == mask.shape[1] - 1:
+        mask = mask[:, 1:]
+    elif target.shape[1] != mask.shape[1]:
         return False
     padded = mask == 0
     ignore = getattr(criterion, "ignore_index", None)
