@@ -163,6 +163,22 @@ class Pooled(torch.nn.Module):
         return self.head(h.mean(1))
 
 
+class Positioned(Pooled):
+    """Pooled with position embeddings for at most 10 positions: a batch of 9 cannot be padded by 8 more, only by 1."""
+
+    def __init__(self, masked):
+        super().__init__(masked)
+        self.position = torch.nn.Embedding(10, 4)
+
+    def forward(self, input_ids, attention_mask):
+        positions = self.position(torch.arange(input_ids.shape[1])[None])  # (1, T, 4): shared by the batch
+        h = (self.embed(input_ids) + positions) * self.scale
+        if self.masked:
+            weights = attention_mask.unsqueeze(-1).to(h.dtype)
+            return self.head((h * weights).sum(1) / weights.sum(1))
+        return self.head(h.mean(1))
+
+
 class ScaledByBatchSize(torch.nn.Module):
     """The MLP on x / B: each example's output depends on the batch's size alone."""
 
@@ -242,6 +258,11 @@ def forward_checks():
         "padding_on_one": checked_steps(Pooled(masked=False), [padded([4, 2, 3], 4) if rank == 0 else
                                                                padded([6], 6)] * 2),
         "masked": checked_steps(Pooled(masked=True), batches),
+        # Process 0's batch of 9 positions is padded by 1 after padding by 8 failed, process 1's of 2 by 8: the
+        # second attempt runs on both (process 1 reruns its batch), and each checks its own.
+        "padded_by_one": {masked: checked_steps(Positioned(masked), [padded([[9, 4, 6], [2, 1, 2]][rank],
+                                                                            [9, 2][rank])])
+                          for masked in (False, True)},
         "batch_size": checked_steps(ScaledByBatchSize(), [((torch.randn(4, 5),), torch.randint(0, 3, (4,)))] * 2),
         "counted_padding": token_loss_step(counts_padding=rank == 0),  # process 0's labels count its padding
         # Process 1's batch of two examples is not checked without its last: process 0's of four is.

@@ -185,6 +185,10 @@ def test_the_forward_checks_eval_reruns_run_in_step_and_every_rank_refuses_what_
         assert checks["padding_on_one"][0] == "RuntimeError"
         assert (padding if rank == 0 else elsewhere) in checks["padding_on_one"][1]
         assert checks["masked"] == (None, "")  # a pooling that reads the mask: no refusal, no process left waiting
+        # One process pads by one position only (no room for 8 more): both take the second attempt in step.
+        assert checks["padded_by_one"][True] == (None, "")
+        assert checks["padded_by_one"][False][0] == "RuntimeError"
+        assert re.search(padding + r".*by %d more positions" % [1, 8][rank], checks["padded_by_one"][False][1])
         assert checks["batch_size"][0] == "RuntimeError"
         assert "removing the last of the 4 examples" in checks["batch_size"][1]
         assert checks["counted_padding"][0] == "ValueError"
