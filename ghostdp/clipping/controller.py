@@ -31,6 +31,7 @@ from .buffers import BufferWatch
 from .independence import ForwardIndependence
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
+from .probe import compiled_code_note
 from .pass_one import PassOne
 from .records import BackwardRecord
 from .recording import ForwardRecorder, zero_size_leaf
@@ -379,7 +380,7 @@ class GhostClipping:
             raise RuntimeError(
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
                 "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
-                "Fix: call model.train() before the forward of a training step.")
+                "Fix: call model.train() before the forward of a training step." + compiled_code_note())
         described = self._described(stray)
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
@@ -387,7 +388,7 @@ class GhostClipping:
             "adds a penalty on the weights), so ghostdp cannot bound its per-example norm. Fix: call the owning "
             "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
-            "weights and not on the data.")
+            "weights and not on the data." + compiled_code_note())
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

@@ -21,6 +21,8 @@ the forward like every other saved tensor, and the norm pass's unpacking recompu
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -99,6 +101,20 @@ class InputSink(torch.autograd.Function):
 # dead-wrapper unwrapping): about half of its cost, once per hooked layer and forward. Used outside
 # functorch transforms and torch.compile's tracing, where that preamble does real work.
 _DIRECT_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, ProbeIdentity)
+
+
+COMPILED_BEFORE_ATTACHING = (
+    " torch.compile has compiled code in this process: a forward compiled before ghostdp attached runs without the "
+    "hooks added after it (dynamo does not check a module's hooks again), which leaves its layers unrecorded "
+    "exactly so. If that is the case: make the model private before its first compiled call, or call "
+    "torch._dynamo.reset() after attaching.")
+
+
+def compiled_code_note() -> str:
+    """COMPILED_BEFORE_ATTACHING where torch.compile has compiled a frame in this process, else "" (dynamo is not
+    imported for it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return COMPILED_BEFORE_ATTACHING if utils is not None and utils.counters["frames"]["ok"] > 0 else ""
 
 
 def tracing_or_transforming() -> bool:

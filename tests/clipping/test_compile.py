@@ -2,6 +2,7 @@
 import gc
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,3 +23,36 @@ def test_a_compiled_forward_is_exact_and_leaves_no_unraisable_errors(monkeypatch
         controller.loss(compiled(torch.randn(5, 4)).pow(2).sum(1)).backward()
     gc.collect()
     assert not unraisable, [str(u.exc_value) for u in unraisable]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(x)))
+
+
+@pytest.mark.parametrize("compiled_part", ["the model", "a submodule"])
+def test_code_compiled_before_attaching_is_refused_with_the_compile_fix(compiled_part):
+    """A forward compiled before ghostdp attached runs without the hooks added later (dynamo does not guard on
+    them): its layers go unrecorded. The audit refuses that (no call recorded, or gradient outside every recorded
+    call); the refusal names torch.compile and the fix, after which the step is exact."""
+    torch._dynamo.reset()  # no code compiled by the tests before
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Tanh(), nn.Linear(2, 2))
+    if compiled_part == "the model":
+        forward = torch.compile(model, backend="eager")
+    else:
+        model[0].compile(backend="eager")
+        forward = model
+    x = torch.randn(5, 4)
+    forward(x)  # compiled without ghostdp's hooks
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match=r"(no call of a trainable layer|gradient reaches the parameter).*"
+                                           r"torch.compile has compiled code.*torch._dynamo.reset\(\)"):
+        controller.loss(forward(x).pow(2).sum(1)).backward()
+    controller.detach()
+    torch._dynamo.reset()
+    assert_exact(model, lambda: forward(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 5)
