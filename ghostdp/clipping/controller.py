@@ -446,6 +446,7 @@ class GhostClipping:
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls, regions, audited, graph = self._audit(per_example_losses, mode)
+        self.recorder.warn_if_compiled()
         try:
             # Only a checkpointed step's measure decides a mode (mode_for_loss): its first step takes two passes.
             recorder = self.recorder
