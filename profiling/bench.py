@@ -106,9 +106,10 @@ def weight_dtype(args):
 GHOSTDP_MODES = ("ghost", "bookkeeping")  # the modes trained with a ghostdp package
 
 
-def make_step(mode, model, args, batch, library=None):
+def make_step(mode, model, args, batch, library=None, compile_backend=None):
     """A closure running one full training step (forward, backward, optimizer step). ``library``: the
-    ghostdp package to train with (another version of it: profiling.step_ratio --against); default ghostdp."""
+    ghostdp package to train with (another version of it: profiling.step_ratio --against); default ghostdp.
+    ``compile_backend``: the forward runs through torch.compile with this backend (profiling.compiled)."""
     import torch
     ids, labels = batch
     params = [p for p in model.parameters() if p.requires_grad]
@@ -136,11 +137,12 @@ def make_step(mode, model, args, batch, library=None):
 
     autocast = getattr(args, "dtype", "fp32") == "amp"
     device_type = ids.device.type
+    forward = model if compile_backend is None else torch.compile(model, backend=compile_backend)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-            loss = criterion(model(input_ids=ids).logits.float(), labels)
+            loss = criterion(forward(input_ids=ids).logits.float(), labels)
         loss.backward()
         optimizer.step()
     step.controller = engine.controller if mode in GHOSTDP_MODES else None

@@ -317,6 +317,20 @@ def test_collector_benchmark_runs_each_setting_in_a_process_of_its_own(capsys):
     assert "collections per step" in capsys.readouterr().out
 
 
+def test_compiled_benchmark_runs_each_mode_eager_and_compiled_in_processes_of_their_own(capsys):
+    """profiling.compiled, scaled down (dynamo's eager backend: no C++ compiler, seconds): a compiled private step
+    breaks its graph at ghostdp's hooks; a plain one does not."""
+    from profiling import compiled
+    rows = compiled.main(["--modes", "plain", "bookkeeping", "--backends", "eager", "--steps", "3", "--warmup", "2",
+                          "--layers", "1", "--hidden", "16", "--heads", "2", "--vocab", "64"])
+    assert [(r["mode"], r["backend"]) for r in rows] == [("plain", "none"), ("plain", "eager"),
+                                                         ("bookkeeping", "none"), ("bookkeeping", "eager")]
+    assert all(r["median_ms"] > 0 for r in rows)
+    breaks = {(r["mode"], r["backend"]): r["graph_breaks"] for r in rows}
+    assert breaks[("plain", "eager")] == 0 and breaks[("bookkeeping", "eager")] > 0
+    assert "graph breaks" in capsys.readouterr().out
+
+
 def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
     """profiling.forward_check, scaled down: a model that keeps its examples apart passes its checked forward (with
     its only padded example replaced, which makes the mask all ones), a mean over the padding and a detached batch

@@ -45,10 +45,10 @@ _RECORDED, _IN_REGION, _IN_PROOF, _INERT = "recorded", "in region", "in proof", 
 
 COMPILED_FORWARD = (
     "the model's forward runs under torch.compile. ghostdp's hooks on every trained layer break the compiled graph "
-    "into many small pieces, each with its own guards: measured on the CPU stand-in (BERT L=12, H=64, 2026-11-26), "
-    "a compiled book-keeping step took 45.5 ms against 17.7 ms uncompiled (ghost 52.5 against 23.2; plain steps "
-    "5.4 against 8.9), so compiling slows private training down. The results are exact either way. Fix: train the "
-    "model uncompiled (a compiled copy for evaluation is fine).")
+    "into many small pieces, each with its own guards: on the CPU stand-in (BERT L=12, H=64, python -m "
+    "profiling.compiled, 2026-11-26) a compiled book-keeping step took 57.5 ms against 23.1 ms uncompiled (ghost 63.3 "
+    "against 25.9; plain steps 6.7 against 10.6), so compiling slows private training down. The results are exact "
+    "either way. Fix: train the model uncompiled (a compiled copy for evaluation is fine).")
 
 
 def zero_size_leaf(leaves: dict, device) -> torch.Tensor:
