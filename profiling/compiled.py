@@ -1,16 +1,18 @@
-"""What torch.compile does to a private step: each mode eager and compiled, on the host-overhead stand-in.
+"""What torch.compile does to a private step: each mode eager and compiled.
 
-    python -m profiling.compiled                               # plain, ghost, book-keeping; eager and inductor
+    python -m profiling.compiled                               # the overhead stand-in, CPU; eager and inductor
     python -m profiling.compiled --modes plain bookkeeping --steps 60 --backends eager inductor
+    python -m profiling.compiled --device cuda --hidden 768 --heads 12 --seq 128 --batch 32 --dtype bf16 \
+        --threads 0 --steps 30                                 # BERT-base on a GPU (not yet run)
 
 ghostdp hooks every trained layer; under torch.compile those hooks break the forward into many small graphs, each
 with its own guards, so a compiled private step can be slower than an eager one (ghostdp warns once when a forward
 runs compiled: clipping/recording.COMPILED_FORWARD). Each setting runs in a process of its own (compiled code of one
-model's class would otherwise be reused by the next, whose hooks dynamo does not check), on profiling.overhead's
-model (BERT L=12, H=64, B=2, T=8, one thread, CPU, embeddings frozen unless --embeddings trainable). Per setting:
-the median step after the warm-up (compilation included there), and the graph breaks dynamo counted.
-Measured 2026-11-26 (60 steps): plain 8.9 ms eager, 5.4 ms inductor; book-keeping 17.7 and 45.5 ms; ghost 23.2 and
-52.5 ms (~100 graph breaks).
+model's class would otherwise be reused by the next, whose hooks dynamo does not check). The model: by default
+profiling.overhead's (BERT L=12, H=64, B=2, T=8, one thread, CPU; embeddings frozen unless --embeddings trainable),
+or bench's model options. Per setting: the median step after the warm-up (compilation included there), and the
+graph breaks dynamo counted. Measured 2026-11-26 on the stand-in (60 steps): plain 10.6 ms eager, 6.7 ms inductor;
+ghost 25.9 and 63.3 ms; book-keeping 23.1 and 57.5 ms (88 and 101 graph breaks).
 """
 from __future__ import annotations
 
@@ -24,29 +26,46 @@ import warnings
 from profiling.bench import MODES
 
 
+def model_arguments(model_args: list) -> argparse.Namespace:
+    """bench's model options, with profiling.overhead's stand-in as the defaults."""
+    from profiling.bench import WEIGHT_DTYPES, add_model_arguments
+    p = argparse.ArgumentParser(prog="profiling.compiled")
+    add_model_arguments(p)
+    p.set_defaults(layers=12, hidden=64, heads=4, seq=8)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (0: torch's default)")
+    p.add_argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES))
+    return p.parse_args(model_args)
+
+
 def run_one(mode: str, backend: str, steps: int, warmup: int, frozen: bool, model_args: list) -> dict:
     """One setting in this process: {"median_ms", "graph_breaks"}; ``backend`` "none" runs eagerly."""
     import statistics
 
     import torch
 
-    from profiling import overhead
-    from profiling.bench import build_model, make_step
-    args = overhead.parse(model_args)
+    from profiling.bench import build_model, make_step, weight_dtype
+    args = model_arguments(model_args)
     args.freeze_embeddings = frozen
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq))
-    labels = torch.randint(0, 2, (args.batch,))
+    device = torch.device(args.device)
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
+    labels = torch.randint(0, 2, (args.batch,), device=device)
     warnings.filterwarnings("ignore")  # dynamo's graph-break warnings and ghostdp's compile warning
-    step = make_step(mode, build_model(args).train(), args, (ids, labels),
-                     compile_backend=None if backend == "none" else backend)
+    model = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
+    step = make_step(mode, model, args, (ids, labels), compile_backend=None if backend == "none" else backend)
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         began = time.perf_counter()
         step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
     breaks = 0
     if backend != "none":
