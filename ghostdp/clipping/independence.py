@@ -165,6 +165,7 @@ class ForwardIndependence:
         self.padding_finding = None
         self.check_padding = True             # False: no padding reruns (the refusal names this switch)
         self.last_padding_moves = []
+        self.last_removal_moves = []          # the Moves of the last checked forward without its last example
         self._start = None                    # (devices, random states, buffers, tensor attributes) of a forward to
                                               # check, at its start
         self._running = False                 # the reruns are running: the hooks stay out
@@ -264,8 +265,8 @@ class ForwardIndependence:
                 return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
 
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            removal = self._check_in_eval_mode(module, flat, spec, leaves, states, buffers, signs, floors, batch,
-                                               checkable, several, devices)
+            self._check_in_eval_mode(module, flat, spec, leaves, states, buffers, signs, floors, batch, checkable,
+                                     devices)
 
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             same, moved = rerun(flat), rerun(replaced)
@@ -284,7 +285,7 @@ class ForwardIndependence:
             _put_back_attributes(attributes)
         found, how = largest_exceeding(moves), REPLACED
         if found is None:
-            found, how = largest_exceeding(removal or []), REMOVED
+            found, how = largest_exceeding(self.last_removal_moves), REMOVED
         if found is None:
             return None
         return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous,
@@ -310,23 +311,22 @@ class ForwardIndependence:
             return fingerprints_of(leaves, signs, batch)
 
     def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, floors, batch: int,
-                            checkable: bool, several: bool, devices):
+                            checkable: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example, where there are three or more (a forward that depends on the batch's
         size alone: replacing an example does not change it); and, for a forward with an attention mask, on the
-        batch padded further (padding.py: a move of its real positions is kept as ``padding_finding``). The
-        Moves of examples 0..batch-2 without the last, or None. With ``several`` processes each rerun runs on
-        every process where any needs it (module doc); one that has nothing to check there runs its batch again.
-        ``devices``: the accelerators of the forward (a collective's tensor goes to the first)."""
+        batch padded further (padding.py: a move of its real positions is kept as ``padding_finding``). The Moves
+        of examples 0..batch-2 without the last go to ``last_removal_moves``. With several processes each rerun
+        runs on every process where any needs it (module doc); one that has nothing to check there runs its batch
+        again. ``devices``: the accelerators of the forward (a collective's tensor goes to the first)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = tree_unflatten(flat, spec)
         padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
         removing = checkable and batch > 2
         device = devices[0] if devices else torch.device("cpu")
-        removing_anywhere, padding_anywhere = ((removing, padded is not None) if not several else
-                                               map(bool, maxima_across_ranks([removing, padded is not None], device)))
+        removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
-            return None
+            return
         positions = None if padded is None else (leaves, padded[1], attention_mask(module, *arguments))
 
         def rerun(arguments, examples=batch):
@@ -347,11 +347,9 @@ class ForwardIndependence:
                     self.last_removal_moves = moves_between(plain, plain, fewer, batch - 1, floors)
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():
-                if several and extra != EXTRA and not maxima_across_ranks([pending], device)[0]:
-                    break
+                if extra != EXTRA and not maxima_across_ranks([pending], device)[0]:
+                    break  # no process has a batch still to pad
                 if not pending:
-                    if not several:
-                        break
                     rerun(arguments)  # in step with the processes that pad
                     continue
                 longer_batch = padded[0] if extra == EXTRA else padded_arguments(module, *arguments, batch, extra)[0]
@@ -366,7 +364,6 @@ class ForwardIndependence:
                     self.padding_finding = PaddingDependence(
                         batch, padded[1], extra, "output" + keystr(leaves[found.output][0]), found.relative,
                         found.threshold)
-        return self.last_removal_moves
 
     def refuse_counted_padding(self, criterion, target) -> None:
         """A DP criterion called without a mask, after a checked forward: refuse targets that count positions the
@@ -376,10 +373,8 @@ class ForwardIndependence:
             return
         mask = checked[0]
         counted = mask is not None and counted_padding(criterion, target, mask)
-        if distributed_rank_and_size()[1] > 1 and maxima_across_ranks([counted], target.device)[0] and not counted:
-            raise ValueError(FOUND_ON_ANOTHER_PROCESS.format(what=LOSS_COUNTS_PADDING))
-        if counted:
-            raise ValueError(COUNTS_PADDING.format(ignore=getattr(criterion, "ignore_index", None)))
+        _refuse_found(COUNTS_PADDING.format(ignore=getattr(criterion, "ignore_index", None)) if counted else None,
+                      bool(maxima_across_ranks([counted], target.device)[0]), LOSS_COUNTS_PADDING, ValueError)
 
     def _signs(self, t: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, t.shape[1:], generator=self._generator, dtype=torch.int8) * 2 - 1
@@ -402,14 +397,11 @@ class ForwardIndependence:
                 [padding is not None, mixing is not None, max(lengths, default=0), -min(lengths, default=float("inf"))],
                 device)
             if padded_somewhere and (len(lengths) > 1 or longest > -negated_shortest):
-                if padding is None:
-                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what=FORWARD_DEPENDS_ON_PADDING))
-                raise RuntimeError(_padding_refusal(padding, f"{', '.join(map(str, lengths))} on this process, "
-                                                             f"{-negated_shortest:.0f} to {longest:.0f} on all"))
-            if mixing_somewhere:
-                if mixing is None:
-                    raise RuntimeError(FOUND_ON_ANOTHER_PROCESS.format(what=FORWARD_MIXES))
-                raise RuntimeError(_mixing_refusal(mixing))
+                on_all = (f"{', '.join(map(str, lengths))} on this process, "
+                          f"{-negated_shortest:.0f} to {longest:.0f} on all")
+                _refuse_found(None if padding is None else _padding_refusal(padding, on_all), True,
+                              FORWARD_DEPENDS_ON_PADDING)
+            _refuse_found(None if mixing is None else _mixing_refusal(mixing), bool(mixing_somewhere), FORWARD_MIXES)
             return
         if padding is not None and len(lengths) > 1:
             raise RuntimeError(_padding_refusal(padding, ", ".join(map(str, lengths))))
@@ -422,6 +414,15 @@ class ForwardIndependence:
         if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
             return False
         return not any(layout != BATCH_FIRST for call in calls if call.layouts is not None for layout in call.layouts)
+
+
+def _refuse_found(here: str | None, somewhere: bool, what: str, error=RuntimeError) -> None:
+    """Raise this process's refusal ``here``; where only another process found ``what`` (``somewhere``), the error
+    that says so (every process stops: module doc); nothing where none found it."""
+    if here is not None:
+        raise error(here)
+    if somewhere:
+        raise error(FOUND_ON_ANOTHER_PROCESS.format(what=what))
 
 
 def _padding_refusal(padding: PaddingDependence, lengths: str) -> str:
