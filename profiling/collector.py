@@ -83,6 +83,13 @@ def run_one(mode: str, pause: bool, steps: int, frozen: bool, model_args: list) 
             "gc_ms": 1e3 * clock.seconds[mode] / steps, "collections": [c / steps for c in clock.collections[mode]]}
 
 
+def in_own_process(module: str, argv: list) -> dict:
+    """What ``python -m module *argv`` printed as its last line, JSON: one setting measured in a process of its own
+    (here and profiling.compiled: the collector's counts, and dynamo's compiled code, are the whole process's)."""
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", default=["bookkeeping"], choices=MODES)
@@ -106,10 +113,9 @@ def main(argv=None):
     for _ in range(args.repeats):
         for mode in args.modes:
             for pause in (["off"] if mode == "plain" else ["off", "on"]):
-                command = [sys.executable, "-m", "profiling.collector", "--one", mode, pause, "--steps",
-                           str(args.steps), "--embeddings", args.embeddings, *model_args]
-                done = subprocess.run(command, capture_output=True, text=True, check=True)
-                row = {"mode": mode, "pause": pause, **json.loads(done.stdout.strip().splitlines()[-1])}
+                row = {"mode": mode, "pause": pause, **in_own_process(
+                    "profiling.collector", ["--one", mode, pause, "--steps", str(args.steps), "--embeddings",
+                                            args.embeddings, *model_args])}
                 results.append(row)
                 counts = ", ".join(f"{c:.4f}" for c in row["collections"])
                 print(f"{mode:<13}{pause:>6}{row['mean_ms']:>9.2f}{row['median_ms']:>11.2f}{row['gc_ms']:>8.3f}   {counts}")

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 import warnings
 
 from profiling.bench import MODES
+from profiling.collector import in_own_process
+from profiling.step_ratio import timed
 
 
 def model_arguments(model_args: list) -> argparse.Namespace:
@@ -58,15 +57,7 @@ def run_one(mode: str, backend: str, steps: int, warmup: int, frozen: bool, mode
     step = make_step(mode, model, args, (ids, labels), compile_backend=None if backend == "none" else backend)
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
+    times = [timed(step, device) for _ in range(steps)]
     breaks = 0
     if backend != "none":
         from torch._dynamo.utils import counters
@@ -98,10 +89,9 @@ def main(argv=None):
     for mode in args.modes:
         eager = None
         for backend in ["none", *args.backends]:
-            command = [sys.executable, "-m", "profiling.compiled", "--one", mode, backend, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--embeddings", args.embeddings, *model_args]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            row = {"mode": mode, "backend": backend, **json.loads(done.stdout.strip().splitlines()[-1])}
+            row = {"mode": mode, "backend": backend, **in_own_process(
+                "profiling.compiled", ["--one", mode, backend, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                                       "--embeddings", args.embeddings, *model_args])}
             eager = row["median_ms"] if backend == "none" else eager
             results.append(row)
             print(f"{mode:<13}{'no' if backend == 'none' else backend:>10}{row['median_ms']:>11.2f}"

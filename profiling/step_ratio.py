@@ -39,6 +39,18 @@ def round_order(steps: dict, round_: int) -> list:
     return items if round_ % 2 == 0 else items[::-1]
 
 
+def timed(step, device) -> float:
+    """Seconds of one call of ``step``, the device synchronised before and after (CUDA runs asynchronously)."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def interleaved_times(args) -> dict:
     """{mode: [seconds of its step in each measured round]}; with ``args.against``, also "mode@REF" for each
     ghostdp mode, trained with that revision's ghostdp."""
@@ -57,14 +69,9 @@ def interleaved_times(args) -> dict:
     times = {mode: [] for mode in steps}
     for round_ in range(args.warmup + args.rounds):
         for mode, step in round_order(steps, round_):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            seconds = timed(step, device)
             if round_ >= args.warmup:
-                times[mode].append(time.perf_counter() - start)
+                times[mode].append(seconds)
     return times
 
 
