@@ -138,7 +138,8 @@ def on_output_grads(call, grad_outputs):
             receiver.receive_captured(call, grad)
         # A backward towards named edges; once per pass (a second backward for calls the first one missed
         # runs the others' nodes again).
-        elif passed.delivers_by_hooks and call.by_hook and id(call) not in passed.captured_received:
+        elif (passed.delivers_by_hooks and (call.by_hook or passed.proving)  # the proof: PassOne._proof_sinks
+              and id(call) not in passed.captured_received):
             receiver.arrive(call, grad)
         elif call.named:  # what the node runs with: see hooked_output_grad
             call.hooked_grad = grad

@@ -81,14 +81,20 @@ def test_arrived_grads_wait_for_the_end_of_the_backward_unless_they_fill_the_que
         controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
         inside = []
         receive = controller.pass_one.receive_captured
-        controller.pass_one.receive_captured = lambda call, grad: (
-            inside.append((call.module, controller.pass_one.current.delivers_by_hooks)), receive(call, grad))
+        controller.pass_one.receive_captured = lambda call, grad: (inside.append((
+            call.module, controller.pass_one.current.delivers_by_hooks, controller.pass_one.current.proving)),
+            receive(call, grad))
         for _ in range(2):  # the layout proof's backward, then pass 1's alone
             controller.loss(model(x).pow(2).sum(1)).backward()
-        # Book-keeping names up's and head's edges (it keeps their G whole): their G come from the result.
-        from_result = {model.up, model.head} if clipping == "bookkeeping" else set()
-        assert {m for m, _ in inside} == {model.up, model.down, model.norm, model.head} - ({model.up} - from_result)
-        assert all(during == (budget is not None and m not in from_result) for m, during in inside)
+        # Book-keeping's pass 1 names up's and head's edges (it keeps their G whole): their G come from the result.
+        # Its layout proof, which reads only a projection of each G, names only the lowest (up) and takes the
+        # others' G as their nodes run (PassOne._proof_sinks).
+        from_result = {False: {model.up, model.head}, True: {model.up}} if clipping == "bookkeeping" else {
+            False: set(), True: set()}
+        assert {m for m, _, _ in inside} == {model.up, model.down, model.norm, model.head} - (
+            {model.up} - from_result[False])
+        assert {proving for _, _, proving in inside} == {True, False}
+        assert all(during == (budget is not None and m not in from_result[proving]) for m, during, proving in inside)
         controller.detach()
     assert_exact_model(model, x, lambda out, sl: out.pow(2).sum(1), B)
 
@@ -107,10 +113,14 @@ def test_book_keeping_names_the_layers_whose_g_it_keeps_and_hooks_the_rest_above
     assert named_modules_of(out) == ({model.up, model.head}, {model.down, model.norm})
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     controller.loss(out.pow(2).sum(1)).backward()
-    assert named == [2, 2]  # the layout proof, then pass 1: up's and head's edges, no probe
-    assert {m for m, hooked in by_hooks if hooked} == {model.down, model.norm}
-    assert {m for m, hooked in by_hooks if not hooked} == {model.up, model.head}
+    # The layout proof names only up's edge (the lowest: PassOne._proof_sinks), pass 1 up's and head's; no probe.
+    assert named == [1, 2]
     assert len(by_hooks) == 8  # each call once in the proof and once in pass 1
+    proof, norm_pass = by_hooks[:4], by_hooks[4:]
+    assert {m for m, hooked in proof if hooked} == {model.down, model.norm, model.head}
+    assert {m for m, hooked in proof if not hooked} == {model.up}
+    assert {m for m, hooked in norm_pass if hooked} == {model.down, model.norm}
+    assert {m for m, hooked in norm_pass if not hooked} == {model.up, model.head}
 
 
 def watch_pass_one(controller, monkeypatch):
@@ -182,7 +192,9 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
     controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
-    assert named == [1, 1] * 3  # the layout proof, pass 1, the next pass 1: the probe, then up's edge
+    # The layout proof names the probe and up's edge at once (up has no probe or captured call below it:
+    # PassOne._proof_sinks); pass 1, and the next: the probe, then up's edge.
+    assert named == [2] + [1, 1] * 2
     assert by_hooks == [(model.head, True), (model.up, False)] * 3
     controller.detach()
     assert_exact_model(model, x, classification_loss(torch.randint(0, 3, (B,))), B)
@@ -192,7 +204,7 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     assert recorded_modules(mlp(inputs * 1.0)) == ({mlp[0], mlp[2]}, set())
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     controller.loss(mlp(inputs * 1.0).pow(2).sum(1)).backward()
-    assert named == [2, 2]  # the proof, then pass 1
+    assert named == [1, 2]  # the proof (the lowest layer's edge: PassOne._proof_sinks), then pass 1
     # The top layer's node runs (the first layer's named edge lies below it): its G comes by its pre-hook.
     assert by_hooks == [(mlp[2], True), (mlp[0], False)] * 2
     controller.detach()
