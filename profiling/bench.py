@@ -160,6 +160,19 @@ def to_a_step_between_proofs(step):
         step()
 
 
+def to_a_proof_step(step) -> bool:
+    """Runs ``step`` until ghostdp's next step is one of the scheduled proofs (a layout proof and the forward
+    check's reruns: clipping.layout.proof_scheduled), whose peak is the run's as much as a steady step's; False
+    for a step without ghostdp (plain, Opacus)."""
+    layouts = getattr(getattr(getattr(step, "controller", None), "pass_one", None), "layouts", None)
+    if not hasattr(layouts, "reproof_every"):
+        return False
+    from ghostdp.clipping.layout import proof_scheduled
+    while not proof_scheduled(layouts.passes, layouts.reproof_every):
+        step()
+    return True
+
+
 def count_aten_ops(step) -> int:
     """ATen operators one call of ``step`` dispatches (each op once, at the backend level), counted on the
     second of two calls: under a dispatch mode autograd records some ops with other node types (reshape's
@@ -202,11 +215,14 @@ def measure(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = peak_mb_since(device, base)
+    proof_peak = None
     if not cuda and getattr(args, "cpu_memory", "rss") == "tensors":
         to_a_step_between_proofs(step)
         peak = tensor_peak_mb(step)
+        if to_a_proof_step(step):
+            proof_peak = tensor_peak_mb(step)
     warm = sorted(times[args.warmup:])
-    return {"median_ms": 1e3 * warm[len(warm) // 2], "peak_mb": peak}
+    return {"median_ms": 1e3 * warm[len(warm) // 2], "peak_mb": peak, "proof_peak_mb": proof_peak}
 
 
 def tensor_peak_mb(step) -> float:
@@ -283,7 +299,11 @@ def largest_batch(args, mode, budget_mb, start) -> int:
 
 
 def print_table(results, modes, batches):
-    print(f"{'mode':<14}{'batch':>6}{'step ms':>10}{'peak MB':>10}{'time/plain':>12}{'mem/plain':>11}")
+    """One row per mode and batch. With --cpu-memory tensors, ghostdp's rows also give the peak of a step that
+    its schedule proves again (to_a_proof_step), against plain's steady peak: the run's peak is the larger."""
+    proofs = any(r.get("proof_peak_mb") is not None for by_batch in results.values() for r in by_batch.values())
+    print(f"{'mode':<14}{'batch':>6}{'step ms':>10}{'peak MB':>10}{'time/plain':>12}{'mem/plain':>11}"
+          + (f"{'proof MB':>10}{'proof/plain':>13}" if proofs else ""))
     for b in batches:
         plain = results["plain"][b]
         for mode in modes:
@@ -291,10 +311,14 @@ def print_table(results, modes, batches):
             if "error" in r:
                 print(f"{mode:<14}{b:>6}   failed: {r['error']}")
                 continue
-            ratios = ""
+            ratios, proof = "", ""
             if "error" not in plain:
                 ratios = f"{r['median_ms'] / plain['median_ms']:>11.2f}x{r['peak_mb'] / plain['peak_mb']:>10.2f}x"
-            print(f"{mode:<14}{b:>6}{r['median_ms']:>10.1f}{r['peak_mb']:>10.0f}{ratios}")
+            if r.get("proof_peak_mb") is not None:
+                proof = f"{r['proof_peak_mb']:>10.0f}"
+                if "error" not in plain:
+                    proof += f"{r['proof_peak_mb'] / plain['peak_mb']:>12.2f}x"
+            print(f"{mode:<14}{b:>6}{r['median_ms']:>10.1f}{r['peak_mb']:>10.0f}{ratios}{proof}")
 
 
 def plot(results, modes, batches, budget, out):
@@ -351,7 +375,8 @@ def parse(argv=None):
                    help="amp: float32 weights, forward and loss under bf16 autocast")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu-memory", default="rss", choices=["rss", "tensors"],
-                   help="on CPU, peak resident set size (default) or the exact peak of live tensor bytes")
+                   help="on CPU, peak resident set size (default) or the exact peak of live tensor bytes (of a step "
+                        "between ghostdp's scheduled proofs, and of one of those)")
     p.add_argument("--budget-mb", type=float, default=None, help="find each mode's largest batch within this")
     p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")
     p.add_argument("--out", default="profiling_output")
@@ -389,8 +414,10 @@ def main(argv=None):
                 results[mode][b] = results[mode][b][0]
                 continue
             runs.sort(key=lambda r: r["median_ms"])
+            proofs = sorted(r["proof_peak_mb"] for r in runs if r.get("proof_peak_mb") is not None)
             results[mode][b] = {"median_ms": runs[len(runs) // 2]["median_ms"],
-                                "peak_mb": sorted(r["peak_mb"] for r in runs)[len(runs) // 2]}
+                                "peak_mb": sorted(r["peak_mb"] for r in runs)[len(runs) // 2],
+                                "proof_peak_mb": proofs[len(proofs) // 2] if proofs else None}
     print(f"{args.model} L={args.layers} H={args.hidden} T={args.seq} {args.dtype} on {args.device}"
           f"{', embeddings frozen' if args.freeze_embeddings else ''}"
           f"{', only the last layer, pooler and classifier train' if args.train == 'last-layer' else ''}"
