@@ -198,6 +198,7 @@ def test_the_gpu_suite_runs_every_row_scaled_down_and_writes_json_and_plot(tmp_p
         for mode in ("plain", "ghost", "bookkeeping"):
             assert "error" not in row[mode], (name, mode, row[mode])
             assert row[mode]["ms"] > 0 and row[mode]["ratio"] > 0
+            assert row[mode]["mb_max"] >= row[mode]["mb"]  # the largest over the rounds, the proof steps' too
         # Counted: ghost's two backward passes dispatch more than plain's one (book-keeping, whose clipped sums
         # replace autograd's weight gradients, may dispatch fewer).
         assert row["ghost"]["aten_ops"] > row["plain"]["aten_ops"] > 0 and row["bookkeeping"]["aten_ops"] > 0, row
