@@ -149,11 +149,18 @@ def make_step(mode, model, args, batch, library=None, compile_backend=None):
     return step
 
 
+def _proof_layouts(step):
+    """The LayoutProver of the step's ghostdp controller (its count of norm passes and its schedule of proofs),
+    or None: plain, Opacus, or a ghostdp from before the schedule."""
+    layouts = getattr(getattr(getattr(step, "controller", None), "pass_one", None), "layouts", None)
+    return layouts if hasattr(layouts, "reproof_every") else None
+
+
 def to_a_step_between_proofs(step):
     """Runs ``step`` until ghostdp's next step proves no layout again (clipping.layout.proof_scheduled): the
     step measured alone is then a steady one (the first step, also proving, is in the whole run's peak)."""
-    layouts = getattr(getattr(getattr(step, "controller", None), "pass_one", None), "layouts", None)
-    if not hasattr(layouts, "reproof_every"):  # plain, Opacus, or a ghostdp from before the schedule
+    layouts = _proof_layouts(step)
+    if layouts is None:
         return
     from ghostdp.clipping.layout import proof_scheduled
     while proof_scheduled(layouts.passes, layouts.reproof_every):
@@ -166,19 +173,20 @@ def steady_and_proof_peaks(step) -> tuple:
     step: torch.profiler misreads a step that frees tensors allocated outside any profiled step (the last step's
     p.grad, freed by zero_grad), by their size either way (BERT L=4, H=256, B=16: plain read 140 MB in its first
     profiled step, 97 MB in each later one; a synthetic step 20 against 30 MB). A run's peak is the larger."""
-    layouts = getattr(getattr(getattr(step, "controller", None), "pass_one", None), "layouts", None)
-    tensor_peak_mb(step)
-    if not getattr(layouts, "reproof_every", 0):  # plain, Opacus, or no proofs scheduled
+    layouts = _proof_layouts(step)
+    if layouts is None or not layouts.reproof_every:
+        tensor_peak_mb(step)
         return tensor_peak_mb(step), None
     from ghostdp.clipping.layout import proof_scheduled
 
-    def scheduled():
-        return proof_scheduled(layouts.passes, layouts.reproof_every)
+    def scheduled(n):
+        return proof_scheduled(n, layouts.reproof_every)
 
-    while not scheduled():
-        tensor_peak_mb(step)
+    while not scheduled(layouts.passes + 1):  # unprofiled up to the step before a proof
+        step()
+    tensor_peak_mb(step)
     proof = tensor_peak_mb(step)
-    while scheduled():
+    while scheduled(layouts.passes):  # proofs in a row (1, 2)
         tensor_peak_mb(step)
     return tensor_peak_mb(step), proof
 
