@@ -68,11 +68,12 @@ def test_bench_reads_tensor_bytes_on_cpu_and_runs_reentrant_checkpointing_when_a
     ghost = bench.run_fresh(args, "ghost", 2)  # the options reach the fresh process
     assert "error" not in ghost, ghost
     assert 0 < ghost["peak_mb"] < 5  # a tiny model's step: its tensors, not the process's heap (RSS: ~100 MB)
-    assert 0 < ghost["proof_peak_mb"] < 5  # and the peak of a step its schedule proves again (bench.steady_and_proof_peaks)
+    assert 0 < ghost["proof_peak_mb"] < 5  # a step its schedule proves again (bench.steady_and_proof_peaks)
     plain = {"median_ms": 1.0, "peak_mb": 1.0, "proof_peak_mb": None}  # plain has no proofs
     bench.print_table({"plain": {2: plain}, "ghost": {2: ghost}}, ["plain", "ghost"], [2])
     header, plain_row, ghost_row = capsys.readouterr().out.splitlines()
-    assert header.split()[-3:] == ["proof", "MB", "proof/plain"] and len(ghost_row.split()) == len(plain_row.split()) + 2
+    assert header.split()[-3:] == ["proof", "MB", "proof/plain"]
+    assert len(ghost_row.split()) == len(plain_row.split()) + 2
 
 
 def test_a_failing_mode_is_reported_not_hidden(tmp_path):

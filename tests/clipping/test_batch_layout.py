@@ -632,7 +632,7 @@ def test_book_keepings_layout_proof_holds_no_output_grad_to_its_end():
         controller.loss(losses).backward()
 
     step()  # norm pass 0: the new graph's proof, and p.grad's first allocation
-    tensor_peak_mb(step)  # norm pass 1: profiled, so that the next steps' reads are right (bench.steady_and_proof_peaks)
+    tensor_peak_mb(step)  # norm pass 1, profiled: the next reads are right (bench.steady_and_proof_peaks)
     proof = tensor_peak_mb(step)  # norm pass 2: a scheduled proof (layout.proof_scheduled)
     between = tensor_peak_mb(step)  # norm pass 3: none
     assert proof <= 1.02 * between, (proof, between)
