@@ -213,6 +213,18 @@ def count_aten_ops(step) -> int:
     return Counter.count
 
 
+def timed(step, device) -> float:
+    """Seconds of one call of ``step``, the device synchronised before and after (CUDA runs asynchronously)."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def measure(args) -> dict:
     from ghostdp.memory import peak_mb_since, reset_peak
     import torch
@@ -225,13 +237,7 @@ def measure(args) -> dict:
     step = make_step(args.mode, model, args, (ids, labels))
     cuda = device.type == "cuda"
     base = reset_peak(device)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times = [timed(step, device) for _ in range(args.steps)]
     peak = peak_mb_since(device, base)
     proof_peak = None
     if not cuda and getattr(args, "cpu_memory", "rss") == "tensors":

@@ -20,9 +20,8 @@ import argparse
 import json
 import warnings
 
-from profiling.bench import MODES
+from profiling.bench import MODES, timed
 from profiling.collector import in_own_process
-from profiling.step_ratio import timed
 
 
 def model_arguments(model_args: list) -> argparse.Namespace:

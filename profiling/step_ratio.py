@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 from profiling.bench import (GHOSTDP_MODES, MODES, WEIGHT_DTYPES, add_model_arguments, available, build_model,
-                             make_step, weight_dtype)
+                             make_step, timed, weight_dtype)
 from profiling.revision import ghostdp_at
 
 
@@ -37,18 +36,6 @@ def round_order(steps: dict, round_: int) -> list:
     order, one build of ghostdp measured against itself read 1.78x and 1.74x plain."""
     items = list(steps.items())
     return items if round_ % 2 == 0 else items[::-1]
-
-
-def timed(step, device) -> float:
-    """Seconds of one call of ``step``, the device synchronised before and after (CUDA runs asynchronously)."""
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def interleaved_times(args) -> dict:

@@ -28,7 +28,7 @@ import os
 import time
 
 from ghostdp.memory import peak_mb_since, reset_peak
-from profiling.bench import GHOSTDP_MODES, available, build_model, count_aten_ops, make_step, weight_dtype
+from profiling.bench import GHOSTDP_MODES, available, build_model, count_aten_ops, make_step, timed, weight_dtype
 from profiling.revision import ghostdp_at
 from profiling.step_ratio import median, round_order
 
@@ -63,13 +63,8 @@ def row_settings(settings: dict, tiny: bool, device: str) -> argparse.Namespace:
 
 def _working_set(step, device) -> tuple[float, float]:
     """(seconds, MB above the memory before the step) of one synchronised step."""
-    import torch
     base = reset_peak(device)
-    start = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, peak_mb_since(device, base)
+    return timed(step, device), peak_mb_since(device, base)
 
 
 def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
