@@ -129,8 +129,8 @@ class BufferWatch:
         return [None if t is None else t._version for t in tensors]
 
     def _compare(self, module, args, output):
-        if self._before is None:
-            return
+        if self._before is None or not torch.is_grad_enabled():
+            return  # not a training forward (the forward check's reruns run inside one: independence.py)
         tensors, versions = self._before
         self._before = None
         now = list(map(_GET, self._dicts, self._keys))

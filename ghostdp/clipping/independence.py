@@ -8,33 +8,33 @@ then depends on the other examples' data, and an added example moves all of thei
 ``x - x.detach().mean(0)`` before a Linear moved the clipped sum of 8 examples by 4.5 C, both modes
 (before 2026-11-26).
 
-So on the training forwards that the layout proof's schedule names (the first; then 1, 2, 4, ...,
-REPROOF_EVERY and every REPROOF_EVERY-th), the model runs twice more without gradient, from the random
-generators' and buffers' states of the forward itself: on the same batch, and on the batch with its last
-example (dim 0 of every tensor argument of the batch's size) replaced by a copy of its first. The other
-examples' outputs must not move. Outputs are compared through float64 fingerprints, one random +-1
-projection per example of each output with the batch on dim 0, against what the first rerun differs from the
-forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ,
-a third rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read
-alone (``x / x.shape[0]`` let an added example move the others' clipped sum by 0.8 C besides its own C): with
-three or more examples, the forward also runs in eval() mode on the batch and without its last example (eval():
-a smaller batch would draw other dropout masks, on a GPU for every example), and the others' outputs must not
-move there either; a forward with an attention mask runs once more, padded further (padding.py). A move is refused
-at the norm pass that follows, for the batch of its per-example losses, unless the examples might not lie on dim 0,
-where a sequence-first model would have been perturbed along its positions: the layout proof placed a call's
-examples on another dim, or a module has batch_first=False and a replaced argument has another dim of the batch's
-size. With several processes every process reruns the same forwards (a forward may gather parameters, FSDP2, or
-broadcast buffers, DDP): a rerun that one process needs (its batch can be padded, or has three or more examples)
-runs everywhere, on the batch itself where a process has nothing to check there; and every process refuses where
-any one found a move (it would otherwise wait for the refusing one in the next collective), the padding check
-once the lengths differ on any process or between processes (each pads its own batch). There a finding is
-decided at the norm pass after a checked forward (one all-reduce; a refusal between those would stop one process
-alone).
+So on the training forwards that the layout proof's schedule names (the first; then 1, 2, 4, ..., REPROOF_EVERY and
+every REPROOF_EVERY-th), the model runs twice more without gradient just before the forward itself (from its start,
+in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the forward
+saves), from the random generators' and buffers' states it starts with: on the same batch, and on the batch with its
+last example (dim 0 of every tensor argument of the batch's size) replaced by a copy of its first. The other
+examples' outputs must not move. Outputs are compared through float64 fingerprints, one random +-1 projection per
+example of each output with the batch on dim 0, at the forward's end, against what the first rerun differs from the
+forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ, a third
+rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read alone (``x /
+x.shape[0]`` let an added example move the others' clipped sum by 0.8 C besides its own C): with three or more
+examples, the forward also runs in eval() mode on the batch and without its last example (eval(): a smaller batch
+would draw other dropout masks, on a GPU for every example), and the others' outputs must not move there either; a
+forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
+follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
+model would have been perturbed along its positions: the layout proof placed a call's examples on another dim, or a
+module has batch_first=False and a replaced argument has another dim of the batch's size. With several processes
+every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
+that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
+where a process has nothing to check there; and every process refuses where any one found a move (it would otherwise
+wait for the refusing one in the next collective), the padding check once the lengths differ on any process or
+between processes (each pads its own batch). There a finding is decided at the norm pass after a checked forward
+(one all-reduce; a refusal between those would stop one process alone).
 
-The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a copy: the
-forward's tensors, which its graph may have saved, keep their versions), and so are the tensors the modules keep as
-plain attributes (a checked forward that changes one is warned of: buffers.CHANGED_ATTRIBUTE), so training draws and
-stores what it would have without them; the model's other forward hooks (the user's) do run again. A forward that
+The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a copy),
+and so are the tensors the modules keep as plain attributes (replaced, changed in place, or set where there was
+none; a checked forward that changes one is warned of: buffers.CHANGED_ATTRIBUTE), so training draws and stores
+what it would have without them; the model's other forward hooks (the user's) do run again. A forward that
 cannot run again is warned of once and trains unchecked. Not covered: mixing after the model's forward (between its
 output and the DP loss), and data that mixes only on steps off the schedule. Cost: four forwards without gradient on
 those steps (five with an attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9
@@ -48,6 +48,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+from torch.nn.utils import parametrize
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .. import collector
@@ -58,6 +59,7 @@ from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
+from .recording import leading_dim
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} moved the other examples' {output} by "
@@ -87,6 +89,7 @@ RERUN_FAILED = (
     "between calls outside its buffers).")
 
 
+_MISSING = object()
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.checkpoint's warning
 
 
@@ -112,6 +115,22 @@ class Mixing(NamedTuple):
     threshold: float  # the move allowed there, relative likewise
     ambiguous: bool  # a replaced argument has another dim of the batch's size (its examples may lie there)
     how: str = REPLACED
+
+
+class _Pending(NamedTuple):
+    """The reruns of a checked forward, run before it (ForwardIndependence._rerun_before), for the comparison at its
+    end."""
+    batch: int
+    devices: list
+    start: tuple        # (random states, buffers with copies of their values) at the forward's start
+    signs: list         # per output leaf: the fingerprints' +-1 signs, or None
+    floors: list
+    outputs: list       # per output leaf: (key path, shape or None)
+    same: list          # fingerprints of the batch
+    moved: list         # ... of the batch with its last example replaced
+    again: list | None  # ... of the batch once more (several processes), else None
+    ambiguous: bool
+    arguments: tuple    # (flat, spec) of the forward's arguments
 
 
 def _leaves(output):
@@ -166,8 +185,8 @@ class ForwardIndependence:
         self.check_padding = True             # False: no padding reruns (the refusal names this switch)
         self.last_padding_moves = []
         self.last_removal_moves = []          # the Moves of the last checked forward without its last example
-        self._start = None                    # (devices, random states, buffers, tensor attributes) of a forward to
-                                              # check, at its start
+        self._pending = None                  # the reruns of a checked forward, for the comparison at its end
+        self._attributes = None               # tensor_attributes as a checked forward found them at its start
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
@@ -188,8 +207,10 @@ class ForwardIndependence:
             self.every, self.forwards = every, forwards
 
     def attach(self, module) -> list:
-        """The hooks on the model (after BufferWatch's, which compares the forward's own changes first)."""
-        return [module.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
+        """The hooks on the model: the start's before any other (the reruns run before the forward begins for every
+        other hook: FSDP2's gathers its parameters for the forward, and a rerun inside would put them back), the
+        end's after BufferWatch's (which compares the forward's own changes first)."""
+        return [module.register_forward_pre_hook(self._on_forward_start, with_kwargs=True, prepend=True),
                 module.register_forward_hook(self._on_forward_end, with_kwargs=True)]
 
     def _on_forward_start(self, module, args, kwargs):
@@ -201,39 +222,44 @@ class ForwardIndependence:
         if mask is not None and len(self.lengths) < 2:
             self.lengths.add(mask.shape[1])
         self.checked_mask = (mask,) if scheduled else None
-        if scheduled:
-            devices = _accelerators(module, args, kwargs)
-            self._start = (devices, random_states(*devices), _buffers(module), tensor_attributes(module))
+        self._pending = self._attributes = None
+        if not scheduled:
+            return
+        try:
+            # Python's collector is paused, as in ghostdp's other parts of a step (collector.py): the reruns'
+            # objects die by reference count.
+            with collector.paused():
+                self._pending = self._rerun_before(module, args, kwargs)
+        except torch.OutOfMemoryError:
+            raise  # the step does not fit with its check (the physical batch search counts it so)
+        except Exception as error:  # noqa: BLE001 - the forward itself can still run: warn, do not break it
+            self._warn_of_failure(error)
+        self._attributes = tensor_attributes(module)  # as the forward finds them, after the reruns put them back
 
     def _on_forward_end(self, module, args, kwargs, output):
-        start, self._start = self._start, None
-        if start is None or self._running:
+        if self._running:
+            return  # a rerun's
+        pending, self._pending = self._pending, None
+        attributes, self._attributes = self._attributes, None
+        if attributes is None:
             return
-        attributes = tensor_attributes(module)  # as the forward left them
-        self._warn_of_attributes(changed_attributes(start[3], attributes))
-        flat, spec = tree_flatten((args, kwargs))
-        batch = self.recorder._batch_hint or 0  # the first tensor argument's dim 0, read by the recorder's pre-hook
-        replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
-        # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
-        # may gather (FSDP2) or broadcast (DDP's buffers) across them.
-        several = distributed_rank_and_size()[1] > 1
-        self._verdict_due = self._verdict_due or several
-        if not any_replaced and not several:
+        self._warn_of_attributes(changed_attributes(attributes, tensor_attributes(module)))
+        if pending is None:
             return
         try:
             # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check
-            # one of them and backpropagate after the next. Python's collector is paused, as in ghostdp's other
-            # parts of a step (collector.py): the reruns' objects die by reference count.
+            # one of them and backpropagate after the next.
             with collector.paused():
-                found = self._compare(module, spec, flat, replaced, output, batch, start, attributes, ambiguous,
-                                      several)
-            self.finding = found or self.finding
+                self.finding = self._compare(module, pending, output) or self.finding
         except torch.OutOfMemoryError:
-            raise  # the step does not fit with its check (the physical batch search counts it so)
+            raise
         except Exception as error:  # noqa: BLE001 - the training forward itself succeeded: warn, do not break it
-            if not self._warned:
-                self._warned = True
-                warnings.warn(RERUN_FAILED.format(error=error))
+            self._warn_of_failure(error)
+
+    def _warn_of_failure(self, error) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(RERUN_FAILED.format(error=error))
 
     def _warn_of_attributes(self, names) -> None:
         """Once per name: a tensor attribute that the checked forward replaced or changed (buffers.py)."""
@@ -242,83 +268,128 @@ class ForwardIndependence:
                 self._changed_attributes.add(name)
                 warnings.warn(CHANGED_ATTRIBUTE.format(name=name))
 
-    def _compare(self, module, spec, flat, replaced, output, batch: int, start, attributes, ambiguous: bool,
-                 several: bool):
-        """The reruns of the module doc; a Mixing, or None. The generators, the buffers, the tensor ``attributes``
-        (tensor_attributes) and the recorder's checkpoint flag are put back as the forward left them."""
-        devices, states, buffers, _ = start
-        leaves = _leaves(output)
-        signs = [self._signs(t) if per_example_output(t, batch) else None for _, t in leaves]
+    @contextlib.contextmanager
+    def _rerunning(self, module, devices):
+        """Inside, the reruns run; after, the random generators, the buffers, the tensor attributes, the recorder's
+        checkpoint flag and parametrize.cached()'s cache are as they were before (a rerun's in-place updates of a
+        buffer went to a copy; an attribute a rerun replaced, changed in place or added is put back or removed; a
+        parametrized weight a rerun computed without gradient under parametrize.cached() is dropped from the
+        cache, where the forward would have taken it and sent no gradient to the parametrization: its clipped
+        gradients were wrong by 14%, tests/norms/test_parametrizations.py)."""
+        states, buffers = random_states(*devices), _buffers(module, values=False)
+        checkpointed = self.recorder.forward_checkpointed
+        cached = dict(parametrize._cache)  # torch's module-level cache, replaced by a new dict as cached() ends
         with torch.no_grad():
-            forward = fingerprints_of(leaves, signs, batch)
-        checkable = batch > 1 and any(f is not None for f in forward)
-        self.last_moves = []
-        if not checkable and not several:
-            return None
-        after = random_states(*devices), _buffers(module, values=False), self.recorder.forward_checkpointed
-        # The values of the attributes a checked forward changed: a rerun changes them again.
-        attributes = [(d, key, t, t.clone() if name in self._changed_attributes else None)
-                      for name, d, key, t, _ in attributes]
+            attributes = ([(m.__dict__, dict(m.__dict__)) for m in module.modules()],
+                          [(d, key, t, t._version, t.clone()) for _, d, key, t, _ in tensor_attributes(module)])
         self._running = True
         try:
-            def rerun(arguments):
-                return self._rerun(module, tree_unflatten(arguments, spec), states, buffers, signs, batch)
-
-            floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            self._check_in_eval_mode(module, flat, spec, leaves, states, buffers, signs, floors, batch, checkable,
-                                     devices)
-
-            # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
-            same, moved = rerun(flat), rerun(replaced)
-            moves = moves_between(forward, same, moved, batch - 1, floors) if checkable else []
-            # A nondeterministic kernel may differ between the reruns only: once more (on every process, where
-            # there are several).
-            if largest_exceeding(moves) is not None or several:
-                again = rerun(flat)
-                moves = moves_between(forward, same, moved, batch - 1, floors, again) if checkable else []
-            self.last_moves = moves
+            yield
         finally:
             self._running = False
-            restore_random_states(after[0])
-            _put_back(after[1])
-            self.recorder.forward_checkpointed = after[2]
-            _put_back_attributes(attributes)
+            restore_random_states(states)
+            _put_back(buffers)
+            self.recorder.forward_checkpointed = checkpointed
+            _put_back_attributes(module, attributes)
+            parametrize._cache.clear()
+            parametrize._cache.update(cached)
+
+    def _rerun_before(self, module, args, kwargs):
+        """The reruns of the module doc, before the training forward (so that their largest temporaries do not
+        add to the activations it saves): a _Pending of their fingerprints for _compare at its end, or None where
+        there is nothing to compare."""
+        flat, spec = tree_flatten((args, kwargs))
+        batch = leading_dim(args, kwargs) or 0  # the first tensor argument's dim 0, as the recorder reads it
+        replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
+        # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
+        # may gather (FSDP2) or broadcast (DDP's buffers) across them.
+        several = distributed_rank_and_size()[1] > 1
+        self._verdict_due = self._verdict_due or several
+        self.last_moves = []
+        if not any_replaced and not several:
+            return None
+        devices = _accelerators(module, args, kwargs)
+        start = (random_states(*devices), _buffers(module))
+        with self._rerunning(module, devices):
+            leaves = self._rerun(module, (args, kwargs), *start)
+            signs = [self._signs(t) if per_example_output(t, batch) else None for _, t in leaves]
+            with torch.no_grad():
+                same = fingerprints_of(leaves, signs, batch)
+            outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
+            del leaves  # a language model's logits
+            checkable = batch > 1 and any(f is not None for f in same)
+
+            def rerun(arguments):
+                return self._fingerprints_of_rerun(module, tree_unflatten(arguments, spec), start, signs, batch)
+
+            floors = [None if s is None else relative_floor(s.dtype) for s in signs]
+            self._check_in_eval_mode(module, flat, spec, outputs, start, signs, floors, batch, checkable, devices)
+            # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
+            moved = rerun(replaced)
+            # With several processes, the rerun that measures the reruns' own spread runs on every process (the
+            # forward itself is compared at its end: where it alone differs, _compare reruns once more).
+            again = rerun(flat) if several else None
+        if not checkable:
+            return None
+        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, ambiguous,
+                        (flat, spec))
+
+    def _compare(self, module, pending, output):
+        """At the checked forward's end: its fingerprints against the reruns' (``pending``, _rerun_before); a
+        Mixing, or None. A nondeterministic kernel may differ between the forward and its reruns only: where a
+        move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
+        p = pending
+        leaves = _leaves(output)
+        forward = fingerprints_of(leaves, p.signs, p.batch) if len(leaves) == len(p.signs) else [None] * len(p.signs)
+        moves = moves_between(forward, p.same, p.moved, p.batch - 1, p.floors, p.again)
+        if largest_exceeding(moves) is not None and p.again is None:
+            flat, spec = p.arguments
+            with self._rerunning(module, p.devices):
+                again = self._fingerprints_of_rerun(module, tree_unflatten(flat, spec), p.start, p.signs, p.batch)
+            moves = moves_between(forward, p.same, p.moved, p.batch - 1, p.floors, again)
+        self.last_moves = moves
         found, how = largest_exceeding(moves), REPLACED
         if found is None:
             found, how = largest_exceeding(self.last_removal_moves), REMOVED
         if found is None:
             return None
-        return Mixing(batch, "output" + keystr(leaves[found.output][0]), found.relative, found.threshold, ambiguous,
-                      how)
+        return Mixing(p.batch, "output" + keystr(p.outputs[found.output][0]), found.relative, found.threshold,
+                      p.ambiguous, how)
 
     @staticmethod
-    def _rerun(module, arguments, states, buffers, signs, batch: int, positions=None) -> list:
-        """The fingerprints of one forward without gradient on ``arguments`` (args, kwargs) of ``batch`` examples,
-        from the generators' ``states`` and copies of the ``buffers``' values at the forward's start.
-        ``positions``: (the forward's outputs, T, attention mask) of a padding check (padding.py): the outputs are
-        read at the real positions."""
+    def _rerun(module, arguments, states, buffers) -> list:
+        """The output leaves of one forward without gradient on ``arguments`` (args, kwargs), from the generators'
+        ``states`` and copies of the ``buffers``' values at the forward's start."""
         _with_copies(buffers)
         restore_random_states(states)
         args, kwargs = arguments
         with torch.no_grad(), warnings.catch_warnings():
             # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
             warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
-            leaves = _leaves(module(*args, **kwargs))
-            if len(leaves) != len(signs):  # an output of another structure: nothing to compare
-                return [None] * len(signs)
-            if positions is not None:
-                leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
+            return _leaves(module(*args, **kwargs))
+
+    def _fingerprints_of_rerun(self, module, arguments, start, signs, batch: int, positions=None) -> list:
+        """The fingerprints of one rerun (_rerun, from ``start``: the generators' states and the buffers) of
+        ``batch`` examples. ``positions``: (the forward's outputs, T, attention mask) of a padding check
+        (padding.py): the outputs are read at the real positions."""
+        leaves = self._rerun(module, arguments, *start)
+        if len(leaves) != len(signs):  # an output of another structure: nothing to compare
+            return [None] * len(signs)
+        if positions is not None:
+            leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
+        with torch.no_grad():
             return fingerprints_of(leaves, signs, batch)
 
-    def _check_in_eval_mode(self, module, flat, spec, leaves, states, buffers, signs, floors, batch: int,
-                            checkable: bool, devices):
+    def _check_in_eval_mode(self, module, flat, spec, outputs, start, signs, floors, batch: int, checkable: bool,
+                            devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example, where there are three or more (a forward that depends on the batch's
         size alone: replacing an example does not change it); and, for a forward with an attention mask, on the
         batch padded further (padding.py: a move of its real positions is kept as ``padding_finding``). The Moves
         of examples 0..batch-2 without the last go to ``last_removal_moves``. With several processes each rerun
         runs on every process where any needs it (module doc); one that has nothing to check there runs its batch
-        again. ``devices``: the accelerators of the forward (a collective's tensor goes to the first)."""
+        again. ``outputs``: (key path, shape) of the forward's output leaves; ``devices``: the accelerators of the
+        forward (a collective's tensor goes to the first)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = tree_unflatten(flat, spec)
         padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
@@ -327,10 +398,10 @@ class ForwardIndependence:
         removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
             return
-        positions = None if padded is None else (leaves, padded[1], attention_mask(module, *arguments))
+        positions = None if padded is None else (outputs, padded[1], attention_mask(module, *arguments))
 
         def rerun(arguments, examples=batch):
-            return self._rerun(module, arguments, states, buffers, signs, examples, positions)
+            return self._fingerprints_of_rerun(module, arguments, start, signs, examples, positions)
 
         with in_eval_mode(module):
             plain = rerun(arguments)
@@ -362,7 +433,7 @@ class ForwardIndependence:
                 found = largest_exceeding(self.last_padding_moves)
                 if found is not None:
                     self.padding_finding = PaddingDependence(
-                        batch, padded[1], extra, "output" + keystr(leaves[found.output][0]), found.relative,
+                        batch, padded[1], extra, "output" + keystr(outputs[found.output][0]), found.relative,
                         found.threshold)
 
     def refuse_counted_padding(self, criterion, target) -> None:
@@ -455,11 +526,20 @@ def _put_back(buffers) -> None:
         held[key] = tensor
 
 
-def _put_back_attributes(attributes) -> None:
-    """Each tensor attribute is the tensor the forward left, with its values where the forward changed it (the
-    reruns may have replaced it, or changed it in place)."""
+def _put_back_attributes(module, attributes) -> None:
+    """The modules' plain attributes as they were: ``attributes`` (each module's __dict__, a shallow copy of it, and
+    (dict, key, tensor, version, copy of its values) of each tensor attribute, taken before). A tensor attribute
+    that a rerun replaced or added is put back or removed; one changed in place gets its values back."""
+    dicts, tensors = attributes
+    for d, before in dicts:
+        for key, value in list(d.items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and before.get(key, _MISSING) is not value:
+                if key in before:
+                    d[key] = before[key]
+                else:
+                    del d[key]
     with torch.no_grad():
-        for held, key, tensor, values in attributes:
-            held[key] = tensor
-            if values is not None and not torch.equal(tensor, values):
+        for _, _, tensor, version, values in tensors:
+            if tensor._version != version:
                 tensor.copy_(values)

@@ -160,18 +160,18 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA):
 
 
 def at_real_positions(leaves, original, length: int, mask: torch.Tensor) -> list:
-    """Each output narrowed to its ``original``'s shape along the dims after the first that grew from ``length``
-    (positions, and both of an attention map's; None where the shapes differ otherwise), and zero at the
-    positions the attention mask excludes along every dim of that length (the mask's first rows: a batch without
-    its last example has fewer): what a model computes there (a causal model's fully masked rows under left
-    padding average over all positions) reaches no loss that ignores padding."""
+    """Each output narrowed to its ``original`` shape ((key path, shape or None) per leaf) along the dims after the
+    first that grew from ``length`` (positions, and both of an attention map's; None where the shapes differ
+    otherwise), and zero at the positions the attention mask excludes along every dim of that length (the mask's
+    first rows: a batch without its last example has fewer): what a model computes there (a causal model's fully
+    masked rows under left padding average over all positions) reaches no loss that ignores padding."""
     out = []
-    for (_, p), (_, t) in zip(leaves, original):
-        if not isinstance(p, torch.Tensor) or not isinstance(t, torch.Tensor) or p.dim() != t.dim():
+    for (_, p), (_, shape) in zip(leaves, original):
+        if not isinstance(p, torch.Tensor) or shape is None or p.dim() != len(shape):
             out.append(None)
             continue
         for dim in range(1, p.dim()):
-            a, b = p.shape[dim], t.shape[dim]
+            a, b = p.shape[dim], shape[dim]
             if a != b:
                 if not (b == length and a > length):
                     p = None

@@ -122,7 +122,7 @@ def _grad_fns(tensors) -> frozenset:
 _GRAD_FN = operator.attrgetter("grad_fn")
 
 
-def _leading_dim(args, kwargs):
+def leading_dim(args, kwargs):
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return t.shape[0]
@@ -217,7 +217,7 @@ class ForwardRecorder:
         if torch.compiler.is_compiling():
             self.compiled_forward = True
         if self._recording(module):
-            self._batch_hint = _leading_dim(args, kwargs)
+            self._batch_hint = leading_dim(args, kwargs)
             self.broadcast_in_forward.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
