@@ -31,15 +31,16 @@ wait for the refusing one in the next collective), the padding check once the le
 between processes (each pads its own batch). There a finding is decided at the norm pass after a checked forward
 (one all-reduce; a refusal between those would stop one process alone).
 
-The generators and buffers are put back after the reruns (a rerun's in-place updates of a buffer go to a copy),
-and so are the tensors the modules keep as plain attributes (replaced, changed in place, or set where there was
-none; a checked forward that changes one is warned of: buffers.CHANGED_ATTRIBUTE), so training draws and stores
-what it would have without them; the model's other forward hooks (the user's) do run again. A forward that
-cannot run again is warned of once and trains unchecked. Not covered: mixing after the model's forward (between its
-output and the DP loss), and data that mixes only on steps off the schedule. Cost: four forwards without gradient on
-those steps (five with an attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9
-ms against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the first 300 steps add ~2.4% over them,
-and one step in 256 ~0.5% after.
+The reruns take copies of the batch's tensors (a forward that scales its input in place would otherwise give the
+training forward a batch the reruns had changed). The generators and buffers are put back after the reruns (a
+rerun's in-place updates of a buffer go to a copy), and so are the tensors the modules keep as plain attributes
+(replaced, changed in place, or set where there was none; a checked forward that changes one is warned of:
+buffers.CHANGED_ATTRIBUTE), so training draws and stores what it would have without them; the model's other forward
+hooks (the user's) do run again. A forward that cannot run again is warned of once and trains unchecked. Not
+covered: mixing after the model's forward (between its output and the DP loss), and data that mixes only on steps
+off the schedule. Cost: four forwards without gradient on those steps (five with an attention mask; the CPU stand-in
+with B = 4 and a mask, book-keeping: a checked step 49.9 ms against 21.3 ms unchecked, 43.9 ms without the padding
+rerun), so 10 of the first 300 steps add ~2.4% over them, and one step in 256 ~0.5% after.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 from torch.nn.utils import parametrize
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten
 
 from .. import collector
 from ..data import distributed_rank_and_size, maxima_across_ranks
@@ -358,12 +359,13 @@ class ForwardIndependence:
 
     @staticmethod
     def _rerun(module, arguments, states, buffers) -> list:
-        """The output leaves of one forward without gradient on ``arguments`` (args, kwargs), from the generators'
-        ``states`` and copies of the ``buffers``' values at the forward's start."""
+        """The output leaves of one forward without gradient on copies of ``arguments`` (args, kwargs; a forward
+        that changes its input in place would otherwise change the batch the training forward receives), from the
+        generators' ``states`` and copies of the ``buffers``' values at the forward's start."""
         _with_copies(buffers)
         restore_random_states(states)
-        args, kwargs = arguments
         with torch.no_grad(), warnings.catch_warnings():
+            args, kwargs = tree_map_only(torch.Tensor, torch.clone, arguments)
             # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
             warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
             return _leaves(module(*args, **kwargs))
