@@ -48,6 +48,18 @@ RANDOM_DRAWS_IN_PASS_ONE = (
     "make the backward deterministic.")
 
 
+DIFFERENT_REGION_CALLS = (
+    "a reentrant activation checkpoint recomputed different module calls in two backward passes of one step (a "
+    "forward that depends on state other than its inputs and the random generators?), so ghostdp cannot prove "
+    "where each example's gradient is. " + NON_REENTRANT_FIX)
+
+
+def _projected(call) -> bool:
+    """Whether a call with no proven layout has the layout proof's projections of all its output grads (a
+    reentrant step proven before pass 1), so that its norm can be formed as its G arrives."""
+    return call.projections is not None and all(p is not None for p in call.projections)
+
+
 def _backward_to_probes(losses, inputs, cotangent, retain):
     """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
     try:
@@ -72,6 +84,7 @@ class PassOne:
         self._random_before = None       # the global generators' states at the start of the pass (run)
         self.layouts = LayoutProver()
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
+        self._proof_region_calls = None  # a reentrant step proven before pass 1: the proof's region calls, in order
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
 
     def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
@@ -97,11 +110,16 @@ class PassOne:
         # step without a proof has one backward: nothing to compare.)
         second_backward = bool(unproven) or bool(regions) or mode.continues_backward
         self._random_before = random_states(per_example_losses.device) if second_backward else None
-        # With reentrant checkpoints the proof of new layouts follows pass 1 (_prove_deferred_layouts).
         if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
             self._prove_fallback_inputs(per_example_losses, unproven)
             self._refuse_random_draws(per_example_losses.device)
+        # With reentrant checkpoints a proof that is due (or needed by calls outside the regions: then _reprove is
+        # set too) runs before pass 1 as well (_prove_reentrant_layouts); a region whose graph takes a new form on
+        # a step without one is proven after pass 1 (_prove_deferred_layouts).
+        self._proof_region_calls = None
+        if regions and self._reprove:
+            self._prove_reentrant_layouts(per_example_losses, audited)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
         request = self.controller._sample_request
@@ -124,7 +142,7 @@ class PassOne:
             if passed.samples is not None:
                 write_samples(passed.samples, B)
         finally:
-            self.current = None
+            self.current, self._proof_region_calls = None, None
         for proven in [layouts] + passed.region_forms:
             proven.complete = True
         return passed
@@ -262,7 +280,7 @@ class PassOne:
             else:
                 self._mark_eager(call)
             self.recorder.forget(call)
-        if len(call.grads) == 1 and not (passed.reentrant and call.layouts is None):
+        if len(call.grads) == 1 and not (passed.reentrant and call.layouts is None and not _projected(call)):
             self._compute(call)
 
     def _mark_eager(self, call):
@@ -290,7 +308,7 @@ class PassOne:
         # Detached: a factor kept to the clipped sums (book-keeping) would otherwise hold the region's graph,
         # down to the checkpoint's detached input and the gradient its backward left there.
         call.inputs = tuple(x.detach() for x in call.inputs)
-        if (call.layouts is None and not call.in_region
+        if (call.layouts is None and not call.in_region and not _projected(call)
                 and self.layouts.assign([call], passed.batch_size, everything=self._reprove)):
             passed.deferred.append(call)
         call.eager = {}
@@ -319,9 +337,20 @@ class PassOne:
         new = self._reprove or not region.complete
         if new:
             passed.region_forms.append(region)
-        passed.deferred.extend(self.layouts.assign(calls, passed.batch_size, everything=new, within=region))
+        unproven = self.layouts.assign(calls, passed.batch_size, everything=new, within=region)
+        if unproven and self._proof_region_calls is not None:  # proven before pass 1: the same calls, in order
+            first = len(passed.region_calls) - len(calls)  # calls: the pass's region calls from the region's first
+            for k, call in enumerate(calls, start=first):
+                twin = self._proof_region_calls[k] if k < len(self._proof_region_calls) else None
+                if twin is None or twin.module is not call.module or list(twin.shapes) != list(call.shapes):
+                    raise RuntimeError(DIFFERENT_REGION_CALLS)
+                if call.projections is not None:
+                    call.projections = twin.projections
+        else:
+            passed.deferred.extend(unproven)
         for call in calls:
-            if call.fired and not call.done and call.layouts is not None and len(call.grads) == 1:
+            if (call.fired and not call.done and (call.layouts is not None or _projected(call))
+                    and len(call.grads) == 1):
                 self._compute(call)
 
     def refuse_if_not_from_dp_loss(self, call):
@@ -408,6 +437,8 @@ class PassOne:
 
     def _finish(self):
         """The norms of calls whose output grads came in pieces, of the queue, and of shared parameters."""
+        if self._proof_region_calls is not None and len(self._proof_region_calls) != len(self.current.region_calls):
+            raise RuntimeError(DIFFERENT_REGION_CALLS)
         if self.current.deferred:
             self._prove_deferred_layouts()
         for call in self.current.calls:
@@ -438,9 +469,32 @@ class PassOne:
         self._shared_in_regions.update(key for key, n in self.current.uses.items() if n > 1)
         self._region_uses_known = True
 
+    def _prove_reentrant_layouts(self, losses, audited):
+        """The layout proof before pass 1 of a reentrant step: a backward without inputs with the proof's cotangent,
+        which recomputes the regions (their calls project their output grads: recording._note_region_call). Pass 1
+        then forms each call's norm as its G arrives (its region's calls matched to the proof's in order:
+        region_audited) instead of holding every unproven call's G and inputs to a proof after it, which peaked
+        at 6-12x plain's checkpointed peak (BERT L=4, H=256, B=8-32, before 2026-11-26). The gradients it
+        accumulates are dropped, and the regions are traced as in pass 1, so that a tensor pass 1 would refuse
+        gets no gradient from the proof (RegionWatch.traced, without the audit)."""
+        trainable = self.controller._trainable()
+        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
+        proof = NormPass(losses.shape[0], proving=True, reentrant=True)
+        self.current = proof
+        try:
+            with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
+                with self.controller._region("ghostdp.layout_proof"), \
+                        self.controller._regions.traced(allowed, audited, audit=False):
+                    torch.autograd.backward(losses, self.layouts.cotangent(losses), retain_graph=True)
+            self._refuse_random_draws(losses.device)
+        finally:
+            self.current = None
+        self._proof_region_calls = proof.region_calls
+
     def _prove_deferred_layouts(self):
-        """The layout proof after pass 1 of a reentrant step, for the calls whose layouts are new. Its
-        backward recomputes the regions again: their calls are matched to pass 1's in order."""
+        """The layout proof after pass 1 of a reentrant step without a proof before it, for the calls whose
+        layouts are new (a region whose graph took a new form). Its backward recomputes the regions again: their
+        calls are matched to pass 1's in order."""
         passed = self.current
         proof = NormPass(passed.batch_size, proving=True, reentrant=True)
         self.current = proof
@@ -453,10 +507,7 @@ class PassOne:
         ours, theirs = passed.region_calls, proof.region_calls
         if len(ours) != len(theirs) or any(a.module is not b.module or list(a.shapes) != list(b.shapes)
                                            for a, b in zip(ours, theirs)):
-            raise RuntimeError(
-                "a reentrant activation checkpoint recomputed different module calls in two backward passes of one "
-                "step (a forward that depends on state other than its inputs and the random generators?), so "
-                "ghostdp cannot prove where each example's gradient is. " + NON_REENTRANT_FIX)
+            raise RuntimeError(DIFFERENT_REGION_CALLS)
         for call, twin in zip(ours, theirs):
             if call.projections is not None:
                 call.projections = twin.projections

@@ -116,6 +116,7 @@ class RegionWatch:
     def __init__(self, token, audit, fix):
         self.depth = 0
         self._tracing = None  # while pass 1 runs: RegionTracer's (allowed, outside)
+        self._auditing = True  # the traced regions are audited (pass 1), or only traced (the proof before it)
         self._token, self._audit, self._fix = token, audit, fix
         self._entered = []    # per running region: (its tracer, its token), or None when not traced
 
@@ -138,13 +139,15 @@ class RegionWatch:
         entry = self._entered.pop() if self._entered else None
         if entry is not None:
             entry[0].__exit__(None, None, None)
-            self._audit(*entry)
+            if self._auditing:
+                self._audit(*entry)
 
     @contextlib.contextmanager
-    def traced(self, allowed, outside):
-        """Pass 1: trace the regions it recomputes (RegionTracer's ``allowed`` and ``outside``); afterwards
-        nothing runs and nothing is traced."""
-        self._tracing = (allowed, outside)
+    def traced(self, allowed, outside, audit: bool = True):
+        """Pass 1: trace the regions it recomputes (RegionTracer's ``allowed`` and ``outside``), each audited when
+        its backward is done; afterwards nothing runs and nothing is traced. ``audit`` False (the layout proof
+        before pass 1): traced for the refusals only."""
+        self._tracing, self._auditing = (allowed, outside), audit
         try:
             yield
         finally:

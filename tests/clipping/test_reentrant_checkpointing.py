@@ -1,8 +1,9 @@
-"""Reentrant activation checkpointing (use_reentrant=True): pass 1 is a backward without inputs that
-recomputes each region, records its calls there, audits its graph afterwards and proves new layouts
-after it (ghostdp/clipping/reentrant.py). Exact in float64 against the per-example loop of the same
-weights without checkpointing, over two steps of one controller (the first learns which parameters
-several calls share and proves the layouts), in both clipping modes; every refusal is triggered."""
+"""Reentrant activation checkpointing (use_reentrant=True): pass 1 is a backward without inputs that recomputes each
+region, records its calls there and audits its graph afterwards; new layouts are proven before it (a region's
+graph that takes a new form on another step: after it) (ghostdp/clipping/reentrant.py). Exact in float64 against
+the per-example loop of the same weights without checkpointing, over two steps of one controller (the first
+learns which parameters several calls share and proves the layouts), in both clipping modes; every refusal is
+triggered."""
 import copy
 
 import pytest
@@ -133,26 +134,28 @@ def test_a_region_that_starts_mixing_examples_on_a_later_step_is_refused(clippin
     """Inside a reentrant region the graph is seen only as pass 1 recomputes it, and a region that mixed
     examples (a batch mean) only from some step on, with the same shapes, went through once earlier steps
     had proven the layouts. A region's calls now get their layouts when its graph has been audited, and
-    a region graph with a new signature is proven again after pass 1; the proven one takes no new proof."""
+    a region graph with a new signature is proven again (the first step's proof runs before pass 1, a later
+    new form's after it); the proven one takes no new proof."""
     mixing = []
     model = Net(region=lambda h, block: block(h + 10 * h.mean(0, keepdim=True) if mixing else h))
     controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
     without_scheduled_proofs(controller)  # count the proofs new forms need, not the scheduled ones
     proofs = []
-    original = controller.pass_one._prove_deferred_layouts
-    controller.pass_one._prove_deferred_layouts = lambda: (proofs.append(1), original())
+    before, after = controller.pass_one._prove_reentrant_layouts, controller.pass_one._prove_deferred_layouts
+    controller.pass_one._prove_reentrant_layouts = lambda *args: (proofs.append("before"), before(*args))
+    controller.pass_one._prove_deferred_layouts = lambda: (proofs.append("after"), after())
     ids = torch.randint(0, 20, (B, 6))
     for _ in range(2):
         controller.loss(model(ids).pow(2).sum(1), "sum").backward()
         model.zero_grad()
-    assert len(proofs) == 1
+    assert proofs == ["before"]
     mixing.append(True)
     with pytest.raises(RuntimeError, match="gradient mixes several examples"):
         controller.loss(model(ids).pow(2).sum(1), "sum").backward()
     model.zero_grad()
     mixing.clear()
     controller.loss(model(ids).pow(2).sum(1), "sum").backward()
-    assert len(proofs) == 2
+    assert proofs == ["before", "after"]
 
 
 class TransposedRegion(nn.Module):
@@ -426,3 +429,32 @@ def test_a_tensor_from_outside_a_region_read_inside_without_being_its_input_is_r
     with pytest.raises((NotImplementedError, RuntimeError), match=match):
         controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_layout_proof_under_reentrant_checkpointing_stays_at_the_steps_between_proofs_peak(clipping):
+    """Exact tensor bytes: the proof of a reentrant step ran after pass 1, and every call whose layout it was to
+    prove held its output grad and inputs through pass 1: a proof step peaked at 6-12x plain's checkpointed peak
+    (BERT L=4, H=256, B=8-32; here 4.4x the steps between proofs) before 2026-11-26. The proof now runs first, so
+    that pass 1 forms each norm as its G arrives."""
+    from transformers import BertConfig, BertForSequenceClassification
+    from profiling.bench import tensor_peak_mb
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.float().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    controller.independence.every = 0  # the forward check's reruns, on the same schedule, are not measured here
+    ids, labels = torch.randint(1, 50, (8, 64)), torch.randint(0, 2, (8,))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        controller.loss(nn.functional.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")).backward()
+
+    step()  # norm pass 0
+    tensor_peak_mb(step)  # pass 1, profiled so that the next reads are right (bench.steady_and_proof_peaks)
+    proof = tensor_peak_mb(step)  # pass 2: a scheduled proof
+    between = tensor_peak_mb(step)  # pass 3: none
+    assert proof <= 1.05 * between, (proof, between)
