@@ -224,14 +224,24 @@ def test_a_layout_proof_under_checkpointing_stays_at_the_checkpointed_peak(clipp
     checkpoint each backward recomputes the inputs a probe saved, and a saved tensor left unpacked kept its
     recomputed copy as long as the graph: every proof step (1, 2, 4, ...) held all layers' inputs at once
     (probe.py; before 2026-11-26 2.5x the steps between proofs here, 7.5x at BERT L=4, H=256, B=16)."""
+    proof, between = proof_and_between_peaks(clipping, use_reentrant=False)
+    assert proof <= 1.05 * between, (proof, between)
+
+
+def proof_and_between_peaks(clipping, use_reentrant: bool) -> tuple:
+    """Exact tensor bytes (MB) of a checkpointed BERT's step (L=4, H=128, B=8, T=64, every layer in a checkpoint)
+    on a scheduled layout proof, and on a step between proofs; the forward check's reruns, on the same schedule,
+    switched off."""
     from transformers import BertConfig, BertForSequenceClassification
     from profiling.bench import tensor_peak_mb
     torch.manual_seed(0)
-    model = checkpointing(BertForSequenceClassification(BertConfig(
+    model = BertForSequenceClassification(BertConfig(
         vocab_size=50, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2)))
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    controller.independence.every = 0  # the forward check's reruns, on the same schedule, are not measured here
+    controller.independence.every = 0
     ids, labels = torch.randint(1, 50, (8, 64)), torch.randint(0, 2, (8,))
 
     def step():
@@ -242,7 +252,7 @@ def test_a_layout_proof_under_checkpointing_stays_at_the_checkpointed_peak(clipp
     tensor_peak_mb(step)  # pass 1, profiled so that the next reads are right (bench.steady_and_proof_peaks)
     proof = tensor_peak_mb(step)  # pass 2: a scheduled proof
     between = tensor_peak_mb(step)  # pass 3: none
-    assert proof <= 1.05 * between, (proof, between)
+    return proof, between
 
 
 def test_per_group_clipping_under_checkpointing_keeps_book_keeping_is_exact_and_warns_once():

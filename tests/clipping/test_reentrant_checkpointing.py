@@ -16,7 +16,7 @@ from ghostdp import per_example_loss
 from ghostdp.clipping import controller as controller_module
 from conftest import (CLIPPING_MODES, Scale, assert_norms_as_forms_alternate, clipped_sum, reference_per_example_grads,
                       relative_error, trainable, without_scheduled_proofs)
-from test_checkpointing import Block
+from test_checkpointing import Block, proof_and_between_peaks
 from test_models import B, classification_loss, padded_text
 
 CE = nn.CrossEntropyLoss()
@@ -437,24 +437,5 @@ def test_a_layout_proof_under_reentrant_checkpointing_stays_at_the_steps_between
     prove held its output grad and inputs through pass 1: a proof step peaked at 6-12x plain's checkpointed peak
     (BERT L=4, H=256, B=8-32; here 4.4x the steps between proofs) before 2026-11-26. The proof now runs first, so
     that pass 1 forms each norm as its G arrives."""
-    from transformers import BertConfig, BertForSequenceClassification
-    from profiling.bench import tensor_peak_mb
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=50, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.float().train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    controller.independence.every = 0  # the forward check's reruns, on the same schedule, are not measured here
-    ids, labels = torch.randint(1, 50, (8, 64)), torch.randint(0, 2, (8,))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        controller.loss(nn.functional.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")).backward()
-
-    step()  # norm pass 0
-    tensor_peak_mb(step)  # pass 1, profiled so that the next reads are right (bench.steady_and_proof_peaks)
-    proof = tensor_peak_mb(step)  # pass 2: a scheduled proof
-    between = tensor_peak_mb(step)  # pass 3: none
+    proof, between = proof_and_between_peaks(clipping, use_reentrant=True)
     assert proof <= 1.05 * between, (proof, between)
