@@ -319,6 +319,8 @@ class ForwardIndependence:
             outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
             del leaves  # a language model's logits
             checkable = batch > 1 and any(f is not None for f in same)
+            if not checkable and not several:
+                return None  # no output with the batch on dim 0: nothing to compare
 
             def rerun(arguments):
                 return self._fingerprints_of_rerun(module, tree_unflatten(arguments, spec), start, signs, batch)
