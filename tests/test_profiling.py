@@ -40,6 +40,48 @@ def test_tensor_peak_is_the_largest_set_of_tensors_alive_at_once_above_those_ali
     assert bench.tensor_peak_mb(step) == pytest.approx(4.0, abs=0.01)
 
 
+def _three_mib_made_by_a_named_function(mib):
+    import torch
+    return torch.ones(3, *mib["size"], dtype=torch.float32)
+
+
+def test_peak_lists_the_tensors_alive_at_the_peak_by_the_op_and_frames_that_made_them():
+    """A tensor made before the step and freed inside it counts for nothing (it is not the step's)."""
+    import torch
+    from profiling import peak
+    mib = dict(size=(2 ** 18,), dtype=torch.float32)
+    state = {"before": torch.ones(**mib)}
+
+    def step():
+        state["before"] = None
+        kept = torch.zeros(**mib)  # 1 MiB to the end
+        big = _three_mib_made_by_a_named_function(mib)  # with kept: the peak, 4 MiB
+        del big
+        small = torch.ones(2, *mib["size"], dtype=torch.float32)  # 3 MiB with kept: below the peak
+        del small, kept
+
+    held = peak.peak_holdings(step)
+    assert held["peak_mb"] == pytest.approx(4.0, abs=0.01)
+    sizes = {label.split(" <- ")[0]: round(size, 2) for size, label in held["holders"]}
+    assert sizes == {"aten::ones": 3.0, "aten::zeros": 1.0}, held["holders"]
+    assert "_three_mib_made_by_a_named_function" in held["holders"][0][1]
+
+
+def test_peak_runs_on_a_tiny_model_in_each_mode(capsys):
+    from profiling import peak
+    for mode in ("plain", "ghost", "bookkeeping"):
+        peak.main(TINY + ["--batch", "2", "--mode", mode, "--top", "3"] + (["--proof"] if mode == "ghost" else []))
+    out = capsys.readouterr().out
+    assert "plain, a step between proofs: peak" in out and "ghost, a proof step: peak" in out
+    assert "bookkeeping, a step between proofs: peak" in out and " MB  aten::" in out
+
+
+def test_peak_refuses_a_device_other_than_the_cpu_with_what_to_use_there():
+    from profiling import peak
+    with pytest.raises(SystemExit, match="reads CPU tensors.*_record_memory_history"):
+        peak.main(TINY + ["--device", "cuda"])
+
+
 def test_a_steady_peak_is_read_after_a_profiled_step():
     """torch.profiler misreads a step that frees a tensor allocated outside any profiled step (a training step's
     p.grad of the step before, freed by zero_grad): bench.steady_and_proof_peaks profiles the step before."""
