@@ -36,16 +36,18 @@ training forward a batch the reruns had changed). The generators and buffers are
 rerun's in-place updates of a buffer go to a copy), and so are the tensors the modules keep as plain attributes
 (replaced, changed in place, or set where there was none; a checked forward that changes one is warned of:
 buffers.CHANGED_ATTRIBUTE), so training draws and stores what it would have without them; the model's other forward
-hooks (the user's) do run again. A forward that cannot run again is warned of once and trains unchecked. Not
-covered: mixing after the model's forward (between its output and the DP loss), and data that mixes only on steps
-off the schedule. Cost: four forwards without gradient on those steps (five with an attention mask; the CPU stand-in
-with B = 4 and a mask, book-keeping: a checked step 49.9 ms against 21.3 ms unchecked, 43.9 ms without the padding
-rerun), so 10 of the first 300 steps add ~2.4% over them, and one step in 256 ~0.5% after.
+hooks (the user's) do run again. A forward that cannot run again (or takes an iterator, which a rerun would consume
+first) is warned of once and trains unchecked. Not covered: mixing after the model's forward (between its output and
+the DP loss), and data that mixes only on steps off the schedule. Cost: four forwards without gradient on those
+steps (five with an attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9 ms
+against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the first 300 steps add ~2.4% over them, and
+one step in 256 ~0.5% after.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -82,6 +84,10 @@ FOUND_ON_ANOTHER_PROCESS = (
 FORWARD_MIXES = "the model's forward mixes examples where no gradient flows"
 FORWARD_DEPENDS_ON_PADDING = "the model's forward depends on how far the batch is padded"
 LOSS_COUNTS_PADDING = "the loss counts positions the attention mask excludes"
+
+AN_ITERATOR_ARGUMENT = (
+    "an argument of the model's forward is an iterator ({kind}), which a rerun of the forward would consume before "
+    "the forward itself")
 
 RERUN_FAILED = (
     "ghostdp could not check that the model's forward keeps the examples apart: running it again without "
@@ -309,6 +315,9 @@ class ForwardIndependence:
         self.last_moves = []
         if not any_replaced and not several:
             return None
+        consumed = next((x for x in flat if isinstance(x, Iterator) and not isinstance(x, torch.Tensor)), None)
+        if consumed is not None:  # the forward would get what the reruns left of it
+            raise TypeError(AN_ITERATOR_ARGUMENT.format(kind=type(consumed).__name__))
         devices = _accelerators(module, args, kwargs)
         start = (random_states(*devices), _buffers(module))
         with self._rerunning(module, devices):

@@ -658,3 +658,27 @@ def test_the_reruns_leave_the_batch_as_the_forward_receives_it():
     assert controller.independence.last_moves, "the forward was not checked"
     assert len(model.received) == 1 and torch.equal(model.received[0], given)
     assert torch.equal(x, given * 0.5)  # the forward's own change, once
+
+
+class ScalesByTheNextOfAnIterator(nn.Module):
+    """Takes an iterator beside its batch and consumes one item of it per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.used = nn.Linear(D, D), []
+
+    def forward(self, x, scales):
+        scale = next(scales)
+        if torch.is_grad_enabled():
+            self.used.append(scale)
+        return self.lin(x) * scale
+
+
+def test_a_forward_that_takes_an_iterator_is_warned_of_and_not_rerun():
+    """A rerun, which runs before the forward since 2026-11-26, would consume the iterator's items that the
+    forward is given: it is not rerun (warned of once, RERUN_FAILED), and the forward takes the first item."""
+    model = ScalesByTheNextOfAnIterator()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.warns(UserWarning, match=r"could not check.*an argument of the model's forward is an iterator"):
+        controller.loss(model(torch.randn(B, D), iter([2.0, 3.0, 5.0, 7.0, 11.0])).pow(2).sum(1)).backward()
+    assert model.used == [2.0]
