@@ -228,26 +228,34 @@ def test_a_layout_proof_under_checkpointing_stays_at_the_checkpointed_peak(clipp
     assert proof <= 1.05 * between, (proof, between)
 
 
-def proof_and_between_peaks(clipping, use_reentrant: bool) -> tuple:
-    """Exact tensor bytes (MB) of a checkpointed BERT's step (L=4, H=128, B=8, T=64, every layer in a checkpoint)
-    on a scheduled layout proof, and on a step between proofs; the forward check's reruns, on the same schedule,
-    switched off."""
+def checkpointed_bert_step(clipping, use_reentrant: bool):
+    """One training step of a BERT (L=4, H=128, B=8, T=64, every layer in a checkpoint) through ghostdp with
+    ``clipping`` (None: plain PyTorch); the forward check's reruns switched off."""
     from transformers import BertConfig, BertForSequenceClassification
-    from profiling.bench import tensor_peak_mb
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(
         vocab_size=50, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     model.train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    controller.independence.every = 0
+    controller = None if clipping is None else ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    if controller is not None:
+        controller.independence.every = 0
     ids, labels = torch.randint(1, 50, (8, 64)), torch.randint(0, 2, (8,))
 
     def step():
         model.zero_grad(set_to_none=True)
-        controller.loss(nn.functional.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")).backward()
+        losses = nn.functional.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")
+        (losses.sum() if controller is None else controller.loss(losses)).backward()
+    return step
 
+
+def proof_and_between_peaks(clipping, use_reentrant: bool) -> tuple:
+    """Exact tensor bytes (MB) of a checkpointed BERT's step (L=4, H=128, B=8, T=64, every layer in a checkpoint)
+    on a scheduled layout proof, and on a step between proofs; the forward check's reruns, on the same schedule,
+    switched off."""
+    from profiling.bench import tensor_peak_mb
+    step = checkpointed_bert_step(clipping, use_reentrant)
     step()  # norm pass 0
     tensor_peak_mb(step)  # pass 1, profiled so that the next reads are right (bench.steady_and_proof_peaks)
     proof = tensor_peak_mb(step)  # pass 2: a scheduled proof
