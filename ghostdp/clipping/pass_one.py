@@ -55,6 +55,17 @@ DIFFERENT_REGION_CALLS = (
     "where each example's gradient is. " + NON_REENTRANT_FIX)
 
 
+def _take_projections(calls, twins) -> None:
+    """Each of a reentrant step's region ``calls`` takes the projections of its twin in a proof's recomputation of
+    the regions, in order (where it has a layout left to prove); refused where the two made different calls."""
+    if len(calls) != len(twins) or any(a.module is not b.module or list(a.shapes) != list(b.shapes)
+                                       for a, b in zip(calls, twins)):
+        raise RuntimeError(DIFFERENT_REGION_CALLS)
+    for call, twin in zip(calls, twins):
+        if call.projections is not None:
+            call.projections = twin.projections
+
+
 def _projected(call) -> bool:
     """Whether a call with no proven layout has the layout proof's projections of all its output grads (a
     reentrant step proven before pass 1), so that its norm can be formed as its G arrives."""
@@ -341,12 +352,7 @@ class PassOne:
         unproven = self.layouts.assign(calls, passed.batch_size, everything=new, within=region)
         if unproven and self._proof_region_calls is not None:  # proven before pass 1: the same calls, in order
             first = len(passed.region_calls) - len(calls)  # calls: the pass's region calls from the region's first
-            for k, call in enumerate(calls, start=first):
-                twin = self._proof_region_calls[k] if k < len(self._proof_region_calls) else None
-                if twin is None or twin.module is not call.module or list(twin.shapes) != list(call.shapes):
-                    raise RuntimeError(DIFFERENT_REGION_CALLS)
-                if call.projections is not None:
-                    call.projections = twin.projections
+            _take_projections(calls, self._proof_region_calls[first:first + len(calls)])
         else:
             passed.deferred.extend(unproven)
         for call in calls:
@@ -456,14 +462,22 @@ class PassOne:
             if param in self.current.pending:  # also used by a ruled module: every call's factor
                 self.current.exact[param] = list(self.current.pending[param])
 
+    @contextlib.contextmanager
+    def _grads_set_aside(self, losses):
+        """Inside, a backward without inputs of ``losses`` (reentrant regions) may run: the gradients of the graph's
+        leaves are set aside and put back after, and those it accumulates into the trainable parameters dropped as
+        they come (reentrant.stashed_grads). Yields (the trainable parameters by id, the ids of the leaves a region
+        may read with requires_grad: those parameters and the probes)."""
+        trainable = self.controller._trainable()
+        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
+        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
+            yield trainable, allowed
+
     def _reentrant_pass_one(self, losses, audited):
         """Pass 1 through reentrant checkpoints (reentrant.py): a backward without inputs, so the regions
         recompute; the gradients it accumulates are set aside and dropped."""
-        trainable = self.controller._trainable()
-        self.current.losses, self.current.audited, self.current.trainable = losses, audited, trainable
-        # The leaves a region may read with requires_grad: the trainable parameters and the probes.
-        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
-        with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
+        with self._grads_set_aside(losses) as (trainable, allowed):
+            self.current.losses, self.current.audited, self.current.trainable = losses, audited, trainable
             with self.controller._regions.traced(allowed, audited):  # each region is audited when its backward is done
                 torch.autograd.backward(losses, torch.ones_like(losses), retain_graph=True)
             self._finish()  # after a proof of new layouts, a backward as well
@@ -481,43 +495,34 @@ class PassOne:
         pass 1's will make (checked as they arrive), so it also counts every parameter's calls (``calls``: those
         outside the regions): pass 1 reduces a parameter with one call as it arrives on the first step too, where
         it held every layer's factors to its end (BERT L=4, H=256, B=16: 165.0 MB against plain's 56.4 MB)."""
-        trainable = self.controller._trainable()
-        allowed = set(trainable) | {id(p) for p in self.recorder.probes.values()}
-        proof = NormPass(losses.shape[0], proving=True, reentrant=True)
-        self.current = proof
-        try:
-            with stashed_grads(leaves_below([losses.grad_fn]), dropped=list(trainable.values())):
-                with self.controller._region("ghostdp.layout_proof"), \
-                        self.controller._regions.traced(allowed, audited, audit=False):
-                    torch.autograd.backward(losses, self.layouts.cotangent(losses), retain_graph=True)
-            self._refuse_random_draws(losses.device)
-        finally:
-            self.current = None
+        with self._grads_set_aside(losses) as (_, allowed):
+            proof = self._reentrant_proof(losses, None, self.controller._regions.traced(allowed, audited, audit=False))
         self._proof_region_calls = proof.region_calls
         uses = Counter(id(p) for call in list(calls) + proof.region_calls for p in call.params.values())
         self._shared_in_regions.update(key for key, n in uses.items() if n > 1)
         self._region_uses_known = True
+
+    def _reentrant_proof(self, losses, after, tracing=contextlib.nullcontext()):
+        """The layout proof's backward in a reentrant step: without inputs, with the proof's cotangent, so the
+        regions recompute and their calls project their output grads; its NormPass. ``after``: the pass current
+        once it is done; ``tracing``: a context the backward runs in (RegionWatch.traced)."""
+        proof = NormPass(losses.shape[0], proving=True, reentrant=True)
+        self.current = proof
+        try:
+            with self.controller._region("ghostdp.layout_proof"), tracing:
+                torch.autograd.backward(losses, self.layouts.cotangent(losses), retain_graph=True)
+            self._refuse_random_draws(losses.device)
+        finally:
+            self.current = after
+        return proof
 
     def _prove_deferred_layouts(self):
         """The layout proof after pass 1 of a reentrant step without a proof before it, for the calls whose
         layouts are new (a region whose graph took a new form). Its backward recomputes the regions again: their
         calls are matched to pass 1's in order."""
         passed = self.current
-        proof = NormPass(passed.batch_size, proving=True, reentrant=True)
-        self.current = proof
-        try:
-            with self.controller._region("ghostdp.layout_proof"):
-                torch.autograd.backward(passed.losses, self.layouts.cotangent(passed.losses), retain_graph=True)
-            self._refuse_random_draws(passed.losses.device)
-        finally:
-            self.current = passed
-        ours, theirs = passed.region_calls, proof.region_calls
-        if len(ours) != len(theirs) or any(a.module is not b.module or list(a.shapes) != list(b.shapes)
-                                           for a, b in zip(ours, theirs)):
-            raise RuntimeError(DIFFERENT_REGION_CALLS)
-        for call, twin in zip(ours, theirs):
-            if call.projections is not None:
-                call.projections = twin.projections
+        proof = self._reentrant_proof(passed.losses, passed)  # inside pass 1's stashed_grads
+        _take_projections(passed.region_calls, proof.region_calls)
         passed.deferred = []
 
     def _prove_fallback_inputs(self, per_example_losses, unproven):
