@@ -232,15 +232,8 @@ class ForwardIndependence:
         self._pending = self._attributes = None
         if not scheduled:
             return
-        try:
-            # Python's collector is paused, as in ghostdp's other parts of a step (collector.py): the reruns'
-            # objects die by reference count.
-            with collector.paused():
-                self._pending = self._rerun_before(module, args, kwargs)
-        except torch.OutOfMemoryError:
-            raise  # the step does not fit with its check (the physical batch search counts it so)
-        except Exception as error:  # noqa: BLE001 - the forward itself can still run: warn, do not break it
-            self._warn_of_failure(error)
+        with self._unchecked_where_a_rerun_fails():
+            self._pending = self._rerun_before(module, args, kwargs)
         self._attributes = tensor_attributes(module)  # as the forward finds them, after the reruns put them back
 
     def _on_forward_end(self, module, args, kwargs, output):
@@ -253,20 +246,26 @@ class ForwardIndependence:
         self._warn_of_attributes(changed_attributes(attributes, tensor_attributes(module)))
         if pending is None:
             return
+        # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check one of
+        # them and backpropagate after the next.
+        with self._unchecked_where_a_rerun_fails():
+            self.finding = self._compare(module, pending, output) or self.finding
+
+    @contextlib.contextmanager
+    def _unchecked_where_a_rerun_fails(self):
+        """Around the reruns (before the forward) and the comparison (at its end): Python's collector paused, as in
+        ghostdp's other parts of a step (collector.py: the reruns' objects die by reference count); an error other
+        than running out of memory warned of once (RERUN_FAILED), and the forward trains unchecked. Out of memory,
+        the step does not fit with its check (the physical batch search counts it so)."""
         try:
-            # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check
-            # one of them and backpropagate after the next.
             with collector.paused():
-                self.finding = self._compare(module, pending, output) or self.finding
+                yield
         except torch.OutOfMemoryError:
             raise
-        except Exception as error:  # noqa: BLE001 - the training forward itself succeeded: warn, do not break it
-            self._warn_of_failure(error)
-
-    def _warn_of_failure(self, error) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(RERUN_FAILED.format(error=error))
+        except Exception as error:  # noqa: BLE001 - the training forward can run, or ran: warn, do not break it
+            if not self._warned:
+                self._warned = True
+                warnings.warn(RERUN_FAILED.format(error=error))
 
     def _warn_of_attributes(self, names) -> None:
         """Once per name: a tensor attribute that the checked forward replaced or changed (buffers.py)."""
@@ -297,7 +296,7 @@ class ForwardIndependence:
             restore_random_states(states)
             _put_back(buffers)
             self.recorder.forward_checkpointed = checkpointed
-            _put_back_attributes(module, attributes)
+            _put_back_attributes(attributes)
             parametrize._cache.clear()
             parametrize._cache.update(cached)
 
@@ -539,7 +538,7 @@ def _put_back(buffers) -> None:
         held[key] = tensor
 
 
-def _put_back_attributes(module, attributes) -> None:
+def _put_back_attributes(attributes) -> None:
     """The modules' plain attributes as they were: ``attributes`` (each module's __dict__, a shallow copy of it, and
     (dict, key, tensor, version, copy of its values) of each tensor attribute, taken before). A tensor attribute
     that a rerun replaced or added is put back or removed; one changed in place gets its values back."""
