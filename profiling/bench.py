@@ -159,12 +159,23 @@ def _proof_layouts(step):
 def to_a_step_between_proofs(step):
     """Runs ``step`` until ghostdp's next step proves no layout again (clipping.layout.proof_scheduled): the
     step measured alone is then a steady one (the first step, also proving, is in the whole run's peak)."""
+    _run_until(step, proof=False)
+
+
+def to_a_proof_step(step) -> bool:
+    """Runs ``step`` until ghostdp's next step is one its schedule proves again; False (nothing run) where there is
+    no such step: plain, Opacus, or the schedule switched off."""
+    return _run_until(step, proof=True)
+
+
+def _run_until(step, proof: bool) -> bool:
     layouts = _proof_layouts(step)
-    if layouts is None:
-        return
+    if layouts is None or (proof and not layouts.reproof_every):
+        return False
     from ghostdp.clipping.layout import proof_scheduled
-    while proof_scheduled(layouts.passes, layouts.reproof_every):
+    while proof_scheduled(layouts.passes, layouts.reproof_every) != proof:
         step()
+    return True
 
 
 def steady_and_proof_peaks(step) -> tuple:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 
-from profiling.bench import (GHOSTDP_MODES, _proof_layouts, add_model_arguments, build_model, make_step,
+from profiling.bench import (GHOSTDP_MODES, add_model_arguments, build_model, make_step, to_a_proof_step,
                              to_a_step_between_proofs)
 
 
@@ -113,13 +113,9 @@ def main(argv=None):
     step = make_step(args.mode, model, args, (ids, labels))
     step()
     step()
-    to_a_step_between_proofs(step)
-    layouts = _proof_layouts(step)  # None for plain
-    proving = args.proof and layouts is not None
-    if proving:
-        from ghostdp.clipping.layout import proof_scheduled
-        while not proof_scheduled(layouts.passes, layouts.reproof_every):
-            step()
+    proving = args.proof and to_a_proof_step(step)
+    if not proving:
+        to_a_step_between_proofs(step)
     held = peak_holdings(step, args.frames)
     kind = "a proof step" if proving else "a step between proofs"
     print(f"{args.mode}, {kind}: peak {held['peak_mb']:.1f} MB above the step's start, while running {held['at']}")
