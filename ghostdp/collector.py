@@ -25,13 +25,23 @@ import gc
 PAUSE = True
 
 
+def pause() -> bool:
+    """Turns the collector off where ``PAUSE`` is on and it was on; whether it did (``resume``'s argument)."""
+    if not PAUSE or not gc.isenabled():
+        return False
+    gc.disable()
+    return True
+
+
+def resume(was_paused: bool) -> None:
+    if was_paused:
+        gc.enable()
+
+
 @contextlib.contextmanager
 def paused():
-    if not PAUSE or not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    was_paused = pause()
     try:
         yield
     finally:
-        gc.enable()
+        resume(was_paused)

@@ -25,6 +25,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import collector
 from ..norms.fallback import OPAQUE_MODULES, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import lookup_rule
 from ..sharding import is_sharded, sharded_units
@@ -165,6 +166,7 @@ class ForwardRecorder:
         # reaches, so the audit must know them too (a direct read of one would otherwise go unseen).
         self.gathered = {}  # (id(unit), name) -> the gathered parameter of this step
         self.compiled_forward = False  # a forward ran under torch.compile (set while dynamo traces the root hook)
+        self._collector_pauses = []  # per root forward running: whether on_root_forward paused the collector
         self._warned_of_compiling = False
 
     def attach(self, module) -> list:
@@ -214,9 +216,15 @@ class ForwardRecorder:
         return self._training(module) and torch.is_grad_enabled()
 
     def on_root_forward(self, module, args, kwargs):
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling:
             self.compiled_forward = True
-        if self._recording(module):
+        recording = self._recording(module)
+        # Python's collector is paused through a training forward, as through the rest of ghostdp's step (the
+        # module calls and hooks it allocates die by reference count in the DP loss's backward: collector.py);
+        # every root forward pushes, its end hook (always called) pops.
+        self._collector_pauses.append(recording and not compiling and collector.pause())
+        if recording:
             self._batch_hint = leading_dim(args, kwargs)
             self.broadcast_in_forward.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
@@ -229,6 +237,8 @@ class ForwardRecorder:
         """Runs also when the model's forward raised (always_call): if a module's output of batch size 1 was
         broadcast to the batch before, the error most likely comes from that (the model broadcasts it itself,
         or its dim 0 was not a batch dim), which the model's own message cannot say."""
+        if self._collector_pauses:  # empty only where a hook before on_root_forward raised
+            collector.resume(self._collector_pauses.pop())
         error = sys.exc_info()[1]  # output is None: the forward raised (not a forward inside an except block)
         if output is not None or error is None or not self.broadcast_in_forward:
             return

@@ -86,3 +86,47 @@ def test_a_collector_the_caller_turned_off_stays_off_and_the_switch_turns_the_pa
     monkeypatch.setattr(collector, "PAUSE", False)
     engine.controller.loss((model(x) ** 2).sum(1)).backward()
     assert COLLECTOR_ON_IN_RULE == [False, True]
+
+
+class NotesCollector(nn.Module):
+    """Scaled, noting in its forward whether the collector runs, and raising there when asked to."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaled = Scaled()
+        self.seen, self.fail = [], False
+
+    def forward(self, x):
+        self.seen.append(gc.isenabled())
+        if self.fail:
+            raise ValueError("the model's own error")
+        return self.scaled(x)
+
+
+def test_the_collector_is_paused_through_a_training_forward_only_and_runs_again_after_one_that_raised(scaled_rule):
+    model = NotesCollector()
+    ghostdp.GhostClipping(model, max_grad_norm=1.0)
+    x = torch.randn(4, 3)
+
+    def seen_in(forward):
+        model.seen.clear()
+        forward()
+        return set(model.seen)  # the forward check's reruns on a proof step run the forward too
+
+    assert seen_in(lambda: model(x)) == {False} and gc.isenabled()
+    with torch.no_grad():
+        assert seen_in(lambda: model(x)) == {True}  # no training forward: nothing recorded, nothing paused
+    model.eval()
+    assert seen_in(lambda: model(x)) == {True}
+    model.train()
+    model.fail = True
+    with pytest.raises(ValueError, match="the model's own error"):
+        model(x)
+    assert model.seen[-1] is False and gc.isenabled()
+    model.fail = False
+    gc.disable()  # a collector the caller turned off stays off
+    try:
+        model(x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
