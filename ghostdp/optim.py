@@ -15,6 +15,7 @@ the noise agree on all ranks.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -380,20 +381,20 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None):
+    def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None, params=None):
         """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero.
 
         With several processes p.grad is first multiplied by the world size (DDP averaged it), or, in
         book-keeping, summed over the ranks here. ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
         ``clipped_with``: the clipping norm C this step's gradients were clipped with (the largest of its
         backward calls'), else the controller's now: a C changed between backward() and step() must not
-        scale the noise of gradients clipped with another.
+        scale the noise of gradients clipped with another. ``params``: ``self.params``, where the caller has it.
         """
         sigma = self.noise_multiplier
         if self.adaptive_clipping is not None:  # part of the budget goes to the unclipped count
             sigma = self.adaptive_clipping.gradient_noise_multiplier(sigma)
         std = sigma * (self.max_grad_norm if clipped_with is None else clipped_with)
-        params = self.params
+        params = self.params if params is None else params
         distributed = self.world_size > 1 and bool(params)
         if self.loss_reduction == "sum":
             divisor = 1.0
@@ -466,27 +467,22 @@ class DPOptimizer(torch.optim.Optimizer):
                 "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
                 "would not be one draw. Give every rank the same seed / generator state.")
 
-    def _check_finite(self, examples: int | None = None, clipped_with: float | None = None):
-        """Refuse a NaN or infinite clipped gradient and, in one process, a clipped sum larger than this
-        step's ``examples`` gradients clipped with C = ``clipped_with`` can add up to (``_sum_bound``)."""
-        params = [p for p in self.params if p.grad is not None]
+    def _check_finite(self, params, examples: int | None = None, clipped_with: float | None = None):
+        """Refuse a NaN or infinite clipped gradient of ``params`` and, in one process, a clipped sum larger than
+        this step's ``examples`` gradients clipped with C = ``clipped_with`` can add up to (``_sum_bound``)."""
+        params = [p for p in params if p.grad is not None]
         if not params:
             return
-        # A NaN or inf anywhere makes a tensor's 2-norm non-finite: one foreach reduction over all
-        # gradients. A finite gradient above ~1e19 (float32) overflows its norm, so a non-finite norm is
-        # confirmed element by element before it is reported.
+        # A NaN or inf anywhere makes a tensor's 2-norm, and the norm of all of them, non-finite: one foreach
+        # reduction over all gradients, one host sync. A finite gradient above ~1e19 (float32) overflows its
+        # norm, so a non-finite total is confirmed element by element before it is reported.
         grads, sharded = local_parts([p.grad for p in params])
         norms = torch._foreach_norm(grads)
         if len({n.device for n in norms}) > 1:
             norms = [n.to(params[0].device) for n in norms]
-        norms = torch.stack(norms)
+        total = float(torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float64))
         bound = self._sum_bound(examples, clipped_with, grads)
-        if bound is None:
-            finite, total = bool(torch.isfinite(norms).all()), None
-        else:  # one host sync for both
-            flags = torch.stack([torch.isfinite(norms).all().double(), norms.double().square().sum().sqrt()])
-            finite, total = flags.tolist()
-            finite = bool(finite)
+        finite = math.isfinite(total)
         bad = [] if finite else [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
         if self.world_size > 1 and sharded is not None and any(sharded):
             bad_somewhere = any_rank(bool(bad), params[0].device)  # one rank's shard: every rank must stop
@@ -499,7 +495,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"the clipped gradient of {names[:5]} is NaN or infinite. With nonfinite='skip' an example's "
                 "clip coefficient is 0, but NaN or inf activations still reach p.grad (0 * nan = nan); find "
                 "the example (controller.last_norms) and fix the data or the model.")
-        if total is not None and total > bound:  # inf where a finite gradient's float32 norm overflowed
+        if bound is not None and total > bound:  # inf where a finite gradient's float32 norm overflowed
             raise PrivacyStepError(
                 f"p.grad holds a gradient of norm {total:.6g}, more than the clipped gradients of this step's "
                 f"{examples} examples can add up to ({examples} x C = {bound:.6g} with rounding): it was changed "
@@ -516,7 +512,7 @@ class DPOptimizer(torch.optim.Optimizer):
         after this check, or DDP has already averaged them)."""
         if examples is None or clipped_with is None or self.world_size > 1:
             return None
-        slack = max((self.SUM_BOUND_SLACK.get(g.dtype, 1e-3) for g in grads), default=1e-3)
+        slack = max([self.SUM_BOUND_SLACK.get(dtype, 1e-3) for dtype in {g.dtype for g in grads}], default=1e-3)
         return examples * clipped_with * (1 + slack)
 
     @collector.paused()
@@ -535,13 +531,14 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_batch(chunks, examples, backward_calls, logical_batch_size)
         if self.tracker is not None:
             self.tracker.take_yielded()
+        params = self.params
         if backward_calls:
-            self._check_finite(examples, clipped_with)
+            self._check_finite(params, examples, clipped_with)
         # The rate this batch was drawn with (a batch-size schedule gives each epoch its own).
         drawn = chunks[-1] if chunks and chunks[-1].sample_rate is not None else None
         sample_rate = drawn.sample_rate if drawn is not None else self.sample_rate
         expected = drawn.expected_size if drawn is not None else self.expected_batch_size
-        self.add_noise(expected, clipped_with)
+        self.add_noise(expected, clipped_with, params)
         if self.adaptive_clipping is not None:  # C for the next step, from the noisy unclipped count
             unclipped, examples = self._summed_over_ranks(unclipped, examples)
             self.controller.max_grad_norm = self.adaptive_clipping.update(

@@ -289,25 +289,31 @@ class PassOne:
             passed.calls.append(call)
             if passed.reentrant:
                 self._fire_in_reentrant_step(call)
+                self.recorder.forget(call)
             else:
                 self._mark_eager(call)
-            self.recorder.forget(call)
         if len(call.grads) == 1 and not (passed.reentrant and call.layouts is None and not _projected(call)):
             self._compute(call)
 
     def _mark_eager(self, call):
-        """A call's first output grad outside reentrant regions, before its uses are consumed: a parameter with
-        a single live use, and no call of it reached before in this pass, can be reduced to its norm now and its
-        G freed (``call.eager``); one with several uses waits for all of them (cross terms). "Reached before",
-        not "pending": a call reached earlier may form its factors only later (several outputs: at the end of
-        the pass), and the last call of an unrolled nn.LSTMCell was reduced alone so, its cross terms with the
-        other steps lost (examples measured up to 1.38 C)."""
+        """A call's first output grad outside reentrant regions: a parameter with a single live use (this one),
+        and no call of it reached before in this pass, can be reduced to its norm now and its G freed
+        (``call.eager``); one with several uses waits for all of them (cross terms). "Reached before", not
+        "pending": a call reached earlier may form its factors only later (several outputs: at the end of the
+        pass), and the last call of an unrolled nn.LSTMCell was reduced alone so, its cross terms with the other
+        steps lost (examples measured up to 1.38 C). The call's uses are consumed in the same loop (what
+        recorder.forget does for a call reached in a reentrant step or freed unreached)."""
         live, uses = self.recorder.live, self.current.uses
         eager = {}
         for n, p in call.params.items():
             key = id(p)
             uses[key] += 1
-            eager[n] = live[key] == 1 and uses[key] == 1
+            left = live.get(key, 0)  # the recorded uses not yet consumed, this one included
+            eager[n] = left == 1 and uses[key] == 1
+            if left > 1:
+                live[key] = left - 1
+            else:
+                live.pop(key, None)
         call.eager = eager
 
     def _fire_in_reentrant_step(self, call):
