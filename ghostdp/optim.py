@@ -376,9 +376,15 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------- the step
     def zero_grad(self, set_to_none: bool = True):
-        if self._mid_logical_batch:
+        watch = self.controller.accumulation
+        if self._mid_logical_batch and watch.refusal is None:
             return  # the clipped sums of earlier chunks of this logical batch stay
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        if watch.refusal is not None:
+            # A gradient accumulated outside ghostdp's passes (accumulation.py) went with the rest of p.grad: the
+            # logical batch it was added to is dropped with its backward records.
+            self.controller.reset_step_state()
+            watch.refusal, self._mid_logical_batch = None, False
 
     @torch.no_grad()
     def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None, params=None):
@@ -522,6 +528,8 @@ class DPOptimizer(torch.optim.Optimizer):
         ``logical_batch_size``: the number of examples of the logical batch just backpropagated,
         for callers that run the whole logical batch themselves (it replaces the loader's chunks).
         """
+        if self.controller.accumulation.refusal is not None:  # p.grad holds an unclipped gradient
+            raise PrivacyStepError(self.controller.accumulation.refusal)
         chunks = self.tracker.yielded if self.tracker is not None else []
         if logical_batch_size is None and chunks and not chunks[-1].is_last:
             self._mid_logical_batch = True

@@ -203,6 +203,62 @@ def test_a_gradient_hook_on_a_trainable_parameter_is_refused_until_removed(clipp
     assert float(total) ** 0.5 <= 8 * 1e-3 * (1 + 1e-6)
 
 
+# A term added to the DP loss that reads a parameter outside the model's recorded calls: its gradient reaches p.grad
+# through no recorded call and lies outside the graph the step's audit walks. Built before the model's forward, the
+# caller's backward accumulates it after the DP loss's backward; built after, before it.
+TERM_READING_A_WEIGHT = {
+    "built before the forward": True,
+    "built after the forward": False,
+}
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("order", list(TERM_READING_A_WEIGHT))
+def test_a_term_reading_a_weight_outside_the_model_added_to_the_dp_loss_is_refused_and_not_stepped(clipping, order):
+    """Before 2026-11-26 both modes took the step: the term's gradient, 1e-3 * sum_i x_i, was too small for the DP
+    optimizer's sum bound (8 x C), and one example's share of it is not bounded by C at all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    engine = ghostdp.PrivacyEngine(seed=0)
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=8), criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, clipping=clipping, poisson_sampling=False)
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    if TERM_READING_A_WEIGHT[order]:
+        term = 1e-3 * (x @ model[0].weight.T).sum()
+        loss = criterion(model(x), y)
+    else:
+        loss = criterion(model(x), y)
+        term = 1e-3 * (x @ model[0].weight.T).sum()
+    with pytest.raises(RuntimeError, match="reached the parameter '0.weight' through a backward that did not come "
+                                           "from ghostdp's passes"):
+        (loss + term).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ghostdp.optim.PrivacyStepError, match="accumulated it into p.grad unclipped"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing stepped
+    optimizer.zero_grad()  # p.grad cleared: the next step trains as usual
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_backward_of_a_term_that_reaches_only_parameters_is_refused_and_autograd_grad_is_not():
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="reached the parameter 'a.weight'"):
+        model.a.weight.pow(2).sum().backward()
+    model.zero_grad()
+    torch.autograd.grad(model.a.weight.pow(2).sum(), [model.a.weight])  # nothing accumulates into p.grad
+    controller.loss(model(x).pow(2).sum(1)).backward()
+    assert model.a.weight.grad is not None
+    controller.detach()  # a detached model trains as any other
+    model.a.weight.pow(2).sum().backward()
+
+
 def test_parameter_read_outside_its_module_is_refused():
     class ReadsWeight(nn.Module):
         def __init__(self):
@@ -315,3 +371,13 @@ def test_fsdp1_is_refused_with_the_fix():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), wrapper)
     with pytest.raises(NotImplementedError, match=r"FSDP1 .*wrapping \['1'\].*fsdp_version=2"):
         ghostdp.GhostClipping(model, 1.0)
+
+
+def test_a_parameter_unfrozen_after_attaching_is_watched_from_its_next_step():
+    model, x = Branchy(), torch.randn(5, 4)
+    model.b.weight.requires_grad_(False)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    model.b.weight.requires_grad_(True)
+    controller.loss(model(x).pow(2).sum(1)).backward()  # the step's audit hooks it
+    with pytest.raises(RuntimeError, match="reached the parameter 'b.weight'"):
+        model.b.weight.sum().backward()

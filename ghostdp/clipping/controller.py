@@ -26,6 +26,7 @@ from ..accounting.base import check_positive
 from ..data import distributed_rank_and_size
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
+from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
 from .independence import ForwardIndependence
@@ -201,8 +202,11 @@ class GhostClipping:
         # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
         self.recorder = ForwardRecorder(self._regions, keeps_factors=self.mode.keeps_factors)
         self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
+        # Gradient accumulated into a parameter outside ghostdp's passes is refused (accumulation.py).
+        self.accumulation = AccumulationWatch(self.pass_one, {id(p): n for n, p in module.named_parameters()})
         # Buffers that a training forward changes are released without noise: warned of (buffers.py).
         self._handles = self.recorder.attach(module) + BufferWatch(module).attach(module)
+        self._handles += self.accumulation.watch(self._parameters.values())
         # A forward that mixes examples where no gradient flows (a batch statistic under no_grad): independence.py.
         self.independence = ForwardIndependence(module, self.recorder)
         self._handles += self.independence.attach(module)
@@ -282,6 +286,7 @@ class GhostClipping:
         """This step's graph: refuse a stray parameter; return the recorded calls, the reentrant
         checkpoints' nodes, the nodes visited and the graph's signature (audit.py)."""
         trainable = self._trainable()
+        self._handles += self.accumulation.watch(self._parameters.values())
         self._refuse_gradient_hooks(trainable)
         seen, kinds = set(), []
         types = self.recorder.captured_types
@@ -362,7 +367,7 @@ class GhostClipping:
         ``register_post_accumulate_grad_hook``): the norms of pass 1 never see what it does to the gradient,
         so in two passes it changes the clipped sum after clipping (a hook that scales it by 10^4 took the
         update 10^4 times past C), and book-keeping, which writes p.grad itself, never runs it."""
-        hooked = [p for p in trainable.values() if p._backward_hooks or p._post_accumulate_grad_hooks]
+        hooked = [p for p in trainable.values() if p._backward_hooks or self.accumulation.others_hooks(p)]
         if not hooked:
             return
         described = self._described(hooked[:5])
