@@ -9,7 +9,10 @@ transformers keep: ~376k, ~170 ms on the CPU stand-in) every ~200-300 steps. Pla
 collects almost never. Paused in the DP loss's backward and the optimizer step, the collector runs 1.8 times a
 step instead of 2.75, and the whole process every ~600 steps: ``python -m profiling.collector --modes plain
 ghost bookkeeping --steps 600 --repeats 2`` (collector time per step, two runs): ghost 1.14 and 1.11 ms -> 0.52
-and 0.49 ms, book-keeping 0.83 and 0.87 ms -> 0.51 and 0.55 ms, plain 0.001 ms. The forward's collections remain.
+and 0.49 ms, book-keeping 0.83 and 0.87 ms -> 0.51 and 0.55 ms, plain 0.001 ms. Paused through the training
+forward as well (recording.ForwardRecorder's root hooks, 2026-11-26), it runs 0.94 times a step: ``--steps 400``,
+collector time per step ghost 0.87 -> 0.81 ms, book-keeping 0.82 -> 0.69 ms (one run each; the collections of the
+whole process, every ~400 steps, are most of what is left).
 
 The forward check's reruns (clipping/independence.py) run paused too.
 
