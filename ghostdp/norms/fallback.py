@@ -142,6 +142,12 @@ def _vjp_chunk(params, names, live, lo, hi, chunks):
                 r.append(g)
         res = [None if r[0] is None else torch.stack(r) for r in res]
     for n, g in zip(names, res):
+        if g is not None and g.layout != torch.strided:
+            raise NotImplementedError(
+                f"the parameter '{n}' of a module without a norm rule gets a {g.layout} gradient (e.g. "
+                "F.embedding(..., sparse=True) on a weight of its own): its clipped sum in p.grad would be sparse, "
+                "and ghostdp's noise covers dense gradients only. Fix: sparse=False (nn.Embedding's rule is "
+                "exact and fast).")
         chunks[n].append(g if g is not None else params[n].new_zeros((hi - lo,) + params[n].shape))
 
 

@@ -139,3 +139,24 @@ def test_an_lstm_continued_from_its_own_state_is_exact():
     model = LSTMContinued().double()
     x = torch.randn(4, 6, 3, dtype=torch.float64)
     assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 4)
+
+
+class SparseLookup(nn.Module):
+    """A table of its own looked up with sparse gradients: no rule (not an nn.Embedding), so the fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight, sparse=True)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_sparse_gradient_in_the_fallback_is_refused_with_the_fix(clipping):
+    """It crashed before with "reshape is not implemented for sparse tensors", deep in the norm queue."""
+    model = nn.Sequential(SparseLookup(), nn.Flatten(), nn.Linear(6, 2))
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    with pytest.raises(NotImplementedError, match="'weight' of a module without a norm rule gets a torch.sparse_coo "
+                                                  "gradient.*Fix: sparse=False"):
+        controller.loss(model(torch.randint(0, 10, (4, 2))).pow(2).sum(1)).backward()
