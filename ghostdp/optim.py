@@ -382,8 +382,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         if watch.refusal is not None:
             # A gradient accumulated outside ghostdp's passes (accumulation.py) went with the rest of p.grad: the
-            # logical batch it was added to is dropped with its backward records.
+            # logical batch it was added to is dropped with its backward records and the loader's record of its
+            # chunks (nothing of it was released: no step, no noise, nothing to account).
             self.controller.reset_step_state()
+            if self.tracker is not None:
+                self.tracker.take_yielded()
             watch.refusal, self._mid_logical_batch = None, False
 
     @torch.no_grad()

@@ -240,9 +240,10 @@ def test_a_term_reading_a_weight_outside_the_model_added_to_the_dp_loss_is_refus
     with pytest.raises(ghostdp.optim.PrivacyStepError, match="accumulated it into p.grad unclipped"):
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing stepped
-    optimizer.zero_grad()  # p.grad cleared: the next step trains as usual
-    criterion(model(x), y).backward()
-    optimizer.step()
+    optimizer.zero_grad()  # p.grad and the batch dropped: the next batch trains as usual
+    for x, y in loader:
+        criterion(model(x), y).backward()
+        optimizer.step()
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
@@ -381,3 +382,33 @@ def test_a_parameter_unfrozen_after_attaching_is_watched_from_its_next_step():
     controller.loss(model(x).pow(2).sum(1)).backward()  # the step's audit hooks it
     with pytest.raises(RuntimeError, match="reached the parameter 'b.weight'"):
         model.b.weight.sum().backward()
+
+
+def test_a_refused_accumulation_in_a_logical_batch_of_chunks_is_dropped_by_zero_grad_with_the_batch():
+    """zero_grad() inside a logical batch keeps the chunks' clipped sums; after a refused accumulation it clears
+    p.grad and the batch's records, so that the next logical batch trains as usual."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    engine = ghostdp.PrivacyEngine(seed=0)
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=8), criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, max_physical_batch_size=4)
+    chunks = iter(loader)
+    x, y = next(chunks)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()  # the first of two chunks: no step yet
+    x, y = next(chunks)
+    with pytest.raises(RuntimeError, match="through a backward that did not come from ghostdp's passes"):
+        (criterion(model(x), y) + 1e-3 * (x @ model[0].weight.T).sum()).backward()
+    with pytest.raises(ghostdp.optim.PrivacyStepError, match="unclipped"):
+        optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    for x, y in loader:  # the next logical batch, two chunks
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert optimizer.last_step_taken
