@@ -387,7 +387,8 @@ class DPOptimizer(torch.optim.Optimizer):
             self.controller.reset_step_state()
             if self.tracker is not None:
                 self.tracker.take_yielded()
-            watch.refusal, self._mid_logical_batch = None, False
+            watch.clear()
+            self._mid_logical_batch = False
 
     @torch.no_grad()
     def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None, params=None):

@@ -37,7 +37,15 @@ class AccumulationWatch:
         self.pass_one = pass_one
         self.names = names   # id(parameter) -> its name in the model, for the error
         self.hook_ids = {}   # id(parameter) -> the id of this watch's hook on it
-        self.refusal = None  # the message of the last refusal, until the DP optimizer's zero_grad
+        self._refusal = None
+
+    @property
+    def refusal(self) -> str | None:
+        """The message of the last refusal, until ``clear`` (the DP optimizer's zero_grad, which drops p.grad)."""
+        return self._refusal
+
+    def clear(self) -> None:
+        self._refusal = None
 
     def watch(self, params) -> list:
         """Hooks each of ``params`` that requires grad and is not hooked yet (a parameter unfrozen or swapped in
@@ -59,5 +67,5 @@ class AccumulationWatch:
         passes = self.pass_one
         if passes.in_pass_two or passes.current is not None or passes.in_fallback:
             return
-        self.refusal = UNCLIPPED_ACCUMULATION.format(name=self.names.get(id(param), tuple(param.shape)))
-        raise RuntimeError(self.refusal)
+        self._refusal = UNCLIPPED_ACCUMULATION.format(name=self.names.get(id(param), tuple(param.shape)))
+        raise RuntimeError(self._refusal)
