@@ -100,7 +100,18 @@ WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "amp": "float32"}
 
 def weight_dtype(args):
     import torch
-    return getattr(torch, WEIGHT_DTYPES[args.dtype])
+    return getattr(torch, WEIGHT_DTYPES[getattr(args, "dtype", "fp32")])
+
+
+def model_and_batch(args):
+    """The model of ``args`` (build_model) on ``args.device`` in its weight dtype, in train mode, and a batch for it:
+    (ids (batch, seq) of random tokens, labels (batch,) of two classes), drawn after the model's weights."""
+    import torch
+    device = torch.device(args.device)
+    model = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
+    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
+    labels = torch.randint(0, 2, (args.batch,), device=device)
+    return model, (ids, labels)
 
 
 GHOSTDP_MODES = ("ghost", "bookkeeping")  # the modes trained with a ghostdp package
@@ -242,10 +253,8 @@ def measure(args) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     device = torch.device(args.device)
-    model = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
-    labels = torch.randint(0, 2, (args.batch,), device=device)
-    step = make_step(args.mode, model, args, (ids, labels))
+    model, batch = model_and_batch(args)
+    step = make_step(args.mode, model, args, batch)
     cuda = device.type == "cuda"
     base = reset_peak(device)
     times = [timed(step, device) for _ in range(args.steps)]

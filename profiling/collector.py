@@ -61,15 +61,14 @@ def run_one(mode: str, pause: bool, steps: int, frozen: bool, model_args: list) 
 
     from ghostdp import collector
     from profiling import overhead
-    from profiling.bench import build_model, make_step
+    from profiling.bench import make_step, model_and_batch
     args = overhead.parse(model_args)
     args.freeze_embeddings = frozen
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     collector.PAUSE = pause
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq))
-    labels = torch.randint(0, 2, (args.batch,))
-    step = make_step(mode, build_model(args).train(), args, (ids, labels))
+    model, batch = model_and_batch(args)
+    step = make_step(mode, model, args, batch)
     for _ in range(args.warmup):
         step()
     times = []

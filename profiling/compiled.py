@@ -42,18 +42,16 @@ def run_one(mode: str, backend: str, steps: int, warmup: int, frozen: bool, mode
 
     import torch
 
-    from profiling.bench import build_model, make_step, weight_dtype
+    from profiling.bench import make_step, model_and_batch
     args = model_arguments(model_args)
     args.freeze_embeddings = frozen
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
-    labels = torch.randint(0, 2, (args.batch,), device=device)
     warnings.filterwarnings("ignore")  # dynamo's graph-break warnings and ghostdp's compile warning
-    model = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
-    step = make_step(mode, model, args, (ids, labels), compile_backend=None if backend == "none" else backend)
+    model, batch = model_and_batch(args)
+    step = make_step(mode, model, args, batch, compile_backend=None if backend == "none" else backend)
     for _ in range(warmup):
         step()
     times = [timed(step, device) for _ in range(steps)]

@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from profiling.bench import add_model_arguments, build_model, weight_dtype
+from profiling.bench import add_model_arguments, model_and_batch, weight_dtype
 
 
 class RegionTimer:
@@ -64,10 +64,7 @@ class RegionTimer:
 def profiled_step(args, mode):
     """{region: ms per step} of ``args.steps`` steps of ``mode``, timed by a RegionTimer."""
     import ghostdp
-    dtype = weight_dtype(args)
-    model = build_model(args).to(args.device, dtype).train()
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=args.device)
-    labels = torch.randint(0, 2, (args.batch,), device=args.device)
+    model, (ids, labels) = model_and_batch(args)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     timer = RegionTimer(args.device)

@@ -49,8 +49,8 @@ import os
 
 from profiling import plan_floor
 from profiling.collector import collector_time
-from profiling.bench import (GHOSTDP_MODES, MODES, add_model_arguments, available, build_model, count_aten_ops,
-                             make_step)
+from profiling.bench import (GHOSTDP_MODES, MODES, add_model_arguments, available, count_aten_ops, make_step,
+                             model_and_batch)
 from profiling.revision import ghostdp_at
 from profiling.step_ratio import median, round_order
 
@@ -111,10 +111,8 @@ def measure(args, freeze_embeddings: bool, against=None) -> dict:
     torch.manual_seed(0)
     args = copy.copy(args)
     args.freeze_embeddings = freeze_embeddings
-    template = build_model(args).train()
+    template, (ids, labels) = model_and_batch(args)
     layers = len(trained_layers(template))
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq))
-    labels = torch.randint(0, 2, (args.batch,))
     steps = {}
     runs = [(mode, mode, None) for mode in args.modes]
     if against is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 
-from profiling.bench import (GHOSTDP_MODES, add_model_arguments, build_model, make_step, to_a_proof_step,
+from profiling.bench import (GHOSTDP_MODES, add_model_arguments, make_step, model_and_batch, to_a_proof_step,
                              to_a_step_between_proofs)
 
 
@@ -107,10 +107,8 @@ def main(argv=None):
         raise SystemExit("profiling.peak reads CPU tensors (torch.profiler's memory profile); on a GPU use "
                          "torch.cuda.memory._record_memory_history")
     torch.manual_seed(0)
-    model = build_model(args).train()
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq))
-    labels = torch.randint(0, 2, (args.batch,))
-    step = make_step(args.mode, model, args, (ids, labels))
+    model, batch = model_and_batch(args)
+    step = make_step(args.mode, model, args, batch)
     step()
     step()
     proving = args.proof and to_a_proof_step(step)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import copy
 
-from profiling.bench import (GHOSTDP_MODES, MODES, WEIGHT_DTYPES, add_model_arguments, available, build_model,
-                             make_step, timed, weight_dtype)
+from profiling.bench import (GHOSTDP_MODES, MODES, WEIGHT_DTYPES, add_model_arguments, available, make_step,
+                             model_and_batch, timed)
 from profiling.revision import ghostdp_at
 
 
@@ -46,13 +46,11 @@ def interleaved_times(args) -> dict:
     library = ghostdp_at(against) if against is not None else None
     torch.manual_seed(0)
     device = torch.device(args.device)
-    template = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
-    labels = torch.randint(0, 2, (args.batch,), device=device)
-    steps = {mode: make_step(mode, copy.deepcopy(template), args, (ids, labels)) for mode in args.modes}
+    template, batch = model_and_batch(args)
+    steps = {mode: make_step(mode, copy.deepcopy(template), args, batch) for mode in args.modes}
     if library is not None:
         for mode in [m for m in args.modes if m in GHOSTDP_MODES]:
-            steps[f"{mode}@{against}"] = make_step(mode, copy.deepcopy(template), args, (ids, labels), library)
+            steps[f"{mode}@{against}"] = make_step(mode, copy.deepcopy(template), args, batch, library)
     times = {mode: [] for mode in steps}
     for round_ in range(args.warmup + args.rounds):
         for mode, step in round_order(steps, round_):

@@ -28,7 +28,7 @@ import os
 import time
 
 from ghostdp.memory import peak_mb_since, reset_peak
-from profiling.bench import GHOSTDP_MODES, available, build_model, count_aten_ops, make_step, timed, weight_dtype
+from profiling.bench import GHOSTDP_MODES, available, count_aten_ops, make_step, model_and_batch, timed
 from profiling.revision import ghostdp_at
 from profiling.step_ratio import median, round_order
 
@@ -75,9 +75,7 @@ def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
     import torch
     torch.manual_seed(0)
     device = torch.device(args.device)
-    template = build_model(args).to(device=device, dtype=weight_dtype(args)).train()
-    ids = torch.randint(1, args.vocab, (args.batch, args.seq), device=device)
-    labels = torch.randint(0, 2, (args.batch,), device=device)
+    template, (ids, labels) = model_and_batch(args)
     steps, out = {}, {}
     columns = {mode: (mode, None) for mode in modes if mode not in (libraries or {})}
     columns.update(libraries or {})

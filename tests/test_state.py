@@ -203,6 +203,17 @@ def test_a_gradient_hook_on_a_trainable_parameter_is_refused_until_removed(clipp
     assert float(total) ** 0.5 <= 8 * 1e-3 * (1 + 1e-6)
 
 
+def _private_classifier(**options):
+    """(model, DP optimizer, DP criterion, loader) of a small classifier made private on 8 examples, one batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    return ghostdp.PrivacyEngine(seed=0).make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=8), criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, **options)
+
+
 # A term added to the DP loss that reads a parameter outside the model's recorded calls: its gradient reaches p.grad
 # through no recorded call and lies outside the graph the step's audit walks. Built before the model's forward, the
 # caller's backward accumulates it after the DP loss's backward; built after, before it.
@@ -217,14 +228,7 @@ TERM_READING_A_WEIGHT = {
 def test_a_term_reading_a_weight_outside_the_model_added_to_the_dp_loss_is_refused_and_not_stepped(clipping, order):
     """Before 2026-11-26 both modes took the step: the term's gradient, 1e-3 * sum_i x_i, was too small for the DP
     optimizer's sum bound (8 x C), and one example's share of it is not bounded by C at all."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    engine = ghostdp.PrivacyEngine(seed=0)
-    model, optimizer, criterion, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=8), criterion=nn.CrossEntropyLoss(),
-        noise_multiplier=1.0, max_grad_norm=1.0, clipping=clipping, poisson_sampling=False)
+    model, optimizer, criterion, loader = _private_classifier(clipping=clipping)
     x, y = next(iter(loader))
     optimizer.zero_grad()
     if TERM_READING_A_WEIGHT[order]:
@@ -387,14 +391,7 @@ def test_a_parameter_unfrozen_after_attaching_is_watched_from_its_next_step():
 def test_a_refused_accumulation_in_a_logical_batch_of_chunks_is_dropped_by_zero_grad_with_the_batch():
     """zero_grad() inside a logical batch keeps the chunks' clipped sums; after a refused accumulation it clears
     p.grad and the batch's records, so that the next logical batch trains as usual."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    engine = ghostdp.PrivacyEngine(seed=0)
-    model, optimizer, criterion, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=8), criterion=nn.CrossEntropyLoss(),
-        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, max_physical_batch_size=4)
+    model, optimizer, criterion, loader = _private_classifier(max_physical_batch_size=4)
     chunks = iter(loader)
     x, y = next(chunks)
     optimizer.zero_grad()
