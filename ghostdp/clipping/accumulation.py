@@ -60,8 +60,8 @@ class AccumulationWatch:
 
     def others_hooks(self, param) -> bool:
         """Whether ``param`` has post-accumulate-grad hooks besides this watch's (the user's own)."""
-        hooks = param._post_accumulate_grad_hooks
-        return bool(hooks) and any(key != self.hook_ids.get(id(param)) for key in hooks)
+        hooks = param._post_accumulate_grad_hooks  # None, or handle id -> hook; read every step for every parameter
+        return bool(hooks) and (len(hooks) > 1 or self.hook_ids.get(id(param)) not in hooks)
 
     def _accumulated(self, param) -> None:
         passes = self.pass_one
