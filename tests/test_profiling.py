@@ -418,3 +418,16 @@ def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
     assert bert["removal_move"] <= bert["removal_threshold"]
     assert mixing["largest_batch_found"] == 16
     assert "largest relative move" in capsys.readouterr().out
+
+
+def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tmp_path):
+    """profiling/device_checks.sh, with DEVICE=cpu: every step scaled down, so that the script a GPU session runs
+    as one command cannot rot between the sessions lent a GPU."""
+    import os
+    import sys
+    env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
+    subprocess.run(["bash", "profiling/device_checks.sh"], env=env, check=True, timeout=600)
+    for name in ("suite", "forward_check", "compiled"):
+        assert f"[{name}: exit 0 after" in (tmp_path / f"{name}.txt").read_text()
+    assert json.loads((tmp_path / "suite" / "suite.json").read_text())
+    assert (tmp_path / "suite" / "suite.png").stat().st_size > 0
