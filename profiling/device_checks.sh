@@ -9,8 +9,9 @@
 # folder down at most: suite/suite.json and suite/suite.png (profiling.suite: every row of the GPU table),
 # suite.txt, forward_check.txt (the forward check's margins in float32, bfloat16, float16) and compiled.txt
 # (torch.compile against eager at BERT-base, bf16, B=32), each step's output and exit status, with a time limit
-# per step so that one that hangs leaves the others their time. The device image has torch, transformers, peft
-# and accelerate but no opacus: the suite's opacus-ghost column reads "not installed" unless its wheel is carried.
+# per step so that one that hangs leaves the others their time (540 s in all, within one device run's 600). The
+# device image has torch, transformers, peft and accelerate but no opacus: the suite's opacus-ghost column reads
+# "not installed" unless its wheel is carried.
 set -u
 device=${DEVICE:-cuda}
 out=${OUT:-profiling_output/device}
@@ -29,9 +30,9 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output and exit status i
 
 if [ "$device" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    step suite 360 "$python" -m profiling.suite --device cuda --out "$out/suite"
-    step forward_check 120 "$python" -m profiling.forward_check --device cuda --dtypes float32 bfloat16 float16
-    step compiled 150 "$python" -m profiling.compiled --device cuda --hidden 768 --heads 12 --seq 128 --batch 32 \
+    step suite 330 "$python" -m profiling.suite --device cuda --out "$out/suite"
+    step forward_check 90 "$python" -m profiling.forward_check --device cuda --dtypes float32 bfloat16 float16
+    step compiled 120 "$python" -m profiling.compiled --device cuda --hidden 768 --heads 12 --seq 128 --batch 32 \
         --dtype bf16 --threads 0 --steps 30
 else
     step suite 300 "$python" -m profiling.suite --tiny --device "$device" --rounds 1 --warmup 1 --out "$out/suite"
