@@ -10,8 +10,8 @@
 # suite.txt, forward_check.txt (the forward check's margins in float32, bfloat16, float16) and compiled.txt
 # (torch.compile against eager at BERT-base, bf16, B=32), each step's output and exit status, with a time limit
 # per step so that one that hangs leaves the others their time (540 s in all, within one device run's 600). The
-# device image has torch, transformers, peft and accelerate but no opacus: the suite's opacus-ghost column reads
-# "not installed" unless its wheel is carried.
+# device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost column
+# (and says so) unless its wheel is carried.
 set -u
 device=${DEVICE:-cuda}
 out=${OUT:-profiling_output/device}
