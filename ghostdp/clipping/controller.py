@@ -30,6 +30,7 @@ from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
 from .independence import ForwardIndependence
+from .loss import DPCriterion, clipped_loss
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .probe import compiled_code_note
@@ -574,10 +575,8 @@ class GhostClipping:
         (times the gradient flowing into this loss, 1 for a plain backward()); the DP optimizer
         adds the noise and divides by the expected batch size.
         """
-        from .loss import clipped_loss
         return clipped_loss(self, per_example_losses, reduction, expected_batch_size)
 
     def criterion(self, criterion: torch.nn.Module, expected_batch_size=None):
         """Wrap a torch loss (it must support reduction="none") into a DP criterion."""
-        from .loss import DPCriterion
         return DPCriterion(criterion, self, expected_batch_size)

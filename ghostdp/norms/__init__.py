@@ -1,8 +1,7 @@
 """Per-layer norm rules: one file per layer family, one registry."""
 from . import conv, embedding, linear, normalization  # noqa: F401  (registers the rules)
 from .factors import PerExampleGrad, Instantiated, OuterProduct, EmbeddingGather, combined_sq_norm
-from .fallback import fallback_grads, owned_parameters, hooked_modules
 from .registry import find_norm_rule, register_norm_rule
 
 __all__ = ["register_norm_rule", "find_norm_rule", "PerExampleGrad", "Instantiated", "OuterProduct",
-           "EmbeddingGather", "combined_sq_norm", "fallback_grads", "owned_parameters", "hooked_modules"]
+           "EmbeddingGather", "combined_sq_norm"]

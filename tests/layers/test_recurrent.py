@@ -100,7 +100,7 @@ def test_packed_sequences_match_a_per_example_loop(cls, kwargs, bidirectional):
 @pytest.mark.parametrize("cls,kwargs", VARIANTS, ids=VARIANT_IDS)
 def test_every_weight_has_a_norm_rule(cls, kwargs):
     _, ours = pair(cls, kwargs, packed=False, num_layers=2, bidirectional=True)
-    hooked = dict(ghostdp.norms.hooked_modules(ours.rnn))
+    hooked = dict(ghostdp.norms.fallback.hooked_modules(ours.rnn))
     assert hooked and all(ghostdp.norms.find_norm_rule(m) is not None for m in hooked.values()), hooked
 
 
