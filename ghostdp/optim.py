@@ -138,6 +138,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accountant = accountant
         self.random_source = random_source
         self.tracker = tracker
+        # The loader's chunks yielded when a gradient was first accumulated outside ghostdp's passes: that logical
+        # batch's, which zero_grad() drops (a loop that yields its next batch before zero_grad() keeps that one).
+        self._chunks_refused = 0
+        controller.accumulation.on_refusal.append(self._note_refused_chunks)
         self.fixed_batch_size = fixed_batch_size
         self.poisson_sampling = poisson_sampling
         self.passes = None if poisson_sampling or accountant is None else PassAccounting(accountant)
@@ -386,9 +390,12 @@ class DPOptimizer(torch.optim.Optimizer):
             # chunks (nothing of it was released: no step, no noise, nothing to account).
             self.controller.reset_step_state()
             if self.tracker is not None:
-                self.tracker.take_yielded()
+                del self.tracker.yielded[:self._chunks_refused]
             watch.clear()
             self._mid_logical_batch = False
+
+    def _note_refused_chunks(self) -> None:
+        self._chunks_refused = len(self.tracker.yielded) if self.tracker is not None else 0
 
     @torch.no_grad()
     def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None, params=None):

@@ -223,6 +223,7 @@ TERM_READING_A_WEIGHT = {
 }
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # the batch after the refusal is the loader's, accounted as such
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
 @pytest.mark.parametrize("order", list(TERM_READING_A_WEIGHT))
 def test_a_term_reading_a_weight_outside_the_model_added_to_the_dp_loss_is_refused_and_not_stepped(clipping, order):
@@ -244,8 +245,8 @@ def test_a_term_reading_a_weight_outside_the_model_added_to_the_dp_loss_is_refus
     with pytest.raises(ghostdp.optim.PrivacyStepError, match="accumulated it into p.grad unclipped"):
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing stepped
-    optimizer.zero_grad()  # p.grad and the batch dropped: the next batch trains as usual
-    for x, y in loader:
+    for x, y in loader:  # the usual loop: its zero_grad() drops p.grad and the refused batch, not this one
+        optimizer.zero_grad()
         criterion(model(x), y).backward()
         optimizer.step()
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -405,6 +406,22 @@ def test_a_refused_accumulation_in_a_logical_batch_of_chunks_is_dropped_by_zero_
     optimizer.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     for x, y in loader:  # the next logical batch, two chunks
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert optimizer.last_step_taken
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_a_refused_backward_between_steps_costs_the_next_batch_nothing():
+    """A backward of an evaluation loss between two steps (refused: it would reach p.grad) drops no chunk of the
+    batch the loop yields next, before its zero_grad()."""
+    model, optimizer, criterion, loader = _private_classifier()
+    model.eval()
+    with pytest.raises(RuntimeError, match="did not come from ghostdp's passes"):
+        model(torch.randn(8, 4)).sum().backward()
+    model.train()
+    for x, y in loader:
         optimizer.zero_grad()
         criterion(model(x), y).backward()
         optimizer.step()
