@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 
@@ -141,7 +142,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # The loader's chunks yielded when a gradient was first accumulated outside ghostdp's passes: that logical
         # batch's, which zero_grad() drops (a loop that yields its next batch before zero_grad() keeps that one).
         self._chunks_refused = 0
-        controller.accumulation.on_refusal.append(self._note_refused_chunks)
+        controller.accumulation.refusal_listener = weakref.WeakMethod(self._note_refused_chunks)
         self.fixed_batch_size = fixed_batch_size
         self.poisson_sampling = poisson_sampling
         self.passes = None if poisson_sampling or accountant is None else PassAccounting(accountant)
@@ -172,6 +173,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._warned_past_calibration = False
         self._pending_scheduler_state = None
         controller.passes = []
+        # One DP optimizer per controller: one built again for it (a Trainer's new optimizer) takes the last one's
+        # place, whose checks would otherwise run at every norm pass too, on its own parameters, and keep it alive.
+        controller.pass_observers[:] = [observe for observe in controller.pass_observers
+                                        if not isinstance(getattr(observe, "__self__", None), DPOptimizer)]
         controller.pass_observers.append(self._on_norm_pass)
         # The wrapped optimizer steps once per noised step (pre_step): a step of it called directly, with the
         # clipped sums left unnoised and unaccounted, is refused (_refuse_a_step_without_noise).

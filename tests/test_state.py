@@ -426,3 +426,29 @@ def test_a_refused_backward_between_steps_costs_the_next_batch_nothing():
         criterion(model(x), y).backward()
         optimizer.step()
     assert optimizer.last_step_taken
+
+
+def test_a_dp_optimizer_built_again_for_the_controller_leaves_the_old_one_to_be_freed():
+    """A DP optimizer built again for a controller (a Trainer's new optimizer) takes the old one's place: the old one's
+    norm-pass checks ran at every pass too and kept it, its state included, alive; the watch holds its listener
+    weakly. The new one refuses the step after a refused accumulation."""
+    import gc
+    import weakref
+    from ghostdp.randomness import RandomSource
+    model, x = Branchy(), torch.randn(5, 4)
+    controller = ghostdp.GhostClipping(model, 1.0)
+
+    def dp_optimizer():
+        return ghostdp.DPOptimizer(torch.optim.Adam(model.parameters()), controller=controller, noise_multiplier=1.0,
+                                   expected_batch_size=5, sample_rate=0.1, accountant=None,
+                                   random_source=RandomSource(seed=0))
+
+    old = weakref.ref(dp_optimizer())
+    new = dp_optimizer()
+    gc.collect()
+    assert old() is None
+    model.eval()  # nothing recorded: the backward reaches the parameters' accumulators, where the watch refuses it
+    with pytest.raises(RuntimeError, match="did not come from ghostdp's passes"):
+        model(x).sum().backward()
+    with pytest.raises(ghostdp.PrivacyStepError, match="unclipped"):
+        new.step()

@@ -38,7 +38,9 @@ class AccumulationWatch:
         self.names = names   # id(parameter) -> its name in the model, for the error
         self.hook_ids = {}   # id(parameter) -> the id of this watch's hook on it
         self._refusal = None
-        self.on_refusal = []  # callables run once when a refusal is first recorded (the DP optimizer's)
+        # A weakref.WeakMethod of the DP optimizer's, called when a refusal is first recorded (weak: a Trainer that
+        # builds a new optimizer must not keep the old one, its state included, alive through the controller).
+        self.refusal_listener = None
 
     @property
     def refusal(self) -> str | None:
@@ -68,8 +70,8 @@ class AccumulationWatch:
         passes = self.pass_one
         if passes.in_pass_two or passes.current is not None or passes.in_fallback:
             return
-        if self._refusal is None:
-            for listener in self.on_refusal:
-                listener()
+        listener = self.refusal_listener() if self.refusal_listener is not None else None
+        if self._refusal is None and listener is not None:
+            listener()
         self._refusal = UNCLIPPED_ACCUMULATION.format(name=self.names.get(id(param), tuple(param.shape)))
         raise RuntimeError(self._refusal)
