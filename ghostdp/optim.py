@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 
 import torch
 
@@ -142,7 +141,6 @@ class DPOptimizer(torch.optim.Optimizer):
         # The loader's chunks yielded when a gradient was first accumulated outside ghostdp's passes: that logical
         # batch's, which zero_grad() drops (a loop that yields its next batch before zero_grad() keeps that one).
         self._chunks_refused = 0
-        controller.accumulation.refusal_listener = weakref.WeakMethod(self._note_refused_chunks)
         self.fixed_batch_size = fixed_batch_size
         self.poisson_sampling = poisson_sampling
         self.passes = None if poisson_sampling or accountant is None else PassAccounting(accountant)
@@ -178,6 +176,7 @@ class DPOptimizer(torch.optim.Optimizer):
         controller.pass_observers[:] = [observe for observe in controller.pass_observers
                                         if not isinstance(getattr(observe, "__self__", None), DPOptimizer)]
         controller.pass_observers.append(self._on_norm_pass)
+        controller.accumulation.refusal_listener = self._note_refused_chunks
         # The wrapped optimizer steps once per noised step (pre_step): a step of it called directly, with the
         # clipped sums left unnoised and unaccounted, is refused (_refuse_a_step_without_noise).
         self._noise_added = False

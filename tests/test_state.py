@@ -430,8 +430,8 @@ def test_a_refused_backward_between_steps_costs_the_next_batch_nothing():
 
 def test_a_dp_optimizer_built_again_for_the_controller_leaves_the_old_one_to_be_freed():
     """A DP optimizer built again for a controller (a Trainer's new optimizer) takes the old one's place: the old one's
-    norm-pass checks ran at every pass too and kept it, its state included, alive; the watch holds its listener
-    weakly. The new one refuses the step after a refused accumulation."""
+    norm-pass checks ran at every pass too and kept it, its state included, alive; the watch's listener is the new
+    one's. The new one refuses the step after a refused accumulation."""
     import gc
     import weakref
     from ghostdp.randomness import RandomSource

@@ -38,9 +38,7 @@ class AccumulationWatch:
         self.names = names   # id(parameter) -> its name in the model, for the error
         self.hook_ids = {}   # id(parameter) -> the id of this watch's hook on it
         self._refusal = None
-        # A weakref.WeakMethod of the DP optimizer's, called when a refusal is first recorded (weak: a Trainer that
-        # builds a new optimizer must not keep the old one, its state included, alive through the controller).
-        self.refusal_listener = None
+        self.refusal_listener = None  # the DP optimizer's (the last one built), called when a refusal is first recorded
 
     @property
     def refusal(self) -> str | None:
@@ -70,8 +68,7 @@ class AccumulationWatch:
         passes = self.pass_one
         if passes.in_pass_two or passes.current is not None or passes.in_fallback:
             return
-        listener = self.refusal_listener() if self.refusal_listener is not None else None
-        if self._refusal is None and listener is not None:
-            listener()
+        if self._refusal is None and self.refusal_listener is not None:
+            self.refusal_listener()
         self._refusal = UNCLIPPED_ACCUMULATION.format(name=self.names.get(id(param), tuple(param.shape)))
         raise RuntimeError(self._refusal)
