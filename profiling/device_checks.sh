@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# The GPU checks of the GPU-speed issue in one command, for a session lent a device machine (its 15 minutes of
-# device time cover one start, this script and a rerun):
+# The GPU checks of the GPU-speed issue, for a session lent a device machine (15 minutes of device time, the
+# machine's start included):
 #
-#     bash profiling/device_checks.sh                 # on the device machine, from the repository root
-#     DEVICE=cpu bash profiling/device_checks.sh      # a dry run here: every step scaled down, on the CPU
+#     bash profiling/device_checks.sh                        # on the device machine: suite and forward_check
+#     bash profiling/device_checks.sh compiled               # any steps by name: suite forward_check compiled
+#     SUITE_ARGS="--against REF" bash profiling/device_checks.sh suite   # extra arguments for the suite
+#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled   # a dry run here, scaled down
 #
-# Writes to $OUT (the device tool's folder that comes back; profiling_output/device elsewhere), five files, one
-# folder down at most: suite/suite.json and suite/suite.png (profiling.suite: every row of the GPU table),
-# suite.txt, forward_check.txt (the forward check's margins in float32, bfloat16, float16) and compiled.txt
-# (torch.compile against eager at BERT-base, bf16, B=32), each step's output and exit status, with a time limit
-# per step so that one that hangs leaves the others their time (540 s in all, within one device run's 600). The
-# device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost column
-# (and says so) unless its wheel is carried.
+# Steps, each with its output and exit status in $OUT/NAME.txt (the device tool's folder that comes back;
+# profiling_output/device elsewhere) and its own time limit, so that one that hangs leaves the others their time:
+# - suite (limit 300 s): profiling.suite, every row of the GPU table; suite/suite.json and suite/suite.png, the
+#   JSON rewritten after every row. 238 s on an H200 with Opacus (2026-11-26).
+# - forward_check (60 s): the forward check's margins in float32, bfloat16 and float16. 21 s there.
+# - compiled (300 s): torch.compile against eager at BERT-base, bf16, B=32, each setting in its own process.
+#   288 s there, so it is not in the default: the default's 360 s and a machine's start (about 30 s) leave a
+#   15-minute session room for a rerun.
+# The device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost
+# column (and says so) unless its wheel is carried and installed first (pip install --no-deps opacus-*.whl).
 set -u
 device=${DEVICE:-cuda}
 out=${OUT:-profiling_output/device}
 mkdir -p "$out/suite"
 python=${PYTHON:-python3}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # unbuffered: a step stopped at its limit keeps its output
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(suite forward_check)
 
 step() {  # step NAME LIMIT_S COMMAND...: the command's output and exit status in $out/NAME.txt
     local name=$1 limit=$2
@@ -28,16 +35,20 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output and exit status i
     echo "[$name: exit $status after $((SECONDS - start)) s, limit $limit s]" | tee -a "$out/$name.txt"
 }
 
-if [ "$device" = cuda ]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    step suite 330 "$python" -m profiling.suite --device cuda --out "$out/suite"
-    step forward_check 90 "$python" -m profiling.forward_check --device cuda --dtypes float32 bfloat16 float16
-    step compiled 120 "$python" -m profiling.compiled --device cuda --hidden 768 --heads 12 --seq 128 --batch 32 \
-        --dtype bf16 --threads 0 --steps 30
-else
-    step suite 300 "$python" -m profiling.suite --tiny --device "$device" --rounds 1 --warmup 1 --out "$out/suite"
-    step forward_check 300 "$python" -m profiling.forward_check --device "$device" --dtypes float32 \
-        --models "bert (sdpa)" --batches 8
-    step compiled 300 "$python" -m profiling.compiled --device "$device" --modes plain bookkeeping \
-        --backends none --steps 2 --warmup 1 --layers 1 --hidden 32 --heads 2 --seq 8
-fi
+[ "$device" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for name in "${steps[@]}"; do
+    case "$name:$device" in
+        suite:cuda) step suite 300 "$python" -m profiling.suite --device cuda --out "$out/suite" ${SUITE_ARGS:-} ;;
+        suite:*) step suite 300 "$python" -m profiling.suite --tiny --device "$device" --rounds 1 --warmup 1 \
+            --out "$out/suite" ${SUITE_ARGS:-} ;;
+        forward_check:cuda) step forward_check 60 "$python" -m profiling.forward_check --device cuda \
+            --dtypes float32 bfloat16 float16 ;;
+        forward_check:*) step forward_check 300 "$python" -m profiling.forward_check --device "$device" \
+            --dtypes float32 --models "bert (sdpa)" --batches 8 ;;
+        compiled:cuda) step compiled 300 "$python" -m profiling.compiled --device cuda --hidden 768 --heads 12 \
+            --seq 128 --batch 32 --dtype bf16 --threads 0 --steps 30 ;;
+        compiled:*) step compiled 300 "$python" -m profiling.compiled --device "$device" --modes plain bookkeeping \
+            --backends none --steps 2 --warmup 1 --layers 1 --hidden 32 --heads 2 --seq 8 ;;
+        *) echo "unknown step '$name': the steps are suite, forward_check and compiled" >&2; exit 2 ;;
+    esac
+done

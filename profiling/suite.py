@@ -165,6 +165,14 @@ def plot(results, modes, path):
     fig.savefig(path, dpi=100)
 
 
+def write_json(args, modes, rows, results):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "suite.json"), "w") as f:
+        json.dump({"device": args.device, "tiny": args.tiny, "rounds": args.rounds, "modes": modes,
+                   "against": args.against, "rows": {name: dict(settings) for name, settings in rows},
+                   "results": results}, f, indent=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -192,15 +200,13 @@ def main(argv=None):
     for name, settings in rows:
         row_args = row_settings(settings, args.tiny, args.device)
         results[name] = measure_row(row_args, modes, args.rounds, args.warmup, libraries)
-        print(f"  measured '{name}' ({time.perf_counter() - started:.0f} s so far)", flush=True)
+        print(f"  measured '{name}' ({time.perf_counter() - started:.0f} s so far): {json.dumps(results[name])}",
+              flush=True)
+        write_json(args, modes, rows, results)  # after every row: a run stopped at a time limit keeps its rows
     print(f"ghostdp suite on {args.device}{' (tiny rows)' if args.tiny else ''}; {args.rounds} interleaved rounds "
           "per row; time: median of per-round ratios to plain; memory: the step's working set over plain's; "
           "ops: ATen ops one step dispatches")
     print_table(results, modes)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "suite.json"), "w") as f:
-        json.dump({"device": args.device, "tiny": args.tiny, "rounds": args.rounds, "modes": modes, "against": args.against,
-                   "rows": {name: dict(settings) for name, settings in rows}, "results": results}, f, indent=1)
     plot(results, modes, os.path.join(args.out, "suite.png"))
     print(f"wrote {args.out}/suite.json and suite.png")
     return results

@@ -251,6 +251,24 @@ def test_the_gpu_suite_runs_every_row_scaled_down_and_writes_json_and_plot(tmp_p
     assert "Llama-shaped" in capsys.readouterr().out
 
 
+def test_the_gpu_suite_writes_its_json_after_every_row(tmp_path, monkeypatch):
+    """A suite stopped by a time limit (the device script's) keeps the rows it measured."""
+    from profiling import suite
+    measure_row = suite.measure_row
+
+    def stopped_at_the_second_row(args, *rest):
+        if args.batch != suite.row_settings(suite.ROWS[0][1], True, "cpu").batch or args.freeze_embeddings is False:
+            raise KeyboardInterrupt("stopped")
+        return measure_row(args, *rest)
+
+    monkeypatch.setattr(suite, "measure_row", stopped_at_the_second_row)
+    with pytest.raises(KeyboardInterrupt):
+        suite.main(["--tiny", "--rows", "0", "1", "--rounds", "1", "--warmup", "0", "--modes", "plain", "ghost",
+                    "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert list(saved["results"]) == [suite.ROWS[0][0]] and saved["results"][suite.ROWS[0][0]]["ghost"]["ms"] > 0
+
+
 def test_the_gpu_suite_runs_another_revisions_ghostdp_in_the_same_rounds(tmp_path):
     from profiling import suite
     results = suite.main(["--tiny", "--rows", "0", "--rounds", "1", "--warmup", "1", "--modes", "plain", "ghost",
@@ -426,8 +444,11 @@ def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tm
     import os
     import sys
     env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
-    subprocess.run(["bash", "profiling/device_checks.sh"], env=env, check=True, timeout=600)
-    for name in ("suite", "forward_check", "compiled"):
+    steps = ("suite", "forward_check", "compiled")
+    subprocess.run(["bash", "profiling/device_checks.sh", *steps], env=env, check=True, timeout=600)
+    for name in steps:
         assert f"[{name}: exit 0 after" in (tmp_path / f"{name}.txt").read_text()
     assert json.loads((tmp_path / "suite" / "suite.json").read_text())
     assert (tmp_path / "suite" / "suite.png").stat().st_size > 0
+    unknown = subprocess.run(["bash", "profiling/device_checks.sh", "suit"], env=env, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown step 'suit'" in unknown.stderr
