@@ -3,9 +3,9 @@
 # machine's start included):
 #
 #     bash profiling/device_checks.sh                        # on the device machine: suite and forward_check
-#     bash profiling/device_checks.sh compiled               # any steps by name: suite forward_check compiled
+#     bash profiling/device_checks.sh compiled layers        # any steps by name: suite forward_check compiled layers
 #     SUITE_ARGS="--against REF" bash profiling/device_checks.sh suite   # extra arguments for the suite
-#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled   # a dry run here, scaled down
+#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers   # a dry run here, scaled down
 #
 # Steps, each with its output and exit status in $OUT/NAME.txt (the device tool's folder that comes back;
 # profiling_output/device elsewhere) and its own time limit, so that one that hangs leaves the others their time:
@@ -15,6 +15,9 @@
 # - compiled (300 s): torch.compile against eager at BERT-base, bf16, B=32, each setting in its own process.
 #   288 s there, so it is not in the default: the default's 360 s and a machine's start (about 30 s) leave a
 #   15-minute session room for a rerun.
+# - layers (120 s): profiling.layers at BERT-base, bf16, B=256, frozen: a step split into regions by CUDA events
+#   (forward, pass 1's norm rules by module type and its backward, pass 2 or the clipped sums, optimizer), and
+#   the LayerNorm and Linear rules against their floors. Not yet timed on a device.
 # The device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost
 # column (and says so) unless its wheel is carried and installed first (pip install --no-deps opacus-*.whl).
 set -u
@@ -49,6 +52,10 @@ for name in "${steps[@]}"; do
             --seq 128 --batch 32 --dtype bf16 --threads 0 --steps 30 ;;
         compiled:*) step compiled 300 "$python" -m profiling.compiled --device "$device" --modes plain bookkeeping \
             --backends none --steps 2 --warmup 1 --layers 1 --hidden 32 --heads 2 --seq 8 ;;
-        *) echo "unknown step '$name': the steps are suite, forward_check and compiled" >&2; exit 2 ;;
+        layers:cuda) step layers 120 "$python" -m profiling.layers --device cuda --layers 12 --hidden 768 \
+            --heads 12 --batch 256 --freeze-embeddings --dtype bf16 --skip-gram ;;
+        layers:*) step layers 300 "$python" -m profiling.layers --device "$device" --layers 1 --hidden 32 --heads 2 \
+            --vocab 64 --seq 8 --batch 2 --steps 1 --warmup 1 --skip-gram --skip-rules ;;
+        *) echo "unknown step '$name': the steps are suite, forward_check, compiled and layers" >&2; exit 2 ;;
     esac
 done
