@@ -296,7 +296,7 @@ class DPDataLoader(DataLoader):
             self.tracker.yielded.append(chunk)
             self.tracker.iterated = True
             if self.controller is not None:
-                self.controller.next_loss_is_padding = chunk.padding
+                self.controller.ledger.mark_next_loss(padding=chunk.padding)
             if chunk.is_last and chunk.position is not None:
                 self.position = self.logical_batches.position_after(chunk.position)
             yield batch

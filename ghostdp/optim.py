@@ -154,7 +154,6 @@ class DPOptimizer(torch.optim.Optimizer):
             adaptive_clipping.bind(self.expected_batch_size)
             adaptive_clipping.gradient_noise_multiplier(noise_multiplier)  # refuses a count noise too small
             controller.max_grad_norm = adaptive_clipping.norm
-            controller.count_unclipped = True
         self._param_names = {p: n for n, p in controller.module.named_parameters()}
         self._model_tree = None
         self._check_params_belong_to_model()
@@ -170,12 +169,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.calibrated_steps = None      # the steps that calibration planned: more are warned of, once
         self._warned_past_calibration = False
         self._pending_scheduler_state = None
-        controller.passes = []
         # One DP optimizer per controller: one built again for it (a Trainer's new optimizer) takes the last one's
-        # place, whose checks would otherwise run at every norm pass too, on its own parameters, and keep it alive.
-        controller.pass_observers[:] = [observe for observe in controller.pass_observers
-                                        if not isinstance(getattr(observe, "__self__", None), DPOptimizer)]
-        controller.pass_observers.append(self._on_norm_pass)
+        # place in the step ledger and the accumulation watch, whose checks would otherwise run at every norm pass
+        # too, on its own parameters, and keep it alive.
+        controller.ledger.open(self._on_norm_pass, count_unclipped=adaptive_clipping is not None)
         controller.accumulation.refusal_listener = self._note_refused_chunks
         # The wrapped optimizer steps once per noised step (pre_step): a step of it called directly, with the
         # clipped sums left unnoised and unaccounted, is refused (_refuse_a_step_without_noise).
@@ -314,7 +311,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _examples_of_this_step(self):
         """(examples clipped, backward calls, unclipped examples or None, the largest C they clipped with or
         None) of this step's DP-loss backwards."""
-        passes, self.controller.passes = self.controller.passes, []
+        passes = self.controller.ledger.take()
         clipped_with = max((record.max_grad_norm for record in passes), default=None)
         written = {record.wrote_sums for record in passes}
         if len(written) > 1 and self.world_size > 1:

@@ -56,13 +56,16 @@ def test_reductions_set_the_value_but_grad_is_always_the_clipped_sum():
 def test_a_padding_loss_adds_nothing_and_counts_no_examples():
     lin = nn.Linear(3, 2)
     controller = ghostdp.GhostClipping(lin, 1.0)
-    controller.passes = []
-    controller.next_loss_is_padding = True
+    controller.ledger.open()
+    controller.ledger.mark_next_loss(padding=True)
     controller.loss(lin(torch.randn(1, 3)).pow(2).sum(1)).backward()
-    assert torch.equal(lin.weight.grad, torch.zeros(2, 3)) and [(r.examples, float(r.loss_scale)) for r in controller.passes] == [(0, 1.0)]
-    assert not controller.next_loss_is_padding  # it applies to one loss only
+    records = controller.ledger.records
+    assert torch.equal(lin.weight.grad, torch.zeros(2, 3))
+    assert [(r.examples, float(r.loss_scale)) for r in records] == [(0, 1.0)]
+    assert not controller.ledger.next_loss_is_padding  # it applies to one loss only
     controller.loss(lin(torch.randn(1, 3)).pow(2).sum(1)).backward()
-    assert lin.weight.grad.abs().sum() > 0 and (controller.passes[-1].examples, float(controller.passes[-1].loss_scale)) == (1, 1.0)
+    last = controller.ledger.records[-1]
+    assert lin.weight.grad.abs().sum() > 0 and (last.examples, float(last.loss_scale)) == (1, 1.0)
 
 
 def test_a_scaled_loss_scales_the_clipped_sum_and_is_reported():

@@ -30,12 +30,12 @@ from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
 from .independence import ForwardIndependence
+from .ledger import StepLedger
 from .loss import DPCriterion, clipped_loss
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .probe import compiled_code_note
 from .pass_one import PassOne
-from .records import BackwardRecord
 from .recording import ForwardRecorder, zero_size_leaf
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
 from .samples import SampleRequest
@@ -186,20 +186,12 @@ class GhostClipping:
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
         self.last_group_norms = None    # per-group clipping: (groups, B) norms of each group's gradient
         self._sample_request = None     # inside grad_samples(): a samples.SampleRequest
-        # Gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this
-        # times the clipped sum, so a scaled loss shows here for the optimizer to check.
-        self.last_loss_scale = None
-        # One records.BackwardRecord per DP-loss backward since the DP optimizer last took them (None:
-        # nobody listens); and callables run before each norm pass.
-        self.passes: list[BackwardRecord] | None = None
-        self.count_unclipped = False  # adaptive clipping: passes also carry the count of norms <= C
-        self.pass_observers: list = []
+        # What the DP loss, the loader and the DP optimizer tell each other in a step (ledger.py).
+        self.ledger = StepLedger()
         # name -> context manager entered around each marked region (pass 1, each norm rule, the
         # clipped sums); None: a torch.profiler range while a profiler runs, else nothing.
         # profiling/layers.py sets one that records CUDA events, to time the regions on the device.
         self.region_timer = None
-        # Set for a padding chunk (multi-process training): the next DP loss weighs 0 and counts no examples.
-        self.next_loss_is_padding = False
         # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
         self.recorder = ForwardRecorder(self._regions, keeps_factors=self.mode.keeps_factors)
         self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
@@ -227,6 +219,12 @@ class GhostClipping:
         self._max_grad_norm = float(value)
 
     @property
+    def last_loss_scale(self):
+        """The gradient that flowed into the last DP loss (1 for a plain backward()): p.grad holds this times the
+        clipped sum, so a scaled loss shows here (the DP optimizer refuses one)."""
+        return self.ledger.loss_scale
+
+    @property
     def attached(self) -> bool:
         """Whether the controller's hooks are on the model (until detach())."""
         return bool(self._handles)
@@ -241,11 +239,9 @@ class GhostClipping:
 
     def reset_step_state(self) -> None:
         """Forget a backward that will not be stepped (the automatic physical batch search's probes)."""
-        if self.passes is not None:
-            self.passes.clear()
+        self.ledger.forget_step()
         self._kept = new_factor_store()
         self.pass_one.current = None
-        self.next_loss_is_padding = False
 
     def _region(self, name: str):
         if self.region_timer is not None:
@@ -480,8 +476,8 @@ class GhostClipping:
         """Pass 1 and c_i = min(1, C / (n_i + 1e-6)) (per-group clipping: c_ki = min(1, C_k / (n_ki + 1e-6)),
         shape (groups, B)). Examples with a non-finite loss or norm, or whose gradient terms could round
         the others away (precision.py), raise or get c_i = 0."""
-        for observe in self.pass_observers:
-            observe(per_example_losses)
+        if self.ledger.norm_pass_check is not None:
+            self.ledger.norm_pass_check(per_example_losses)
         norms = self.per_example_norms(per_example_losses, mode)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
         if self.group_norms is None:

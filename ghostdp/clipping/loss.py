@@ -39,15 +39,15 @@ class ClippedLoss(torch.autograd.Function):
                 "example's clipped gradient twice and double its privacy cost. Compute a new loss instead.")
         ctx.consumed = True
         coeffs = ctx.controller.clip_coefficients(ctx.losses, ctx.mode)
-        ctx.controller.last_loss_scale = grad_output.detach()
-        if ctx.controller.passes is not None:  # tensors: no host sync mid-backward
+        ledger = ctx.controller.ledger
+        ledger.loss_scale = grad_output.detach()
+        if ledger.records is not None:  # tensors: no host sync mid-backward
             unclipped = None
-            if ctx.controller.count_unclipped:  # adaptive clipping: examples whose norm is <= C
+            if ledger.count_unclipped:  # adaptive clipping: examples whose norm is <= C
                 norms = ctx.controller.last_norms
                 unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
-            ctx.controller.passes.append(
-                BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors,
-                               ctx.controller.max_grad_norm))
+            ledger.record(BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors,
+                                         ctx.controller.max_grad_norm))
         ctx.controller.write_clipped_sums(coeffs, grad_output, ctx.losses, ctx.mode)
         return None, None, None, None, None, None
 
@@ -63,10 +63,9 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
     if expected_batch_size is not None and not expected_batch_size > 0:
         raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
     examples = per_example_losses.shape[0]
-    if controller.next_loss_is_padding:
+    if controller.ledger.take_padding():
         # A stand-in row that keeps DDP's collectives in step on a rank with fewer examples: its loss
         # times 0 has gradient exactly 0 and norm 0, so it adds nothing to the clipped sum.
-        controller.next_loss_is_padding = False
         per_example_losses, examples = per_example_losses * 0.0, 0
     divisor = float(max(1, per_example_losses.shape[0])) if reduction == "mean" else 1.0
     mode = controller.mode_for_loss()

@@ -18,7 +18,7 @@ _NO_NODES = frozenset()
 
 
 class BackwardRecord(NamedTuple):
-    """One backward of a DP loss, as the DP optimizer reads it at the step (``GhostClipping.passes``)."""
+    """One backward of a DP loss, as the DP optimizer reads it at the step (``StepLedger.take``, ledger.py)."""
     examples: int                      # examples clipped (0 for a padding chunk)
     loss_scale: torch.Tensor           # the gradient that flowed into the loss: 1 for a plain backward()
     unclipped: torch.Tensor | None     # adaptive clipping: examples whose norm was <= C

@@ -396,7 +396,7 @@ class DPTrainerMixin:
             if padding:
                 chunk = self._prepare_inputs(dict(self._padding_row))
                 chunk_labels = _pop_labels(chunk)
-                self.controller.next_loss_is_padding = True
+                self.controller.ledger.mark_next_loss(padding=True)
             with self.compute_loss_context_manager():
                 outputs = model(**chunk)
                 losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels,

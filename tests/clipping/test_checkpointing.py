@@ -100,10 +100,10 @@ def test_the_norm_pass_recomputes_the_checkpointed_region_and_pass_two_again(cli
 
 def bookkeeping_wrote_the_sums(model, controller, forward):
     """Whether one step of ``forward`` ran book-keeping's one backward (True) or two passes (False)."""
-    controller.passes = []
+    controller.ledger.open()
     model.zero_grad(set_to_none=True)
     controller.loss(forward().pow(2).sum(1)).backward()
-    return controller.passes[-1].wrote_sums
+    return controller.ledger.records[-1].wrote_sums
 
 
 @pytest.mark.parametrize("saving, one_backward", [("none", True), ("non-reentrant", False), ("reentrant", False),
@@ -273,10 +273,10 @@ def test_per_group_clipping_under_checkpointing_keeps_book_keeping_is_exact_and_
     norms_c = group_norms.median(1).values.tolist()  # some examples clipped in each group, some not
     ref, ref_group_norms = reference_group_clipped_sum(model, ids, labels, groups, norms_c)
     controller = ghostdp.GhostClipping(model, norms_c, clipping="bookkeeping", parameter_groups=groups)
-    controller.passes = []
+    controller.ledger.open()
     with pytest.warns(UserWarning, match="per-group clipping needs book-keeping"):
         controller.loss(nn.functional.cross_entropy(model(ids), labels, reduction="none"), reduction="sum").backward()
-    assert controller.passes[-1].wrote_sums  # one backward: the kept factors wrote the sums
+    assert controller.ledger.records[-1].wrote_sums  # one backward: the kept factors wrote the sums
     torch.testing.assert_close(controller.last_group_norms, ref_group_norms, rtol=1e-10, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)

@@ -550,11 +550,11 @@ def test_book_keeping_keeps_its_one_backward_on_a_checked_forward():
     x, v = torch.randn(B, D), torch.randn(B, D)
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     try:
-        controller.passes = []
+        controller.ledger.open()
         losses = model(x, v)
         assert controller.independence.forwards == 1  # checked
         controller.loss(losses, reduction="sum").backward()
-        assert controller.passes[-1].wrote_sums  # one backward: book-keeping wrote the clipped sums itself
+        assert controller.ledger.records[-1].wrote_sums  # one backward: book-keeping wrote the clipped sums itself
     finally:
         controller.detach()
 

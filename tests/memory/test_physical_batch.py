@@ -62,7 +62,7 @@ def test_the_search_finds_the_largest_batch_that_fits_and_leaves_no_state(caplog
     assert loader.max_physical_batch_size == 7
     assert "max_physical_batch_size='auto' chose 7" in caplog.text
     assert all(p.grad is None for p in model.parameters())
-    assert engine.accountant.steps == 0 and engine.controller.passes == []
+    assert engine.accountant.steps == 0 and engine.controller.ledger.records == []
     assert torch.equal(torch.get_rng_state(), rng)  # the probes' dropout masks left no trace
     assert optimizer.sample_rate == 0.5 and optimizer.expected_batch_size == 30
     train(model, optimizer, criterion, loader, steps=3)
