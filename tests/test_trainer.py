@@ -184,6 +184,26 @@ def test_epsilon_reaches_every_callback_and_the_budget_stops_training(tmp_path):
     assert trainer._train_loader.tracker.yielded == []  # each step takes its chunk records
 
 
+def test_the_budget_recomputed_mid_run_counts_the_steps_already_taken(tmp_path):
+    """_steps_within, as redone when the noise changes mid-run (a noise scheduler): the steps taken count with
+    their own noise; forgetting them would let the run go past max_epsilon."""
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=6), train_dataset=Examples(),
+                        dp_args=DPArguments(noise_multiplier=0.5, seed=3))
+    trainer.train()
+    done, rate = trainer.accountant.steps, 8 / N
+    assert done == 6
+    # A budget that the next steps at a larger noise reach only after a few more.
+    budget = copy.deepcopy(trainer.accountant)
+    budget.step(noise_multiplier=2.0, sample_rate=rate, num_steps=10)
+    max_epsilon = budget.get_epsilon(1e-5)
+    stop = trainer._steps_within(max_epsilon, [(rate, 100)], 2.0)
+    assert stop is not None and done < stop < done + 100
+    within, beyond = copy.deepcopy(trainer.accountant), copy.deepcopy(trainer.accountant)
+    within.step(noise_multiplier=2.0, sample_rate=rate, num_steps=stop - done)
+    beyond.step(noise_multiplier=2.0, sample_rate=rate, num_steps=stop - done + 1)
+    assert within.get_epsilon(1e-5) <= max_epsilon < beyond.get_epsilon(1e-5)
+
+
 def test_target_epsilon_is_met_over_the_planned_steps(tmp_path):
     dp = DPArguments(target_epsilon=5.0, seed=2, accountant="rdp")
     trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=6), train_dataset=Examples(), dp_args=dp)

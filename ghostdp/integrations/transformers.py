@@ -334,10 +334,11 @@ class DPTrainerMixin:
         above max_epsilon, at the current noise multiplier; None if the whole plan stays within it."""
         done = self.accountant.steps
         rates = [rate for rate, steps in runs for _ in range(steps)][done:]
+        so_far = self.accountant.state_dict()
 
         def eps(steps):
             acc = make_accountant(self.dp_args.accountant)
-            acc.history = [list(h) for h in self.accountant.history]
+            acc.load_state_dict(so_far)  # the steps taken, then the planned ones
             for rate in rates[:steps]:
                 acc.step(noise_multiplier=noise_multiplier, sample_rate=rate)
             return acc.get_epsilon(self.dp_args.target_delta)
