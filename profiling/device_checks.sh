@@ -3,9 +3,9 @@
 # machine's start included):
 #
 #     bash profiling/device_checks.sh                        # on the device machine: suite and forward_check
-#     bash profiling/device_checks.sh compiled layers        # any steps by name: suite forward_check compiled layers
+#     bash profiling/device_checks.sh layers knobs           # any steps by name: suite forward_check compiled layers knobs
 #     SUITE_ARGS="--against REF" bash profiling/device_checks.sh suite   # extra arguments for the suite
-#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers   # a dry run here, scaled down
+#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers knobs   # a dry run, scaled down
 #
 # Steps, each with its output and exit status in $OUT/NAME.txt (the device tool's folder that comes back;
 # profiling_output/device elsewhere) and its own time limit, so that one that hangs leaves the others their time:
@@ -18,6 +18,8 @@
 # - layers (120 s): profiling.layers at BERT-base, bf16, B=256, frozen: a step split into regions by CUDA events
 #   (forward, pass 1's norm rules by module type and its backward, pass 2 or the clipped sums, optimizer), and
 #   the LayerNorm and Linear rules against their floors. Not yet timed on a device.
+# - knobs (150 s): profiling.knobs at BERT-base, bf16, B=32, frozen: DeferredGrams' budget x2 and x4 and the
+#   queue bound x4 against the shipped settings, time, working set and ATen ops. Not yet timed on a device.
 # The device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost
 # column (and says so) unless its wheel is carried and installed first (pip install --no-deps opacus-*.whl).
 set -u
@@ -56,6 +58,10 @@ for name in "${steps[@]}"; do
             --heads 12 --batch 256 --freeze-embeddings --dtype bf16 --skip-gram ;;
         layers:*) step layers 300 "$python" -m profiling.layers --device "$device" --layers 1 --hidden 32 --heads 2 \
             --vocab 64 --seq 8 --batch 2 --steps 1 --warmup 1 --skip-gram --skip-rules ;;
-        *) echo "unknown step '$name': the steps are suite, forward_check, compiled and layers" >&2; exit 2 ;;
+        knobs:cuda) step knobs 150 "$python" -m profiling.knobs --device cuda --batch 32 --freeze-embeddings \
+            --knobs deferred=2,4 queue=4 ;;
+        knobs:*) step knobs 300 "$python" -m profiling.knobs --tiny --device "$device" --rounds 1 --warmup 0 \
+            --knobs deferred=4 ;;
+        *) echo "unknown step '$name': the steps are suite, forward_check, compiled, layers and knobs" >&2; exit 2 ;;
     esac
 done

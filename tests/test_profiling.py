@@ -444,7 +444,7 @@ def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tm
     import os
     import sys
     env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
-    steps = ("suite", "forward_check", "compiled", "layers")
+    steps = ("suite", "forward_check", "compiled", "layers", "knobs")
     subprocess.run(["bash", "profiling/device_checks.sh", *steps], env=env, check=True, timeout=600)
     for name in steps:
         assert f"[{name}: exit 0 after" in (tmp_path / f"{name}.txt").read_text()
@@ -452,3 +452,23 @@ def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tm
     assert (tmp_path / "suite" / "suite.png").stat().st_size > 0
     unknown = subprocess.run(["bash", "profiling/device_checks.sh", "suit"], env=env, capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown step 'suit'" in unknown.stderr
+
+
+def test_knobs_runs_each_budget_variant_beside_the_shipped_settings_and_restores_them():
+    from ghostdp.norms import batched, deferred
+    from profiling import knobs
+    shipped = (deferred._deferred_budget, dict(batched.STACK_ELEMENTS), batched.ACCELERATOR_STACK_ELEMENTS,
+               batched.QUEUE_ELEMENTS)
+    results = knobs.main(["--tiny", "--rounds", "1", "--warmup", "0", "--modes", "bookkeeping",
+                          "--knobs", "deferred=4", "stack=0.01", "queue=2"])
+    assert list(results) == ["plain", "bookkeeping", "bookkeeping deferred x4", "bookkeeping stack x0.01",
+                             "bookkeeping queue x2"]
+    assert all(r["ratio"] > 0 and r["aten_ops"] > 0 for r in results.values())
+    # A stack budget too small for any two layers reduces each alone: more ops than the shipped stacks.
+    assert results["bookkeeping stack x0.01"]["aten_ops"] > results["bookkeeping"]["aten_ops"]
+    assert (deferred._deferred_budget, batched.STACK_ELEMENTS, batched.ACCELERATOR_STACK_ELEMENTS,
+            batched.QUEUE_ELEMENTS) == shipped
+    with pytest.raises(ValueError, match="unknown knob 'tile'"):
+        knobs.parse_knobs(["tile=2"])
+    with pytest.raises(ValueError, match="NAME=FACTOR"):
+        knobs.parse_knobs(["deferred"])
