@@ -547,22 +547,39 @@ class EmbeddingGather(PerExampleGrad):
         return grads
 
     def token_mass(self, grams=None):
-        # sum_t |G_t| <= sqrt(T) |G|_F over the example's non-padding positions.
-        grads = self.grads if self.padding_idx is None else self._grads()
-        return torch.linalg.vector_norm(grads, dim=(1, 2), dtype=acc_dtype(self.grads)) * math.sqrt(grads.shape[1])
+        # sum_t |G_t| <= sqrt(T) |G|_F over the example's non-padding positions: |G|_F read from G in its own
+        # dtype (per position where padding is dropped), without a copy of G.
+        dt, T = acc_dtype(self.grads), self.grads.shape[1]
+        if self.padding_idx is None:
+            return torch.linalg.vector_norm(self.grads, dim=(1, 2), dtype=dt) * math.sqrt(T)
+        per_position = torch.linalg.vector_norm(self.grads, dim=2, dtype=dt)  # (B, T)
+        per_position = torch.where(self._valid(), per_position, 0)  # where, not a product: padding may hold inf
+        return torch.linalg.vector_norm(per_position, dim=1) * math.sqrt(T)
 
     def sum_dtype(self):
         return acc_dtype(self.grads)
 
     def sq_norm(self, grams=None):
+        # |g_i|^2 = sum over the (example, id) groups of |sum of their rows of G|^2. The groups come from sorted
+        # keys (example * V + id), numbered by a cumulative sum: at most B*T slots, none empty of meaning (an
+        # unused slot sums nothing), so no op waits for the number of groups (torch.unique would: a host sync
+        # on a GPU). Padding positions get a key past every example's and land in row B of the result, dropped.
         B, T, H = self.grads.shape
-        example = torch.arange(B, device=self.ids.device).repeat_interleave(T)
-        keys = example * self.num_embeddings + self.ids.reshape(-1)
-        unique_keys, slot = torch.unique(keys, return_inverse=True)
-        rows = self._grads().reshape(B * T, H)
-        summed = torch.zeros(unique_keys.numel(), H, dtype=rows.dtype, device=rows.device).index_add_(0, slot, rows)
-        out = torch.zeros(B, dtype=rows.dtype, device=rows.device)
-        return out.index_add_(0, unique_keys // self.num_embeddings, summed.pow(2).sum(1))
+        V, n, device = self.num_embeddings, B * T, self.ids.device
+        keys = torch.arange(B, device=device).unsqueeze(1) * V + self.ids  # (B, T)
+        if self.padding_idx is not None:
+            keys = torch.where(self._valid(), keys, B * V)
+        sorted_keys, order = keys.reshape(n).sort()
+        starts = torch.ones(n, dtype=torch.bool, device=device)
+        starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+        group_of_sorted = starts.cumsum(0) - 1
+        slot = torch.empty_like(group_of_sorted).scatter_(0, order, group_of_sorted)  # (n,): each position's group
+        example = torch.zeros_like(group_of_sorted).scatter_(0, group_of_sorted, sorted_keys // V)  # each group's
+        dt = acc_dtype(self.grads)
+        rows = self.grads.reshape(n, H)
+        summed = torch.zeros(n, H, dtype=dt, device=rows.device).index_add_(0, slot, rows.to(dt))
+        out = torch.zeros(B + 1, dtype=dt, device=rows.device)
+        return out.index_add_(0, example, summed.pow(2).sum(1))[:B]
 
     def materialize(self, lo, hi):
         ids, grads = self.ids[lo:hi], self._grads(lo, hi)

@@ -1,0 +1,67 @@
+"""EmbeddingGather (norms/factors.py), the factor of the embedding rule: its squared norm and token mass against
+the materialised per-example gradients, in float64 and from 16-bit output grads, with repeats, padding that holds
+inf, and ids at the table's ends; and no op whose output size depends on the values (a host sync on a GPU)."""
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ghostdp.norms.factors import EmbeddingGather
+
+VALUE_SIZED = ("_unique", "_unique2", "unique_consecutive", "unique_dim", "nonzero", "masked_select",
+               "_local_scalar_dense")
+
+
+def _ids_with_repeats_and_padding(B, T, V, pad):
+    ids = torch.randint(0, V, (B, T))
+    ids[0, :3] = V - 1          # a repeat within an example, at the table's last row
+    ids[1, 0] = V - 1           # and across examples
+    ids[2, -2:] = 0             # the table's first row (the padding row where pad)
+    if pad:
+        ids[3] = 0              # an example all padding
+    return ids
+
+
+def _reference(ids, grads, V, pad):
+    """Per-example gradients, materialised in float64, and sum_t |G_t| over real positions."""
+    B, T, H = grads.shape
+    valid = torch.ones_like(ids, dtype=torch.bool) if pad is None else ids != pad
+    G = torch.where(valid.unsqueeze(-1), grads.double(), 0)
+    dense = torch.zeros(B, V, H, dtype=torch.float64).scatter_add_(1, ids.unsqueeze(-1).expand(B, T, H), G)
+    return dense.pow(2).sum((1, 2)), G.norm(dim=(1, 2)) * math.sqrt(T)
+
+
+@pytest.mark.parametrize("pad", [None, 0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_embedding_factors_norm_and_mass_equal_the_materialised_gradients(pad, dtype):
+    torch.manual_seed(0)
+    B, T, H, V = 5, 9, 4, 11
+    ids = _ids_with_repeats_and_padding(B, T, V, pad is not None)
+    grads = torch.randn(B, T, H, dtype=torch.float64).to(dtype)
+    if pad is not None:
+        grads[ids == pad] = float("inf")  # a padding position's G is never read
+    factor = EmbeddingGather(ids, grads, V, padding_idx=pad)
+    ref_sq, ref_mass = _reference(ids, grads, V, pad)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5  # float32 sums of bf16 values
+    torch.testing.assert_close(factor.sq_norm().double(), ref_sq, rtol=rtol, atol=0)
+    torch.testing.assert_close(factor.token_mass().double(), ref_mass, rtol=rtol, atol=0)
+    if pad is not None:
+        assert float(factor.sq_norm()[3]) == 0.0 and float(factor.token_mass()[3]) == 0.0
+    assert factor.sq_norm().dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def test_the_embedding_factors_norm_and_mass_dispatch_no_op_sized_by_the_values():
+    ids = _ids_with_repeats_and_padding(4, 6, 10, True)
+    factor = EmbeddingGather(ids, torch.randn(4, 6, 3), 10, padding_idx=0)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        factor.sq_norm()
+        factor.token_mass()
+    assert seen and not [op for op in seen if op.split(".")[0] in VALUE_SIZED], seen
