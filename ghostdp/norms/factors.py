@@ -510,6 +510,20 @@ class OuterProduct(PerExampleGrad):
         return super().dot(other)
 
 
+def _groups_of(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot, key) for (n,) integer keys: each position's group of equal keys, numbered 0, 1, ... in key order,
+    and each group's key (n of them: slots past the last group keep key 0 and gather nothing). What
+    torch.unique(return_inverse=True) gives, padded to n groups: no op's output size depends on the values (a
+    host sync on a GPU)."""
+    n = keys.shape[0]
+    sorted_keys, order = keys.sort()
+    starts = torch.ones(n, dtype=torch.bool, device=keys.device)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    group_of_sorted = starts.cumsum(0) - 1
+    slot = torch.empty_like(group_of_sorted).scatter_(0, order, group_of_sorted)
+    return slot, torch.zeros_like(keys).scatter_(0, group_of_sorted, sorted_keys)
+
+
 class EmbeddingGather(PerExampleGrad):
     """g_i = sum_t e_{x_t} G_t^T for an embedding: rows x_t of the weight get G_t.
 
@@ -560,26 +574,20 @@ class EmbeddingGather(PerExampleGrad):
         return acc_dtype(self.grads)
 
     def sq_norm(self, grams=None):
-        # |g_i|^2 = sum over the (example, id) groups of |sum of their rows of G|^2. The groups come from sorted
-        # keys (example * V + id), numbered by a cumulative sum: at most B*T slots, none empty of meaning (an
-        # unused slot sums nothing), so no op waits for the number of groups (torch.unique would: a host sync
-        # on a GPU). Padding positions get a key past every example's and land in row B of the result, dropped.
+        # |g_i|^2 = sum over the (example, id) groups of |sum of their rows of G|^2, the groups of the keys
+        # example * V + id (_groups_of: no host sync). Padding positions get a key past every example's and land
+        # in row B of the result, dropped.
         B, T, H = self.grads.shape
         V, n, device = self.num_embeddings, B * T, self.ids.device
         keys = torch.arange(B, device=device).unsqueeze(1) * V + self.ids  # (B, T)
         if self.padding_idx is not None:
             keys = torch.where(self._valid(), keys, B * V)
-        sorted_keys, order = keys.reshape(n).sort()
-        starts = torch.ones(n, dtype=torch.bool, device=device)
-        starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        group_of_sorted = starts.cumsum(0) - 1
-        slot = torch.empty_like(group_of_sorted).scatter_(0, order, group_of_sorted)  # (n,): each position's group
-        example = torch.zeros_like(group_of_sorted).scatter_(0, group_of_sorted, sorted_keys // V)  # each group's
+        slot, group_key = _groups_of(keys.reshape(n))
         dt = acc_dtype(self.grads)
         rows = self.grads.reshape(n, H)
         summed = torch.zeros(n, H, dtype=dt, device=rows.device).index_add_(0, slot, rows.to(dt))
         out = torch.zeros(B + 1, dtype=dt, device=rows.device)
-        return out.index_add_(0, example, summed.pow(2).sum(1))[:B]
+        return out.index_add_(0, group_key // V, summed.pow(2).sum(1))[:B]
 
     def materialize(self, lo, hi):
         ids, grads = self.ids[lo:hi], self._grads(lo, hi)
@@ -594,11 +602,11 @@ class EmbeddingGather(PerExampleGrad):
             return out.index_add_(0, ids, rows)
         # A 16-bit table: sum the rows of each id in the accumulation dtype, then write them rounded
         # once, without an accumulation-dtype copy of the whole table (94 MB for BERT's words in float32).
-        unique, slot = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype, device=rows.device)
-        summed.index_add_(0, slot, rows)
+        # Grouped by sorting (no host sync): an unused slot sums nothing and adds an exact 0 to row 0.
+        slot, group_id = _groups_of(ids)
+        summed = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device).index_add_(0, slot, rows)
         out = torch.zeros(self.param_shape, dtype=out_dtype, device=rows.device)
-        return out.index_copy_(0, unique, summed.to(out_dtype))
+        return out.index_add_(0, group_id, summed.to(out_dtype))
 
     def merge(self, other):
         if (isinstance(other, EmbeddingGather) and other.num_embeddings == self.num_embeddings

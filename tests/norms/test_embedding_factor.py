@@ -64,4 +64,17 @@ def test_the_embedding_factors_norm_and_mass_dispatch_no_op_sized_by_the_values(
     with Ops():
         factor.sq_norm()
         factor.token_mass()
+        factor.weighted_sum(torch.rand(4))
+        factor.weighted_sum(torch.rand(4), out_dtype=torch.bfloat16)  # a 16-bit table's rows summed first
     assert seen and not [op for op in seen if op.split(".")[0] in VALUE_SIZED], seen
+
+
+def test_a_16_bit_tables_clipped_sum_rounds_each_rows_float32_sum_once_with_repeats_and_padding():
+    torch.manual_seed(1)
+    ids = _ids_with_repeats_and_padding(5, 9, 11, True)
+    factor = EmbeddingGather(ids, torch.randn(5, 9, 4, dtype=torch.bfloat16), 11, padding_idx=0)
+    weights = torch.rand(5)
+    dense = factor.weighted_sum(weights)  # float32, every row summed in place
+    compact = factor.weighted_sum(weights, out_dtype=torch.bfloat16)
+    assert dense.dtype == torch.float32 and compact.dtype == torch.bfloat16
+    assert torch.equal(compact, dense.to(torch.bfloat16)) and not compact[0].any()  # the padding row gets 0
