@@ -520,8 +520,10 @@ def _groups_of(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.ones(n, dtype=torch.bool, device=keys.device)
     starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
     group_of_sorted = starts.cumsum(0) - 1
-    slot = torch.empty_like(group_of_sorted).scatter_(0, order, group_of_sorted)
-    return slot, torch.zeros_like(keys).scatter_(0, group_of_sorted, sorted_keys)
+    # index_add_, not scatter_: one add per position (order is a permutation; a group's key comes from its first
+    # position, the others add 0), so both are exact, and torch has a deterministic form of it on a GPU.
+    slot = torch.zeros_like(group_of_sorted).index_add_(0, order, group_of_sorted)
+    return slot, torch.zeros_like(keys).index_add_(0, group_of_sorted, sorted_keys * starts)
 
 
 class EmbeddingGather(PerExampleGrad):
