@@ -21,41 +21,39 @@ import argparse
 import contextlib
 import copy
 
-from profiling.bench import GHOSTDP_MODES, add_model_arguments, count_aten_ops, make_step, model_and_batch, timed
-from profiling.step_ratio import median, round_order
+from profiling.bench import GHOSTDP_MODES, add_model_arguments, make_step, model_and_batch
+from profiling.suite import interleaved
 
 BERT_BASE = dict(model="bert", layers=12, hidden=768, heads=12, vocab=30522, seq=128)
 TINY = dict(model="bert", layers=1, hidden=32, heads=2, vocab=64, seq=8, batch=2)
 
 
-@contextlib.contextmanager
-def knob(name: str, factor: float):
-    """ghostdp's ``name`` budget times ``factor`` inside the block."""
+def _settings(name: str, factor: float) -> list:
+    """[(module, attribute, value)] that scale ghostdp's ``name`` budget by ``factor``."""
     from ghostdp.norms import batched, deferred
     if name == "deferred":
         shipped = deferred._deferred_budget
-        deferred._deferred_budget = lambda device: int(shipped(device) * factor)
-        try:
-            yield
-        finally:
-            deferred._deferred_budget = shipped
-    elif name == "stack":
-        shipped = batched.STACK_ELEMENTS, batched.ACCELERATOR_STACK_ELEMENTS
-        batched.STACK_ELEMENTS = {k: int(v * factor) for k, v in shipped[0].items()}
-        batched.ACCELERATOR_STACK_ELEMENTS = int(shipped[1] * factor)
-        try:
-            yield
-        finally:
-            batched.STACK_ELEMENTS, batched.ACCELERATOR_STACK_ELEMENTS = shipped
-    elif name == "queue":
-        shipped = batched.QUEUE_ELEMENTS
-        batched.QUEUE_ELEMENTS = int(shipped * factor)
-        try:
-            yield
-        finally:
-            batched.QUEUE_ELEMENTS = shipped
-    else:
-        raise ValueError(f"unknown knob {name!r}: the knobs are deferred, stack and queue")
+        return [(deferred, "_deferred_budget", lambda device: int(shipped(device) * factor))]
+    if name == "stack":
+        return [(batched, "STACK_ELEMENTS", {k: int(v * factor) for k, v in batched.STACK_ELEMENTS.items()}),
+                (batched, "ACCELERATOR_STACK_ELEMENTS", int(batched.ACCELERATOR_STACK_ELEMENTS * factor))]
+    if name == "queue":
+        return [(batched, "QUEUE_ELEMENTS", int(batched.QUEUE_ELEMENTS * factor))]
+    raise ValueError(f"unknown knob {name!r}: the knobs are deferred, stack and queue")
+
+
+@contextlib.contextmanager
+def knob(name: str, factor: float):
+    """ghostdp's ``name`` budget times ``factor`` inside the block."""
+    settings = _settings(name, factor)
+    shipped = [(module, attribute, getattr(module, attribute)) for module, attribute, _ in settings]
+    for module, attribute, value in settings:
+        setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        for module, attribute, value in shipped:
+            setattr(module, attribute, value)
 
 
 def parse_knobs(specs) -> list[tuple[str, float]]:
@@ -65,10 +63,8 @@ def parse_knobs(specs) -> list[tuple[str, float]]:
         name, _, factors = spec.partition("=")
         if not factors:
             raise ValueError(f"a knob is NAME=FACTOR[,FACTOR...], got {spec!r}")
-        for factor in factors.split(","):
-            with knob(name, 1.0):  # refuses an unknown name here, before any model is built
-                pass
-            variants.append((name, float(factor)))
+        _settings(name, 1.0)  # refuses an unknown name here, before any model is built
+        variants += [(name, float(factor)) for factor in factors.split(",")]
     return variants
 
 
@@ -80,12 +76,10 @@ def _under(step, name, factor):
 
 
 def measure(args, modes, variants, rounds: int, warmup: int) -> dict:
-    """{column: {"ms", "ratio", "mb", "mem_ratio", "aten_ops"}}: plain, each mode as shipped, and each mode under
-    each variant ("bookkeeping deferred x4")."""
+    """profiling.suite.interleaved's rows for plain, each mode as shipped, and each mode under each variant
+    ("bookkeeping deferred x4")."""
     import torch
-    from ghostdp.memory import peak_mb_since, reset_peak
     torch.manual_seed(0)
-    device = torch.device(args.device)
     template, batch = model_and_batch(args)
     steps = {"plain": make_step("plain", copy.deepcopy(template), args, batch)}
     for mode in modes:
@@ -97,24 +91,7 @@ def measure(args, modes, variants, rounds: int, warmup: int) -> dict:
     del template
     for step in steps.values():
         step()
-    times = {column: [] for column in steps}
-    memory = {column: [] for column in steps}
-    for round_ in range(warmup + rounds):
-        for column, step in round_order(steps, round_):
-            base = reset_peak(device)
-            seconds = timed(step, device)
-            if round_ >= warmup:
-                times[column].append(seconds)
-                memory[column].append(peak_mb_since(device, base))
-    plain_mb = median(memory["plain"])
-    out = {}
-    for column, step in steps.items():
-        mb = median(memory[column])
-        out[column] = {"ms": 1e3 * median(times[column]),
-                       "ratio": median([t / p for t, p in zip(times[column], times["plain"])]),
-                       "mb": mb, "mem_ratio": mb / plain_mb if plain_mb >= 1.0 else None,
-                       "aten_ops": count_aten_ops(step)}
-    return out
+    return interleaved(steps, torch.device(args.device), rounds, warmup)
 
 
 def parse(argv=None):

@@ -67,10 +67,39 @@ def _working_set(step, device) -> tuple[float, float]:
     return timed(step, device), peak_mb_since(device, base)
 
 
+def interleaved(steps: dict, device, rounds: int, warmup: int) -> dict:
+    """{column: {"ms", "mb", "mb_max", "aten_ops"} and, beside a "plain" column, "ratio", "mem_ratio",
+    "max_mem_ratio"} for built ``steps`` {column: step}, run in alternating order round by round (the first
+    ``warmup`` rounds not counted). ``aten_ops``: the ATen ops one step dispatches, counted in one more step after
+    the rounds (host work: on a GPU each one that is not a view launches a kernel)."""
+    times = {column: [] for column in steps}
+    memory = {column: [] for column in steps}
+    for round_ in range(warmup + rounds):
+        for column, step in round_order(steps, round_):
+            seconds, mb = _working_set(step, device)
+            if round_ >= warmup:
+                times[column].append(seconds)
+                memory[column].append(mb)
+    plain, out = times.get("plain"), {}
+    for column in steps:
+        # "mb": the median step's working set; "mb_max": the largest over the rounds, which takes in ghostdp's
+        # scheduled proof steps (1, 2, 4, ...: a layout proof and the forward check's reruns), where a run's
+        # peak may lie (before 2026-11-26 book-keeping's proof steps and those under activation checkpointing
+        # held much more than the others; the median left them out).
+        row = {"ms": 1e3 * median(times[column]), "mb": median(memory[column]), "mb_max": max(memory[column]),
+               "aten_ops": count_aten_ops(steps[column])}
+        if plain:
+            row["ratio"] = median([t / p for t, p in zip(times[column], plain)])
+            plain_mb, plain_max = median(memory["plain"]), max(memory["plain"])
+            # Below 1 MB (tiny CPU rows) the resident-memory reading is allocator noise: no ratio.
+            row["mem_ratio"] = row["mb"] / plain_mb if plain_mb >= 1.0 else None
+            row["max_mem_ratio"] = row["mb_max"] / plain_max if plain_max >= 1.0 else None
+        out[column] = row
+    return out
+
+
 def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
-    """{mode: {"ms", "ratio", "mb", "mem_ratio", "aten_ops"} or {"error"}} for one row, modes interleaved.
-    ``aten_ops``: the ATen ops one step dispatches, counted in one more step after the rounds (host work: on a
-    GPU each one that is not a view launches a kernel).
+    """{mode: the ``interleaved`` row or {"error"}} for one row, modes interleaved.
     ``libraries``: {column: (mode, ghostdp package)} for columns trained with another revision's ghostdp."""
     import torch
     torch.manual_seed(0)
@@ -87,29 +116,7 @@ def measure_row(args, modes, rounds, warmup, libraries=None) -> dict:
             steps.pop(mode, None)
             out[mode] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"}
     del template
-    times = {mode: [] for mode in steps}
-    memory = {mode: [] for mode in steps}
-    for round_ in range(warmup + rounds):
-        for mode, step in round_order(steps, round_):
-            seconds, mb = _working_set(step, device)
-            if round_ >= warmup:
-                times[mode].append(seconds)
-                memory[mode].append(mb)
-    plain = times.get("plain")
-    for mode in steps:
-        # "mb": the median step's working set; "mb_max": the largest over the rounds, which takes in ghostdp's
-        # scheduled proof steps (1, 2, 4, ...: a layout proof and the forward check's reruns), where a run's
-        # peak may lie (before 2026-11-26 book-keeping's proof steps and those under activation checkpointing
-        # held much more than the others; the median left them out).
-        row = {"ms": 1e3 * median(times[mode]), "mb": median(memory[mode]), "mb_max": max(memory[mode]),
-               "aten_ops": count_aten_ops(steps[mode])}
-        if plain:
-            row["ratio"] = median([t / p for t, p in zip(times[mode], plain)])
-            plain_mb, plain_max = median(memory["plain"]), max(memory["plain"])
-            # Below 1 MB (tiny CPU rows) the resident-memory reading is allocator noise: no ratio.
-            row["mem_ratio"] = row["mb"] / plain_mb if plain_mb >= 1.0 else None
-            row["max_mem_ratio"] = row["mb_max"] / plain_max if plain_max >= 1.0 else None
-        out[mode] = row
+    out.update(interleaved(steps, device, rounds, warmup))
     steps.clear()
     gc.collect()
     if device.type == "cuda":
