@@ -30,8 +30,10 @@ from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
 from .independence import ForwardIndependence
+from .layout import REPROOF_EVERY, proof_scheduled
 from .ledger import StepLedger
 from .loss import DPCriterion, clipped_loss
+from . import modes
 from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .probe import compiled_code_note
@@ -56,6 +58,11 @@ TWO_PASSES_UNDER_CHECKPOINTING = (
     "two passes, because keeping the layers' inputs and output grads would undo the memory checkpointing saves "
     "(book-keeping keeps one backward there only when it can keep small explicit per-example gradients instead, "
     "as for LoRA adapters). The clipped sums are the same; the time and memory are clipping='ghost''s.")
+ONE_BACKWARD_FOR_ADAPTERS = (
+    "clipping='ghost': this model's per-example gradients are small beside its layers' inputs and output grads "
+    "(adapters such as LoRA), so its steps take book-keeping's one backward instead of a second backward through "
+    "the frozen base: the same clipped sums, faster, and less memory than two passes (modes.py; "
+    "ghostdp.clipping.modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = False keeps two passes).")
 REENTRANT_DISTRIBUTED = (
     "Reentrant activation checkpointing (use_reentrant=True) with several processes or FSDP is not supported: "
     "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
@@ -180,6 +187,7 @@ class GhostClipping:
                                     USE_NON_REENTRANT)
         self._warned_of_checkpointing = False
         self._told_two_passes = False
+        self._told_one_backward = False
         self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
@@ -257,7 +265,7 @@ class GhostClipping:
     def _warn_of_keeping_under_checkpointing(self, mode, regions):
         """Once: a pass under checkpointing that kept more than book-keeping's exemption allows (per-group
         clipping, which has no two-pass form: modes.mode_of_step)."""
-        if (not mode.keeps_factors or self._warned_of_checkpointing
+        if (not mode.keeps_factors or not self.mode.keeps_factors or self._warned_of_checkpointing
                 or self._kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING):
             return
         if regions or self.recorder.forward_was_checkpointed():
@@ -450,9 +458,17 @@ class GhostClipping:
         calls, regions, audited, graph = self._audit(per_example_losses, mode)
         self.recorder.warn_if_compiled()
         try:
-            # Only a checkpointed step's measure decides a mode (mode_for_loss): its first step takes two passes.
+            # The measure that decides a step's mode (mode_for_loss): book-keeping's under checkpointing (its first
+            # such step takes two passes); two passes' on the steps below (what book-keeping would keep:
+            # modes.mode_of_step; ~1.5 us a factor, ~0.3 ms a step on the CPU stand-in: not on every step of a model
+            # that never keeps little).
             recorder = self.recorder
-            measures_kept = recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed())
+            if self.mode.keeps_factors:
+                measures_kept = recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed())
+            else:  # each step that took one backward (to go back), else the first and then on the proofs' schedule
+                measures_kept = modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE and (
+                    mode.keeps_factors or self._kept_fraction is None
+                    or proof_scheduled(self.pass_one.layouts.passes, REPROOF_EVERY))
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
@@ -518,15 +534,23 @@ class GhostClipping:
             torch.autograd.backward(losses, weights)
 
     def mode_for_loss(self):
-        """The clipping mode of the DP loss being built from this forward: the controller's, or two passes
-        for a book-keeping step under activation checkpointing (modes.mode_of_step; logged once)."""
-        if not self.mode.keeps_factors:
-            return self.mode
-        checkpointed = self.recorder.forward_was_checkpointed()
+        """The clipping mode of the DP loss being built from this forward: the controller's; or two passes for a
+        book-keeping step under activation checkpointing, or book-keeping's one backward for a two-pass step that
+        keeps little (modes.mode_of_step; each logged once)."""
         # Several processes: every rank must take the same mode (DDP's collectives), and each rank's
         # measurement is its own (its sequence lengths): no exemption for what book-keeping keeps.
         several = distributed_rank_and_size()[1] > 1
         kept_fraction = None if several else self._kept_fraction
+        if not self.mode.keeps_factors:
+            if kept_fraction is None or kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING:
+                return self.mode  # (the common case, before the sharding walk below)
+            may_keep = not has_sharded_parameters(self.module)
+            mode = mode_of_step(self.mode, False, False, kept_fraction, may_keep=may_keep)
+            if mode is not self.mode and not self._told_one_backward:
+                self._told_one_backward = True
+                log.info(ONE_BACKWARD_FOR_ADAPTERS)
+            return mode
+        checkpointed = self.recorder.forward_was_checkpointed()
         mode = mode_of_step(self.mode, checkpointed, self.group_norms is not None, kept_fraction)
         final = several or kept_fraction is not None  # the first checkpointed step has no measurement yet
         if mode is not self.mode and final and not self._told_two_passes:

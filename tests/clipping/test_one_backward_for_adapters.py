@@ -1,0 +1,183 @@
+"""Two passes take book-keeping's one backward on a step where the last norm pass found that book-keeping would keep
+little (modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE): adapters, whose explicit per-example gradients (rank r << T tokens)
+are small beside their layers' inputs and output grads. The switched steps against the float64 per-example loop
+(plain, under non-reentrant and reentrant checkpointing, peft's LoRA on BERT), and the set-ups that keep two passes:
+a model whose kept factors are not small, several processes, sharded parameters, the switch turned off."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ghostdp
+from ghostdp.clipping import controller as controller_module
+from ghostdp.clipping import modes
+from conftest import clipped_sum, reference_per_example_grads, trainable
+from test_models import B, classification_loss, padded_text, tiny_bert
+
+T, D, R = 16, 8, 1  # a rank-1 adapter on 16 tokens: it keeps about R / T of what its layers hold
+
+
+class Adapted(nn.Module):
+    """A frozen Linear with a trainable low-rank adapter beside it: x W^T + (x A^T) B^T."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(D, D).requires_grad_(False)
+        self.down = nn.Linear(D, R, bias=False)
+        self.up = nn.Linear(R, D, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class AdaptedNet(nn.Module):
+    """Two adapted blocks, optionally checkpointed, and a trainable head on the mean token."""
+
+    def __init__(self, checkpointing=None, frozen_base=True):
+        super().__init__()
+        self.blocks = nn.ModuleList([Adapted(), Adapted()])
+        self.head = nn.Linear(D, 3)
+        self.checkpointing = checkpointing
+        if not frozen_base:
+            for block in self.blocks:
+                block.base.requires_grad_(True)
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointing is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
+        return self.head(x.mean(1))
+
+
+def step(controller, model, x, C):
+    """One DP-loss backward into fresh p.grad: (the clipped sums, whether book-keeping's one backward wrote them)."""
+    controller.max_grad_norm = C
+    controller.ledger.open()
+    model.zero_grad(set_to_none=True)
+    controller.loss(model(x).pow(2).sum(1), reduction="sum").backward()
+    grads = {n: p.grad.clone() for n, p in trainable(model)}
+    return grads, controller.ledger.records[-1].wrote_sums
+
+
+def assert_switched_steps_exact(model, x):
+    """The first step takes two passes and measures what book-keeping would keep; the next ones take one backward.
+    Every step's clipped sums equal the per-example loop's, with every example clipped and with none clipped."""
+    per_example = reference_per_example_grads(model, lambda i: model(x[i:i + 1]).pow(2).sum(), len(x))
+    _, norms = clipped_sum(per_example, 1.0)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    wrote = []
+    for C in (0.5 * float(norms.min()), 2.0 * float(norms.max()), 0.5 * float(norms.min())):
+        ref, _ = clipped_sum(per_example, C)
+        got, one_backward = step(controller, model, x, C)
+        wrote.append(one_backward)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-10, atol=1e-12)
+    controller.detach()
+    return wrote
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant", "reentrant"])
+def test_two_passes_take_one_backward_once_the_adapters_are_found_to_keep_little(checkpointing):
+    torch.manual_seed(0)
+    model = AdaptedNet(checkpointing)
+    # A reentrant checkpoint gives its region's parameters gradient only through an input that requires grad.
+    x = torch.randn(4, T, D).requires_grad_(checkpointing == "reentrant")
+    assert assert_switched_steps_exact(model, x) == [False, True, True]
+
+
+def test_peft_lora_on_bert_takes_one_backward_and_stays_exact():
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_bert(), LoraConfig(r=1, lora_alpha=2, target_modules=["query", "value"],
+                                                   modules_to_save=["classifier"]))
+    for n, p in model.named_parameters():  # LoRA B starts at zero; make the test non-degenerate
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.5)
+    model.train()
+    ids, mask = padded_text(30, T=16)
+    loss_of = classification_loss(torch.randint(0, 3, (B,)))
+
+    def losses(sl):
+        return loss_of(model(input_ids=ids[sl], attention_mask=mask[sl]), sl)
+
+    per_example = reference_per_example_grads(model, lambda i: losses(slice(i, i + 1)).sum(), B)
+    ref, _ = clipped_sum(per_example, 0.1)
+    controller = ghostdp.GhostClipping(model, 0.1)
+    wrote = []
+    for _ in range(2):
+        controller.ledger.open()
+        model.zero_grad(set_to_none=True)
+        controller.loss(losses(slice(None)), reduction="sum").backward()
+        wrote.append(controller.ledger.records[-1].wrote_sums)
+        for n, p in trainable(model):
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-9, atol=1e-12)
+    controller.detach()
+    assert wrote == [False, True]
+
+
+def test_a_model_whose_factors_are_not_small_keeps_two_passes():
+    torch.manual_seed(0)
+    model = AdaptedNet(frozen_base=False)  # the base weights' inputs and output grads are what book-keeping keeps
+    assert assert_switched_steps_exact(model, torch.randn(4, T, D)) == [False, False, False]
+
+
+def test_two_passes_measure_what_book_keeping_would_keep_on_the_proofs_schedule():
+    """A model found to keep much is measured again on the layout proofs' schedule (passes 1, 2, 4, 8, ...), not
+    on every step: frozen after pass 4, its base stops counting at pass 8's measure, and pass 9 takes one
+    backward. A step that took one backward is measured every time (it goes back as soon as it keeps much)."""
+    torch.manual_seed(0)
+    model, x = AdaptedNet(frozen_base=False), torch.randn(4, T, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    assert [step(controller, model, x, 1.0)[1] for _ in range(5)] == [False] * 5  # passes 0-4
+    for block in model.blocks:
+        block.base.requires_grad_(False)
+    assert [step(controller, model, x, 1.0)[1] for _ in range(5)] == [False, False, False, False, True]  # 5-9
+    for block in model.blocks:
+        block.base.requires_grad_(True)
+    assert [step(controller, model, x, 1.0)[1] for _ in range(2)] == [True, False]  # 10 measures, 11 goes back
+    controller.detach()
+
+
+def test_the_switch_is_said_once_and_can_be_turned_off(monkeypatch, caplog):
+    torch.manual_seed(0)
+    model, x = AdaptedNet(), torch.randn(4, T, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with caplog.at_level(logging.INFO, logger="ghostdp"):
+        assert [step(controller, model, x, 1.0)[1] for _ in range(3)] == [False, True, True]
+    told = [r for r in caplog.records if "take book-keeping's one backward" in r.getMessage()]
+    assert len(told) == 1
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)
+    assert [step(controller, model, x, 1.0)[1] for _ in range(2)] == [False, False]
+    controller.detach()
+
+
+@pytest.mark.parametrize("why", ["several processes", "sharded parameters"])
+def test_no_switch_where_book_keeping_cannot_run(monkeypatch, why):
+    torch.manual_seed(0)
+    model, x = AdaptedNet(), torch.randn(4, T, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    step(controller, model, x, 1.0)
+    assert controller.mode_for_loss().name == "bookkeeping"
+    if why == "several processes":  # every rank must take the same mode; each measures its own batch
+        monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
+    else:  # FSDP2: book-keeping would write its sums past FSDP's reduce-scatter
+        monkeypatch.setattr(controller_module, "has_sharded_parameters", lambda module: True)
+    assert controller.mode_for_loss().name == "ghost"
+    controller.detach()
+
+
+def test_mode_of_step():
+    ghost, bookkeeping = modes.CLIPPING_MODES["ghost"], modes.CLIPPING_MODES["bookkeeping"]
+    little, much = modes.KEPT_FRACTION_UNDER_CHECKPOINTING, 2 * modes.KEPT_FRACTION_UNDER_CHECKPOINTING
+    assert modes.mode_of_step(ghost, False, False, little, may_keep=True) is bookkeeping
+    assert modes.mode_of_step(ghost, True, False, little, may_keep=True) is bookkeeping  # checkpointed: keeps little
+    assert modes.mode_of_step(ghost, False, False, much, may_keep=True) is ghost
+    assert modes.mode_of_step(ghost, False, False, None, may_keep=True) is ghost  # nothing measured yet
+    assert modes.mode_of_step(ghost, False, False, little, may_keep=False) is ghost
+    assert modes.mode_of_step(bookkeeping, True, False, much) is ghost
+    assert modes.mode_of_step(bookkeeping, True, False, little) is bookkeeping
+    assert modes.mode_of_step(bookkeeping, True, True, much) is bookkeeping  # per-group: no two-pass form
