@@ -21,6 +21,15 @@ from .randomness import RandomSource
 from .schedules import SamplingPlan
 
 
+def poisson_rate_and_steps(batch_size: int, world_size: int, n: int) -> tuple[float, int]:
+    """The sample rate q = batch_size * world_size / n (at most 1) and the steps of an epoch, ceil(n / that): each
+    process's ``batch_size`` is its expected share of the logical batch, as in DDP. ``n``: the dataset's size."""
+    if n == 0:
+        raise ValueError("the training dataset is empty: there is nothing to sample batches from")
+    logical = batch_size * world_size
+    return min(1.0, logical / n), max(1, math.ceil(n / logical))
+
+
 def distributed_rank_and_size():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()

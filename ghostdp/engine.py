@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 
 import torch
@@ -14,7 +13,8 @@ from .clipping import DPCriterion, GhostClipping, check_max_grad_norm
 from .clipping.adaptive import AdaptiveClipNorm
 from .clipping.modes import clipping_mode
 from .clipping import per_example_loss
-from .data import BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size
+from .data import (BatchTracker, DPDataLoader, PoissonBatchSampler, distributed_rank_and_size,
+                   poisson_rate_and_steps)
 from .sharding import has_sharded_parameters, is_sharded
 from .memory import PhysicalBatchSearch, choose_physical_batch_size
 from .optim import DPOptimizer
@@ -26,18 +26,18 @@ _LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "m
 
 
 def _sampling_plan(data_loader, world_size: int) -> tuple[float, int, int]:
-    """(q, dataset size, steps per epoch). q = batch_size * world_size / N: with several processes,
-    batch_size is each process's expected share, as in DDP (or 1 / len(loader) without batch_size)."""
+    """(q, dataset size, steps per epoch) of ``data_loader`` (data.poisson_rate_and_steps). In one process an epoch
+    is the loader's own length (drop_last included), and a loader without batch_size has q = 1 / len(loader)."""
     n = len(data_loader.dataset)
-    if n == 0:
-        raise ValueError("the data loader's dataset is empty")
     batch_size = data_loader.batch_size
-    if world_size == 1:
-        return min(1.0, batch_size / n if batch_size else 1 / len(data_loader)), n, len(data_loader)
-    if not batch_size:
+    if world_size > 1 and not batch_size:
         raise ValueError("with several processes the data loader needs a batch_size (each process's expected "
                          "batch), from which the sample rate batch_size * world_size / len(dataset) follows")
-    return min(1.0, batch_size * world_size / n), n, max(1, math.ceil(n / (batch_size * world_size)))
+    sample_rate, steps_per_epoch = poisson_rate_and_steps(batch_size or 1, world_size, n)  # refuses an empty dataset
+    if world_size == 1:
+        sample_rate = sample_rate if batch_size else min(1.0, 1 / len(data_loader))
+        steps_per_epoch = len(data_loader)
+    return sample_rate, n, steps_per_epoch
 
 
 def _users_sampler(data_loader):

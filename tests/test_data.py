@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from ghostdp.data import BatchTracker, DPDataLoader, PoissonBatchSampler, empty_like_batch
+from ghostdp.data import BatchTracker, DPDataLoader, PoissonBatchSampler, empty_like_batch, poisson_rate_and_steps
 from ghostdp.randomness import RandomSource
 
 
@@ -120,3 +120,12 @@ def test_a_resumed_loader_continues_with_the_same_batches(num_workers):
     resumed.load_state_dict(state)
     rest = [ids(b) for b in resumed] + [ids(b) for b in resumed]
     assert taken + rest[:len(reference) - len(taken)] == reference
+
+
+def test_the_sample_rate_and_epoch_of_poisson_batches():
+    """q = batch_size * world_size / n (at most 1), ceil(n / (batch_size * world_size)) steps; no dataset, no q."""
+    assert poisson_rate_and_steps(8, 1, 100) == (0.08, 13)
+    assert poisson_rate_and_steps(8, 4, 100) == (0.32, 4)  # each process's batch_size is its share
+    assert poisson_rate_and_steps(64, 2, 100) == (1.0, 1)
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        poisson_rate_and_steps(8, 1, 0)

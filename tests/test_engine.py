@@ -126,6 +126,14 @@ def test_gradient_accumulation_over_micro_batches_equals_one_batch():
         torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-15)
 
 
+def test_an_empty_dataset_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(make_data(0), batch_size=8), noise_multiplier=1.0,
+                                     max_grad_norm=1.0)
+
+
 def test_empty_logical_batches_still_add_noise_and_count():
     record = []
     # q = 1/40: about a third of the logical batches are empty.

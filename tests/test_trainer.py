@@ -301,6 +301,13 @@ def test_unsupported_settings_are_refused(tmp_path):
         DPArguments(noise_multiplier=1.0, loss="masked_lm")
 
 
+def test_an_empty_training_dataset_is_refused(tmp_path):
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=Examples(n=0),
+                        dp_args=DPArguments(noise_multiplier=1.0))
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        trainer.train()
+
+
 def test_a_compute_loss_of_ones_own_is_warned_of_as_unused_for_training(tmp_path):
     """A Trainer subclass's compute_loss (mixed in with DPTrainerMixin, or a subclass of DPTrainer) was silently
     skipped in training: DPTrainer's training_step forms the per-example losses from DPArguments.loss."""

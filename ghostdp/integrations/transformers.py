@@ -27,7 +27,8 @@ from ..accounting import check_noise_multiplier, get_noise_multiplier, make_acco
 from ..clipping import GhostClipping, check_max_grad_norm, per_example_loss
 from ..clipping.adaptive import AdaptiveClipNorm
 from ..clipping.modes import clipping_mode
-from ..data import DPDataLoader, PoissonBatchSampler, across_ranks, distributed_rank_and_size
+from ..data import (DPDataLoader, PoissonBatchSampler, across_ranks, distributed_rank_and_size,
+                    poisson_rate_and_steps)
 from ..engine import restore_streams, run_state
 from ..optim import DPOptimizer
 from ..randomness import RandomSource
@@ -284,9 +285,8 @@ class DPTrainerMixin:
             raise TypeError("DP-SGD needs a map-style train_dataset with len() to Poisson-sample it")
         n = len(dataset)
         # Each process draws its own shard; the logical batch is the union over processes.
-        logical = self.args.per_device_train_batch_size * distributed_rank_and_size()[1]
-        sample_rate = min(1.0, logical / n)
-        steps_per_epoch = max(1, math.ceil(n / logical))
+        sample_rate, steps_per_epoch = poisson_rate_and_steps(self.args.per_device_train_batch_size,
+                                                              distributed_rank_and_size()[1], n)
         self.sample_rate, self.expected_batch_size = sample_rate, sample_rate * n
         sampler = PoissonBatchSampler(n, sample_rate, steps_per_epoch, source=self.random_source,
                                       batch_size_schedule=self.dp_args.batch_size_schedule)
