@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import weakref
 
 import torch
@@ -30,11 +29,9 @@ from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
 from .independence import ForwardIndependence
-from .layout import REPROOF_EVERY, proof_scheduled
 from .ledger import StepLedger
 from .loss import DPCriterion, clipped_loss
-from . import modes
-from .modes import KEPT_FRACTION_UNDER_CHECKPOINTING, clipping_mode, mode_of_step, new_factor_store
+from .modes import StepModes, clipping_mode, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .probe import compiled_code_note
 from .pass_one import PassOne
@@ -47,22 +44,6 @@ CLIP_EPS = 1e-6
 _profiler_enabled = torch._C._autograd._profiler_enabled
 log = logging.getLogger("ghostdp")
 
-BOOKKEEPING_WITH_CHECKPOINTING = (
-    "per-group clipping with activation checkpointing: per-group clipping needs book-keeping, which keeps every "
-    "layer's inputs and output grads until the clipping coefficients are known; that undoes what checkpointing "
-    "saves (2.5-3.4x the plain checkpointed step's peak, BERT on CPU). One max_grad_norm (clipping='ghost', or "
-    "'bookkeeping', which takes ghost's two passes under checkpointing) stays at the plain checkpointed peak "
-    "(1.00-1.05x).")
-TWO_PASSES_UNDER_CHECKPOINTING = (
-    "clipping='bookkeeping' under activation checkpointing (or saved-tensor offloading): these steps take ghost's "
-    "two passes, because keeping the layers' inputs and output grads would undo the memory checkpointing saves "
-    "(book-keeping keeps one backward there only when it can keep small explicit per-example gradients instead, "
-    "as for LoRA adapters). The clipped sums are the same; the time and memory are clipping='ghost''s.")
-ONE_BACKWARD_FOR_ADAPTERS = (
-    "clipping='ghost': this model's per-example gradients are small beside its layers' inputs and output grads "
-    "(adapters such as LoRA), so its steps take book-keeping's one backward instead of a second backward through "
-    "the frozen base: the same clipped sums, faster, and less memory than two passes (modes.py; "
-    "ghostdp.clipping.modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = False keeps two passes).")
 REENTRANT_DISTRIBUTED = (
     "Reentrant activation checkpointing (use_reentrant=True) with several processes or FSDP is not supported: "
     "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
@@ -177,6 +158,8 @@ class GhostClipping:
                 "FSDP2), or book-keeping with DistributedDataParallel.")
         self.module = module
         self.group_norms, self._group_of = _clipping_groups(max_grad_norm, parameter_groups, self.mode)
+        # The mode each DP loss's backward runs in, from what the norm passes measure (modes.StepModes).
+        self.step_modes = StepModes(self.mode, per_group=self.group_norms is not None)
         self.max_grad_norm = max_grad_norm if self.group_norms is None else sum(c * c for c in self.group_norms) ** 0.5
         self.nonfinite = nonfinite
         self._anchors = {}
@@ -185,10 +168,6 @@ class GhostClipping:
         # Reentrant activation checkpoints (reentrant.py): a region's calls start at this index of the pass's.
         self._regions = RegionWatch(lambda: len(self.pass_one.current.region_calls), self._audit_region,
                                     USE_NON_REENTRANT)
-        self._warned_of_checkpointing = False
-        self._told_two_passes = False
-        self._told_one_backward = False
-        self._kept_fraction = None  # of the last norm pass: kept bytes / bytes its factors held
         self._parameters = {id(p): p for p in module.parameters()}
         self.last_norms = None
         self.last_coefficients = None   # (B,); per-group clipping: (groups, B)
@@ -261,16 +240,6 @@ class GhostClipping:
         """A zero-size leaf, the only graph input of a DP loss: its backward never continues into the model
         in the caller's backward (loss.py)."""
         return zero_size_leaf(self._anchors, device)
-
-    def _warn_of_keeping_under_checkpointing(self, mode, regions):
-        """Once: a pass under checkpointing that kept more than book-keeping's exemption allows (per-group
-        clipping, which has no two-pass form: modes.mode_of_step)."""
-        if (not mode.keeps_factors or not self.mode.keeps_factors or self._warned_of_checkpointing
-                or self._kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING):
-            return
-        if regions or self.recorder.forward_was_checkpointed():
-            self._warned_of_checkpointing = True
-            warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=2)
 
     def _group(self, param) -> int:
         if self._group_of is None:
@@ -458,25 +427,16 @@ class GhostClipping:
         calls, regions, audited, graph = self._audit(per_example_losses, mode)
         self.recorder.warn_if_compiled()
         try:
-            # The measure that decides a step's mode (mode_for_loss): book-keeping's under checkpointing (its first
-            # such step takes two passes); two passes' on the steps below (what book-keeping would keep:
-            # modes.mode_of_step; ~1.5 us a factor, ~0.3 ms a step on the CPU stand-in: not on every step of a model
-            # that never keeps little).
             recorder = self.recorder
-            if self.mode.keeps_factors:
-                measures_kept = recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed())
-            else:  # each step that took one backward (to go back), else the first and then on the proofs' schedule
-                measures_kept = modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE and (
-                    mode.keeps_factors or self._kept_fraction is None
-                    or proof_scheduled(self.pass_one.layouts.passes, REPROOF_EVERY))
+            measures_kept = self.step_modes.measures(
+                mode, lambda: recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed()),
+                self.pass_one.layouts.passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
-        if passed.held_bytes:
-            self._kept_fraction = passed.kept_bytes / passed.held_bytes
-            self._warn_of_keeping_under_checkpointing(mode, regions)
+        self.step_modes.measured(passed, mode, lambda: bool(regions) or self.recorder.forward_was_checkpointed())
         self._kept = passed.kept if mode.keeps_factors else passed.exact
         self._mass = (passed.total_mass(), passed.mass_dtype)
         sq = passed.total_sq()
@@ -534,29 +494,10 @@ class GhostClipping:
             torch.autograd.backward(losses, weights)
 
     def mode_for_loss(self):
-        """The clipping mode of the DP loss being built from this forward: the controller's; or two passes for a
-        book-keeping step under activation checkpointing, or book-keeping's one backward for a two-pass step that
-        keeps little (modes.mode_of_step; each logged once)."""
-        # Several processes: every rank must take the same mode (DDP's collectives), and each rank's
-        # measurement is its own (its sequence lengths): no exemption for what book-keeping keeps.
+        """The clipping mode of the DP loss being built from this forward (modes.StepModes.for_loss)."""
         several = distributed_rank_and_size()[1] > 1
-        kept_fraction = None if several else self._kept_fraction
-        if not self.mode.keeps_factors:
-            if kept_fraction is None or kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING:
-                return self.mode  # (the common case, before the sharding walk below)
-            may_keep = not has_sharded_parameters(self.module)
-            mode = mode_of_step(self.mode, False, False, kept_fraction, may_keep=may_keep)
-            if mode is not self.mode and not self._told_one_backward:
-                self._told_one_backward = True
-                log.info(ONE_BACKWARD_FOR_ADAPTERS)
-            return mode
-        checkpointed = self.recorder.forward_was_checkpointed()
-        mode = mode_of_step(self.mode, checkpointed, self.group_norms is not None, kept_fraction)
-        final = several or kept_fraction is not None  # the first checkpointed step has no measurement yet
-        if mode is not self.mode and final and not self._told_two_passes:
-            self._told_two_passes = True
-            log.info(TWO_PASSES_UNDER_CHECKPOINTING)
-        return mode
+        return self.step_modes.for_loss(self.recorder.forward_was_checkpointed, several,
+                                        lambda: has_sharded_parameters(self.module))
 
     # ----------------------------------------------------------------- per-example gradients on demand
     @contextlib.contextmanager

@@ -23,12 +23,17 @@ the whole frozen base for gradients that book-keeping writes from small kept fac
 """
 from __future__ import annotations
 
+import logging
+import warnings
 from collections import defaultdict
 
 import torch
 
 from ..norms.batched_sums import weighted_sums
 from ..norms.factors import EmbeddingGather, PerExampleGrad
+from .layout import REPROOF_EVERY, proof_scheduled
+
+log = logging.getLogger("ghostdp")
 
 
 class TwoPass:
@@ -145,6 +150,82 @@ def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction:
     if keeps_little and may_keep and ONE_BACKWARD_WHERE_KEEPING_LITTLE:
         return CLIPPING_MODES[BookKeeping.name]
     return configured
+
+
+BOOKKEEPING_WITH_CHECKPOINTING = (
+    "per-group clipping with activation checkpointing: per-group clipping needs book-keeping, which keeps every "
+    "layer's inputs and output grads until the clipping coefficients are known; that undoes what checkpointing "
+    "saves (2.5-3.4x the plain checkpointed step's peak, BERT on CPU). One max_grad_norm (clipping='ghost', or "
+    "'bookkeeping', which takes ghost's two passes under checkpointing) stays at the plain checkpointed peak "
+    "(1.00-1.05x).")
+TWO_PASSES_UNDER_CHECKPOINTING = (
+    "clipping='bookkeeping' under activation checkpointing (or saved-tensor offloading): these steps take ghost's "
+    "two passes, because keeping the layers' inputs and output grads would undo the memory checkpointing saves "
+    "(book-keeping keeps one backward there only when it can keep small explicit per-example gradients instead, "
+    "as for LoRA adapters). The clipped sums are the same; the time and memory are clipping='ghost''s.")
+ONE_BACKWARD_FOR_ADAPTERS = (
+    "clipping='ghost': this model's per-example gradients are small beside its layers' inputs and output grads "
+    "(adapters such as LoRA), so its steps take book-keeping's one backward instead of a second backward through "
+    "the frozen base: the same clipped sums, faster, and less memory than two passes (modes.py; "
+    "ghostdp.clipping.modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = False keeps two passes).")
+
+
+class StepModes:
+    """The mode each DP loss's backward runs in (``mode_of_step``), from what the norm passes measured of what
+    book-keeping keeps (``kept_fraction``), and what that choice tells the user, once each."""
+
+    def __init__(self, configured, per_group: bool):
+        self.configured = configured  # the controller's mode
+        self.per_group = per_group
+        self.kept_fraction = None  # of the last norm pass that measured: kept bytes / bytes its factors held
+        self._told = set()
+
+    def for_loss(self, checkpointed, several: bool, sharded):
+        """The mode of the DP loss being built. ``checkpointed()``: its forward ran a trained layer under a
+        checkpoint; ``several``: several processes (every rank must take the same mode, and each measures its own
+        batches: no exemption for what book-keeping keeps); ``sharded()``: the model has FSDP2-sharded parameters
+        (book-keeping cannot run). Called only where they matter."""
+        configured = self.configured
+        kept_fraction = None if several else self.kept_fraction
+        if not configured.keeps_factors:
+            if kept_fraction is None or kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING:
+                return configured  # (the common case, before the walk over the parameters that sharded() takes)
+            mode = mode_of_step(configured, False, False, kept_fraction, may_keep=not sharded())
+            if mode is not configured:
+                self._tell_once(ONE_BACKWARD_FOR_ADAPTERS)
+            return mode
+        mode = mode_of_step(configured, checkpointed(), self.per_group, kept_fraction)
+        if mode is not configured and (several or kept_fraction is not None):  # the first such step measures
+            self._tell_once(TWO_PASSES_UNDER_CHECKPOINTING)
+        return mode
+
+    def measures(self, mode, checkpointed, passes: int) -> bool:
+        """Whether the norm pass of a step in ``mode`` measures what book-keeping keeps (~1.5 us a factor, ~0.3 ms a
+        step on the CPU stand-in). Book-keeping: where ``checkpointed()`` (its first such step takes two passes).
+        Two passes: each step that took one backward (to go back as soon as it keeps much), else the first and
+        then on the layout proofs' schedule (norm pass ``passes``): not every step of a model that never keeps
+        little."""
+        if self.configured.keeps_factors:
+            return checkpointed()
+        return ONE_BACKWARD_WHERE_KEEPING_LITTLE and (
+            mode.keeps_factors or self.kept_fraction is None or proof_scheduled(passes, REPROOF_EVERY))
+
+    def measured(self, passed, mode, checkpointed) -> None:
+        """Takes the measure of norm pass ``passed`` (records.NormPass), if it made one. Per-group clipping under
+        checkpointing (``checkpointed()``), which keeps book-keeping, is warned of once where it keeps much."""
+        if not passed.held_bytes:
+            return
+        self.kept_fraction = passed.kept_bytes / passed.held_bytes
+        keeps_much = self.kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING
+        if (self.configured.keeps_factors and mode.keeps_factors and keeps_much
+                and BOOKKEEPING_WITH_CHECKPOINTING not in self._told and checkpointed()):
+            self._told.add(BOOKKEEPING_WITH_CHECKPOINTING)
+            warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=3)
+
+    def _tell_once(self, message: str) -> None:
+        if message not in self._told:
+            self._told.add(message)
+            log.info(message)
 
 
 def new_factor_store():

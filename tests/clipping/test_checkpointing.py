@@ -308,7 +308,7 @@ def test_book_keeping_stays_one_backward_under_checkpointing_when_it_keeps_littl
     controller = ghostdp.GhostClipping(model, float(norms.median()), clipping="bookkeeping")
     one_backward = [bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1)) for _ in range(3)]
     assert one_backward == [False, True, True]  # the first step measures what book-keeping would keep
-    assert controller._kept_fraction < 1 / 8
+    assert controller.step_modes.kept_fraction < 1 / 8
     for name, p in model.named_parameters():  # the last step's clipped sum (whatever the loss's reduction)
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)
 
@@ -318,9 +318,9 @@ def test_book_keeping_measures_what_it_would_keep_only_in_checkpointed_steps():
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     plain = lambda: model.up(torch.tanh(model.down(x))).flatten(1)  # the same layers, no checkpoint
     assert bookkeeping_wrote_the_sums(model, controller, plain)
-    assert controller._kept_fraction is None  # nothing measured: no mode depends on it
+    assert controller.step_modes.kept_fraction is None  # nothing measured: no mode depends on it
     assert not bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1))
-    assert controller._kept_fraction < 1 / 8
+    assert controller.step_modes.kept_fraction < 1 / 8
 
 
 def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointing_even_when_it_keeps_little(
@@ -332,7 +332,7 @@ def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointin
     model, x = CheckpointedAdapter().double(), torch.randn(B, 32, 16, dtype=torch.float64)
     controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
     assert [bookkeeping_wrote_the_sums(model, controller, lambda: model(x).flatten(1)) for _ in range(2)] == [False] * 2
-    assert controller._kept_fraction < 1 / 8
+    assert controller.step_modes.kept_fraction < 1 / 8
 
 
 def test_per_group_clipping_under_checkpointing_does_not_warn_when_it_keeps_little():
