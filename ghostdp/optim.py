@@ -443,7 +443,9 @@ class DPOptimizer(torch.optim.Optimizer):
         elif divisor != 1.0:
             torch._foreach_div_(grads, divisor)
         if clipped_fingerprint is not None:
-            self._check_ranks_agree(clipped_fingerprint, self._fingerprint(replicated))
+            modes = self.controller.step_modes  # the ranks' kept fractions ride on the same all-reduce
+            modes.agree(self._check_ranks_agree(clipped_fingerprint, self._fingerprint(replicated),
+                                                modes.local_measure()))
 
     @staticmethod
     def _fingerprint(params) -> torch.Tensor:
@@ -467,12 +469,16 @@ class DPOptimizer(torch.optim.Optimizer):
         dist.all_reduce(both)
         return float(both[0]), int(both[1])
 
-    def _check_ranks_agree(self, clipped, noisy):
+    def _check_ranks_agree(self, clipped, noisy, measure: float) -> float:
+        """Refuses clipped sums or noise that differ between the ranks; returns the largest ``measure`` of the ranks
+        (what book-keeping would keep, clipping/modes.StepModes), taken in the same all-reduce."""
         import torch.distributed as dist
         both = torch.cat([clipped, noisy])
-        spread = torch.cat([both, -both]).to(collective_device(both.device))
+        largest = torch.tensor([measure], dtype=both.dtype, device=both.device)
+        spread = torch.cat([both, -both, largest]).to(collective_device(both.device))
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-        high, low = spread[:4].cpu(), -spread[4:].cpu()
+        spread = spread.cpu()
+        high, low = spread[:4], -spread[4:8]
         differs = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-300
         if bool(differs[:2].any()):
             raise PrivacyStepError(
@@ -484,6 +490,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "the noise differs between processes: the ranks do not share one noise stream (a "
                 "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
                 "would not be one draw. Give every rank the same seed / generator state.")
+        return float(spread[8])
 
     def _check_finite(self, params, examples: int | None = None, clipped_with: float | None = None):
         """Refuse a NaN or infinite clipped gradient of ``params`` and, in one process, a clipped sum larger than

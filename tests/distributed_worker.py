@@ -96,6 +96,51 @@ def train_bookkeeping(seed, physical, checkpointed=False):
             "steps": steps, "buckets": buckets}
 
 
+class Adapted(torch.nn.Module):
+    """Each example's 5 features as 16 tokens of 8 (a frozen projection), a frozen Linear with a rank-1 adapter,
+    and a trainable head on the mean token: book-keeping would keep about a tenth of what its layers hold."""
+
+    def __init__(self, checkpointed=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.tokens = torch.nn.Linear(5, 16 * 8).requires_grad_(False)
+        self.base = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.down, self.up = torch.nn.Linear(8, 1, bias=False), torch.nn.Linear(1, 8, bias=False)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.tokens(x).view(len(x), 16, 8)
+        if self.checkpointed:  # non-reentrant: under DDP, the one backward runs through the recomputed block
+            h = checkpoint(self.adapted, h, use_reentrant=False)
+        else:
+            h = self.adapted(h)
+        return self.head(h.mean(1))
+
+    def adapted(self, h):
+        return torch.tanh(self.base(h) + self.up(self.down(h)))
+
+
+def train_adapters(one_backward, checkpointed=False):
+    """Two passes through a DDP-wrapped adapter model, in physical chunks, with their one backward where book-keeping
+    keeps little (clipping/modes.py) or without: which backward calls took one backward, and the weights after."""
+    from ghostdp.clipping import modes
+    modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = one_backward
+    try:
+        model = Adapted(checkpointed)
+        engine, _, optimizer, criterion, loader = private(model, seed=11, physical=2)
+        ddp, wrote = DDP(model), []
+        for x, y, _ in loader:
+            optimizer.zero_grad()
+            criterion(ddp(x), y).backward()
+            wrote.append(engine.controller.ledger.records[-1].wrote_sums)
+            optimizer.step()
+        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "wrote": wrote,
+                "agreed": engine.controller.step_modes.agreed}
+    finally:
+        modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = True
+
+
 def noise_draws(steps=5, sigma=2.0):
     """Zero per-example gradients: after each step, p.grad * expected batch size is the noise alone."""
     torch.manual_seed(0)
@@ -519,6 +564,8 @@ def main(scenario, out):
                   "first_unseeded": train_exact(wrap_first=True, seed=None, physical=None),
                   "bookkeeping": train_bookkeeping(seed=11, physical=2),
                   "bookkeeping_checkpointed": train_bookkeeping(seed=11, physical=2, checkpointed=True),
+                  "adapters": {on: train_adapters(on) for on in (True, False)},
+                  "adapters_checkpointed": {on: train_adapters(on, checkpointed=True) for on in (True, False)},
                   "noise": noise_draws(), "refusals": refusals(), "forward_checks": forward_checks()}
     elif scenario == "fsdp":
         result = fsdp(out)

@@ -208,6 +208,22 @@ def test_bookkeeping_sums_the_ranks_in_one_bucketed_all_reduce_per_step(engine_r
         assert run["buckets"] == [0] * run["steps"]
 
 
+@pytest.mark.parametrize("run", ["adapters", "adapters_checkpointed"])
+def test_two_passes_take_one_backward_for_adapters_on_every_rank_alike(engine_runs, run):
+    """The ranks agree on what book-keeping keeps at each step's all-reduce (the largest of their measures), so
+    every rank switches at the same logical batch, and the weights are those of two passes throughout; also under
+    non-reentrant checkpointing."""
+    for rank in engine_runs:
+        switched, two_passes = rank[run][True], rank[run][False]
+        for name, p in two_passes["params"].items():
+            torch.testing.assert_close(switched["params"][name], p, rtol=1e-10, atol=1e-12)
+        assert not any(two_passes["wrote"]) and switched["agreed"] < 1 / 8
+        wrote = switched["wrote"]
+        first = wrote.index(True)  # the first logical batch measures in two passes, the rest take one backward
+        assert 0 < first and all(wrote[first:])
+    assert engine_runs[0][run][True]["wrote"] == engine_runs[1][run][True]["wrote"]
+
+
 @pytest.mark.parametrize("runs, run", [("trainer_runs", "exact"), ("accelerate_trainer_runs", "exact"),
                                        ("trainer_runs", "bookkeeping")])
 def test_dp_trainer_under_torchrun_or_accelerate_equals_one_process_on_the_union(runs, run, request):

@@ -24,6 +24,7 @@ the whole frozen base for gradients that book-keeping writes from small kept fac
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections import defaultdict
 
@@ -131,8 +132,9 @@ KEPT_FRACTION_UNDER_CHECKPOINTING = 1 / 8
 # little (adapters: LoRA's explicit per-example gradients, rank r << T tokens): the same clipped sums, without a
 # second backward through the frozen base (which made two passes 1.3-1.45x book-keeping's step on GPT-2 and Llama
 # with LoRA on a GPU), and with less memory than two passes hold (their pass 1 keeps the graph for pass 2; one
-# backward frees it as it goes, and keeps little). Only where book-keeping runs: one process, no FSDP2-sharded
-# parameter (mode_of_step's ``may_keep``). False: two passes always take two passes.
+# backward frees it as it goes, and keeps little). Only where book-keeping runs: no FSDP2-sharded parameter
+# (mode_of_step's ``may_keep``); several processes decide together (StepModes.agree). False: two passes always take
+# two passes.
 ONE_BACKWARD_WHERE_KEEPING_LITTLE = True
 
 
@@ -140,8 +142,8 @@ def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction:
                  may_keep: bool = False):
     """The mode a DP loss's backward runs in: ``configured``, or two passes for a checkpointed book-keeping step,
     or book-keeping for a two-pass step that keeps little (see above). ``kept_fraction``: kept bytes / held bytes
-    of the last norm pass, None before the first. ``may_keep``: book-keeping can run this step (one process, no
-    sharded parameter)."""
+    of the last norm pass, None before the first. ``may_keep``: book-keeping can run this step (no FSDP2-
+    sharded parameter; several processes decide by a fraction they agreed on: StepModes)."""
     keeps_little = kept_fraction is not None and kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING
     if configured.keeps_factors:
         if checkpointed and not per_group and not keeps_little:
@@ -178,15 +180,18 @@ class StepModes:
         self.configured = configured  # the controller's mode
         self.per_group = per_group
         self.kept_fraction = None  # of the last norm pass that measured: kept bytes / bytes its factors held
+        # Several processes: the largest kept fraction of the ranks, agreed at the last optimizer step (``agree``).
+        self.agreed = None
         self._told = set()
 
     def for_loss(self, checkpointed, several: bool, sharded):
         """The mode of the DP loss being built. ``checkpointed()``: its forward ran a trained layer under a
         checkpoint; ``several``: several processes (every rank must take the same mode, and each measures its own
-        batches: no exemption for what book-keeping keeps); ``sharded()``: the model has FSDP2-sharded parameters
-        (book-keeping cannot run). Called only where they matter."""
+        batches: they decide by the fraction agreed at the last optimizer step, the same on every rank, so the mode
+        changes between logical batches only); ``sharded()``: the model has FSDP2-sharded parameters (book-keeping
+        cannot run). Called only where they matter."""
         configured = self.configured
-        kept_fraction = None if several else self.kept_fraction
+        kept_fraction = self.agreed if several else self.kept_fraction
         if not configured.keeps_factors:
             if kept_fraction is None or kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING:
                 return configured  # (the common case, before the walk over the parameters that sharded() takes)
@@ -221,6 +226,14 @@ class StepModes:
                 and BOOKKEEPING_WITH_CHECKPOINTING not in self._told and checkpointed()):
             self._told.add(BOOKKEEPING_WITH_CHECKPOINTING)
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=3)
+
+    def local_measure(self) -> float:
+        """This process's kept fraction for the ranks' agreement (inf before any measure)."""
+        return math.inf if self.kept_fraction is None else self.kept_fraction
+
+    def agree(self, largest: float) -> None:
+        """The largest ``local_measure`` over the ranks, from the DP optimizer's all-reduce at each step."""
+        self.agreed = None if math.isinf(largest) else largest
 
     def _tell_once(self, message: str) -> None:
         if message not in self._told:

@@ -323,9 +323,10 @@ def test_book_keeping_measures_what_it_would_keep_only_in_checkpointed_steps():
     assert controller.step_modes.kept_fraction < 1 / 8
 
 
-def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointing_even_when_it_keeps_little(
+def test_with_several_processes_book_keeping_takes_two_passes_under_checkpointing_until_the_ranks_agree(
         monkeypatch):
-    # Each rank measures its own batches, and all ranks must take one mode (DDP's collectives in pass 2).
+    # Each rank measures its own batches, and all ranks must take one mode (DDP's collectives in pass 2): they decide
+    # by the largest measure, agreed in the DP optimizer's all-reduce (modes.StepModes.agree); none here.
     import ghostdp.clipping.controller as controller_module
     monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
     torch.manual_seed(0)

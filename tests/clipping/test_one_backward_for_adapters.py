@@ -162,11 +162,28 @@ def test_no_switch_where_book_keeping_cannot_run(monkeypatch, why):
     controller = ghostdp.GhostClipping(model, 1.0)
     step(controller, model, x, 1.0)
     assert controller.mode_for_loss().name == "bookkeeping"
-    if why == "several processes":  # every rank must take the same mode; each measures its own batch
+    if why == "several processes":  # every rank must take the same mode: nothing agreed across the ranks yet
         monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
     else:  # FSDP2: book-keeping would write its sums past FSDP's reduce-scatter
         monkeypatch.setattr(controller_module, "has_sharded_parameters", lambda module: True)
     assert controller.mode_for_loss().name == "ghost"
+    controller.detach()
+
+
+def test_several_processes_decide_by_the_fraction_the_ranks_agreed_on(monkeypatch):
+    """The DP optimizer's all-reduce gives every rank the largest of their measures (StepModes.agree; a real two-rank
+    run is in tests/test_distributed.py): the mode follows it, not this rank's own."""
+    torch.manual_seed(0)
+    model, x = AdaptedNet(), torch.randn(4, T, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    step(controller, model, x, 1.0)  # this rank keeps little
+    monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
+    controller.step_modes.agree(controller.step_modes.local_measure())
+    assert controller.mode_for_loss().name == "bookkeeping"
+    controller.step_modes.agree(0.5)  # another rank keeps much
+    assert controller.mode_for_loss().name == "ghost"
+    controller.step_modes.agree(float("inf"))  # another rank has measured nothing yet
+    assert controller.mode_for_loss().name == "ghost" and controller.step_modes.agreed is None
     controller.detach()
 
 
