@@ -429,7 +429,7 @@ class GhostClipping:
         try:
             recorder = self.recorder
             measures_kept = self.step_modes.measures(
-                mode, lambda: recorder.watch_checkpoints and (bool(regions) or recorder.forward_was_checkpointed()),
+                mode, lambda: bool(regions) or recorder.forward_was_checkpointed(),
                 self.pass_one.layouts.passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)

@@ -137,6 +137,16 @@ KEPT_FRACTION_UNDER_CHECKPOINTING = 1 / 8
 # two passes.
 ONE_BACKWARD_WHERE_KEEPING_LITTLE = True
 
+# "Little" for that, where the forward ran no checkpoint: up to this part. Two passes then hold the whole graph,
+# every trained layer's input included, through pass 2, and one backward frees it as it goes; kept in float32, an
+# adapter's explicit gradients take twice their elements' bytes beside 16-bit inputs (r=16 at T=128 in bf16: about
+# 1/4). Measured (CPU tensor bytes, Llama-shaped LoRA r=16, L=2, H=256, bf16, B=8, `python -m profiling.bench
+# --model llama-lora --cpu-memory tensors`): book-keeping's peak below two passes' at kept fractions 0.22, 0.44 and
+# 0.87 (T=128, 64, 32; at T=32 5.23 against 5.52 MB). Full fine-tuning keeps everything (a fraction of 1) and stays
+# two passes. Under checkpointing the limit is KEPT_FRACTION_UNDER_CHECKPOINTING: what is kept then competes with
+# the little that checkpointing leaves.
+KEPT_FRACTION_WITHOUT_CHECKPOINTING = 1 / 2
+
 
 def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction: float | None = None,
                  may_keep: bool = False):
@@ -149,6 +159,8 @@ def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction:
         if checkpointed and not per_group and not keeps_little:
             return CLIPPING_MODES[TwoPass.name]
         return configured
+    if not checkpointed:
+        keeps_little = kept_fraction is not None and kept_fraction <= KEPT_FRACTION_WITHOUT_CHECKPOINTING
     if keeps_little and may_keep and ONE_BACKWARD_WHERE_KEEPING_LITTLE:
         return CLIPPING_MODES[BookKeeping.name]
     return configured
@@ -193,9 +205,9 @@ class StepModes:
         configured = self.configured
         kept_fraction = self.agreed if several else self.kept_fraction
         if not configured.keeps_factors:
-            if kept_fraction is None or kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING:
+            if kept_fraction is None or kept_fraction > KEPT_FRACTION_WITHOUT_CHECKPOINTING:
                 return configured  # (the common case, before the walk over the parameters that sharded() takes)
-            mode = mode_of_step(configured, False, False, kept_fraction, may_keep=not sharded())
+            mode = mode_of_step(configured, checkpointed(), False, kept_fraction, may_keep=not sharded())
             if mode is not configured:
                 self._tell_once(ONE_BACKWARD_FOR_ADAPTERS)
             return mode

@@ -6,8 +6,8 @@ output (probe.py) hands them over as autograd passes, unless the call is capture
 calls whose G it keeps whole, and with two passes every ruled call above the lowest ones. The recorder
 also counts each parameter's recorded uses that pass 1 has not reached yet (a parameter with one use is
 reduced to its norm as soon as its G arrives), knows the batch size from the model's first tensor
-argument, and, for book-keeping, whether the forward ran a trained layer under an activation checkpoint
-(its loss then takes two passes: modes.mode_of_step).
+argument, and whether the forward ran a trained layer under an activation checkpoint (which decides the
+step's mode: modes.mode_of_step).
 
 What a call records depends on when it runs (``_call_kind``): an ordinary forward records it; a reentrant
 checkpoint's recomputation records it for pass 1 or for the layout proof (reentrant.py); any other
@@ -146,9 +146,9 @@ class ForwardRecorder:
         self.broadcast_in_forward = []  # (name, shape) of the outputs of batch size 1 broadcast in this forward
         # A call without a rule and with several outputs: its fallback runs after pass 1 has gone below it.
         self.graph_needed_after_pass1 = False
-        # Book-keeping: the forward ran a trained layer under a checkpoint (saved-tensor hooks, or with
-        # grad off in training: a reentrant region); its loss then takes two passes (modes.mode_of_step).
-        self.watch_checkpoints = keeps_factors
+        # The forward ran a trained layer under a checkpoint (saved-tensor hooks, or with grad off in training: a
+        # reentrant region): book-keeping's loss then takes two passes, and two passes' takes one backward only
+        # where it keeps very little (modes.mode_of_step).
         self.forward_checkpointed = False
         self._checkpointing_flags = []
         # Calls captured instead of probed (capture.capture says which): this forward may capture (book-keeping:
@@ -172,8 +172,7 @@ class ForwardRecorder:
     def attach(self, module) -> list:
         """Hooks ``module`` and its hooked submodules; the handles."""
         self.root = module
-        if self.watch_checkpoints:
-            self._checkpointing_flags = _checkpointing_flag_holders(module)
+        self._checkpointing_flags = _checkpointing_flag_holders(module)
         handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True),
                    module.register_forward_hook(self.on_root_forward_end, always_call=True)]
         for name, m in hooked_modules(module):
@@ -195,12 +194,12 @@ class ForwardRecorder:
         return handles
 
     def forward_was_checkpointed(self) -> bool:
-        """Book-keeping: the last forward ran a trained layer under a checkpoint (see on_forward), or the
+        """The last forward ran a trained layer under a checkpoint (see on_forward), or the
         model's transformers flag says it checkpoints."""
         return self.forward_checkpointed or self._checkpointing_flag_set()
 
     def _checkpointing_flag_set(self) -> bool:
-        """The model's transformers flag says it checkpoints (book-keeping controllers)."""
+        """The model's transformers flag says it checkpoints."""
         return any(m.gradient_checkpointing for m in self._checkpointing_flags)
 
     def _training(self, module) -> bool:
@@ -229,8 +228,8 @@ class ForwardRecorder:
             self.broadcast_in_forward.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
-                if self.watch_checkpoints:
-                    self.forward_checkpointed = _saved_tensor_hooks(False) is not None
+                self.forward_checkpointed = _saved_tensor_hooks(False) is not None
+                if not self.two_passes:  # book-keeping's captured calls hold G to the end of pass 1 (capture.py)
                     self._capturing = not self._checkpointing_flag_set()
 
     def on_root_forward_end(self, module, args, output):
@@ -297,7 +296,7 @@ class ForwardRecorder:
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
             entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
         if not self._recording(module):
-            if self.watch_checkpoints and self._training(module) and not self.pass_one.in_fallback:  # grad off
+            if self._training(module) and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))
             return None
         params = self._trainable_owned(module)
@@ -307,7 +306,7 @@ class ForwardRecorder:
             change = self._changed_since_attaching(module)
             if change is not None:
                 entry = self._to_fallback(name, module, change)
-        if self.watch_checkpoints and not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
+        if not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
             self.forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
         if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
                 and output.is_floating_point() and _all_tensors(args)):
@@ -452,7 +451,7 @@ class ForwardRecorder:
             for p in params.values():
                 live[id(p)] += 1
             if (kind is _RECORDED and self._capturing and call.expanded is _NOT_EXPANDED
-                    and not self.forward_checkpointed):
+                    and (self.two_passes or not self.forward_checkpointed)):
                 node_type = capture(call, entry, module, saved, output, self.two_passes, self.captured_types)
                 if node_type is not None:  # pass 1 takes its output grad from autograd.grad: no probe
                     self.captured_types.add(node_type)

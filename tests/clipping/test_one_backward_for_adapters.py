@@ -89,6 +89,22 @@ def test_two_passes_take_one_backward_once_the_adapters_are_found_to_keep_little
     assert assert_switched_steps_exact(model, x) == [False, True, True]
 
 
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant"])
+def test_between_an_eighth_and_a_half_kept_one_backward_only_without_checkpointing(checkpointing):
+    """On 4 tokens the rank-1 adapters keep about a quarter of what their layers hold: one backward where two passes
+    would hold the whole graph anyway, two passes under checkpointing (modes.KEPT_FRACTION_WITHOUT_CHECKPOINTING)."""
+    torch.manual_seed(0)
+    model = AdaptedNet(checkpointing)
+    x = torch.randn(4, 4, D)
+    wrote = assert_switched_steps_exact(model, x)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    step(controller, model, x, 1.0)
+    fraction = controller.step_modes.kept_fraction
+    controller.detach()
+    assert modes.KEPT_FRACTION_UNDER_CHECKPOINTING < fraction < modes.KEPT_FRACTION_WITHOUT_CHECKPOINTING
+    assert wrote == ([False, True, True] if checkpointing is None else [False, False, False])
+
+
 def test_peft_lora_on_bert_takes_one_backward_and_stays_exact():
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
@@ -121,8 +137,8 @@ def test_peft_lora_on_bert_takes_one_backward_and_stays_exact():
 
 def test_a_model_whose_factors_are_not_small_keeps_two_passes():
     torch.manual_seed(0)
-    model = AdaptedNet(frozen_base=False)  # the base weights' inputs and output grads are what book-keeping keeps
-    assert assert_switched_steps_exact(model, torch.randn(4, T, D)) == [False, False, False]
+    model = AdaptedNet(frozen_base=False)  # on 4 tokens book-keeping keeps the base weights' inputs and output grads
+    assert assert_switched_steps_exact(model, torch.randn(4, 4, D)) == [False, False, False]
 
 
 def test_two_passes_measure_what_book_keeping_would_keep_on_the_proofs_schedule():
@@ -130,7 +146,7 @@ def test_two_passes_measure_what_book_keeping_would_keep_on_the_proofs_schedule(
     on every step: frozen after pass 4, its base stops counting at pass 8's measure, and pass 9 takes one
     backward. A step that took one backward is measured every time (it goes back as soon as it keeps much)."""
     torch.manual_seed(0)
-    model, x = AdaptedNet(frozen_base=False), torch.randn(4, T, D)
+    model, x = AdaptedNet(frozen_base=False), torch.randn(4, 4, D)  # 4 tokens: the base keeps about 2/3
     controller = ghostdp.GhostClipping(model, 1.0)
     assert [step(controller, model, x, 1.0)[1] for _ in range(5)] == [False] * 5  # passes 0-4
     for block in model.blocks:
@@ -180,7 +196,7 @@ def test_several_processes_decide_by_the_fraction_the_ranks_agreed_on(monkeypatc
     monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
     controller.step_modes.agree(controller.step_modes.local_measure())
     assert controller.mode_for_loss().name == "bookkeeping"
-    controller.step_modes.agree(0.5)  # another rank keeps much
+    controller.step_modes.agree(0.75)  # another rank keeps much
     assert controller.mode_for_loss().name == "ghost"
     controller.step_modes.agree(float("inf"))  # another rank has measured nothing yet
     assert controller.mode_for_loss().name == "ghost" and controller.step_modes.agreed is None
@@ -192,7 +208,12 @@ def test_mode_of_step():
     little, much = modes.KEPT_FRACTION_UNDER_CHECKPOINTING, 2 * modes.KEPT_FRACTION_UNDER_CHECKPOINTING
     assert modes.mode_of_step(ghost, False, False, little, may_keep=True) is bookkeeping
     assert modes.mode_of_step(ghost, True, False, little, may_keep=True) is bookkeeping  # checkpointed: keeps little
-    assert modes.mode_of_step(ghost, False, False, much, may_keep=True) is ghost
+    assert modes.mode_of_step(ghost, True, False, much, may_keep=True) is ghost
+    assert modes.mode_of_step(ghost, False, False, much, may_keep=True) is bookkeeping  # no checkpoint: up to a half
+    half = modes.KEPT_FRACTION_WITHOUT_CHECKPOINTING
+    assert modes.mode_of_step(ghost, False, False, half, may_keep=True) is bookkeeping
+    assert modes.mode_of_step(ghost, False, False, 1.01 * half, may_keep=True) is ghost
+    assert modes.mode_of_step(ghost, False, False, 1.0, may_keep=True) is ghost  # full fine-tuning at BERT-base
     assert modes.mode_of_step(ghost, False, False, None, may_keep=True) is ghost  # nothing measured yet
     assert modes.mode_of_step(ghost, False, False, little, may_keep=False) is ghost
     assert modes.mode_of_step(bookkeeping, True, False, much) is ghost
