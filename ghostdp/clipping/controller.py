@@ -426,17 +426,18 @@ class GhostClipping:
             return torch.zeros(0, dtype=torch.float64, device=per_example_losses.device)
         calls, regions, audited, graph = self._audit(per_example_losses, mode)
         self.recorder.warn_if_compiled()
+
+        def checkpointed():  # this step ran a trained layer under a checkpoint (the modes' measure depends on it)
+            return bool(regions) or self.recorder.forward_was_checkpointed()
+
         try:
-            recorder = self.recorder
-            measures_kept = self.step_modes.measures(
-                mode, lambda: bool(regions) or recorder.forward_was_checkpointed(),
-                self.pass_one.layouts.passes)
+            measures_kept = self.step_modes.measures(mode, checkpointed, self.pass_one.layouts.passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
-        self.step_modes.measured(passed, mode, lambda: bool(regions) or self.recorder.forward_was_checkpointed())
+        self.step_modes.measured(passed, mode, checkpointed)
         self._kept = passed.kept if mode.keeps_factors else passed.exact
         self._mass = (passed.total_mass(), passed.mass_dtype)
         sq = passed.total_sq()

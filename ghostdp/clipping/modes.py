@@ -154,13 +154,12 @@ def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction:
     or book-keeping for a two-pass step that keeps little (see above). ``kept_fraction``: kept bytes / held bytes
     of the last norm pass, None before the first. ``may_keep``: book-keeping can run this step (no FSDP2-
     sharded parameter; several processes decide by a fraction they agreed on: StepModes)."""
-    keeps_little = kept_fraction is not None and kept_fraction <= KEPT_FRACTION_UNDER_CHECKPOINTING
+    limit = KEPT_FRACTION_UNDER_CHECKPOINTING if checkpointed else KEPT_FRACTION_WITHOUT_CHECKPOINTING
+    keeps_little = kept_fraction is not None and kept_fraction <= limit
     if configured.keeps_factors:
         if checkpointed and not per_group and not keeps_little:
             return CLIPPING_MODES[TwoPass.name]
         return configured
-    if not checkpointed:
-        keeps_little = kept_fraction is not None and kept_fraction <= KEPT_FRACTION_WITHOUT_CHECKPOINTING
     if keeps_little and may_keep and ONE_BACKWARD_WHERE_KEEPING_LITTLE:
         return CLIPPING_MODES[BookKeeping.name]
     return configured
@@ -205,11 +204,10 @@ class StepModes:
         configured = self.configured
         kept_fraction = self.agreed if several else self.kept_fraction
         if not configured.keeps_factors:
-            if kept_fraction is None or kept_fraction > KEPT_FRACTION_WITHOUT_CHECKPOINTING:
-                return configured  # (the common case, before the walk over the parameters that sharded() takes)
-            mode = mode_of_step(configured, checkpointed(), False, kept_fraction, may_keep=not sharded())
-            if mode is not configured:
-                self._tell_once(ONE_BACKWARD_FOR_ADAPTERS)
+            mode = mode_of_step(configured, checkpointed(), False, kept_fraction, may_keep=True)
+            if mode is configured or sharded():  # (the walk over the parameters only where it decides)
+                return configured
+            self._tell_once(ONE_BACKWARD_FOR_ADAPTERS)
             return mode
         mode = mode_of_step(configured, checkpointed(), self.per_group, kept_fraction)
         if mode is not configured and (several or kept_fraction is not None):  # the first such step measures
