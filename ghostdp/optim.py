@@ -23,6 +23,7 @@ import torch
 from . import collector
 from .accounting.passes import PassAccounting
 from .data import BatchTracker, any_rank, collective_device, distributed_rank_and_size
+from .model_tree import ModelTree, current_tree
 from .sharding import local_parts
 
 
@@ -72,26 +73,6 @@ def _delegated(name: str) -> property:
     """An attribute read from and written to the wrapped optimizer (so LR schedulers see its state)."""
     return property(lambda self: getattr(self.original_optimizer, name),
                     lambda self, value: setattr(self.original_optimizer, name, value))
-
-
-class _ModelTree:
-    """The model's modules and parameters as (container, key, object) entries of their parents' dicts,
-    and the ids of its parameters; ``unchanged()`` checks that every entry still holds its object."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.entries = []
-        for m in module.modules():
-            self.entries.extend((m._parameters, k, p) for k, p in m._parameters.items())
-            self.entries.extend((m._modules, k, c) for k, c in m._modules.items())
-        self.parameters = list(module.parameters())
-        self.params = {id(p) for p in self.parameters}  # ids: no Python Tensor.__hash__
-        self.fresh = True
-
-    def unchanged(self) -> bool:
-        for container, key, obj in self.entries:  # a loop, not all() over a generator: every step, ~400 entries
-            if container.get(key) is not obj:
-                return False
-        return True
 
 
 class PrivacyStepError(RuntimeError):
@@ -251,11 +232,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Every optimizer parameter is one of the model's. The model's parameters are walked again only
         when its tree of modules and parameters changed (a replaced parameter or submodule), or when an
         optimizer parameter is not among those last seen: no module walk in an ordinary step."""
-        if self._model_tree is None or not self._model_tree.unchanged():
-            self._model_tree = _ModelTree(self.controller.module)
+        self._model_tree = current_tree(self._model_tree, self.controller.module)
         foreign = [p for group in self.param_groups for p in group["params"] if id(p) not in self._model_tree.params]
         if foreign and not self._model_tree.fresh:
-            self._model_tree = _ModelTree(self.controller.module)
+            self._model_tree = ModelTree(self.controller.module)
             foreign = [p for p in foreign if id(p) not in self._model_tree.params]
         self._model_tree.fresh = False
         if foreign:
@@ -289,7 +269,7 @@ class DPOptimizer(torch.optim.Optimizer):
         (_check_params_belong_to_model): one added or replaced since was not the model's at attach, which the
         graph audit and that check refuse."""
         if self._model_tree is None:
-            self._model_tree = _ModelTree(self.controller.module)
+            self._model_tree = ModelTree(self.controller.module)
         ours = {id(p) for group in self.param_groups for p in group["params"]}
         attached = self.controller._parameters  # one replaced since attaching is refused by the other checks
         outside = [p for p in self._model_tree.parameters

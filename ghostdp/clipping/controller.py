@@ -23,6 +23,7 @@ from torch.autograd.profiler import record_function
 
 from ..accounting.base import check_positive
 from ..data import distributed_rank_and_size
+from ..model_tree import current_tree
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from .accumulation import AccumulationWatch
@@ -157,6 +158,7 @@ class GhostClipping:
                 "sums itself, past FSDP's reduce-scatter of the gradients. Fix: clipping='ghost' (supported with "
                 "FSDP2), or book-keeping with DistributedDataParallel.")
         self.module = module
+        self._model_tree = None  # the model's tree as last read (_has_sharded_parameters)
         self.group_norms, self._group_of = _clipping_groups(max_grad_norm, parameter_groups, self.mode)
         # The mode each DP loss's backward runs in, from what the norm passes measure (modes.StepModes).
         self.step_modes = StepModes(self.mode, per_group=self.group_norms is not None)
@@ -285,7 +287,7 @@ class GhostClipping:
                     "per-example terms (controller.loss(losses_a + losses_b)), or run the forward again for the "
                     "second loss.")
             if regions:
-                if has_sharded_parameters(self.module) or distributed_rank_and_size()[1] > 1:
+                if self._has_sharded_parameters() or distributed_rank_and_size()[1] > 1:
                     raise NotImplementedError(REENTRANT_DISTRIBUTED)
                 self._regions.watch(regions)
             self._refuse_what_the_audit_found(found, calls)
@@ -498,7 +500,12 @@ class GhostClipping:
         """The clipping mode of the DP loss being built from this forward (modes.StepModes.for_loss)."""
         several = distributed_rank_and_size()[1] > 1
         return self.step_modes.for_loss(self.recorder.forward_was_checkpointed, several,
-                                        lambda: has_sharded_parameters(self.module))
+                                        self._has_sharded_parameters)
+
+    def _has_sharded_parameters(self) -> bool:
+        """Whether the model has FSDP2-sharded parameters, walked again only where its tree changed (model_tree.py)."""
+        self._model_tree = current_tree(self._model_tree, self.module)
+        return self._model_tree.sharded()
 
     # ----------------------------------------------------------------- per-example gradients on demand
     @contextlib.contextmanager

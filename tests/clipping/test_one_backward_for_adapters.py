@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import ghostdp
 from ghostdp.clipping import controller as controller_module
 from ghostdp.clipping import modes
+from ghostdp import model_tree
 from conftest import clipped_sum, reference_per_example_grads, trainable
 from test_models import B, classification_loss, padded_text, tiny_bert
 
@@ -180,9 +181,31 @@ def test_no_switch_where_book_keeping_cannot_run(monkeypatch, why):
     assert controller.mode_for_loss().name == "bookkeeping"
     if why == "several processes":  # every rank must take the same mode: nothing agreed across the ranks yet
         monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
-    else:  # FSDP2: book-keeping would write its sums past FSDP's reduce-scatter
-        monkeypatch.setattr(controller_module, "has_sharded_parameters", lambda module: True)
+    else:  # FSDP2 (fully_shard puts DTensors in place of the parameters): book-keeping would write its sums past
+        # FSDP's reduce-scatter. The frozen base weight stands for such a DTensor.
+        frozen = model.blocks[0].base
+        frozen.weight = nn.Parameter(frozen.weight.detach().clone(), requires_grad=False)
+        monkeypatch.setattr(model_tree, "is_sharded", lambda t: t is frozen.weight)
     assert controller.mode_for_loss().name == "ghost"
+    controller.detach()
+
+
+def test_the_sharding_check_walks_the_model_again_only_where_its_tree_changed(monkeypatch):
+    """A walk of the parameters recursed through every module at each step (0.35-0.7 ms on the LoRA stand-ins): the
+    check reads the model's tree as last walked while every module still holds the same parameters and submodules."""
+    torch.manual_seed(0)
+    model, x = AdaptedNet(), torch.randn(4, T, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    read = []
+    monkeypatch.setattr(model_tree, "is_sharded", lambda t: read.append(t) or False)
+    assert [step(controller, model, x, 1.0)[1] for _ in range(3)] == [False, True, True]
+    walked = len(read)
+    assert walked == len(list(model.parameters()))  # once, on the first step that could switch
+    model.blocks[1].up.weight = nn.Parameter(torch.randn(D, R))  # a parameter replaced: all are read again
+    assert controller.mode_for_loss().name == "bookkeeping" and len(read) == 2 * walked
+    model.blocks[0].base = nn.Linear(D, D).requires_grad_(False)  # a submodule replaced
+    assert controller.mode_for_loss().name == "bookkeeping" and len(read) == 3 * walked
+    assert controller.mode_for_loss().name == "bookkeeping" and len(read) == 3 * walked
     controller.detach()
 
 
