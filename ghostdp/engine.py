@@ -424,9 +424,13 @@ class PrivacyEngine:
 
     def state_dict(self) -> dict:
         """Accountant history, sampler position and random state (the noise and sampling streams, and
-        torch's global RNG, which draws dropout masks): save with the model and optimizer."""
-        return dict(run_state(self.accountant, self.random_source, self.data_loader, self.optimizer),
-                    torch_rng=_global_rng_state())
+        torch's global RNG, which draws dropout masks), and the measures that pick each step's clipping mode: save
+        with the model and optimizer."""
+        state = dict(run_state(self.accountant, self.random_source, self.data_loader, self.optimizer),
+                     torch_rng=_global_rng_state())
+        if self.controller is not None:  # the measures that pick each step's clipping mode (clipping/modes.py)
+            state["step_modes"] = self.controller.step_modes.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved run; before make_private the sampler and noise parts wait until it is called."""
@@ -442,4 +446,6 @@ class PrivacyEngine:
         restore_streams(state, self.random_source, self.data_loader, self.optimizer)
         if "torch_rng" in state:
             _restore_global_rng(state["torch_rng"])
+        if "step_modes" in state:
+            self.controller.step_modes.load_state_dict(state["step_modes"])
         self._pending_state = None

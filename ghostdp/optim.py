@@ -423,7 +423,7 @@ class DPOptimizer(torch.optim.Optimizer):
         elif divisor != 1.0:
             torch._foreach_div_(grads, divisor)
         if clipped_fingerprint is not None:
-            modes = self.controller.step_modes  # the ranks' kept fractions ride on the same all-reduce
+            modes = self.controller.step_modes  # the ranks' measures ride on the same all-reduce
             modes.agree(self._check_ranks_agree(clipped_fingerprint, self._fingerprint(replicated),
                                                 modes.local_measure()))
 
@@ -449,12 +449,12 @@ class DPOptimizer(torch.optim.Optimizer):
         dist.all_reduce(both)
         return float(both[0]), int(both[1])
 
-    def _check_ranks_agree(self, clipped, noisy, measure: float) -> float:
-        """Refuses clipped sums or noise that differ between the ranks; returns the largest ``measure`` of the ranks
-        (what book-keeping would keep, clipping/modes.StepModes), taken in the same all-reduce."""
+    def _check_ranks_agree(self, clipped, noisy, measures: tuple) -> tuple:
+        """Refuses clipped sums or noise that differ between the ranks; returns each of ``measures``' largest over
+        the ranks (what book-keeping would keep, clipping/modes.StepModes), taken in the same all-reduce."""
         import torch.distributed as dist
         both = torch.cat([clipped, noisy])
-        largest = torch.tensor([measure], dtype=both.dtype, device=both.device)
+        largest = torch.tensor(list(measures), dtype=both.dtype, device=both.device)
         spread = torch.cat([both, -both, largest]).to(collective_device(both.device))
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         spread = spread.cpu()
@@ -470,7 +470,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "the noise differs between processes: the ranks do not share one noise stream (a "
                 "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
                 "would not be one draw. Give every rank the same seed / generator state.")
-        return float(spread[8])
+        return tuple(spread[8:].tolist())
 
     def _check_finite(self, params, examples: int | None = None, clipped_with: float | None = None):
         """Refuse a NaN or infinite clipped gradient of ``params`` and, in one process, a clipped sum larger than

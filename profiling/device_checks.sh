@@ -3,9 +3,10 @@
 # machine's start included):
 #
 #     bash profiling/device_checks.sh                        # on the device machine: suite and forward_check
-#     bash profiling/device_checks.sh layers knobs           # any steps by name: suite forward_check compiled layers knobs
+#     bash profiling/device_checks.sh layers knobs           # any steps by name: suite forward_check compiled layers
+#                                                            # knobs one_backward
 #     SUITE_ARGS="--against REF" bash profiling/device_checks.sh suite   # extra arguments for the suite
-#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers knobs   # a dry run, scaled down
+#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers knobs one_backward  # dry run
 #
 # Steps, each with its output and exit status in $OUT/NAME.txt (the device tool's folder that comes back;
 # profiling_output/device elsewhere) and its own time limit, so that one that hangs leaves the others their time:
@@ -22,6 +23,9 @@
 #   Not yet timed on a device.
 # - knobs (150 s): profiling.knobs at BERT-base, bf16, B=32, frozen: DeferredGrams' budget x2 and x4 and the
 #   queue bound x4 against the shipped settings, time, working set and ATen ops. Not yet timed on a device.
+# - one_backward (150 s): profiling.one_backward at BERT-base (bf16, T=128, B=32) and GPT-2 small with its LM head
+#   (bf16, T=256, B=8): what book-keeping keeps against what the graph saved, the mode two passes then take
+#   (modes.KEPT_OF_SAVED), and the working set of two passes, book-keeping and ghost. Not yet run on a device.
 # The device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost
 # column (and says so) unless its wheel is carried and installed first (pip install --no-deps opacus-*.whl).
 set -u
@@ -64,6 +68,13 @@ for name in "${steps[@]}"; do
             --knobs deferred=2,4 queue=4 ;;
         knobs:*) step knobs 300 "$python" -m profiling.knobs --tiny --device "$device" --rounds 1 --warmup 0 \
             --knobs deferred=4 ;;
-        *) echo "unknown step '$name': the steps are suite, forward_check, compiled, layers and knobs" >&2; exit 2 ;;
+        one_backward:cuda) step one_backward 150 bash -c "$python -m profiling.one_backward --device cuda --model bert \
+            --layers 12 --hidden 768 --heads 12 --vocab 30522 --seq 128 --batch 32 --dtype bf16 && $python -m \
+            profiling.one_backward --device cuda --model gpt2-lm --layers 12 --hidden 768 --heads 12 --vocab 50257 \
+            --seq 256 --batch 8 --dtype bf16" ;;
+        one_backward:*) step one_backward 300 "$python" -m profiling.one_backward --device "$device" --model linear \
+            --layers 1 --hidden 16 --seq 4 --batch 4 ;;
+        *) echo "unknown step '$name': the steps are suite, forward_check, compiled, layers, knobs and one_backward" >&2
+           exit 2 ;;
     esac
 done

@@ -444,7 +444,7 @@ def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tm
     import os
     import sys
     env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
-    steps = ("suite", "forward_check", "compiled", "layers", "knobs")
+    steps = ("suite", "forward_check", "compiled", "layers", "knobs", "one_backward")
     subprocess.run(["bash", "profiling/device_checks.sh", *steps], env=env, check=True, timeout=600)
     for name in steps:
         assert f"[{name}: exit 0 after" in (tmp_path / f"{name}.txt").read_text()
@@ -472,3 +472,17 @@ def test_knobs_runs_each_budget_variant_beside_the_shipped_settings_and_restores
         knobs.parse_knobs(["tile=2"])
     with pytest.raises(ValueError, match="NAME=FACTOR"):
         knobs.parse_knobs(["deferred"])
+
+
+def test_one_backward_weighs_kept_against_saved_bytes_and_switches_only_where_the_peak_is_not_higher(capsys):
+    from profiling import one_backward
+    rows = dict(one_backward.main(["--model", "gpt2-lm", "--layers", "1", "--hidden", "16", "--vocab", "512",
+                                   "--seq", "16", "--batch", "4"]))
+    rows.update(one_backward.main(["--model", "linear", "--layers", "2", "--hidden", "32", "--seq", "4",
+                                   "--batch", "8"]))
+    lm, stack = rows["gpt2-lm L=1 H=16 V=512 T=16 B=4 fp32"], rows["linear L=2 H=32 T=4 B=8 fp32"]
+    assert lm["mode"] == "bookkeeping" and lm["kept / saved"] < 0.9
+    assert lm["ghost"] == lm["book-keeping"] <= lm["two passes"]
+    assert stack["mode"] == "ghost" and stack["kept / saved"] > 1
+    assert stack["ghost"] == stack["two passes"] < stack["book-keeping"]
+    assert "kept/saved" in capsys.readouterr().out

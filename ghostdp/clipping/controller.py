@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import weakref
 
 import torch
@@ -39,6 +40,7 @@ from .pass_one import PassOne
 from .recording import ForwardRecorder, zero_size_leaf
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
 from .samples import SampleRequest
+from .saved_bytes import model_storages, saved_bytes
 
 CLIP_EPS = 1e-6
 
@@ -433,13 +435,21 @@ class GhostClipping:
             return bool(regions) or self.recorder.forward_was_checkpointed()
 
         try:
-            measures_kept = self.step_modes.measures(mode, checkpointed, self.pass_one.layouts.passes)
+            passes, saved, footprint = self.pass_one.layouts.passes, None, None
+            if self.step_modes.weighs_saved() and not checkpointed() and not self._has_sharded_parameters():
+                # The bytes the graph saved, which two passes hold through pass 1, read before pass 1 frees any
+                # (modes.StepModes: what book-keeping would keep, against those).
+                footprint = sum([shape.numel() if isinstance(shape, torch.Size) else math.prod(shape)
+                                 for call in calls for shape in call.shapes])
+                if self.step_modes.counts_saved(footprint, passes):
+                    saved = saved_bytes(audited, model_storages(self.module))
+            measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
-        self.step_modes.measured(passed, mode, checkpointed)
+        self.step_modes.measured(passed, mode, checkpointed, saved, footprint)
         self._kept = passed.kept if mode.keeps_factors else passed.exact
         self._mass = (passed.total_mass(), passed.mass_dtype)
         sq = passed.total_sq()

@@ -19,7 +19,11 @@ Per-group clipping has no two-pass form, so it keeps book-keeping there (and war
 
 The other way round, a two-pass step takes book-keeping's one backward where the last norm pass found that it
 would keep that little (ONE_BACKWARD_WHERE_KEEPING_LITTLE): with adapters, pass 2 repeats the backward through
-the whole frozen base for gradients that book-keeping writes from small kept factors.
+the whole frozen base for gradients that book-keeping writes from small kept factors. Or, without a checkpoint,
+where what it keeps is well below the tensors the graph saved, which two passes hold through pass 1 and
+book-keeping frees as its backward goes (saved_bytes.py, KEPT_OF_SAVED): a causal LM's graph saves its head's
+float32 logits and log-softmax, so its full fine-tuning keeps less; a BERT classifier's keeps about as much, and
+a stack of Linear layers more.
 """
 from __future__ import annotations
 
@@ -146,16 +150,30 @@ ONE_BACKWARD_WHERE_KEEPING_LITTLE = True
 # two passes. Under checkpointing the limit is KEPT_FRACTION_UNDER_CHECKPOINTING: what is kept then competes with
 # the little that checkpointing leaves.
 KEPT_FRACTION_WITHOUT_CHECKPOINTING = 1 / 2
+# Without a checkpoint, also where book-keeping keeps at most this part of the bytes the graph saved (each storage
+# once, parameters left out: saved_bytes.py), as estimated for its pass: its backward frees the graph's saved
+# tensors as it keeps its factors, layer by layer, where two passes hold them all through pass 1. Measured
+# (`python -m profiling.one_backward`, CPU tensor bytes: kept / saved, then two passes' peak against
+# book-keeping's, MB): GPT-2 with its tied LM head (V=8192, L=4, H=256, B=8) at T=256 0.77 (479.8 against 479.5),
+# at T=64 0.65 (104.6 against 104.5), in bf16 with V=2048 0.54 (181.7 against 179.1): the head's float32 logits
+# and log-softmax dwarf its kept output grad. BERT (L=4, H=256) at T=128, B=16 1.03 (137.6 against 136.8), bf16
+# at T=32 1.04 (15.3 against 13.9) and at T=512, B=4 1.33 (78.6 against 89.2); five Linear layers and ReLUs on
+# (64, 16, 256) 1.62 (5.2 against 8.0). Two passes' peak holds more than the saved bytes (its first pass's output
+# grads and Grams, its second's gradients), so book-keeping can be lower above 1 (BERT at T=32), but not always
+# (T=512): below 0.9 it was lower every time.
+KEPT_OF_SAVED = 0.9
 
 
 def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction: float | None = None,
-                 may_keep: bool = False):
+                 may_keep: bool = False, kept_of_saved: float | None = None):
     """The mode a DP loss's backward runs in: ``configured``, or two passes for a checkpointed book-keeping step,
     or book-keeping for a two-pass step that keeps little (see above). ``kept_fraction``: kept bytes / held bytes
-    of the last norm pass, None before the first. ``may_keep``: book-keeping can run this step (no FSDP2-
-    sharded parameter; several processes decide by a fraction they agreed on: StepModes)."""
+    of the last norm pass, None before the first; ``kept_of_saved``: kept bytes / the graph's saved bytes (see
+    KEPT_OF_SAVED), None where not measured. ``may_keep``: book-keeping can run this step (no FSDP2-sharded
+    parameter; several processes decide by measures they agreed on: StepModes)."""
     limit = KEPT_FRACTION_UNDER_CHECKPOINTING if checkpointed else KEPT_FRACTION_WITHOUT_CHECKPOINTING
-    keeps_little = kept_fraction is not None and kept_fraction <= limit
+    keeps_little = ((kept_fraction is not None and kept_fraction <= limit)
+                    or (not checkpointed and kept_of_saved is not None and kept_of_saved <= KEPT_OF_SAVED))
     if configured.keeps_factors:
         if checkpointed and not per_group and not keeps_little:
             return CLIPPING_MODES[TwoPass.name]
@@ -176,10 +194,11 @@ TWO_PASSES_UNDER_CHECKPOINTING = (
     "two passes, because keeping the layers' inputs and output grads would undo the memory checkpointing saves "
     "(book-keeping keeps one backward there only when it can keep small explicit per-example gradients instead, "
     "as for LoRA adapters). The clipped sums are the same; the time and memory are clipping='ghost''s.")
-ONE_BACKWARD_FOR_ADAPTERS = (
-    "clipping='ghost': this model's per-example gradients are small beside its layers' inputs and output grads "
-    "(adapters such as LoRA), so its steps take book-keeping's one backward instead of a second backward through "
-    "the frozen base: the same clipped sums, faster, and less memory than two passes (modes.py; "
+ONE_BACKWARD_KEEPING_LITTLE = (
+    "clipping='ghost': what book-keeping would keep for this model is small (adapters such as LoRA: small per-example "
+    "gradients beside the layers' inputs and output grads), or no more than the tensors its graph saves (which two "
+    "passes hold through their first pass), so its steps take book-keeping's one backward instead of a second "
+    "backward: the same clipped sums, faster, and no more memory than two passes (modes.py; "
     "ghostdp.clipping.modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = False keeps two passes).")
 
 
@@ -191,7 +210,16 @@ class StepModes:
         self.configured = configured  # the controller's mode
         self.per_group = per_group
         self.kept_fraction = None  # of the last norm pass that measured: kept bytes / bytes its factors held
-        # Several processes: the largest kept fraction of the ranks, agreed at the last optimizer step (``agree``).
+        # Of the last norm pass that counted the bytes its graph saved: those per element of the trained calls'
+        # outputs (the step's footprint), and that footprint. A footprint half as large again or two thirds of it is
+        # counted again (layers frozen or unfrozen, a batch of much other lengths); in between the graph's bytes are
+        # estimated from it.
+        self.saved_per_element = None
+        self.counted_footprint = None
+        # Of the last norm pass that measured: kept bytes, each tensor once / the graph's saved bytes so estimated.
+        self.kept_of_saved = None
+        # Several processes: (kept_fraction, kept_of_saved), each the largest of the ranks', agreed at the last
+        # optimizer step (``agree``).
         self.agreed = None
         self._told = set()
 
@@ -202,12 +230,14 @@ class StepModes:
         changes between logical batches only); ``sharded()``: the model has FSDP2-sharded parameters (book-keeping
         cannot run). Called only where they matter."""
         configured = self.configured
-        kept_fraction = self.agreed if several else self.kept_fraction
+        kept_fraction, kept_of_saved = (self.agreed or (None, None)) if several else (self.kept_fraction,
+                                                                                     self.kept_of_saved)
         if not configured.keeps_factors:
-            mode = mode_of_step(configured, checkpointed(), False, kept_fraction, may_keep=True)
+            mode = mode_of_step(configured, checkpointed(), False, kept_fraction, may_keep=True,
+                                kept_of_saved=kept_of_saved)
             if mode is configured or sharded():  # (the walk over the parameters only where it decides)
                 return configured
-            self._tell_once(ONE_BACKWARD_FOR_ADAPTERS)
+            self._tell_once(ONE_BACKWARD_KEEPING_LITTLE)
             return mode
         mode = mode_of_step(configured, checkpointed(), self.per_group, kept_fraction)
         if mode is not configured and (several or kept_fraction is not None):  # the first such step measures
@@ -225,25 +255,56 @@ class StepModes:
         return ONE_BACKWARD_WHERE_KEEPING_LITTLE and (
             mode.keeps_factors or self.kept_fraction is None or proof_scheduled(passes, REPROOF_EVERY))
 
-    def measured(self, passed, mode, checkpointed) -> None:
-        """Takes the measure of norm pass ``passed`` (records.NormPass), if it made one. Per-group clipping under
-        checkpointing (``checkpointed()``), which keeps book-keeping, is warned of once where it keeps much."""
+    def weighs_saved(self) -> bool:
+        """Whether this controller weighs what book-keeping keeps against the bytes the graph saved: two passes
+        configured (a step without a checkpoint then needs its footprint: ``counts_saved``)."""
+        return ONE_BACKWARD_WHERE_KEEPING_LITTLE and not self.configured.keeps_factors
+
+    def counts_saved(self, footprint: int, passes: int) -> bool:
+        """Whether the step about to run norm pass ``passes``, without a checkpoint (its saved tensors would be the
+        checkpoint's to hold), counts the bytes its graph saved (saved_bytes.py, ~1 us a saved tensor, 1-2 ms a
+        BERT step): the first, then on the layout proofs' schedule, and where its footprint (elements of the trained
+        calls' outputs) is outside 2/3 to 3/2 of the last count's. A pass that counts also measures what
+        book-keeping would keep."""
+        counted = self.counted_footprint
+        return (counted is None or proof_scheduled(passes, REPROOF_EVERY)
+                or not 2 * counted <= 3 * footprint <= 9 * counted / 2)
+
+    def measured(self, passed, mode, checkpointed, saved: int | None = None, footprint: int | None = None) -> None:
+        """Takes the measure of norm pass ``passed`` (records.NormPass), if it made one, with the bytes ``saved``
+        that its graph saved where they were counted, and its ``footprint`` (``counts_saved``). Per-group clipping
+        under checkpointing (``checkpointed()``), which keeps book-keeping, is warned of once where it keeps much."""
         if not passed.held_bytes:
             return
         self.kept_fraction = passed.kept_bytes / passed.held_bytes
+        if saved is not None and footprint:
+            self.saved_per_element, self.counted_footprint = saved / footprint, footprint
+        estimate = self.saved_per_element * footprint if self.saved_per_element and footprint else None
+        self.kept_of_saved = passed.kept_storages.total() / estimate if estimate else None
         keeps_much = self.kept_fraction > KEPT_FRACTION_UNDER_CHECKPOINTING
         if (self.configured.keeps_factors and mode.keeps_factors and keeps_much
                 and BOOKKEEPING_WITH_CHECKPOINTING not in self._told and checkpointed()):
             self._told.add(BOOKKEEPING_WITH_CHECKPOINTING)
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=3)
 
-    def local_measure(self) -> float:
-        """This process's kept fraction for the ranks' agreement (inf before any measure)."""
-        return math.inf if self.kept_fraction is None else self.kept_fraction
+    def local_measure(self) -> tuple[float, float]:
+        """This process's (kept_fraction, kept_of_saved) for the ranks' agreement (inf where not measured)."""
+        return tuple(math.inf if m is None else m for m in (self.kept_fraction, self.kept_of_saved))
 
-    def agree(self, largest: float) -> None:
-        """The largest ``local_measure`` over the ranks, from the DP optimizer's all-reduce at each step."""
-        self.agreed = None if math.isinf(largest) else largest
+    def agree(self, largest) -> None:
+        """Each measure's largest ``local_measure`` over the ranks, from the DP optimizer's all-reduce at each step."""
+        self.agreed = tuple(None if math.isinf(m) else m for m in largest)
+
+    _STATE = ("kept_fraction", "saved_per_element", "counted_footprint", "kept_of_saved", "agreed")
+
+    def state_dict(self) -> dict:
+        """The measures the next steps' modes follow: a resumed run takes the modes the saved one would have taken
+        (their clipped sums are equal, their rounding is not)."""
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._STATE:
+            setattr(self, name, state.get(name))
 
     def _tell_once(self, message: str) -> None:
         if message not in self._told:

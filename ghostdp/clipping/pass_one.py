@@ -425,11 +425,13 @@ class PassOne:
             finally:
                 self.in_fallback = False
         passed = self.current
+        kept = passed.kept_storages.of_call(call) if passed.measures_kept and factors else None
         for n, f in factors.items():
             param = call.params[n]
-            if passed.measures_kept:  # what book-keeping would keep, against what the layers hold
+            if kept is not None:  # what book-keeping would keep, against what the layers hold
                 passed.held_bytes += f.held_bytes()
                 passed.kept_bytes += f.kept_bytes()
+                f.note_kept(kept)
             if passed.keeps_factors:
                 f = f.kept()  # explicit gradients where they hold less (factors.OuterProduct.kept)
             if passed.samples is not None and self.controller._sample_request.wants(param):

@@ -12,6 +12,7 @@ from ..norms.deferred import DeferredGrams
 from ..norms.factors import InputGrams
 from .capture import on_output_grads
 from .modes import new_factor_store
+from .saved_bytes import storage_of
 
 
 _NO_NODES = frozenset()
@@ -78,6 +79,40 @@ def _device(groups):
     return next(p for parts in groups for p in parts).device
 
 
+class KeptStorages:
+    """What book-keeping would keep, as norm pass's factors note it (PerExampleGrad.note_kept): the tensors it would
+    keep, each storage once (an input shared by query, key and value; an output grad shared by a weight and its
+    bias), and the bytes of the explicit gradients it would form. A call's inputs are alive through the whole pass
+    (the graph or the call holds them) and are keyed by their storage alone; any other tensor also by its call's
+    place in the pass (``of_call``, as each call's factors are noted): two passes free an output grad once its norm
+    is formed, and a later one may reuse its memory."""
+
+    def __init__(self):
+        self._bytes = {}  # key -> bytes of a storage
+        self._formed = 0
+        self._call = 0
+        self._inputs = set()
+
+    def of_call(self, call) -> "KeptStorages":
+        self._call += 1
+        self._inputs = {key for key, _ in map(storage_of, call.inputs)}
+        return self
+
+    def note(self, *tensors) -> None:
+        for tensor in tensors:
+            key, nbytes = storage_of(tensor)
+            if key is None:  # no readable storage: its own bytes
+                self._formed += tensor.numel() * tensor.element_size()
+            else:
+                self._bytes[key if key in self._inputs else (self._call, *key)] = nbytes
+
+    def formed(self, nbytes: int) -> None:
+        self._formed += nbytes
+
+    def total(self) -> int:
+        return sum(self._bytes.values()) + self._formed
+
+
 class NormPass:
     """One backward of the DP loss towards the probes: the norm pass, or the layout proof before it.
 
@@ -92,6 +127,7 @@ class NormPass:
         self.measures_kept = measures_kept  # book-keeping configured, forward checkpointed: sum up
         self.held_bytes = 0                 # the bytes the factors hold, and would keep
         self.kept_bytes = 0                 # (PerExampleGrad.kept), for modes.mode_of_step
+        self.kept_storages = KeptStorages()  # the same, each tensor shared by factors once (note_kept)
         self.proving = proving            # collect projections of G for the layout proof, compute nothing
         self.reentrant = reentrant        # the graph has reentrant checkpoints (clipping/reentrant.py):
         self.region_calls = []            # the calls their recomputations made, in order

@@ -218,6 +218,11 @@ class PerExampleGrad:
         """Bytes of what ``kept`` would hold, from shapes alone (nothing is formed)."""
         return self.held_bytes()
 
+    def note_kept(self, kept) -> None:
+        """Adds what ``kept`` would hold to ``kept`` (records.KeptStorages: the tensors it would keep, each storage
+        once, or the bytes of what it would form). By default explicit gradients of its own (nothing is formed)."""
+        kept.formed(self.kept_bytes())
+
     def dot(self, other: "PerExampleGrad") -> torch.Tensor:
         """Per-example inner products <g_i, h_i>; by default through materialised chunks."""
         parts = []
@@ -284,6 +289,9 @@ class SummedTokens(Instantiated):
 
     def held_bytes(self):
         return _nbytes(self.tokens)
+
+    def note_kept(self, kept) -> None:
+        kept.note(self.tokens)
 
     @property
     def mass(self):
@@ -484,6 +492,12 @@ class OuterProduct(PerExampleGrad):
     def kept_bytes(self):
         return self._explicit_bytes() if self._keeps_explicit() else self.held_bytes()
 
+    def note_kept(self, kept) -> None:
+        if self._keeps_explicit():
+            kept.formed(self._explicit_bytes())
+        else:
+            kept.note(self.left, self.right)
+
     def kept(self):
         """The explicit gradients where they hold less (``_keeps_explicit``). Book-keeping then keeps them
         instead of the layer's input and output grad, and its clipped sum is one (B) x (B, m n) product."""
@@ -545,6 +559,9 @@ class EmbeddingGather(PerExampleGrad):
 
     def held_bytes(self):
         return _nbytes(self.ids) + _nbytes(self.grads)
+
+    def note_kept(self, kept) -> None:
+        kept.note(self.ids, self.grads)
 
     def _valid(self):
         if self.padding_idx is None:

@@ -1,6 +1,7 @@
 """Two passes take book-keeping's one backward on a step where the last norm pass found that book-keeping would keep
 little (modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE): adapters, whose explicit per-example gradients (rank r << T tokens)
-are small beside their layers' inputs and output grads. The switched steps against the float64 per-example loop
+are small beside their layers' inputs and output grads; a causal LM fine-tuned whole, whose graph saves far more
+than book-keeping keeps (modes.KEPT_OF_SAVED). The switched steps against the float64 per-example loop
 (plain, under non-reentrant and reentrant checkpointing, peft's LoRA on BERT), and the set-ups that keep two passes:
 a model whose kept factors are not small, several processes, sharded parameters, the switch turned off."""
 import logging
@@ -54,14 +55,20 @@ class AdaptedNet(nn.Module):
         return self.head(x.mean(1))
 
 
-def step(controller, model, x, C):
-    """One DP-loss backward into fresh p.grad: (the clipped sums, whether book-keeping's one backward wrote them)."""
-    controller.max_grad_norm = C
+def dp_step(controller, model, losses) -> bool:
+    """One backward of the DP loss of ``losses()`` (per example) into fresh p.grad: whether book-keeping's one
+    backward wrote the clipped sums."""
     controller.ledger.open()
     model.zero_grad(set_to_none=True)
-    controller.loss(model(x).pow(2).sum(1), reduction="sum").backward()
-    grads = {n: p.grad.clone() for n, p in trainable(model)}
-    return grads, controller.ledger.records[-1].wrote_sums
+    controller.loss(losses(), reduction="sum").backward()
+    return controller.ledger.records[-1].wrote_sums
+
+
+def step(controller, model, x, C):
+    """dp_step on AdaptedNet's losses with C: (the clipped sums, whether book-keeping's one backward wrote them)."""
+    controller.max_grad_norm = C
+    wrote = dp_step(controller, model, lambda: model(x).pow(2).sum(1))
+    return {n: p.grad.clone() for n, p in trainable(model)}, wrote
 
 
 def assert_switched_steps_exact(model, x):
@@ -126,10 +133,7 @@ def test_peft_lora_on_bert_takes_one_backward_and_stays_exact():
     controller = ghostdp.GhostClipping(model, 0.1)
     wrote = []
     for _ in range(2):
-        controller.ledger.open()
-        model.zero_grad(set_to_none=True)
-        controller.loss(losses(slice(None)), reduction="sum").backward()
-        wrote.append(controller.ledger.records[-1].wrote_sums)
+        wrote.append(dp_step(controller, model, lambda: losses(slice(None))))
         for n, p in trainable(model):
             torch.testing.assert_close(p.grad, ref[n], rtol=1e-9, atol=1e-12)
     controller.detach()
@@ -142,20 +146,102 @@ def test_a_model_whose_factors_are_not_small_keeps_two_passes():
     assert assert_switched_steps_exact(model, torch.randn(4, 4, D)) == [False, False, False]
 
 
-def test_two_passes_measure_what_book_keeping_would_keep_on_the_proofs_schedule():
-    """A model found to keep much is measured again on the layout proofs' schedule (passes 1, 2, 4, 8, ...), not
-    on every step: frozen after pass 4, its base stops counting at pass 8's measure, and pass 9 takes one
-    backward. A step that took one backward is measured every time (it goes back as soon as it keeps much)."""
+def test_two_passes_measure_again_where_the_trained_calls_change():
+    """A model found to keep much is weighed again as soon as its trained calls change (the step's footprint, the
+    elements of their outputs, moves: modes.StepModes.counts_saved): frozen after pass 4, its base stops counting at
+    pass 5's measure, and pass 6 takes one backward; unfrozen, pass 7 (one backward) measures and pass 8 goes back.
+    A step that took one backward is measured every time."""
     torch.manual_seed(0)
     model, x = AdaptedNet(frozen_base=False), torch.randn(4, 4, D)  # 4 tokens: the base keeps about 2/3
     controller = ghostdp.GhostClipping(model, 1.0)
     assert [step(controller, model, x, 1.0)[1] for _ in range(5)] == [False] * 5  # passes 0-4
     for block in model.blocks:
         block.base.requires_grad_(False)
-    assert [step(controller, model, x, 1.0)[1] for _ in range(5)] == [False, False, False, False, True]  # 5-9
+    assert [step(controller, model, x, 1.0)[1] for _ in range(2)] == [False, True]  # 5-6
     for block in model.blocks:
         block.base.requires_grad_(True)
-    assert [step(controller, model, x, 1.0)[1] for _ in range(2)] == [True, False]  # 10 measures, 11 goes back
+    assert [step(controller, model, x, 1.0)[1] for _ in range(2)] == [True, False]  # 7 measures, 8 goes back
+    controller.detach()
+
+
+def test_the_graph_is_counted_on_the_proofs_schedule_while_its_footprint_holds(monkeypatch):
+    """Counting the graph's saved bytes costs about a microsecond a saved tensor: the first pass, the layout proofs'
+    (1, 2, 4, 8, ...) and a pass whose footprint moved by more than 10% count, the others estimate."""
+    torch.manual_seed(0)
+    model = AdaptedNet(frozen_base=False)
+    counted = []
+    real = controller_module.saved_bytes
+    monkeypatch.setattr(controller_module, "saved_bytes", lambda *a: counted.append(True) or real(*a))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    passes = []
+    for k in range(10):
+        before = len(counted)
+        step(controller, model, torch.randn(4, 4, D), 1.0)
+        passes += [k] * (len(counted) - before)
+    assert passes == [0, 1, 2, 4, 8]
+    step(controller, model, torch.randn(4, 5, D), 1.0)  # longer examples: 25% more elements, estimated
+    assert len(counted) == 5
+    step(controller, model, torch.randn(4, 8, D), 1.0)  # twice as many: counted
+    step(controller, model, torch.randn(4, 8, D), 1.0)
+    assert len(counted) == 6
+    controller.detach()
+
+
+def tiny_causal_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=96, n_embd=8, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).double().train()
+
+
+def test_a_causal_lm_fine_tuned_whole_takes_one_backward_and_stays_exact():
+    """Fine-tuning a causal LM whole: its graph saves the LM head's logits and their log-softmax, far more than
+    book-keeping keeps (modes.KEPT_OF_SAVED), so two passes take book-keeping's one backward from the second step,
+    with the clipped sums of the per-example loop at every step."""
+    torch.manual_seed(0)
+    model, ids = tiny_causal_lm(), torch.randint(0, 96, (4, 12))
+
+    def losses(sl):
+        logits = model(input_ids=ids[sl]).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 96), ids[sl, 1:].reshape(-1),
+                                                 reduction="none").view(logits.shape[0], -1).mean(1)
+
+    per_example = reference_per_example_grads(model, lambda i: losses(slice(i, i + 1)).sum(), len(ids))
+    _, norms = clipped_sum(per_example, 1.0)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    wrote = []
+    for C in (0.5 * float(norms.min()), 2.0 * float(norms.max()), 0.5 * float(norms.min())):
+        ref, _ = clipped_sum(per_example, C)
+        controller.max_grad_norm = C
+        wrote.append(dp_step(controller, model, lambda: losses(slice(None))))
+        for n, p in trainable(model):
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-9, atol=1e-12)
+    assert wrote == [False, True, True]
+    # The fixed limit alone would have kept two passes:
+    assert controller.step_modes.kept_of_saved < modes.KEPT_OF_SAVED
+    assert controller.step_modes.kept_fraction > modes.KEPT_FRACTION_WITHOUT_CHECKPOINTING
+    controller.detach()
+
+
+def test_a_model_keeping_about_what_its_graph_saves_keeps_two_passes():
+    """A BERT classifier keeps about the bytes its graph saves (1.03-1.33 measured, where book-keeping's peak is
+    sometimes above two passes'), a stack of Linear layers more: both keep two passes."""
+    torch.manual_seed(0)
+    ids, mask = padded_text(30, T=16)
+    model = tiny_bert()
+    loss_of = classification_loss(torch.randint(0, 3, (B,)))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    wrote = [dp_step(controller, model, lambda: loss_of(model(input_ids=ids, attention_mask=mask), slice(None)))
+             for _ in range(3)]
+    assert wrote == [False, False, False] and controller.step_modes.kept_of_saved > modes.KEPT_OF_SAVED
+    controller.detach()
+    width = 32  # on 4 tokens its inputs and output grads are smaller than its explicit gradients: kept whole
+    stack = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 3)).double()
+    x = torch.randn(8, 4, width)
+    controller = ghostdp.GhostClipping(stack, 1.0)
+    assert not any(dp_step(controller, stack, lambda: stack(x).pow(2).sum((1, 2))) for _ in range(3))
+    assert controller.step_modes.kept_of_saved > 1
     controller.detach()
 
 
@@ -219,15 +305,23 @@ def test_several_processes_decide_by_the_fraction_the_ranks_agreed_on(monkeypatc
     monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
     controller.step_modes.agree(controller.step_modes.local_measure())
     assert controller.mode_for_loss().name == "bookkeeping"
-    controller.step_modes.agree(0.75)  # another rank keeps much
+    controller.step_modes.agree((0.75, 1.5))  # another rank keeps much
     assert controller.mode_for_loss().name == "ghost"
-    controller.step_modes.agree(float("inf"))  # another rank has measured nothing yet
-    assert controller.mode_for_loss().name == "ghost" and controller.step_modes.agreed is None
+    controller.step_modes.agree((0.75, 0.9))  # ... but less than its graph saved
+    assert controller.mode_for_loss().name == "bookkeeping"
+    inf = float("inf")
+    controller.step_modes.agree((inf, inf))  # another rank has measured nothing yet
+    assert controller.mode_for_loss().name == "ghost" and controller.step_modes.agreed == (None, None)
     controller.detach()
 
 
 def test_mode_of_step():
     ghost, bookkeeping = modes.CLIPPING_MODES["ghost"], modes.CLIPPING_MODES["bookkeeping"]
+    much, below, above = 0.9, 0.99 * modes.KEPT_OF_SAVED, 1.01 * modes.KEPT_OF_SAVED  # kept fraction, kept / saved
+    assert modes.mode_of_step(ghost, False, False, much, may_keep=True, kept_of_saved=below) is bookkeeping
+    assert modes.mode_of_step(ghost, False, False, much, may_keep=True, kept_of_saved=above) is ghost
+    assert modes.mode_of_step(ghost, True, False, much, may_keep=True, kept_of_saved=below) is ghost  # checkpointed
+    assert modes.mode_of_step(ghost, False, False, much, may_keep=False, kept_of_saved=below) is ghost
     little, much = modes.KEPT_FRACTION_UNDER_CHECKPOINTING, 2 * modes.KEPT_FRACTION_UNDER_CHECKPOINTING
     assert modes.mode_of_step(ghost, False, False, little, may_keep=True) is bookkeeping
     assert modes.mode_of_step(ghost, True, False, little, may_keep=True) is bookkeeping  # checkpointed: keeps little
