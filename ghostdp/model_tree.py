@@ -2,8 +2,8 @@
 
 A walk of ``module.parameters()`` recurses through every submodule: about 0.35 ms a step for the GPT-2 + LoRA
 stand-in and 0.7 ms for the Llama-shaped one (peft's wrappers double the modules), where the entries' check
-takes 20-50 us. The DP optimizer checks its parameters against the tree at every step, and the controller asks it
-whether any parameter is FSDP2-sharded whenever a step could take book-keeping's one backward.
+takes 20-50 us. The DP optimizer checks its parameters against the tree at every step, and the controller asks its
+own tree at every two-pass step whether any parameter is FSDP2-sharded (book-keeping's one backward cannot run).
 """
 from __future__ import annotations
 
