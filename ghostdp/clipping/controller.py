@@ -436,12 +436,12 @@ class GhostClipping:
 
         try:
             passes, saved, footprint = self.pass_one.layouts.passes, None, None
-            if self.step_modes.weighs_saved() and not checkpointed() and not self._has_sharded_parameters():
+            if self.step_modes.weighs_saved() and not checkpointed():
                 # The bytes the graph saved, which two passes hold through pass 1, read before pass 1 frees any
-                # (modes.StepModes: what book-keeping would keep, against those).
+                # (modes.StepModes: what book-keeping would keep, against those; FSDP2's freed shards cannot be).
                 footprint = sum([shape.numel() if isinstance(shape, torch.Size) else math.prod(shape)
                                  for call in calls for shape in call.shapes])
-                if self.step_modes.counts_saved(footprint, passes):
+                if self.step_modes.counts_saved(footprint, passes) and not self._has_sharded_parameters():
                     saved = saved_bytes(audited, model_storages(self.module))
             measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
