@@ -40,7 +40,7 @@ from .pass_one import PassOne
 from .recording import ForwardRecorder, zero_size_leaf
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
 from .samples import SampleRequest
-from .saved_bytes import model_storages, saved_bytes
+from .saved_bytes import saved_bytes, storage_keys
 
 CLIP_EPS = 1e-6
 
@@ -439,10 +439,11 @@ class GhostClipping:
             if self.step_modes.weighs_saved() and not checkpointed():
                 # The bytes the graph saved, which two passes hold through pass 1, read before pass 1 frees any
                 # (modes.StepModes: what book-keeping would keep, against those; FSDP2's freed shards cannot be).
-                footprint = sum([shape.numel() if isinstance(shape, torch.Size) else math.prod(shape)
-                                 for call in calls for shape in call.shapes])
+                footprint = sum([math.prod(shape) for call in calls for shape in call.shapes])
                 if self.step_modes.counts_saved(footprint, passes) and not self._has_sharded_parameters():
-                    saved = saved_bytes(audited, model_storages(self.module))
+                    # The parameters as the tree just read them (no second walk), and the buffers.
+                    alive = storage_keys(self._model_tree.parameters + list(self.module.buffers()))
+                    saved = saved_bytes(audited, alive)
             measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)

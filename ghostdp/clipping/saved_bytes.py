@@ -54,6 +54,6 @@ def storage_of(tensor: torch.Tensor) -> tuple:
         return None, 0
 
 
-def model_storages(module: torch.nn.Module) -> set:
-    """The storage keys of the model's parameters and buffers."""
-    return {storage_of(t)[0] for t in list(module.parameters()) + list(module.buffers())}
+def storage_keys(tensors) -> set:
+    """The storage keys of ``tensors`` (a model's parameters and buffers: alive anyway)."""
+    return {storage_of(t)[0] for t in tensors}

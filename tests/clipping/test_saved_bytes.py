@@ -4,7 +4,7 @@ unpacked (a non-reentrant checkpoint's unpack would recompute its region)."""
 import torch
 from torch import nn
 
-from ghostdp.clipping.saved_bytes import model_storages, saved_bytes
+from ghostdp.clipping.saved_bytes import saved_bytes, storage_keys
 
 
 def nodes_below(t):
@@ -33,7 +33,7 @@ def test_each_storage_once_without_the_model_s_parameters():
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     y = layer(x).exp()          # addmm saves x and the weight (a parameter); exp saves its result y
     z = (y * y).sum()           # mul saves y twice: one storage
-    assert saved_bytes(nodes_below(z), model_storages(layer)) == 2 * 4 * 6 * 8
+    assert saved_bytes(nodes_below(z), storage_keys(layer.parameters())) == 2 * 4 * 6 * 8
     assert saved_bytes(nodes_below(z), set()) == 2 * 4 * 6 * 8 + 6 * 6 * 8  # the weight too
 
 
