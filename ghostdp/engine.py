@@ -317,10 +317,12 @@ class PrivacyEngine:
             finally:
                 module.train(training)
 
+        modes = controller.step_modes.state_dict()
+
         def clean():
             for p in module.parameters():
                 p.grad = None
-            controller.reset_step_state()
+            controller.reset_step_state(step_modes=modes)
             optimizer.reset_step_state()
 
         logical = loader.logical_batches

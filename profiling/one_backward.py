@@ -11,7 +11,7 @@ two passes (the switch off), book-keeping, and two passes with the switch on, wh
 two where it switches. Peaks: on CPU the exact tensor bytes of one step (profiling.bench.tensor_peak_mb); on CUDA
 the peak allocated. Models: ``gpt2-lm`` (a causal LM with its tied head, the mean token loss per example),
 ``bert`` (sequence classification), ``linear`` (a stack of Linear layers and ReLUs on (batch, seq, hidden)).
-Without ``--model``, the set-ups measured on 2026-11-26 for modes.KEPT_OF_SAVED.
+Without ``--model``, the set-ups measured on 2026-11-26 and 2026-11-27 for modes.KEPT_OF_SAVED.
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ import warnings
 SET_UPS = [  # (model, layers, hidden, vocab, seq, batch, dtype)
     ("gpt2-lm", 4, 256, 8192, 256, 8, "fp32"), ("gpt2-lm", 4, 256, 8192, 64, 8, "fp32"),
     ("gpt2-lm", 4, 256, 2048, 256, 8, "bf16"), ("bert", 4, 256, 1000, 128, 16, "fp32"),
-    ("bert", 4, 256, 1000, 32, 16, "bf16"), ("bert", 4, 256, 1000, 512, 4, "bf16"),
+    ("bert", 4, 256, 1000, 160, 8, "fp32"), ("bert", 4, 256, 1000, 256, 8, "fp32"),
+    ("bert", 4, 256, 1000, 32, 16, "bf16"), ("bert", 4, 256, 1000, 256, 8, "bf16"),
+    ("bert", 4, 256, 1000, 320, 4, "bf16"), ("bert", 4, 256, 1000, 512, 4, "bf16"),
     ("linear", 4, 256, 0, 16, 64, "fp32"),
 ]
 

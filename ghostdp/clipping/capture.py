@@ -74,7 +74,7 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     if two_passes:
         if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
             return None
-        call.named, call.by_hook = False, True
+        call.named, call.by_hook, call.sink_unknown = False, True, True
     elif entry.holds_output_grad is not None and entry.holds_output_grad(module, args, output, call.params):
         call.named, call.by_hook = True, False  # its factors hold G and its inputs to the clipped sums anyway
     elif narrow_output(args, output):  # its G held to the end of pass 1 costs little (an adapter's lora_A)

@@ -186,6 +186,7 @@ class GhostClipping:
         # The forward hooks (recording.py); book-keeping also watches for checkpointed layers.
         self.recorder = ForwardRecorder(self._regions, keeps_factors=self.mode.keeps_factors)
         self.pass_one = self.recorder.pass_one = PassOne(self, self.recorder)  # pass 1 (pass_one.py)
+        self.recorder.expects_one_backward = self._expects_one_backward
         # Gradient accumulated into a parameter outside ghostdp's passes is refused (accumulation.py).
         self.accumulation = AccumulationWatch(self.pass_one, {id(p): n for n, p in module.named_parameters()})
         # Buffers that a training forward changes are released without noise: warned of (buffers.py).
@@ -228,11 +229,16 @@ class GhostClipping:
         if _ATTACHED.get(self.module) is self:
             del _ATTACHED[self.module]
 
-    def reset_step_state(self) -> None:
-        """Forget a backward that will not be stepped (the automatic physical batch search's probes)."""
+    def reset_step_state(self, step_modes: dict | None = None) -> None:
+        """Forget a backward that will not be stepped (the automatic physical batch search's probes). ``step_modes``:
+        the state of ``self.step_modes`` to go back to (StepModes.state_dict): a probe's measure of what book-keeping
+        keeps would otherwise choose the mode of the first training step, which a run without the search takes in
+        the configured mode (each probe then also measures the mode the first training step takes)."""
         self.ledger.forget_step()
         self._kept = new_factor_store()
         self.pass_one.current = None
+        if step_modes is not None:
+            self.step_modes.load_state_dict(step_modes)
 
     def _region(self, name: str):
         if self.region_timer is not None:
@@ -512,6 +518,12 @@ class GhostClipping:
         several = distributed_rank_and_size()[1] > 1
         return self.step_modes.for_loss(self.recorder.forward_was_checkpointed, several,
                                         self._has_sharded_parameters)
+
+    def _expects_one_backward(self, checkpointing: bool) -> bool:
+        """Whether the DP loss of the forward that starts now would take book-keeping's one backward (two passes
+        configured: modes.StepModes.expects_one_backward)."""
+        several = distributed_rank_and_size()[1] > 1
+        return self.step_modes.expects_one_backward(checkpointing, several, self._has_sharded_parameters)
 
     def _has_sharded_parameters(self) -> bool:
         """Whether the model has FSDP2-sharded parameters, walked again only where its tree changed (model_tree.py)."""

@@ -72,6 +72,19 @@ def _projected(call) -> bool:
     return call.projections is not None and all(p is not None for p in call.projections)
 
 
+def _missed_calls_possible(captured) -> bool:
+    """Whether a captured call was captured as two passes capture (capture.py), with no sink looked for below it:
+    pass 1 may then not run its node and name it in a second backward, which needs the graph. A two-pass controller
+    records a forward as book-keeping does where it expects the DP loss to take book-keeping's one backward
+    (modes.StepModes.expects_one_backward); where the loss takes it all the same (its measure changed after the
+    forward: another forward's loss ran in between), the graph is kept, as two passes keep it (before 2026-11-27 a
+    ViT's patch projection, whose input passes the embeddings' sink, was not reached, and the step failed)."""
+    for call in captured:
+        if call.sink_unknown:
+            return True
+    return False
+
+
 def _backward_to_probes(losses, inputs, cotangent, retain):
     """Pass 1's backward: towards the probes and the captured calls' edges (capture.py); their grads."""
     try:
@@ -144,8 +157,10 @@ class PassOne:
                     self._reentrant_pass_one(per_example_losses, audited)
                 else:
                     if probes or captured:
-                        # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes.
-                        retain = mode.continues_backward or self.recorder.graph_needed_after_pass1
+                        # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes, unless
+                        # its forward was recorded for two passes (_missed_calls_possible).
+                        retain = (mode.continues_backward or self.recorder.graph_needed_after_pass1
+                                  or _missed_calls_possible(captured))
                         self._backward_to_outputs(per_example_losses, probes, captured,
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()

@@ -154,7 +154,12 @@ class ForwardRecorder:
         # Calls captured instead of probed (capture.capture says which): this forward may capture (book-keeping:
         # unless checkpointed), and the autograd node types of the calls captured so far (the audit looks
         # for them).
+        # The calls of this forward are captured as two passes need them (capture.py), else as book-keeping's: the
+        # configured mode, or book-keeping's where a two-pass controller expects its next DP loss to take one
+        # backward (``expects_one_backward(checkpointing)``, set by the controller: modes.StepModes).
+        self.keeps_factors = keeps_factors
         self.two_passes = not keeps_factors
+        self.expects_one_backward = lambda checkpointing: False
         self._capturing = self.two_passes
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
@@ -229,8 +234,10 @@ class ForwardRecorder:
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
                 self.forward_checkpointed = _saved_tensor_hooks(False) is not None
-                if not self.two_passes:  # book-keeping's captured calls hold G to the end of pass 1 (capture.py)
-                    self._capturing = not self._checkpointing_flag_set()
+                checkpointing = self._checkpointing_flag_set()
+                self.two_passes = not (self.keeps_factors or self.expects_one_backward(checkpointing))
+                # Book-keeping's captured calls hold G to the end of pass 1 (capture.py).
+                self._capturing = self.two_passes or not checkpointing
 
     def on_root_forward_end(self, module, args, output):
         """Runs also when the model's forward raised (always_call): if a module's output of batch size 1 was

@@ -37,7 +37,8 @@ class ModuleCall:
     ``captured``: None for a probed call; for a captured one (capture.py) the output number of its
     edge, ``named`` whether pass 1 names that edge (book-keeping keeps its G whole, or G is small), ``by_hook``
     whether the node's pre-hook hands G over when the node runs in pass 1 (else a named call's G comes from
-    the backward's result; ``hooked_grad``: the G its node ran with, capture.hooked_output_grad), and
+    the backward's result; ``hooked_grad``: the G its node ran with, capture.hooked_output_grad; ``sink_unknown``:
+    captured as two passes capture, without looking for a sink below, so that its node may not run), and
     ``input_versions`` those of its inputs at the forward. ``in_region``: made by pass 1's recomputation of a
     reentrant checkpoint's region (reentrant.py). ``proven_in``: the layout.GraphLayouts its layouts come from or
     go to (its graph form's, or its region form's). ``recorder``: the ForwardRecorder
@@ -50,7 +51,7 @@ class ModuleCall:
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
                  "captured", "named", "by_hook", "hooked_grad", "input_versions", "in_region", "proven_in",
-                 "input_edges", "fallback_stops")
+                 "input_edges", "fallback_stops", "sink_unknown")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -63,7 +64,7 @@ class ModuleCall:
         self.input_edges = ()
         self.fallback_stops = self.hooked_grad = None
         self.input_nodes = _NO_NODES
-        self.fired = self.done = self.named = self.by_hook = self.in_region = False
+        self.fired = self.done = self.named = self.by_hook = self.in_region = self.sink_unknown = False
 
     def on_output_grads(self, grad_outputs):
         """The pre-hook of a captured call's node (capture.py)."""

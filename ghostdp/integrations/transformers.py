@@ -435,10 +435,12 @@ class DPTrainerMixin:
                                                 self.args.label_smoothing_factor, inputs.get("attention_mask"))
                 self.controller.loss(losses).backward()
 
+        modes = self.controller.step_modes.state_dict()
+
         def clean():
             for p in self.model.parameters():
                 p.grad = None
-            self.controller.reset_step_state()
+            self.controller.reset_step_state(step_modes=modes)
             self.dp_optimizer.reset_step_state()
 
         largest = self._train_loader.logical_batches.largest_batch()

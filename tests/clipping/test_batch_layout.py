@@ -178,6 +178,14 @@ def test_an_output_shared_by_the_whole_batch_is_refused_even_when_its_size_equal
         controller.loss(model(torch.randn(B, 3)).pow(2).sum(1)).backward()
 
 
+def _without_the_switch_to_one_backward(monkeypatch):
+    """Two passes keep two passes: a step that takes book-keeping's one backward instead records its forward as
+    book-keeping does (modes.StepModes.expects_one_backward), another graph form, proven once (these models keep
+    about what their graphs save: test_one_backward.py)."""
+    from ghostdp.clipping import modes
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)
+
+
 def _counting_proofs(controller):
     """The list that gets one entry per layout proof of ``controller`` from now on; the proofs that a schedule
     repeats (layout.REPROOF_EVERY) are switched off, to count those that new graph forms and shapes need."""
@@ -188,7 +196,8 @@ def _counting_proofs(controller):
     return proofs
 
 
-def test_a_proven_layout_is_reused_and_a_new_shape_signature_is_proven_again():
+def test_a_proven_layout_is_reused_and_a_new_shape_signature_is_proven_again(monkeypatch):
+    _without_the_switch_to_one_backward(monkeypatch)
     model = nn.Linear(3, 2)
     controller = ghostdp.GhostClipping(model, 1.0)
     proofs = _counting_proofs(controller)
@@ -323,6 +332,7 @@ def test_a_graph_that_takes_two_forms_proves_each_once_and_a_forgotten_one_again
     """A model whose layers run on some steps only (layer drop) proves each form of its graph once, and
     stays exact; a controller remembers PROVEN_GRAPHS forms, and proves a form it has forgotten again."""
     from ghostdp.clipping import layout
+    _without_the_switch_to_one_backward(monkeypatch)
     torch.manual_seed(0)
     model = MixesOnSomeSteps()
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)

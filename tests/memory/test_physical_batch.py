@@ -63,6 +63,9 @@ def test_the_search_finds_the_largest_batch_that_fits_and_leaves_no_state(caplog
     assert "max_physical_batch_size='auto' chose 7" in caplog.text
     assert all(p.grad is None for p in model.parameters())
     assert engine.accountant.steps == 0 and engine.controller.ledger.records == []
+    # The probes' measures of what book-keeping keeps left no trace: the first training step takes the configured
+    # mode, as without the search (this model keeps about what its graph saves: its later steps take one backward).
+    assert engine.controller.step_modes.kept_of_saved is None and engine.controller.step_modes.kept_fraction is None
     assert torch.equal(torch.get_rng_state(), rng)  # the probes' dropout masks left no trace
     assert optimizer.sample_rate == 0.5 and optimizer.expected_batch_size == 30
     train(model, optimizer, criterion, loader, steps=3)
