@@ -317,12 +317,12 @@ class PrivacyEngine:
             finally:
                 module.train(training)
 
-        modes = controller.step_modes.state_dict()
+        modes_before = controller.step_modes.state_dict()  # restored after each probe
 
         def clean():
             for p in module.parameters():
                 p.grad = None
-            controller.reset_step_state(step_modes=modes)
+            controller.reset_step_state(step_modes=modes_before)
             optimizer.reset_step_state()
 
         logical = loader.logical_batches

@@ -435,12 +435,12 @@ class DPTrainerMixin:
                                                 self.args.label_smoothing_factor, inputs.get("attention_mask"))
                 self.controller.loss(losses).backward()
 
-        modes = self.controller.step_modes.state_dict()
+        modes_before = self.controller.step_modes.state_dict()  # restored after each probe
 
         def clean():
             for p in self.model.parameters():
                 p.grad = None
-            self.controller.reset_step_state(step_modes=modes)
+            self.controller.reset_step_state(step_modes=modes_before)
             self.dp_optimizer.reset_step_state()
 
         largest = self._train_loader.logical_batches.largest_batch()

@@ -7,7 +7,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ghostdp import PrivacyEngine
-from ghostdp.memory import peak_mb_since, reset_peak
 
 N, D = 60, 6
 
@@ -101,22 +100,43 @@ def test_every_probe_of_the_search_takes_the_layout_proof_that_training_repeats_
     assert engine.controller.independence.every == 256 and engine.controller.independence.forwards == 0
 
 
-def test_on_a_cpu_the_chosen_batch_keeps_a_real_step_within_the_budget():
-    torch.manual_seed(0)
-    wide = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256),
-                               torch.nn.Flatten(), torch.nn.Linear(32 * 256, 2))
-    dataset = TensorDataset(torch.randn(300, 32, 256), torch.randint(0, 2, (300,)))
-    engine = PrivacyEngine(seed=0)
-    wide, optimizer, criterion, loader = engine.make_private(
-        module=wide, optimizer=torch.optim.SGD(wide.parameters(), lr=0.1),
-        data_loader=DataLoader(dataset, batch_size=150), criterion=torch.nn.CrossEntropyLoss(),
-        noise_multiplier=1.0, max_grad_norm=1.0, max_physical_batch_size="auto", memory_budget_mb=60)
-    chosen = loader.max_physical_batch_size
-    assert 2 <= chosen < 150  # ~1 MiB per example: far from both ends
-    x, y = dataset[:chosen]
+CHOSEN_BATCH_STEP = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from ghostdp import PrivacyEngine
+from ghostdp.memory import peak_mb_since, reset_peak
+torch.manual_seed(0)
+wide = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256),
+                           torch.nn.Flatten(), torch.nn.Linear(32 * 256, 2))
+dataset = TensorDataset(torch.randn(300, 32, 256), torch.randint(0, 2, (300,)))
+engine = PrivacyEngine(seed=0)
+wide, optimizer, criterion, loader = engine.make_private(
+    module=wide, optimizer=torch.optim.SGD(wide.parameters(), lr=0.1),
+    data_loader=DataLoader(dataset, batch_size=150), criterion=torch.nn.CrossEntropyLoss(),
+    noise_multiplier=1.0, max_grad_norm=1.0, max_physical_batch_size="auto", memory_budget_mb=60)
+chosen = loader.max_physical_batch_size
+x, y = dataset[:chosen]
+peaks = []
+for _ in range(3):  # two passes, then book-keeping's one backward (this model keeps about what its graph saves)
+    optimizer.zero_grad(set_to_none=True)
     base = reset_peak(torch.device("cpu"))
     criterion(wide(x), y).backward()
-    assert peak_mb_since(torch.device("cpu"), base) <= 1.3 * 60  # resident-set readings are noisy
+    peaks.append(peak_mb_since(torch.device("cpu"), base))
+print(chosen, max(peaks))
+"""
+
+
+def test_on_a_cpu_the_chosen_batch_keeps_a_real_step_within_the_budget():
+    """In a process of its own: the resident set that the search reads on a CPU depends on what the process
+    allocated and freed before (glibc reuses freed heap memory without growing it), so after the rest of the suite
+    its readings came out low and the chosen batch's step read 84 MiB against the 60 MiB budget (2026-11-27)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", CHOSEN_BATCH_STEP], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    chosen, peak = done.stdout.split()[-2:]
+    assert 2 <= int(chosen) < 150  # ~1 MiB per example: far from both ends
+    assert float(peak) <= 1.3 * 60  # resident-set readings are noisy
 
 
 def test_a_probe_for_other_batch_structures():
