@@ -73,7 +73,9 @@ def test_peak_runs_on_a_tiny_model_in_each_mode(capsys):
         peak.main(TINY + ["--batch", "2", "--mode", mode, "--top", "3"] + (["--proof"] if mode == "ghost" else []))
     out = capsys.readouterr().out
     assert "plain, a step between proofs: peak" in out and "ghost, a proof step: peak" in out
-    assert "bookkeeping, a step between proofs: peak" in out and " MB  aten::" in out
+    assert "bookkeeping, a step between proofs: peak" in out
+    # Each section lists its largest holdings at the peak, by the op or autograd node that allocated them.
+    assert out.count(" MB  ") >= 3 * 3 and " MB  AddmmBackward0 <- " in out and " MB  ClippedLossBackward <- " in out
 
 
 def test_peak_refuses_a_device_other_than_the_cpu_with_what_to_use_there():

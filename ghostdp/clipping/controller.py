@@ -447,8 +447,10 @@ class GhostClipping:
                 # (modes.StepModes: what book-keeping would keep, against those; FSDP2's freed shards cannot be).
                 footprint = sum([math.prod(shape) for call in calls for shape in call.shapes])
                 if self.step_modes.counts_saved(footprint, passes) and not self._has_sharded_parameters():
-                    # The parameters as the tree just read them (no second walk), and the buffers.
+                    # The parameters as the tree just read them (no second walk), the buffers, and the forward's
+                    # arguments (the caller's: a slice of a tensor of the whole dataset was counted as all of it).
                     alive = storage_keys(self._model_tree.parameters + list(self.module.buffers()))
+                    alive |= self.recorder.input_storages
                     saved = saved_bytes(audited, alive)
             measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)

@@ -155,20 +155,19 @@ KEPT_FRACTION_WITHOUT_CHECKPOINTING = 1 / 2
 # once, parameters left out: saved_bytes.py), as estimated for its pass: its backward frees the graph's saved
 # tensors as it keeps its factors, layer by layer, where two passes hold them all through pass 1 (and form output
 # grads and Grams beside them). Measured (`python -m profiling.one_backward`, CPU tensor bytes: kept / saved, then
-# two passes' peak against book-keeping's, MB), the measures fall in two clusters:
-# - at most 1.04 wherever book-keeping keeps the Linear layers' inputs and output grads (the inputs are tensors the
+# two passes' peak against book-keeping's, MB; 2026-11-27), the measures fall in two clusters:
+# - at most 1.03 wherever book-keeping keeps the Linear layers' inputs and output grads (the inputs are tensors the
 #   graph saved anyway), and book-keeping's peak was at or below two passes' every time: GPT-2 with its tied LM head
 #   (V=8192, L=4, H=256, B=8) at T=256 0.77 (479.8 against 479.5), at T=64 0.65 (104.6 against 104.5), in bf16
-#   with V=2048 0.54 (181.7 against 179.1); BERT (L=4, H=256, V=1000) at T=128, B=16 1.03 (137.6 against 136.8),
-#   in bf16 1.03 (73.5 against 72.6), at T=64, B=16 1.03 (62.4 against 61.5), in bf16 at T=256, B=8 1.03 (74.2
-#   against 72.6) and at T=32 1.04 (15.3 against 13.9). The CPU stand-in of profiling.overhead reads 1.02, a
-#   BERT-base in bf16 at T=128 1.01 (2026-11-27); on an H200 book-keeping's working set was at or below ghost's
-#   on every BERT-base row (profiling.suite, 2026-11-26);
-# - 1.23 and above where it keeps explicit per-example gradients instead (layers whose T (d + p) exceeds d p),
-#   which no saved tensor shares, and its peak was 7-23% above two passes': BERT at T=192, fp32 1.23 (100.0
-#   against 107.0), at T=160 1.30 (81.0 against 92.3), at T=256 1.33 (138.3 against 164.4), in bf16 at T=320
-#   1.29 (48.1 against 59.1), T=384 1.23 (58.3 against 67.4), T=512 1.33 (78.6 against 89.2); stacks of Linear
-#   layers and ReLUs 1.60-1.62 (5.2 against 8.0).
+#   with V=2048 0.54 (181.7 against 179.1); BERT (L=4, H=256, V=1000) at T=128, B=16 1.02 (137.6 against 136.8),
+#   in bf16 at T=256, B=8 1.01 (74.2 against 72.6) and at T=32 1.03 (15.3 against 13.9). The CPU stand-in of
+#   profiling.overhead reads 1.02, a BERT-base in bf16 at T=128 1.01; on an H200 book-keeping's working set was at
+#   or below ghost's on every BERT-base row (profiling.suite, 2026-11-26);
+# - 1.28 and above where it keeps explicit per-example gradients instead (layers whose T (d + p) exceeds d p),
+#   which no saved tensor shares, and its peak was 14-23% above two passes': BERT at T=160, fp32 1.28 (81.0
+#   against 92.3), at T=256 1.32 (138.3 against 164.4), in bf16 at T=320 1.28 (48.1 against 59.1), T=512 1.32
+#   (78.6 against 89.2); a stack of Linear layers and ReLUs 1.78 (5.2 against 8.0). (Before the forward's
+#   arguments were left out, also T=192 fp32 1.23, 100.0 against 107.0, and T=384 bf16 1.23, 58.3 against 67.4.)
 # The limit lies between the clusters (0.9 until 2026-11-27 kept BERT classifiers at two passes: 1.15x their
 # book-keeping step on the CPU stand-in, 2026-11-27, and 1.22x on the H200's B=256 frozen row, 2026-11-26).
 KEPT_OF_SAVED = 1.1

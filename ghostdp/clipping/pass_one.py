@@ -147,6 +147,7 @@ class PassOne:
             self._prove_reentrant_layouts(per_example_losses, audited, calls)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
+        passed.kept_storages.alive_anyway = self.recorder.input_storages
         request = self.controller._sample_request
         if request is not None:
             passed.samples = request.start(self.controller._parameters.values(), B)

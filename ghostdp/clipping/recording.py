@@ -33,6 +33,7 @@ from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .reentrant import USE_NON_REENTRANT
+from .saved_bytes import storage_of
 
 # torch's global forward hooks (register_module_forward_hook): they run before every module's own forward hooks.
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
@@ -123,6 +124,12 @@ def _grad_fns(tensors) -> frozenset:
 _GRAD_FN = operator.attrgetter("grad_fn")
 
 
+def input_storages(args, kwargs) -> set:
+    """The storage keys of a forward's tensor arguments: the caller holds them through the step whichever way it
+    runs (a batch sliced from a tensor of the whole dataset is a view of all of it)."""
+    return {storage_of(t)[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+
+
 def leading_dim(args, kwargs):
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -160,6 +167,9 @@ class ForwardRecorder:
         self.keeps_factors = keeps_factors
         self.two_passes = not keeps_factors
         self.expects_one_backward = lambda checkpointing: False
+        # Two passes configured: the storages of the last training forward's arguments, which modes.StepModes' measure
+        # leaves out on both sides (saved_bytes.py, records.KeptStorages).
+        self.input_storages = set()
         self._capturing = self.two_passes
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
@@ -235,6 +245,8 @@ class ForwardRecorder:
                 self.regions.depth = 0
                 self.forward_checkpointed = _saved_tensor_hooks(False) is not None
                 checkpointing = self._checkpointing_flag_set()
+                if not self.keeps_factors:
+                    self.input_storages = input_storages(args, kwargs)
                 self.two_passes = not (self.keeps_factors or self.expects_one_backward(checkpointing))
                 # Book-keeping's captured calls hold G to the end of pass 1 (capture.py).
                 self._capturing = self.two_passes or not checkpointing

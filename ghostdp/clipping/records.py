@@ -84,11 +84,14 @@ class KeptStorages:
     """What book-keeping would keep, as norm pass's factors note it (PerExampleGrad.note_kept): the tensors it would
     keep, each storage once (an input shared by query, key and value; an output grad shared by a weight and its
     bias), and the bytes of the explicit gradients it would form. A call's inputs are alive through the whole pass
-    (the graph or the call holds them) and are keyed by their storage alone; any other tensor also by its call's
+    (the graph or the call holds them) and are keyed by their storage alone, except a view of a storage over twice
+    its size, which book-keeping copies (recording._compact_views): its own bytes; any other tensor also by its call's
     place in the pass (``of_call``, as each call's factors are noted): two passes free an output grad once its norm
-    is formed, and a later one may reuse its memory."""
+    is formed, and a later one may reuse its memory. Storages in ``alive_anyway`` (the forward's arguments, which
+    the caller holds) are left out, as saved_bytes leaves them out."""
 
     def __init__(self):
+        self.alive_anyway = set()  # keys of storages held whichever way the step runs (the forward's arguments)
         self._bytes = {}  # key -> bytes of a storage
         self._formed = 0
         self._call = 0
@@ -102,9 +105,9 @@ class KeptStorages:
     def note(self, *tensors) -> None:
         for tensor in tensors:
             key, nbytes = storage_of(tensor)
-            if key is None:  # no readable storage: its own bytes
+            if key is None or (key in self._inputs and _compacted(tensor, nbytes)):  # its own bytes
                 self._formed += tensor.numel() * tensor.element_size()
-            else:
+            elif key not in self.alive_anyway:
                 self._bytes[key if key in self._inputs else (self._call, *key)] = nbytes
 
     def formed(self, nbytes: int) -> None:
@@ -112,6 +115,11 @@ class KeptStorages:
 
     def total(self) -> int:
         return sum(self._bytes.values()) + self._formed
+
+
+def _compacted(tensor, storage_bytes: int) -> bool:
+    """Whether book-keeping keeps a copy of this input of a call, not its storage (recording._compact_views)."""
+    return tensor._is_view() and storage_bytes > 2 * tensor.numel() * tensor.element_size()
 
 
 class NormPass:

@@ -223,7 +223,7 @@ def test_a_causal_lm_fine_tuned_whole_takes_one_backward_and_stays_exact():
 
 def test_a_bert_keeping_about_what_its_graph_saves_takes_one_backward_and_stays_exact():
     """A BERT classifier whose Linear layers keep their inputs and output grads keeps about the bytes its graph saved
-    (1.03 here; 1.01-1.04 measured, book-keeping's peak at or below two passes' every time): two passes take
+    (1.00 here; 1.01-1.03 measured, book-keeping's peak at or below two passes' every time): two passes take
     book-keeping's one backward from the second step, with the per-example loop's clipped sums at every step."""
     torch.manual_seed(0)
     ids, mask = padded_text(30, T=8)
@@ -235,13 +235,13 @@ def test_a_bert_keeping_about_what_its_graph_saves_takes_one_backward_and_stays_
 
     wrote, controller = exact_steps(model, losses, B, rtol=1e-9)
     assert wrote == [False, True, True]
-    assert 1 < controller.step_modes.kept_of_saved <= modes.KEPT_OF_SAVED
+    assert 0.9 < controller.step_modes.kept_of_saved <= modes.KEPT_OF_SAVED  # (0.9: the limit before 2026-11-27)
 
 
 def test_a_model_keeping_more_than_its_graph_saves_keeps_two_passes():
     """A BERT classifier on sequences long enough that its Linear layers keep explicit per-example gradients (T (d +
-    p) > d p), which no saved tensor shares (1.23-1.33 measured, book-keeping's peak 7-23% above two passes'), and a
-    stack of Linear layers (1.6) keep two passes."""
+    p) > d p), which no saved tensor shares (1.28-1.32 measured, book-keeping's peak 14-23% above two passes'), and a
+    stack of Linear layers (1.78) keep two passes."""
     torch.manual_seed(0)
     ids, mask = padded_text(30, T=16)
     model = tiny_bert()
@@ -320,6 +320,37 @@ def test_the_switched_forward_is_a_graph_form_proven_once(monkeypatch):
     wrote = [dp_step(controller, model, lambda: model(x).pow(2).sum((1, 2))) for _ in range(5)]
     assert wrote == [False, True, True, True, True] and len(proofs) == 2
     controller.detach()
+
+
+def test_the_measure_leaves_out_the_forwards_arguments_and_counts_the_copy_book_keeping_makes():
+    """A batch sliced from a tensor of the whole dataset is a view of all of it: its storage was counted whole among
+    the saved bytes (and in the kept ones), which pulled the measure toward 1 (a wide Linear model read 1.03 sliced
+    and 1.056 fresh, then 0.62 in its one-backward steps). The forward's arguments are the caller's, held whichever
+    way the step runs: left out on both sides. Book-keeping copies such a view for the call that reads it
+    (recording._compact_views): counted as that copy's bytes, in both modes alike."""
+    torch.manual_seed(0)
+    stack = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 3)).double()
+    dataset = torch.randn(64, 4, D)
+    fresh, sliced = dataset[:8].clone(), dataset[:8]
+    measured = {}
+    for name, x in (("fresh", fresh), ("sliced", sliced)):
+        for clipping_steps in (1, 2):  # two passes (the first step), then book-keeping's one backward
+            controller = ghostdp.GhostClipping(stack, 1.0)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(modes, "KEPT_OF_SAVED", 10.0)
+                for _ in range(clipping_steps):
+                    dp_step(controller, stack, lambda: stack(x).pow(2).sum((1, 2)))
+            sm = controller.step_modes
+            measured[name, clipping_steps] = (sm.saved_per_element, sm.kept_of_saved * sm.saved_per_element)
+            controller.detach()
+    footprint = 8 * 4 * (D + 3)  # the trained calls' output elements
+    copy = fresh.numel() * fresh.element_size() / footprint  # per element: book-keeping's copy of the sliced view
+    for steps in (1, 2):
+        (saved_fresh, kept_fresh), (saved_sliced, kept_sliced) = measured["fresh", steps], measured["sliced", steps]
+        assert saved_sliced == pytest.approx(saved_fresh, rel=1e-12)
+        assert kept_sliced == pytest.approx(kept_fresh + copy, rel=1e-12)
+    assert measured["fresh", 1] == pytest.approx(measured["fresh", 2], rel=1e-12)
+    assert measured["sliced", 1] == pytest.approx(measured["sliced", 2], rel=1e-12)
 
 
 def test_the_switch_is_said_once_and_can_be_turned_off(monkeypatch, caplog):
