@@ -305,7 +305,7 @@ class ForwardIndependence:
         add to the activations it saves): a _Pending of their fingerprints for _compare at its end, or None where
         there is nothing to compare."""
         flat, spec = tree_flatten((args, kwargs))
-        batch = leading_dim(args, kwargs) or 0  # the first tensor argument's dim 0, as the recorder reads it
+        batch = leading_dim(flat) or 0  # the first tensor argument's dim 0, as the recorder reads it
         replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.

@@ -33,7 +33,7 @@ from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .reentrant import USE_NON_REENTRANT
-from .saved_bytes import storage_of
+from .saved_bytes import storage_keys
 
 # torch's global forward hooks (register_module_forward_hook): they run before every module's own forward hooks.
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
@@ -124,14 +124,9 @@ def _grad_fns(tensors) -> frozenset:
 _GRAD_FN = operator.attrgetter("grad_fn")
 
 
-def input_storages(args, kwargs) -> set:
-    """The storage keys of a forward's tensor arguments: the caller holds them through the step whichever way it
-    runs (a batch sliced from a tensor of the whole dataset is a view of all of it)."""
-    return {storage_of(t)[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-
-
-def leading_dim(args, kwargs):
-    for t in tree_flatten((args, kwargs))[0]:
+def leading_dim(flat):
+    """Dim 0 of the first tensor of dim > 0 among a forward's flattened arguments (tree_flatten), or None."""
+    for t in flat:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return t.shape[0]
     return None
@@ -158,9 +153,6 @@ class ForwardRecorder:
         # where it keeps very little (modes.mode_of_step).
         self.forward_checkpointed = False
         self._checkpointing_flags = []
-        # Calls captured instead of probed (capture.capture says which): this forward may capture (book-keeping:
-        # unless checkpointed), and the autograd node types of the calls captured so far (the audit looks
-        # for them).
         # The calls of this forward are captured as two passes need them (capture.py), else as book-keeping's: the
         # configured mode, or book-keeping's where a two-pass controller expects its next DP loss to take one
         # backward (``expects_one_backward(checkpointing)``, set by the controller: modes.StepModes).
@@ -170,6 +162,9 @@ class ForwardRecorder:
         # Two passes configured: the storages of the last training forward's arguments, which modes.StepModes' measure
         # leaves out on both sides (saved_bytes.py, records.KeptStorages).
         self.input_storages = set()
+        # Calls captured instead of probed (capture.capture says which): this forward may capture (book-keeping:
+        # unless checkpointed), and the autograd node types of the calls captured so far (the audit looks
+        # for them).
         self._capturing = self.two_passes
         self.captured_types = set()
         self._plain_owners = set()  # ids of the modules whose owned parameters are their _parameters
@@ -239,14 +234,17 @@ class ForwardRecorder:
         # every root forward pushes, its end hook (always called) pops.
         self._collector_pauses.append(recording and not compiling and collector.pause())
         if recording:
-            self._batch_hint = leading_dim(args, kwargs)
+            flat = tree_flatten((args, kwargs))[0]
+            self._batch_hint = leading_dim(flat)
             self.broadcast_in_forward.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
                 self.forward_checkpointed = _saved_tensor_hooks(False) is not None
                 checkpointing = self._checkpointing_flag_set()
+                # The caller holds them whichever way the step runs (a batch sliced from a tensor of the whole
+                # dataset is a view of all of it).
                 if not self.keeps_factors:
-                    self.input_storages = input_storages(args, kwargs)
+                    self.input_storages = storage_keys([t for t in flat if isinstance(t, torch.Tensor)])
                 self.two_passes = not (self.keeps_factors or self.expects_one_backward(checkpointing))
                 # Book-keeping's captured calls hold G to the end of pass 1 (capture.py).
                 self._capturing = self.two_passes or not checkpointing

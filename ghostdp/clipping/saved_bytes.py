@@ -55,5 +55,5 @@ def storage_of(tensor: torch.Tensor) -> tuple:
 
 
 def storage_keys(tensors) -> set:
-    """The storage keys of ``tensors`` (a model's parameters and buffers: alive anyway)."""
+    """The storage keys of ``tensors`` (a model's parameters and buffers, a forward's arguments: alive anyway)."""
     return {storage_of(t)[0] for t in tensors}
