@@ -165,6 +165,10 @@ def report(name, rows):
               f"{r['aten_ops'] / rows['plain']['aten_ops']:>9.2f}x{r['ms_per_layer']:>10.3f}{r['gc_ms']:>8.3f}")
 
 
+# The GPU's stack budget and queue bound (4M elements) over one BERT-base activation at T=128, by batch size.
+GPU_BUDGET_PER_ACTIVATION = {"b32": (1 << 22) / (32 * 128 * 768), "b256": (1 << 22) / (256 * 128 * 768)}
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
@@ -177,8 +181,10 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-floors", dest="floors", action="store_false",
                    help="leave out the noise floor, two-pass floor and plan floor rows")
-    p.add_argument("--per-layer", action="store_true",
-                   help="the norm queue reduces one layer at a time, as on an H100 at BERT-base sizes")
+    p.add_argument("--per-layer", nargs="?", const="b32", default=None, choices=sorted(GPU_BUDGET_PER_ACTIVATION),
+                   help="the norm queue reduces one layer at a time, as on an H100 at BERT-base sizes: at B=32 "
+                   "(the default), whose layers' Grams wait in DeferredGrams, or at B=256 (b256), where no two of "
+                   "them fit its budget and each layer's norm is taken alone")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--against", metavar="REF", help="also run the ghostdp modes with git revision REF's ghostdp "
                    "(profiling.revision), in the same rounds")
@@ -191,16 +197,16 @@ def parse(argv=None):
     return args
 
 
-# The GPU's stack budget and queue bound (4M elements) over one BERT-base activation at B=32, T=128.
-GPU_BUDGET_PER_ACTIVATION = (1 << 22) / (32 * 128 * 768)
-
-
 @contextlib.contextmanager
-def per_layer_reductions(packages, activation_elements: int):
+def per_layer_reductions(packages, activation_elements: int, batch: str = "b32"):
     """The norm queue of each ghostdp package with the stack budget and queue bound that a GPU has at
-    BERT-base B=32, in proportion to this model's (B, T, H) activation: no layer's input and output
-    grad fit together, so every layer is reduced alone (the modules' own budgets, restored on exit)."""
-    budget = int(GPU_BUDGET_PER_ACTIVATION * activation_elements)
+    BERT-base B=32 (or B=256: ``batch``), in proportion to this model's (B, T, H) activation: no layer's input
+    and output grad fit together, so every layer is reduced alone (the modules' own budgets, restored on exit).
+    At B=256 not even two of a layer's Grams fit DeferredGrams' half budget: each layer's norm is taken alone.
+    The stand-in's ratios are BERT-base's but for one: a LayerNorm's (B, d) gradients are 1/T of an activation,
+    1/8 here against 1/128 there, so at b256 DeferredGrams takes their dot products after every LayerNorm instead
+    of every five or so."""
+    budget = int(GPU_BUDGET_PER_ACTIVATION[batch] * activation_elements)
     saved = []
     try:
         for package in packages:
@@ -227,10 +233,11 @@ def main(argv=None):
     print(f"{args.model} L={args.layers} H={args.hidden} heads={args.heads} B={args.batch} T={args.seq}, "
           f"{args.threads} thread(s), {args.rounds} interleaved rounds")
     if args.per_layer:
-        print("the norm queue reduces one layer at a time (--per-layer), as on an H100 at BERT-base sizes")
+        print(f"the norm queue reduces one layer at a time (--per-layer {args.per_layer}), as on an H100 at BERT-base "
+              f"sizes, B={args.per_layer[1:]}")
     results = {}
     packages = [ghostdp] + ([against[1]] if against else [])
-    per_layer = per_layer_reductions(packages, args.batch * args.seq * args.hidden)
+    per_layer = per_layer_reductions(packages, args.batch * args.seq * args.hidden, args.per_layer or "b32")
     with per_layer if args.per_layer else contextlib.nullcontext():
         for setting in args.embeddings:
             results[setting] = measure(args, freeze_embeddings=setting == "frozen", against=against)

@@ -321,13 +321,13 @@ def test_layers_reading_one_input_share_its_gram(monkeypatch):
     x = torch.randn(3, 4, 16)  # T (m + n) <= m n for all three: the Gram method
     check_module(model, x)
     gram_rows = []
-    wide_matmul = batched.wide_matmul
+    gram = batched.gram
 
-    def counting(a, b, dt):
-        gram_rows.append(a.shape[0])
-        return wide_matmul(a, b, dt)
+    def counting(x, dt):
+        gram_rows.append(x.shape[0])
+        return gram(x, dt)
 
-    monkeypatch.setattr(batched, "wide_matmul", counting)
+    monkeypatch.setattr(batched, "gram", counting)
     controller = ghostdp.GhostClipping(model, 1.0)
     controller.per_example_norms(model(x).pow(2).flatten(1).sum(1))
     controller.detach()

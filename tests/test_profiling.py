@@ -345,6 +345,28 @@ def test_overhead_per_layer_reduces_one_layer_at_a_time_and_restores_the_budgets
     assert per_layer_rows["ghost"]["aten_ops"] > batched_rows["ghost"]["aten_ops"]
 
 
+def test_overhead_per_layer_at_b256_takes_every_layers_norm_alone():
+    """--per-layer b256: the budgets of a GPU at BERT-base B=256, where not even two of a layer's Grams fit
+    DeferredGrams' budget, so no Gram waits there (at b32 they all do)."""
+    from ghostdp.norms import batched, deferred
+    from profiling import overhead
+    stack, queue = batched.STACK_ELEMENTS, batched.QUEUE_ELEMENTS
+    # 32 wide: at b32 two of a layer's (B, T, T) Grams fit half the budget (T / H = 1/4 here, 1/6 at BERT-base)
+    small = ["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--rounds", "1", "--warmup", "0",
+             "--embeddings", "frozen", "--no-floors", "--modes", "plain", "bookkeeping"]
+    taken = {}
+    take = deferred.DeferredGrams.take
+    try:
+        for batch in ("b32", "b256"):
+            found = taken[batch] = []
+            deferred.DeferredGrams.take = lambda self, *a, found=found: found.append(take(self, *a)) or found[-1]
+            overhead.main(small + ["--per-layer", batch])
+    finally:
+        deferred.DeferredGrams.take = take
+    assert (batched.STACK_ELEMENTS, batched.QUEUE_ELEMENTS) == (stack, queue)
+    assert sum(taken["b32"]) > 10 and taken["b256"] and not any(taken["b256"])
+
+
 def test_bench_trains_only_the_last_layer_pooler_and_classifier_in_the_fgc_set_up():
     args = bench.parse(["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--train", "last-layer"])
     trained = {n for n, p in bench.build_model(args).named_parameters() if p.requires_grad}

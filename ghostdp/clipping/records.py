@@ -9,7 +9,7 @@ import torch
 
 from ..norms.batched import NormQueue, mass_roots, mass_rows
 from ..norms.deferred import DeferredGrams
-from ..norms.factors import InputGrams
+from ..norms.factors import InputGrams, SqrtProduct
 from .capture import on_output_grads
 from .modes import new_factor_store
 from .saved_bytes import storage_of
@@ -149,7 +149,8 @@ class NormPass:
         self.trainable = None             # id -> trainable parameter, as that audit read them
         self.sq_parts = [[] for _ in range(groups)]  # per clipping group: (k, B) squared norms of k layers
         self.masses = []                  # (k, B) bounds of sum_t |G_t| |A_t| of k layers (precision.py)
-        self.squared_masses = []          # (k, B) squares of such bounds, rooted together (batched.Reduced)
+        self.squared_masses = []          # (k, B) squares of such bounds, or a SqrtProduct of one layer's (B,)
+        #                                   factors of them: multiplied and rooted together (batched.Reduced)
         self.mass_dtype = None
         self.pending = defaultdict(list)  # parameter -> factors of its several calls
         self.kept = new_factor_store()    # book-keeping: every factor, for the clipped sum
@@ -187,9 +188,11 @@ class NormPass:
 
     def add_mass(self, factor):
         """The token mass of one factor that is not queued (a parameter with several uses)."""
-        mass = mass_rows(factor.token_mass(self.grams))
-        if mass is not None:
-            self._add_mass_rows(mass, factor.sum_dtype())
+        mass = factor.token_mass(self.grams)
+        if isinstance(mass, SqrtProduct):  # multiplied and rooted with the others (total_mass)
+            self._add_mass_rows(mass, factor.sum_dtype(), rooted=False)
+        elif mass is not None:
+            self._add_mass_rows(mass_rows(mass), factor.sum_dtype())
 
     def _add_mass_rows(self, mass, dtype, rooted=True):
         (self.masses if rooted else self.squared_masses).append(mass)
@@ -214,16 +217,31 @@ class NormPass:
     def total_mass(self):
         """(B,) sum over layers of the examples' token masses, or None if no layer has one."""
         blocks = list(self.masses)
-        by_dtype = {}
+        by_dtype = {}  # dtype -> (k, B) squares (key None), and one-row SqrtProducts by their second factor's kind
         for squares in self.squared_masses:
-            by_dtype.setdefault(squares.dtype, []).append(squares)
-        for squares in by_dtype.values():
-            blocks.append(mass_roots(squares[0] if len(squares) == 1 else torch.cat(squares)))
+            if isinstance(squares, SqrtProduct):
+                second = "rows" if isinstance(squares.b, torch.Tensor) else squares.b  # a (B,) tensor, or a number
+                by_dtype.setdefault(squares.a.dtype, {}).setdefault(second, []).append(squares)
+            else:
+                by_dtype.setdefault(squares.dtype, {}).setdefault(None, []).append(squares)
+        for kinds in by_dtype.values():
+            squares = []
+            for second, parts in kinds.items():
+                if second is None:
+                    squares += parts
+                    continue
+                a = torch.stack([p.a for p in parts])
+                squares.append(a * (torch.stack([p.b for p in parts]) if second == "rows" else second))
+            blocks.append(mass_roots(_concatenated(squares)))
         return _sum_rows(blocks) if blocks else None
+
+
+def _concatenated(rows):
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def _sum_rows(blocks):
     """The sum over all rows of (k, B) blocks, in the widest of their dtypes."""
     if len({b.dtype for b in blocks}) > 1:
         blocks = [b.double() for b in blocks]
-    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).sum(0)
+    return _concatenated(blocks).sum(0)

@@ -35,8 +35,8 @@ from collections import OrderedDict
 
 import torch
 
-from .factors import (ELEMENT_BUDGET, Instantiated, OuterProduct, SummedTokens, acc_dtype, gram_tile, gram_trace,
-                      prefers_gram, wide_matmul)
+from .factors import (ELEMENT_BUDGET, Instantiated, OuterProduct, SqrtProduct, SummedTokens, acc_dtype, gram,
+                      gram_tile, gram_trace, prefers_gram, wide_matmul)
 from .normalization import AffineGrad, form_layer_norms
 
 # Elements of activations and output grads the queue may hold before it reduces them (16 MB in float32):
@@ -89,8 +89,9 @@ def within_budget(items, sizes, budget):
 class Reduced:
     """What a reduction gives for some queued factors: (k, B) squared norms and token masses (None:
     nothing in those examples can cancel), and the queue positions of their k rows. ``rooted`` False:
-    ``mass`` holds the masses' squares, whose roots the pass takes for all such rows at once (two ops a
-    step instead of two per reduction: a GPU step is host-bound)."""
+    ``mass`` holds the masses' squares, or, for one row, a SqrtProduct of (B,) tensors (or a tensor and a
+    number) whose product they are, and the pass forms those products and roots for all such rows at once (a
+    few ops a step instead of one to three per reduction: a GPU step is host-bound)."""
 
     __slots__ = ("rows", "sq", "mass", "mass_dtype", "rooted")
 
@@ -99,7 +100,11 @@ class Reduced:
 
     def masses(self):
         """The (k, B) token masses, rooted, or None."""
-        return self.mass if self.rooted or self.mass is None else mass_roots(self.mass)
+        if self.rooted or self.mass is None:
+            return self.mass
+        if isinstance(self.mass, SqrtProduct):  # one row
+            return mass_roots(self.mass.a * self.mass.b).unsqueeze(0)
+        return mass_roots(self.mass)
 
 
 def mass_roots(squares: torch.Tensor) -> torch.Tensor:
@@ -241,12 +246,15 @@ def _reduce_alone(factors, rows, grams, deferred, groups, flush=None) -> list[Re
         if deferred is not None and deferred.take(f, grams, groups[r]):
             continue
         both = f.cached_norms(grams)
-        if both is not None:  # from the pass's cached Grams, one lookup per tensor; rooted with the pass's others
-            out.append(Reduced([r], both[0].unsqueeze(0), both[1].unsqueeze(0), f.sum_dtype(), rooted=False))
+        if both is not None:  # from the pass's cached Grams, one lookup per tensor; its mass multiplied and rooted
+            out.append(Reduced([r], both[0].unsqueeze(0), both[1], f.sum_dtype(), rooted=False))  # with the others
             continue
         mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
         sq = f.sq_norm(grams)
-        out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
+        if isinstance(mass, SqrtProduct):
+            out.append(Reduced([r], sq.unsqueeze(0), mass, f.sum_dtype(), rooted=False))
+        else:
+            out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
     return out
 
 
@@ -372,7 +380,7 @@ def _gram_batch(factors, rows) -> list[Reduced]:
         for run in within_budget(members, [m.numel() for m in members], budget):
             x = run[0].unsqueeze(0) if len(run) == 1 else torch.stack(run)
             x = x.reshape(len(run) * B, T, group[0])
-            parts.append(GramPart(start, wide_matmul(x, x.transpose(1, 2), dt).view(len(run), B, T, T)))
+            parts.append(GramPart(start, gram(x, dt).view(len(run), B, T, T)))
             start += len(run)
     index = {key: offsets[group] + k for key, (group, k) in position.items()}
     return gram_products(parts, [(r, index[left], index[right]) for r, left, right in weights],

@@ -79,6 +79,14 @@ def wide_matmul(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tens
     return torch.mm(a, b) if a.dim() == b.dim() == 2 else torch.matmul(a, b)
 
 
+def gram(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """(..., T, T) Grams X X^T of (..., T, m) x in dt (wide_matmul). Where x is converted to dt (off the
+    tensor-core path: a 16-bit x on a CPU), it is converted once for both sides, not once per side."""
+    if x.dtype != dt and not _tensor_core_path(x, x, dt):
+        x = x.to(dt)
+    return wide_matmul(x, x.transpose(-1, -2), dt)
+
+
 def _tensor_core_path(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> bool:
     return (a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and dt == torch.float32
             and a.device.type == "cuda" and _matmuls_take_out_dtype())
@@ -142,8 +150,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class SqrtProduct(NamedTuple):
-    """A token mass sqrt(a * b), a a (B,) tensor and b a (B,) tensor or a number: the norm pass stacks
-    every layer's a and b and forms the roots in one expression instead of two small ops per layer."""
+    """A token mass sqrt(a * b), a a (B,) tensor and b a (B,) tensor or a number (or a and b (k, B) rows of
+    k masses: batched.Reduced): the norm pass concatenates every layer's a and b and forms the products and
+    roots in a few ops for all layers (records.NormPass.total_mass) instead of two or three small ops per layer."""
     a: torch.Tensor
     b: "torch.Tensor | float"
 
@@ -179,9 +188,9 @@ class PerExampleGrad:
     def token_mass(self, grams=None) -> torch.Tensor | SqrtProduct | None:
         return None
 
-    def cached_norms(self, grams) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(squared norm, squared token mass), both (B,), from Grams in the pass's cache (``grams``), for a
-        factor whose norm and mass are read from them; None for the others (sq_norm and token_mass)."""
+    def cached_norms(self, grams) -> tuple[torch.Tensor, SqrtProduct] | None:
+        """((B,) squared norm, token mass) from Grams in the pass's cache (``grams``), for a factor whose norm
+        and mass are read from them; None for the others (sq_norm and token_mass)."""
         return None
 
     def gram_reads(self, grams) -> tuple | None:
@@ -287,6 +296,12 @@ class SummedTokens(Instantiated):
             self._grads = self.tokens.sum(1, dtype=acc_dtype(self.tokens))
         return self._grads
 
+    def sum_dtype(self):
+        # Instantiated's reads self.grads, which would sum the tokens (an op, and a (B, p) tensor held with
+        # the factor) only to learn a dtype: a bias reduced alone asked it for every layer (72 ops a step on the
+        # BERT stand-in with every Gram too large to defer, as at BERT-base B=256 on a GPU).
+        return acc_dtype(self.tokens)
+
     def held_bytes(self):
         return _nbytes(self.tokens)
 
@@ -325,13 +340,13 @@ class SummedTokens(Instantiated):
         return None if cached is None else ((self.tokens, *cached),)
 
     def cached_norms(self, grams):
-        """(squared norm, squared token mass T tr(G G^T)), both (B,), from the Gram its weight left in the
-        pass's cache (one lookup for both), or None where there is none."""
+        """((B,) squared norm, token mass sqrt(T tr(G G^T)) as a SqrtProduct) from the Gram its weight left in
+        the pass's cache (one lookup for both), or None where there is none."""
         reads = self.gram_reads(grams)
         if reads is None:
             return None
         gram, trace = grams.whole_and_trace(*reads[0])
-        return gram.sum((1, 2)), trace * float(self.tokens.shape[1])
+        return gram.sum((1, 2)), SqrtProduct(trace, float(self.tokens.shape[1]))
 
 
 def _scaled(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -422,15 +437,15 @@ class OuterProduct(PerExampleGrad):
         return grams.whole(x, acc_dtype(self.left, self.right), self.operand_dtype)
 
     def cached_norms(self, grams):
-        """(squared norm, squared token mass tr(L L^T) tr(R R^T)), both (B,), on the one-tile Gram path with
-        the pass's Gram cache (one lookup per side for both; what sq_norm and token_mass give), or None off
+        """((B,) squared norm, token mass sqrt(tr(L L^T) tr(R R^T)) as a SqrtProduct) on the one-tile Gram path
+        with the pass's Gram cache (one lookup per side for both; what sq_norm and token_mass give), or None off
         that path."""
         reads = self.gram_reads(grams)
         if reads is None:
             return None
         left, left_trace = grams.whole_and_trace(*reads[0])
         right, right_trace = grams.whole_and_trace(*reads[1])
-        return torch.linalg.vecdot(left.flatten(1), right.flatten(1)), left_trace * right_trace
+        return torch.linalg.vecdot(left.flatten(1), right.flatten(1)), SqrtProduct(left_trace, right_trace)
 
     def gram_reads(self, grams):
         """Both sides' whole Grams (one tile) through the pass's cache, or None off that path."""
@@ -764,7 +779,7 @@ class InputGrams:
             # A weak reference to the tensor that owns x's memory (views of one input share its Gram):
             # the Gram must not keep an output grad alive, and a dead tensor's address may be reused by
             # a new one with equal shape and version, which must not find this Gram.
-            entry = [weakref.ref(_owner(x)), wide_matmul(operand, operand.transpose(1, 2), dt), None]
+            entry = [weakref.ref(_owner(x)), gram(operand, dt), None]
         self._whole[key] = entry
         while len(self._whole) > self.WHOLE:
             self._whole.pop(next(iter(self._whole)))

@@ -6,7 +6,7 @@ import torch
 
 import ghostdp
 from ghostdp.norms import batched, batched_sums, deferred
-from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens
+from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens, acc_dtype_of
 from ghostdp.norms.normalization import AffineGrad, LayerNormCall
 
 B, T = 3, 5
@@ -97,8 +97,8 @@ def test_a_layer_norm_formed_before_its_reduction_is_reduced_alone():
 def test_shared_input_gets_one_gram_and_biases_reuse_their_weights_grams(monkeypatch):
     factors = _mixed_factors()[5:9]  # query and key weights (one input) and their biases
     rows = []
-    wide_matmul = batched.wide_matmul
-    monkeypatch.setattr(batched, "wide_matmul", lambda a, b, dt: rows.append(a.shape[0]) or wide_matmul(a, b, dt))
+    gram = batched.gram
+    monkeypatch.setattr(batched, "gram", lambda x, dt: rows.append(x.shape[0]) or gram(x, dt))
     batched.reduce_factors(factors)
     assert sorted(rows) == [B, 2 * B]  # width 16: x and the query's output grad; width 12: the key's
 
@@ -231,6 +231,36 @@ def test_layers_whose_grams_lie_at_equal_steps_are_read_through_views(monkeypatc
     for r, f in enumerate(layers()):
         torch.testing.assert_close(found[r][0], f.sq_norm(), rtol=1e-12, atol=0)
         torch.testing.assert_close(found[r][1], _as_tensor(f.token_mass()), rtol=1e-12, atol=0)
+
+
+def test_a_sixteen_bit_grams_input_is_widened_once_on_a_cpu():
+    """Off the tensor-core path (a CPU), a bf16 tensor's Gram in float32 converts it once for both of its
+    sides (it converted each side: the tensor and its transpose), in the pass's cache and in a stacked Gram
+    batch alike; the Grams equal the product of the widened tensor with its transpose, bitwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from ghostdp.norms.factors import InputGrams
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(B, T, 16, generator=g).to(torch.bfloat16)
+    wide = x.float()
+    with Copies() as copies:
+        cached = InputGrams().whole(x, torch.float32)
+    assert copies.count == 1 and torch.equal(cached, torch.bmm(wide, wide.transpose(1, 2)))
+    factors = [OuterProduct(torch.randn(B, T, 8, generator=g).to(torch.bfloat16), x, (8, 16)) for _ in range(2)]
+    with Copies() as copies:
+        (done,) = batched.reduce_factors(factors)
+    assert copies.count == 2  # the stack of the two output grads, and the input, each once
+    for k, f in enumerate(factors):
+        torch.testing.assert_close(done.sq[k], f.sq_norm(), rtol=1e-6, atol=0)
 
 
 def test_sums_written_in_a_narrower_dtype_are_rounded_once_per_batch():
@@ -443,6 +473,54 @@ def test_layers_reduced_one_at_a_time_leave_their_grams_to_be_reduced_together(m
         torch.testing.assert_close(f.mass, r.mass, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_layers_whose_grams_are_too_large_to_defer_leave_their_masses_as_products(monkeypatch, dtype):
+    """Where even one layer's two Grams exceed DeferredGrams' budget (a GPU at BERT-base B=256 or T=512), each
+    layer is reduced alone from the pass's Gram cache, and its token mass leaves as the factors of a product
+    (tr(L L^T), tr(R R^T); a bias's tr(G G^T) and T): the pass multiplies and roots them all in a few ops at the
+    end, not one to three ops per layer. Its totals equal each factor's own norm and mass summed, also with
+    masses of other reductions and dtypes, and a bias asked its sum dtype does not sum its tokens."""
+    from ghostdp.clipping.records import NormPass
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 2 * B * T * T})  # half of it: less than two Grams
+    layers = _in_dtype(_mixed_factors()[5:12], dtype)
+    per_layer = [layers[0:2], layers[2:4], layers[4:5], layers[5:7]]  # query, key (shared input), value, Conv1D-like
+    passed = NormPass(B)
+    deferred_takes = []
+    take = deferred.DeferredGrams.take
+    monkeypatch.setattr(deferred.DeferredGrams, "take", lambda self, *a: deferred_takes.append(take(self, *a))
+                        or deferred_takes[-1])
+    for layer in per_layer:
+        for f in layer:
+            passed.queue.push(f, 0)
+        assert passed.queue.full()
+        passed.reduce_queue()
+    passed.reduce_queue(final=True)
+    assert deferred_takes and not any(deferred_takes)  # no Gram was deferred
+    products = [m for m in passed.squared_masses if isinstance(m, SqrtProduct)]
+    assert len(products) == len(layers) and not passed.masses
+    assert {type(m.b) for m in products} == {torch.Tensor, float}  # the weights' trace pairs, the biases' T
+    bias = layers[1]
+    assert bias.sum_dtype() == acc_dtype_of(dtype) and bias._grads is None
+    passed._add_mass_rows(torch.full((1, B), 2.0, dtype=torch.float64), torch.float64)  # rooted, another dtype
+    reference = _mixed_factors()[5:12]
+    expected_sq = sum(f.sq_norm() for f in reference)
+    expected_mass = sum(_as_tensor(f.token_mass()) for f in reference) + 2.0
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(passed.total_sq()[0], expected_sq, rtol=tolerance, atol=0)
+    torch.testing.assert_close(passed.total_mass().double(), expected_mass, rtol=tolerance, atol=0)
+
+
+def _in_dtype(factors, dtype):
+    """Linear-like factors and biases with their tensors in ``dtype``, a tensor shared by several still shared."""
+    converted = {}
+
+    def to(x):
+        return converted.setdefault(id(x), x.to(dtype))
+
+    return [OuterProduct(to(f.left), to(f.right), f.param_shape, input_side=f.input_side)
+            if isinstance(f, OuterProduct) else SummedTokens(to(f.tokens)) for f in factors]
+
+
 def test_norms_read_while_layers_wait_in_the_queue_are_refused():
     """The pass's totals are read only once every queued factor and deferred Gram is reduced: a layer left out
     would be clipped too little."""
@@ -477,23 +555,27 @@ def test_a_model_reduced_one_layer_at_a_time_takes_its_norms_from_deferred_grams
     assert sum(explicit) == 10 and max(explicit) > 2  # the LayerNorms' weights and biases
 
 
-def test_bert_reduced_one_layer_at_a_time_is_exact(monkeypatch):
+@pytest.mark.parametrize("grams_deferred", [True, False])
+def test_bert_reduced_one_layer_at_a_time_is_exact(monkeypatch, grams_deferred):
     """A tiny BERT with the queue bound and stack budget of the per-layer regime (profiling.overhead
     --per-layer): every Linear's Grams and every LayerNorm's gradients wait in DeferredGrams, and the clipped
-    step equals the per-example loop in float64, in both modes."""
+    step equals the per-example loop in float64, in both modes. With a budget below two Grams (BERT-base at
+    B=256 or T=512 on a GPU), each layer is reduced alone, its masses left as products: exact too."""
     from conftest import assert_exact_model
     from test_models import B as examples, classification_loss, padded_text, tiny_bert
     model = tiny_bert().double().train()
     ids, mask = padded_text(30)
     activation = ids.numel() * model.config.hidden_size
     monkeypatch.setattr(batched, "QUEUE_ELEMENTS", activation + activation // 3)  # one layer fills it
-    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * activation})  # T = 7 against H = 16: Grams fit
+    gram = ids.numel() * ids.shape[1]  # one layer's (B, T, T) Gram
+    # T = 7 against H = 16: Grams fit half the budget, or two of them do not
+    monkeypatch.setattr(batched, "STACK_ELEMENTS", {"cpu": 4 * activation if grams_deferred else 2 * gram})
     taken = []
     take = deferred.DeferredGrams.take
     monkeypatch.setattr(deferred.DeferredGrams, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
     assert_exact_model(model, {"input_ids": ids, "attention_mask": mask},
                        classification_loss(torch.randint(0, 3, (examples,))), examples)
-    assert sum(taken) > 10
+    assert sum(taken) > 10 if grams_deferred else taken and not any(taken)
 
 
 def test_book_keeping_reduces_the_named_layers_once_after_the_backward_with_deferred_grams_in_bounds(monkeypatch):
