@@ -28,7 +28,9 @@ of a ghost step at B=32), and it ranks the libraries as that GPU does. For each 
   every per-call decision made once and nothing else (no audit, no checks): not a private step, a bound on
   what a per-call plan could save. Measured 2026-11-25, frozen, 30 rounds: batched 1.36x and 1.48x plain
   (two runs) against book-keeping's 2.14x and 2.21x, with about as many ATen ops (1589-1599 against 1541):
-  that gap is Python, not ops; per layer 1.71x against 2.91x (2317 ops against 2786).
+  that gap is Python, not ops; per layer 1.71x against 2.91x (2317 ops against 2786). "graph floor": the same
+  step with its layers found in the loss's autograd graph instead of by forward hooks (plan_floor.layers_in_graph):
+  what capturing from the graph could save.
 ``--per-layer``: the stand-in's tensors are so small that the norm queue stacks every layer into a few
 reductions. On an H100 at BERT-base sizes no layer's tensors fit the GPU's stack budget (B=32, T=128:
 3.1M elements each against 4M for a stack), so the queue reduces one layer at a time, and so does it
@@ -129,9 +131,10 @@ def measure(args, freeze_embeddings: bool, against=None) -> dict:
         steps[floor] = make_floor_step(floor, copy.deepcopy(template), (ids, labels))
         steps[floor]()
     if args.floors and plan_floor.supports(template):
-        steps[plan_floor.PLAN_FLOOR] = plan_floor.make_plan_floor_step(copy.deepcopy(template), (ids, labels),
-                                                                       stacked=not args.per_layer)
-        steps[plan_floor.PLAN_FLOOR]()
+        for floor, capture in ((plan_floor.PLAN_FLOOR, "hooks"), (plan_floor.GRAPH_FLOOR, "graph")):
+            steps[floor] = plan_floor.make_plan_floor_step(copy.deepcopy(template), (ids, labels),
+                                                           stacked=not args.per_layer, capture=capture)
+            steps[floor]()
     ops = {mode: count_aten_ops(step) for mode, step in steps.items()}
     times = {mode: [] for mode in steps}
     with collector_time(steps) as collecting:

@@ -17,10 +17,18 @@ It runs no audit, no capture, no layout proof, no precision guard, no finiteness
 a private training step, only a bound on what removing per-call Python could save. It covers models whose
 trained modules are Linear and LayerNorm (the BERT stand-in with frozen embeddings); ``supports`` says so.
 Its clipped sums equal ghostdp book-keeping's (tests/test_profiling.py, float64, without noise).
+
+``capture="graph"`` ("graph floor"): the same step with no forward hook at all. The layers are found in the
+loss's autograd graph, in one walk (the walk the step's graph audit makes anyway): a Linear as the addmm or mm
+node whose weight edge leads through a transpose to a trained weight's accumulator, its input A the tensor
+that node saved; a LayerNorm as the native_layer_norm node, its input the one it saved. G is taken at those
+nodes' output edges. It measures what capturing from the graph instead of hooks could save (the hooks' ~40
+us a call in ghostdp); its clipped sums equal the hooked floor's (a test).
 """
 from __future__ import annotations
 
 PLAN_FLOOR = "plan floor"
+GRAPH_FLOOR = "graph floor"
 
 
 def trained_modules(model) -> list:
@@ -33,12 +41,41 @@ def supports(model) -> bool:
     return all(isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)) for m in trained_modules(model))
 
 
+def layers_in_graph(root, owners: dict) -> list:
+    """(module, input, gradient edge of its output) of every trained Linear and LayerNorm call in the autograd
+    graph below ``root`` (one walk; ``owners``: id(trained weight) -> its module), in the walk's order (the
+    same for the same graph). A Linear's input is the (N, d) matrix its addmm or mm saved."""
+    from torch.autograd.graph import GradientEdge
+    found, seen, stack = [], set(), [root]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        below = node.next_functions
+        kind = type(node).__name__
+        if kind in ("AddmmBackward0", "MmBackward0"):
+            weight = below[-1][0]  # mat2: the weight's transpose
+            if weight is not None and type(weight).__name__ == "TBackward0":
+                module = owners.get(id(getattr(weight.next_functions[0][0], "variable", None)))
+                if module is not None:
+                    saved = node._saved_mat1 if kind == "AddmmBackward0" else node._saved_self
+                    found.append((module, saved, GradientEdge(node, 0)))
+        elif kind == "NativeLayerNormBackward0":
+            module = owners.get(id(getattr(below[1][0], "variable", None)))
+            if module is not None:
+                found.append((module, node._saved_input, GradientEdge(node, 0)))
+        stack.extend(n for n, _ in below if n is not None and n not in seen)
+    return found
+
+
 def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0,
-                         stacked: bool = True):
+                         stacked: bool = True, capture: str = "hooks"):
     """A closure running one plan-floor step on ``batch`` (ids, labels) (see the module doc). ``stacked``
     False: no layer's A or G is stacked with another's (profiling.overhead --per-layer, the GPU's budgets at
     BERT-base): each layer forms its Grams (a shared input's once) and its clipped sum alone, and only the
-    small results (Grams, LayerNorms' (B, d) gradients) are stacked across the layers of a group."""
+    small results (Grams, LayerNorms' (B, d) gradients) are stacked across the layers of a group. ``capture``:
+    "hooks" (forward hooks) or "graph" (found in the loss's graph: layers_in_graph)."""
     import torch
     import torch.nn.functional as F
 
@@ -46,12 +83,17 @@ def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_n
     if not supports(model):
         raise ValueError("the plan floor covers models whose trained modules are Linear and LayerNorm only "
                          "(freeze the embeddings)")
+    if capture not in ("hooks", "graph"):
+        raise ValueError(f"capture must be 'hooks' or 'graph', got {capture!r}")
+    if capture == "graph" and not all(m.weight.requires_grad for m in trained_modules(model)):
+        raise ValueError("the graph floor finds a layer by its trained weight: train every trained layer's weight")
     ids, labels = batch
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     noise = RandomSource(seed=0)
-    recorded = []  # (module, input, output) of this forward
-    for module in trained_modules(model):
+    recorded = []  # (module, input, output or its gradient edge) of this forward
+    owners = {id(m.weight): m for m in trained_modules(model)}
+    for module in trained_modules(model) if capture == "hooks" else ():
         module.register_forward_hook(lambda m, args, output: recorded.append((m, args[0], output)))
     plan = {}  # (kind, input shape, output shape) -> positions in ``recorded``, decided on the first step
 
@@ -124,12 +166,19 @@ def make_plan_floor_step(model, batch, noise_multiplier: float = 1.0, max_grad_n
         optimizer.zero_grad(set_to_none=True)
         recorded.clear()
         losses = F.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")
-        grads = torch.autograd.grad(losses, [r[2] for r in recorded], torch.ones_like(losses))
-        if not plan:
-            for k, (module, x, output) in enumerate(recorded):
-                kind = "layer_norm" if isinstance(module, torch.nn.LayerNorm) else "linear"
-                plan.setdefault((kind, tuple(x.shape[1:]), tuple(output.shape[1:])), []).append(k)
         B = losses.shape[0]
+        if capture == "graph":
+            recorded.extend(layers_in_graph(losses.grad_fn, owners))
+        grads = torch.autograd.grad(losses, [r[2] for r in recorded], torch.ones_like(losses))
+        if capture == "graph":  # a Linear's (N, d) input and (N, p) output grad as (B, T, d), (B, T, p)
+            for k, (module, x, edge) in enumerate(recorded):
+                if x.dim() == 2 and x.shape[0] != B:
+                    recorded[k] = (module, x.reshape(B, -1, x.shape[-1]), edge)
+            grads = [g.reshape(B, -1, g.shape[-1]) if g.dim() == 2 and g.shape[0] != B else g for g in grads]
+        if not plan:
+            for k, (module, x, _) in enumerate(recorded):
+                kind = "layer_norm" if isinstance(module, torch.nn.LayerNorm) else "linear"
+                plan.setdefault((kind, tuple(x.shape[1:]), tuple(grads[k].shape[1:])), []).append(k)
         groups = [(kind, positions, *(layer_norm_norms(positions, grads) if kind == "layer_norm"
                                       else linear_norms(positions, grads, B)))
                   for (kind, *_), positions in plan.items()]

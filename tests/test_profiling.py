@@ -197,8 +197,8 @@ def test_overhead_benchmark_reports_ratios_ops_and_per_layer_cost_for_both_embed
                              "--warmup", "1", "--json", str(out)])
     assert set(results) == {"trainable", "frozen"}
     for setting, rows in results.items():
-        # The plan floor covers Linear and LayerNorm only: the model with frozen embeddings.
-        planned = {"plan floor"} if setting == "frozen" else set()
+        # The plan floors cover Linear and LayerNorm only: the model with frozen embeddings.
+        planned = {"plan floor", "graph floor"} if setting == "frozen" else set()
         assert set(rows) == {"plain", "ghost", "bookkeeping", "noise floor", "two-pass floor"} | planned
         assert rows["plain"]["ratio"] == 1.0 and rows["plain"]["hooked_layers"] > 0
         assert all(r["aten_ops"] > rows["plain"]["aten_ops"] > 0 for m, r in rows.items() if m != "plain")
@@ -367,6 +367,34 @@ def test_overhead_per_layer_at_b256_takes_every_layers_norm_alone():
     assert sum(taken["b32"]) > 10 and taken["b256"] and not any(taken["b256"])
 
 
+def test_the_graph_floor_finds_every_trained_layer_with_the_input_its_forward_read():
+    """layers_in_graph: each trained Linear (3-D input: its addmm's flattened (N, d) input; the pooler's and
+    classifier's 2-D one) and LayerNorm call of a tiny BERT appears once, with what its forward was given, and
+    its edge takes the output's gradient; a model whose trained layer has a frozen weight is refused."""
+    import torch
+
+    from profiling import overhead, plan_floor
+    args = overhead.parse(["--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "64", "--freeze-embeddings"])
+    model = bench.build_model(args).double().train()
+    trained = plan_floor.trained_modules(model)
+    seen = {}
+    for m in trained:
+        m.register_forward_hook(lambda m, a, out: seen.setdefault(m, (a[0], out)) and None)
+    ids = torch.randint(1, args.vocab, (2, 5), generator=torch.Generator().manual_seed(0))
+    losses = model(input_ids=ids).logits.pow(2).sum(1)
+    found = plan_floor.layers_in_graph(losses.grad_fn, {id(m.weight): m for m in trained})
+    assert sorted(map(id, (f[0] for f in found))) == sorted(map(id, trained)) and len(trained) == 2 * 8 + 2
+    outputs = [seen[m][1] for m, _, _ in found]
+    by_edge = torch.autograd.grad(losses.sum(), [edge for _, _, edge in found], retain_graph=True)
+    by_output = torch.autograd.grad(losses.sum(), outputs)
+    for (module, x, _), g_edge, g_out in zip(found, by_edge, by_output):
+        assert torch.equal(x, seen[module][0].reshape(x.shape))
+        assert torch.equal(g_edge, g_out.reshape(g_edge.shape))
+    trained[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="trained weight"):
+        plan_floor.make_plan_floor_step(model, (ids, torch.zeros(2, dtype=torch.long)), capture="graph")
+
+
 def test_bench_trains_only_the_last_layer_pooler_and_classifier_in_the_fgc_set_up():
     args = bench.parse(["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--train", "last-layer"])
     trained = {n for n, p in bench.build_model(args).named_parameters() if p.requires_grad}
@@ -378,11 +406,13 @@ def test_bench_trains_only_the_last_layer_pooler_and_classifier_in_the_fgc_set_u
         bench.build_model(args)
 
 
+@pytest.mark.parametrize("capture", ["hooks", "graph"])  # graph: its layers found in the loss's graph
 @pytest.mark.parametrize("stacked", [True, False])  # False: every layer's A and G alone (--per-layer)
-def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked):
+def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked, capture):
     """The plan floor bounds what a per-call plan could save only if it does book-keeping's arithmetic:
     without noise its gradients equal ghostdp book-keeping's (float64, a tiny BERT with frozen embeddings,
-    two steps, C between the examples' norms so that some are clipped and some are not)."""
+    two steps, C between the examples' norms so that some are clipped and some are not), its layers captured
+    by forward hooks or found in the loss's autograd graph (the graph floor)."""
     import copy
 
     import torch
@@ -398,7 +428,7 @@ def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked):
     floor_model, private = copy.deepcopy(model), copy.deepcopy(model)
     C = 0.76  # the examples' norms here: 0.756 to 0.763
     floor_step = plan_floor.make_plan_floor_step(floor_model, (ids, labels), noise_multiplier=0.0, max_grad_norm=C,
-                                                 stacked=stacked)
+                                                 stacked=stacked, capture=capture)
     params = [p for p in private.parameters() if p.requires_grad]
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
     engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
