@@ -58,7 +58,7 @@ for name in "${steps[@]}"; do
             --dtypes float32 --models "bert (sdpa)" --batches 8 ;;
         compiled:cuda) step compiled 300 "$python" -m profiling.compiled --device cuda --hidden 768 --heads 12 \
             --seq 128 --batch 32 --dtype bf16 --threads 0 --steps 30 ;;
-        compiled:*) step compiled 300 "$python" -m profiling.compiled --device "$device" --modes plain bookkeeping \
+        compiled:*) step compiled 300 "$python" -m profiling.compiled --device "$device" --modes bookkeeping \
             --backends none --steps 2 --warmup 1 --layers 1 --hidden 32 --heads 2 --seq 8 ;;
         layers:cuda) step layers 120 "$python" -m profiling.layers --device cuda --layers 12 --hidden 768 \
             --heads 12 --batch 256 --dtype bf16 --skip-gram ;;

@@ -494,10 +494,11 @@ def test_forward_check_margins_run_and_the_mixing_model_is_found(capsys):
 
 def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tmp_path):
     """profiling/device_checks.sh, with DEVICE=cpu: every step scaled down, so that the script a GPU session runs
-    as one command cannot rot between the sessions lent a GPU."""
+    as one command cannot rot between the sessions lent a GPU. The suite's first row only, through SUITE_ARGS
+    (test_the_gpu_suite_runs_every_row_scaled_down... runs them all)."""
     import os
     import sys
-    env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
+    env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable, SUITE_ARGS="--rows 0")
     steps = ("suite", "forward_check", "compiled", "layers", "knobs", "one_backward")
     subprocess.run(["bash", "profiling/device_checks.sh", *steps], env=env, check=True, timeout=600)
     for name in steps:
