@@ -183,7 +183,7 @@ def parse(argv=None):
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-floors", dest="floors", action="store_false",
-                   help="leave out the noise floor, two-pass floor and plan floor rows")
+                   help="leave out the noise, two-pass, plan and graph floor rows")
     p.add_argument("--per-layer", nargs="?", const="b32", default=None, choices=sorted(GPU_BUDGET_PER_ACTIVATION),
                    help="the norm queue reduces one layer at a time, as on an H100 at BERT-base sizes: at B=32 "
                    "(the default), whose layers' Grams wait in DeferredGrams, or at B=256 (b256), where no two of "

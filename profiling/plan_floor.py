@@ -23,7 +23,7 @@ loss's autograd graph, in one walk (the walk the step's graph audit makes anyway
 node whose weight edge leads through a transpose to a trained weight's accumulator, its input A the tensor
 that node saved; a LayerNorm as the native_layer_norm node, its input the one it saved. G is taken at those
 nodes' output edges. It measures what capturing from the graph instead of hooks could save (the hooks' ~40
-us a call in ghostdp); its clipped sums equal the hooked floor's (a test).
+us a call in ghostdp); its clipped sums equal book-keeping's too (a test).
 """
 from __future__ import annotations
 

@@ -150,9 +150,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class SqrtProduct(NamedTuple):
-    """A token mass sqrt(a * b), a a (B,) tensor and b a (B,) tensor or a number (or a and b (k, B) rows of
-    k masses: batched.Reduced): the norm pass concatenates every layer's a and b and forms the products and
-    roots in a few ops for all layers (records.NormPass.total_mass) instead of two or three small ops per layer."""
+    """A token mass sqrt(a * b), a a (B,) tensor and b a (B,) tensor or a number: the norm pass stacks every
+    layer's a and b and forms the products and roots in a few ops for all layers (records.NormPass.total_mass)
+    instead of two or three small ops per layer."""
     a: torch.Tensor
     b: "torch.Tensor | float"
 
