@@ -449,7 +449,7 @@ class PassOne:
                 passed.kept_bytes += f.kept_bytes()
                 f.note_kept(kept)
             if passed.keeps_factors:
-                f = f.kept()  # explicit gradients where they hold less (factors.OuterProduct.kept)
+                f = f.kept(with_mass=not call.eager[n])  # explicit gradients where they hold less
             if passed.samples is not None and self.controller._sample_request.wants(param):
                 passed.samples[param].append(f)
             if passed.keeps_factors:

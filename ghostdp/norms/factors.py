@@ -215,8 +215,10 @@ class PerExampleGrad:
         """A single factor for the sum of both gradients, when exact and cheap; else None."""
         return None
 
-    def kept(self) -> "PerExampleGrad":
-        """The form book-keeping keeps until the clipped sum: this factor, or an equal one holding less."""
+    def kept(self, with_mass: bool = True) -> "PerExampleGrad":
+        """The form book-keeping keeps until the clipped sum: this factor, or an equal one holding less.
+        ``with_mass`` False: a parameter's only use this step, whose norm and clipped sum both read what is kept
+        (see OuterProduct.kept)."""
         return self
 
     def held_bytes(self) -> int:
@@ -513,12 +515,19 @@ class OuterProduct(PerExampleGrad):
         else:
             kept.note(self.left, self.right)
 
-    def kept(self):
+    def kept(self, with_mass: bool = True):
         """The explicit gradients where they hold less (``_keeps_explicit``). Book-keeping then keeps them
-        instead of the layer's input and output grad, and its clipped sum is one (B) x (B, m n) product."""
+        instead of the layer's input and output grad, and its clipped sum is one (B) x (B, m n) product.
+
+        Their token mass bounds what an example's cancelling tokens could put into a sum over the whole batch's
+        terms (precision.py). Where the parameter has no other use this step (``with_mass`` False), nothing of
+        this factor is summed so: its norm is the dot product of the finished g_i and its clipped sum adds the
+        same g_i, each c_i g_i of norm at most C, so the mass (two norms and a product: three kernels per factor,
+        176 factors a step on a 22-layer model with LoRA on q, k, v and o) is left out. A parameter with several
+        uses keeps it: its uses' sums are formed apart and added, and g_i of two uses may cancel."""
         if not self._keeps_explicit():
             return self
-        return Instantiated(self.materialize(0, self.batch_size), self.token_mass())
+        return Instantiated(self.materialize(0, self.batch_size), self.token_mass() if with_mass else None)
 
     def weighted_sum(self, weights):
         total = weighted_outer_sum(*self.operands(), weights, acc_dtype(self.left, self.right))

@@ -7,18 +7,21 @@ import ghostdp
 
 
 class MeanPooled(nn.Module):
+    """16 features in and out: at T = 2 book-keeping keeps the weight's input and output grad (not its explicit
+    per-example gradients, which hold more), and sums it over every token of the batch, as two passes do."""
+
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(4, 3)
+        self.lin = nn.Linear(16, 16)
 
-    def forward(self, x):  # (B, T, 4) -> (B,): a linear score, so every example's output grad is non-zero
-        return (self.lin(x).mean(1) * torch.tensor([1.0, -2.0, 0.5], dtype=x.dtype)).sum(1)
+    def forward(self, x):  # (B, T, 16) -> (B,): a linear score, so every example's output grad is non-zero
+        return (self.lin(x).mean(1) * torch.linspace(-2.0, 1.0, 16, dtype=x.dtype)).sum(1)
 
 
 def _batch(dtype, M):
     torch.manual_seed(1)
-    x = torch.randn(16, 2, 4, dtype=dtype)
-    v = torch.randn(4, dtype=dtype)
+    x = torch.randn(16, 2, 16, dtype=dtype)
+    v = torch.randn(16, dtype=dtype)
     x[5] = torch.stack([M * v, -M * v])  # tokens that cancel: its true gradient is 0
     return x
 
@@ -49,7 +52,7 @@ def test_cancelling_huge_tokens_are_refused_or_skipped(dtype, M, clipping):
 def test_ordinary_examples_are_not_flagged():
     model = MeanPooled().float()
     controller = ghostdp.GhostClipping(model, 1e-3)  # every example clipped hard
-    x = torch.randn(32, 64, 4, dtype=torch.float32) * 100
+    x = torch.randn(32, 64, 16, dtype=torch.float32) * 100
     controller.loss(model(x)).backward()
     assert bool((controller.last_coefficients > 0).all())
 
@@ -76,3 +79,52 @@ def test_cancelling_huge_output_grads_on_zero_inputs_are_refused(clipping):
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
         controller.loss(model(x.float(), s.float()), reduction="sum").backward()
+
+
+class LowRank(nn.Module):
+    """A rank-2 layer on 64 features (a LoRA factor): at T = 2 its explicit per-example gradients (2 x 64) hold
+    less than its input and output grad, so book-keeping keeps them (factors.OuterProduct.kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 2, bias=False)
+
+    def forward(self, x):
+        return (self.lin(x).mean(1) * torch.tensor([1.0, -2.0])).sum(1)
+
+
+def test_book_keeping_needs_no_mass_where_it_keeps_a_single_use_layers_finished_gradients():
+    """An example whose huge tokens cancel, in a layer whose finished per-example gradients book-keeping keeps
+    (a LoRA factor): its norm and its clipped sum both read the same g_i, so it cannot round the other examples
+    away, and book-keeping takes the step; the clipped sum moves by at most C against the batch without it.
+    Two passes form that layer's clipped sum over every token of the batch in one accumulation: refused there."""
+    torch.manual_seed(3)
+    x = torch.randn(16, 2, 64)
+    v = torch.randn(64)
+    x[5] = torch.stack([1e12 * v, -1e12 * v])
+
+    def clipped_sum(model, batch):
+        controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+        try:
+            controller.loss(model(batch), reduction="sum").backward()
+            assert controller.last_norms[5 if len(batch) == 16 else 0] >= 0
+            return model.lin.weight.grad.detach().clone().double()
+        finally:
+            controller.detach()
+            model.zero_grad()
+
+    model = LowRank()
+    with_outlier = clipped_sum(model, x)
+    without = clipped_sum(model, x[[i for i in range(16) if i != 5]])
+    assert float((with_outlier - without).norm()) <= 1.0 * (1 + 1e-6) + 1e-5 * float(without.norm())
+    ghost = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
+        ghost.loss(model(x), reduction="sum").backward()
+    ghost.detach()
+    # The same layer called twice: its two uses' sums are formed apart and added, so the mass stays.
+    twice = LowRank()
+    twice.forward = lambda batch: LowRank.forward(twice, batch) + LowRank.forward(twice, batch.flip(1))
+    controller = ghostdp.GhostClipping(twice, 1.0, clipping="bookkeeping")
+    with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
+        controller.loss(twice(x), reduction="sum").backward()
+    controller.detach()
