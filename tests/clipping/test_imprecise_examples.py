@@ -106,8 +106,7 @@ def test_book_keeping_needs_no_mass_where_it_keeps_a_single_use_layers_finished_
     def clipped_sum(model, batch):
         controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
         try:
-            controller.loss(model(batch), reduction="sum").backward()
-            assert controller.last_norms[5 if len(batch) == 16 else 0] >= 0
+            controller.loss(model(batch), reduction="sum").backward()  # taken, not refused
             return model.lin.weight.grad.detach().clone().double()
         finally:
             controller.detach()
