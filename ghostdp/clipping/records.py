@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..norms.batched import NormQueue, mass_roots, mass_rows
+from ..norms.batched import NormQueue, concatenated, mass_roots, reduced_mass
 from ..norms.deferred import DeferredGrams
 from ..norms.factors import InputGrams, SqrtProduct
 from .capture import on_output_grads
@@ -188,11 +188,9 @@ class NormPass:
 
     def add_mass(self, factor):
         """The token mass of one factor that is not queued (a parameter with several uses)."""
-        mass = factor.token_mass(self.grams)
-        if isinstance(mass, SqrtProduct):  # multiplied and rooted with the others (total_mass)
-            self._add_mass_rows(mass, factor.sum_dtype(), rooted=False)
-        elif mass is not None:
-            self._add_mass_rows(mass_rows(mass), factor.sum_dtype())
+        mass, rooted = reduced_mass(factor.token_mass(self.grams))
+        if mass is not None:
+            self._add_mass_rows(mass, factor.sum_dtype(), rooted)
 
     def _add_mass_rows(self, mass, dtype, rooted=True):
         (self.masses if rooted else self.squared_masses).append(mass)
@@ -232,16 +230,12 @@ class NormPass:
                     continue
                 a = torch.stack([p.a for p in parts])
                 squares.append(a * (torch.stack([p.b for p in parts]) if second == "rows" else second))
-            blocks.append(mass_roots(_concatenated(squares)))
+            blocks.append(mass_roots(concatenated(squares)))
         return _sum_rows(blocks) if blocks else None
-
-
-def _concatenated(rows):
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def _sum_rows(blocks):
     """The sum over all rows of (k, B) blocks, in the widest of their dtypes."""
     if len({b.dtype for b in blocks}) > 1:
         blocks = [b.double() for b in blocks]
-    return _concatenated(blocks).sum(0)
+    return concatenated(blocks).sum(0)

@@ -249,22 +249,28 @@ def _reduce_alone(factors, rows, grams, deferred, groups, flush=None) -> list[Re
         if both is not None:  # from the pass's cached Grams, one lookup per tensor; its mass multiplied and rooted
             out.append(Reduced([r], both[0].unsqueeze(0), both[1], f.sum_dtype(), rooted=False))  # with the others
             continue
-        mass = f.token_mass(grams)  # before sq_norm: both may share the Grams the pass caches
+        mass, rooted = reduced_mass(f.token_mass(grams))  # before sq_norm: both may share the pass's cached Grams
         sq = f.sq_norm(grams)
-        if isinstance(mass, SqrtProduct):
-            out.append(Reduced([r], sq.unsqueeze(0), mass, f.sum_dtype(), rooted=False))
-        else:
-            out.append(Reduced([r], sq.unsqueeze(0), mass_rows(mass), f.sum_dtype() if mass is not None else None))
+        out.append(Reduced([r], sq.unsqueeze(0), mass, f.sum_dtype() if mass is not None else None, rooted=rooted))
     return out
 
 
+def reduced_mass(mass) -> tuple:
+    """One layer's token mass as Reduced holds it, and whether it is rooted: a SqrtProduct as it is, multiplied and
+    rooted with the pass's others (records.NormPass.total_mass); a (B,) tensor as a (1, B) row; None."""
+    if isinstance(mass, SqrtProduct):
+        return mass, False
+    return mass_rows(mass), True
+
+
 def mass_rows(mass):
-    """A token mass (a (B,) tensor, a SqrtProduct or None) as a (1, B) tensor or None."""
-    if mass is None:
-        return None
-    if not isinstance(mass, torch.Tensor):  # SqrtProduct
-        mass = mass_roots(mass.a * mass.b)
-    return mass.unsqueeze(0)
+    """A (B,) token mass as a (1, B) tensor, or None."""
+    return None if mass is None else mass.unsqueeze(0)
+
+
+def concatenated(tensors):
+    """torch.cat of ``tensors``, without an op for one."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _gram_key(f: OuterProduct):

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .batched import GramPart, Reduced, gram_products, mass_rows, spaced_view, stack_budget, stacked
+from .batched import GramPart, Reduced, concatenated, gram_products, mass_rows, spaced_view, stack_budget, stacked
 
 
 class DeferredGrams:
@@ -120,9 +120,9 @@ class DeferredGrams:
     def _explicit_rows(self, first_row: int) -> tuple[list[Reduced], list[int]]:
         out, groups = [], []
         for (_, dtype, _, no_mass, scale), entries in self.explicit.items():
-            grads = _concatenated([e[1] for e in entries])
+            grads = concatenated([e[1] for e in entries])
             rows = list(range(first_row + len(groups), first_row + len(groups) + len(entries)))
-            mass = None if no_mass else _concatenated([e[2] for e in entries])
+            mass = None if no_mass else concatenated([e[2] for e in entries])
             if mass is not None and scale != 1.0:
                 mass = mass * scale
             out.append(Reduced(rows, torch.linalg.vecdot(grads, grads), mass, None if no_mass else dtype))
@@ -154,7 +154,3 @@ def _deferred_budget(device) -> int:
     """Elements of Grams DeferredGrams holds: half a stack budget, since its stacks copy about as many again
     (a GPU at BERT-base B=32: 2M elements, four Grams, 8 MB held and some 20 MB while they are reduced)."""
     return stack_budget(device) // 2
-
-
-def _concatenated(tensors):
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
