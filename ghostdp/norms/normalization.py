@@ -29,21 +29,25 @@ def _working(x, G):
     return x if x.dtype == dt else x.to(dt), G if G.dtype == dt else G.to(dt)
 
 
-def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias"), example_dims=1, scale_masses=True):
+def _affine_grads(xhat, G, trainable, reduce_dims, names=("weight", "bias"), example_dims=1, scale_masses=True,
+                  massless=frozenset()):
     """Per-example sums over the positions ``reduce_dims`` of G * xhat (weight) and G (bias), each with the
     token mass of that sum (precision.py); sums and masses accumulate in float32 or better. The first
     ``example_dims`` dims index the examples (2: several layers' calls stacked). ``scale_masses`` False: the
-    masses lack their factor sqrt(positions) (summed_positions_mass)."""
+    masses lack their factor sqrt(positions) (summed_positions_mass). ``massless``: the names whose mass nobody
+    reads (LayerNormCall.drop_mass): None."""
     positions = math.prod(G.shape[d] for d in reduce_dims)
     dt = acc_dtype(xhat, G)
     out = {}
     if names[0] in trainable:
         terms = G * xhat
         out[names[0]] = Instantiated(terms.sum(reduce_dims, dtype=dt) if reduce_dims else terms.to(dt),
-                                     mass=summed_positions_mass(terms, positions, dt, example_dims, scale_masses))
+                                     mass=None if names[0] in massless else
+                                     summed_positions_mass(terms, positions, dt, example_dims, scale_masses))
     if names[1] in trainable:
         out[names[1]] = Instantiated(G.sum(reduce_dims, dtype=dt) if reduce_dims else G.to(dt),
-                                     mass=summed_positions_mass(G, positions, dt, example_dims, scale_masses))
+                                     mass=None if names[1] in massless else
+                                     summed_positions_mass(G, positions, dt, example_dims, scale_masses))
     return out
 
 
@@ -63,12 +67,19 @@ class LayerNormCall:
         self.normalized_shape, self.eps = tuple(normalized_shape), eps
         self.param_shape = torch.Size(self.normalized_shape)  # its weight's and bias's
         self.trainable = frozenset([n for n in ("weight", "bias") if n in trainable])
+        self.massless = frozenset()  # the names whose token mass nobody reads (drop_mass)
         self.stacked = None  # once formed: ({name: (grads, masses) of the calls formed together}, this call's row)
         self.mass_scale = 1.0  # what those masses are still to be multiplied by (form_layer_norms' scale_masses)
         self._formed = None  # name -> Instantiated, this call's row of those, picked on first use
         # Calls with equal keys are formed together.
         self.batch_key = (self.x.shape, self.x.dtype, self.G.dtype, self.device, self.normalized_shape, eps,
-                          self.trainable)
+                          self.trainable, self.massless)
+
+    def drop_mass(self, name: str) -> None:
+        """``name``'s gradients are formed without their token mass (AffineGrad.kept), where not formed yet."""
+        if self.stacked is None and name not in self.massless:
+            self.massless = self.massless | {name}
+            self.batch_key = self.batch_key[:-1] + (self.massless,)
 
     def form(self):
         if self._formed is None:
@@ -94,8 +105,9 @@ def form_layer_norms(calls, scale_masses=True):
     runs = _token_runs(x, reduce_dims)
     if runs is None:
         xhat = F.layer_norm(x, first.normalized_shape, eps=first.eps)
-        stacked = {n: (f.grads, f.mass) for n, f in _affine_grads(xhat, G, first.trainable, reduce_dims,
-                                                                   example_dims=2, scale_masses=scale_masses).items()}
+        affine = _affine_grads(xhat, G, first.trainable, reduce_dims, example_dims=2, scale_masses=scale_masses,
+                               massless=first.massless)
+        stacked = {n: (f.grads, f.mass) for n, f in affine.items()}
     else:
         stacked = _affine_grads_by_runs(x, G, first, reduce_dims, runs, scale_masses)
     scale = 1.0 if scale_masses else math.sqrt(math.prod(x.shape[d] for d in reduce_dims))
@@ -122,9 +134,10 @@ def _affine_grads_by_runs(x, G, call, reduce_dims, runs, scale_masses=True):
     """What ``_affine_grads`` gives for the weight and bias of stacked LayerNorm calls, with xhat and G * xhat
     formed over ``runs`` of the first position dim: the sums over positions add up run by run, and the weight's
     token mass sqrt(positions) |G * xhat|_F from the runs' squared norms (without sqrt(positions) where not
-    ``scale_masses``). The bias reads G in place."""
+    ``scale_masses``). The bias reads G in place. No mass for the names in ``call.massless``."""
     dim, dt = reduce_dims[0], acc_dtype(x, G)
     positions = math.prod(G.shape[d] for d in reduce_dims)
+    weight_mass = positions > 1 and "weight" not in call.massless
     out = {}
     if "weight" in call.trainable:
         total = squares = None
@@ -132,12 +145,15 @@ def _affine_grads_by_runs(x, G, call, reduce_dims, runs, scale_masses=True):
             index = (slice(None),) * dim + (run,)
             terms = G[index] * F.layer_norm(x[index], call.normalized_shape, eps=call.eps)
             part = terms.sum(reduce_dims, dtype=dt)
-            square = torch.linalg.vector_norm(terms, dim=tuple(range(2, terms.dim())), dtype=dt).square()
-            total, squares = (part, square) if total is None else (total + part, squares + square)
-        out["weight"] = (total, None if positions <= 1 else
+            total = part if total is None else total + part
+            if weight_mass:
+                square = torch.linalg.vector_norm(terms, dim=tuple(range(2, terms.dim())), dtype=dt).square()
+                squares = square if squares is None else squares + square
+        out["weight"] = (total, None if not weight_mass else
                          squares.sqrt() * math.sqrt(positions) if scale_masses else squares.sqrt())
     if "bias" in call.trainable:
-        out["bias"] = (G.sum(reduce_dims, dtype=dt), summed_positions_mass(G, positions, dt, 2, scale_masses))
+        out["bias"] = (G.sum(reduce_dims, dtype=dt), None if "bias" in call.massless else
+                       summed_positions_mass(G, positions, dt, 2, scale_masses))
     return out
 
 
@@ -177,6 +193,15 @@ class AffineGrad(Instantiated):
     @property
     def mass(self):
         return self.call.form()[self.name].mass
+
+    def kept(self, with_mass: bool = True):
+        """Book-keeping keeps this factor. Without ``with_mass`` (the parameter's only use this step) its gradients
+        are formed without their token mass, as OuterProduct.kept's explicit ones: its norm is the dot product of
+        the finished g_i and its clipped sum adds the same g_i (normalization.stacked_grads), so nothing of its
+        tokens enters a sum over the whole batch's terms (two vector norms a call fewer)."""
+        if not with_mass:
+            self.call.drop_mass(self.name)
+        return self
 
 
 @register_norm_rule(torch.nn.LayerNorm, tokenwise=True)

@@ -127,3 +127,49 @@ def test_book_keeping_needs_no_mass_where_it_keeps_a_single_use_layers_finished_
     with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
         controller.loss(twice(x), reduction="sum").backward()
     controller.detach()
+
+
+class WeightedNorm(nn.Module):
+    """loss_i = sum_t s_it <LayerNorm(x_it), w>: book-keeping forms a LayerNorm's per-example gradients (B, d) and
+    keeps them, as the LoRA factor above."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x, s):
+        return (s[..., None] * self.norm(x) * torch.linspace(-2.0, 1.0, 16, dtype=x.dtype)).sum((1, 2))
+
+
+def test_book_keeping_needs_no_mass_for_a_single_use_layer_norm():
+    """Huge cancelling output grads in a LayerNorm called once: book-keeping's norm and clipped sum both read its
+    finished (B, d) gradients, so it takes the step and moves the sum by at most C; two passes sum G * xhat over
+    every token of the batch and refuse; the same LayerNorm called twice is refused in book-keeping too."""
+    torch.manual_seed(4)
+    x, s = torch.randn(16, 2, 16, dtype=torch.float32), torch.ones(16, 2, dtype=torch.float32)
+    x[5, 1], s[5] = x[5, 0], torch.tensor([1e9, -1e9])
+    keep = [i for i in range(16) if i != 5]
+
+    def clipped_sum(model, *batch):
+        controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
+        try:
+            controller.loss(model(*batch), reduction="sum").backward()  # taken, not refused
+            return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        finally:
+            controller.detach()
+            model.zero_grad()
+
+    model = WeightedNorm().float()
+    with_outlier, without = clipped_sum(model, x, s), clipped_sum(model, x[keep], s[keep])
+    assert float(without.norm()) > 1.0  # the other examples' sum is not itself negligible
+    assert float((with_outlier - without).norm()) <= 1.0 * (1 + 1e-6) + 1e-5 * float(without.norm())
+    ghost = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
+        ghost.loss(model(x, s), reduction="sum").backward()
+    ghost.detach()
+    twice = WeightedNorm().float()
+    twice.forward = lambda x, s: WeightedNorm.forward(twice, x, s) + WeightedNorm.forward(twice, x.flip(1), s)
+    controller = ghostdp.GhostClipping(twice, 1.0, clipping="bookkeeping")
+    with pytest.raises(ghostdp.ImpreciseExampleError, match=r"examples \[5\]"):
+        controller.loss(twice(x, s), reduction="sum").backward()
+    controller.detach()
