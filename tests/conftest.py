@@ -1,10 +1,17 @@
 """Shared reference: the clipped sum from a per-example autograd loop, in float64."""
+import os
+
 import pytest
 import torch
 
 import ghostdp
 
 RTOL = 1e-9
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s workers: one core each (see the Makefile)
+        torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
