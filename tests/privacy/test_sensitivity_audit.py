@@ -147,6 +147,34 @@ def _t5():
     return model
 
 
+def _albert():
+    """Every layer shares one set of weights: each parameter has a use per layer."""
+    return transformers.AlbertForSequenceClassification(transformers.AlbertConfig(
+        vocab_size=V, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, max_position_embeddings=16, num_labels=3, classifier_dropout_prob=0.0, **QUIET))
+
+
+def _bloom():
+    """ALiBi position biases (no position embeddings), attention softmax in float32."""
+    return transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=V, hidden_size=16, n_layer=1, n_head=2, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _gpt_neox():
+    """Rotary position embeddings on part of each head; attention and MLP in parallel on one residual."""
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.0,
+        attention_dropout=0.0))
+
+
+def _rwkv():
+    """Time mixing: a recurrence over positions with learned decays (its state kept in float32: rtol 1e-6)."""
+    return transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=24,
+        context_length=16))
+
+
 # ----------------------------------------------------------------------------- continuous-input models
 def _images(n, g, size=8):
     return dict(x=torch.randn(n, 3, size, size, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
@@ -167,6 +195,21 @@ def _convnext():
     return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
         num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2, image_size=16,
         num_labels=3))
+
+
+def _convnext_v2():
+    """Global response normalisation: each channel scaled by its spatial norm over the example's mean."""
+    return transformers.ConvNextV2ForImageClassification(transformers.ConvNextV2Config(
+        num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2, image_size=16,
+        num_labels=3))
+
+
+def _segformer():
+    """Overlapping patch embeddings (strided convolutions) and attention over spatially reduced keys."""
+    return transformers.SegformerForImageClassification(transformers.SegformerConfig(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2], patch_sizes=[3, 3], strides=[2, 2], mlp_ratios=[2, 2], num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, drop_path_rate=0.0))
 
 
 def _cnn():
@@ -294,8 +337,14 @@ ZOO = [
     Arch("opt", _opt, lambda n, g: _text(n, g, False), _lm),
     Arch("bart", _bart, lambda n, g: _text(n, g, False), _seq2seq),
     Arch("t5", _t5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
+    Arch("albert-shared-layers", _albert, _text, _classify),
+    Arch("bloom-alibi", _bloom, lambda n, g: _text(n, g, False), _lm),
+    Arch("gpt-neox-parallel-residual", _gpt_neox, lambda n, g: _text(n, g, False), _lm),
+    Arch("rwkv", _rwkv, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("vit", _vit, _images, _logits_of, continuous="x"),
     Arch("convnext", _convnext, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
+    Arch("convnext-v2-grn", _convnext_v2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
+    Arch("segformer", _segformer, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("cnn-groupnorm", _cnn, _images, _logits_of, continuous="x"),
     Arch("lstm", lambda: Recurrent(nn.LSTM, True), lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
