@@ -1,4 +1,5 @@
-"""Linear layers: torch.nn.Linear and transformers' Conv1D (GPT-2).
+"""Linear layers: torch.nn.Linear, its transformers subclasses that compute the same function (Falcon's), and
+transformers' Conv1D (GPT-2).
 
 For y = x W^T + b (Linear) or y = x W + b (Conv1D) on (B, T, d) inputs, example i's gradients are
 g_W = G_i^T A_i (Conv1D: A_i^T G_i) and g_b = sum_t G_it; the weight's is kept as an OuterProduct.
@@ -67,3 +68,13 @@ def conv1d_transformers_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor
                              trainable: set[str]) -> dict:
     """transformers' Conv1D computes x @ W + b with W of shape (in, out)."""
     return _linear_factors(module, inputs, output_grad, trainable, weight_is_out_by_in=False)
+
+
+# transformers' nn.Linear subclasses whose forward is ``input @ self.weight.T``, plus ``self.bias`` where there is one:
+# the Linear's function, so the Linear's rule (tests/norms/test_subclass_rules.py checks each forward in the installed
+# transformers; without a rule each took the exact but slower fallback). Registered by name: importing ghostdp
+# imports no modeling file.
+MATMUL_LINEARS = ["falcon.modeling_falcon.FalconLinear"]
+for _name in MATMUL_LINEARS:
+    register_norm_rule(f"transformers.models.{_name}", linear_rule, tokenwise=True,
+                       holds_output_grad=_linear_holds_output_grad)

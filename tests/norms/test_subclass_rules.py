@@ -10,6 +10,7 @@ from torch import nn
 
 import ghostdp
 from ghostdp.norms.embedding import SCALED_EMBEDDINGS, SCALED_EMBEDDINGS_CASTING, cast_scaled_embedding_rule
+from ghostdp.norms.linear import MATMUL_LINEARS, linear_rule
 from ghostdp.norms.registry import _RULES, find_norm_rule, lookup_rule
 from conftest import assert_exact
 
@@ -88,6 +89,19 @@ def test_gemma_scaled_embedding_has_its_own_exact_rule():
     _lm_exact(model, _tiny_text_inputs(40), rtol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_falcons_matmul_linear_takes_the_linear_rule_and_is_exact(bias):
+    """FalconLinear computes input @ W^T (+ b) instead of F.linear: the same function, checked from its source above;
+    without the rule every Falcon projection took the fallback."""
+    cfg = transformers.FalconConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    hidden_dropout=0.0, attention_dropout=0.0, bias=bias)
+    model = transformers.FalconForCausalLM(cfg)
+    linears = [m for m in model.modules() if type(m).__name__ == "FalconLinear"]
+    assert len(linears) == 4 and all(find_norm_rule(m) is linear_rule for m in linears)
+    assert all((m.bias is not None) == bias for m in linears)
+    _lm_exact(model, _tiny_text_inputs(40))
+
+
 def test_bart_with_scaled_and_trainable_learned_position_embeddings_is_exact():
     cfg = transformers.BartConfig(vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1,
                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
@@ -117,6 +131,9 @@ RULED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Con
 RULED_NAMES = {f"nn.{c.__name__}" for c in RULED}
 SCALED_BODIES = {"return super().forward(input_ids) * self.embed_scale": False,
                  "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)": True}
+# The forwards that compute what nn.Linear's does (linear.MATMUL_LINEARS).
+MATMUL_BODIES = {"hidden_states = input @ self.weight.T ; if self.bias is None:\n    return hidden_states ; "
+                 "return hidden_states + self.bias"}
 
 
 def _overriding_subclasses():
@@ -143,10 +160,13 @@ def test_every_transformers_subclass_that_overrides_forward_is_ruled_only_if_its
     assert len(found) > 50  # the scan sees transformers' model classes
     registered = {k for k in _RULES if isinstance(k, str) and k.startswith("transformers.models.")}
     for name in registered & set(found):
+        if name.split(".", 2)[2] in MATMUL_LINEARS:
+            assert found[name] in MATMUL_BODIES, (name, found[name])
+            continue
         cast = name.split(".", 2)[2] in SCALED_EMBEDDINGS_CASTING
         assert name.split(".", 2)[2] in SCALED_EMBEDDINGS_CASTING + SCALED_EMBEDDINGS, name
         assert found[name] in SCALED_BODIES and SCALED_BODIES[found[name]] == cast, (name, found[name])
-    for name in set(SCALED_EMBEDDINGS_CASTING + SCALED_EMBEDDINGS):
+    for name in set(SCALED_EMBEDDINGS_CASTING + SCALED_EMBEDDINGS + MATMUL_LINEARS):
         assert f"transformers.models.{name}" in found, f"{name} is registered but not in this transformers"
     # Everything else that overrides forward finds no rule: check a sample by importing it.
     unregistered = sorted(set(found) - registered)

@@ -168,6 +168,13 @@ def _gpt_neox():
         attention_dropout=0.0))
 
 
+def _falcon():
+    """Its projections are FalconLinear (input @ W^T, ruled as nn.Linear: norms/linear.py), with biases here."""
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, hidden_dropout=0.0,
+        attention_dropout=0.0, bias=True))
+
+
 def _rwkv():
     """Time mixing: a recurrence over positions with learned decays (its state kept in float32: rtol 1e-6)."""
     return transformers.RwkvForCausalLM(transformers.RwkvConfig(
@@ -340,6 +347,7 @@ ZOO = [
     Arch("albert-shared-layers", _albert, _text, _classify),
     Arch("bloom-alibi", _bloom, lambda n, g: _text(n, g, False), _lm),
     Arch("gpt-neox-parallel-residual", _gpt_neox, lambda n, g: _text(n, g, False), _lm),
+    Arch("falcon", _falcon, lambda n, g: _text(n, g, False), _lm),
     Arch("rwkv", _rwkv, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("vit", _vit, _images, _logits_of, continuous="x"),
     Arch("convnext", _convnext, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
