@@ -144,11 +144,14 @@ def test_layer_norm_above_the_element_budget_is_formed_over_runs_of_positions(mo
 def test_transformers_rms_norms_have_a_rule_and_are_exact():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
     from transformers.models.t5.modeling_t5 import T5LayerNorm
     from ghostdp.norms.normalization import transformers_rms_norm_rule
-    # GemmaRMSNorm forms its own weight gradient in float32 even in a float64 model, so the
-    # batched backward (pass 2) carries float32 rounding that no rule can remove: 1e-6 for it.
-    for m, rtol in ((LlamaRMSNorm(6), 1e-9), (T5LayerNorm(6), 1e-9), (GemmaRMSNorm(6), 1e-6)):
+    # GemmaRMSNorm (and OLMo 2's, which casts as Gemma's) forms its own weight gradient in float32 even in a
+    # float64 model, so the batched backward (pass 2) carries float32 rounding that no rule can remove: 1e-6.
+    for m, rtol in ((LlamaRMSNorm(6), 1e-9), (MixtralRMSNorm(6), 1e-9), (T5LayerNorm(6), 1e-9), (GemmaRMSNorm(6), 1e-6),
+                    (Olmo2RMSNorm(6), 1e-6)):
         assert ghostdp.norms.find_norm_rule(m) is transformers_rms_norm_rule
         with torch.no_grad():
             m.weight.add_(torch.randn(6))
@@ -176,6 +179,107 @@ class UnknownNorm(nn.Module):
 
     def forward(self, x):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class CopiedLlamaNorm(nn.Module):
+    """LlamaRMSNorm's forward, copied as transformers copies it into other model families."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        """A docstring and comments are not part of the body."""
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)  # a comment
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class AlmostLlamaNorm(CopiedLlamaNorm):
+    def forward(self, hidden_states):  # mean over dim -2: another function, in one token
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-2, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def test_a_class_with_a_registered_forward_body_takes_its_rule_and_one_token_off_does_not():
+    from ghostdp.norms.normalization import LLAMA_RMS_NORM_BODY, transformers_rms_norm_rule
+    from ghostdp.norms.registry import forward_body
+    assert forward_body(CopiedLlamaNorm.forward) == LLAMA_RMS_NORM_BODY
+    assert ghostdp.norms.find_norm_rule(CopiedLlamaNorm()) is transformers_rms_norm_rule
+    check_module(CopiedLlamaNorm(), torch.randn(4, 3, 6))
+    assert ghostdp.norms.find_norm_rule(AlmostLlamaNorm()) is None
+    check_module(AlmostLlamaNorm(), torch.randn(4, 3, 6))  # the fallback's, exact
+    made_at_run_time = type("Made", (nn.Module,), {"forward": eval("lambda self, hidden_states: hidden_states")})
+    assert forward_body(made_at_run_time.forward) is None and ghostdp.norms.find_norm_rule(made_at_run_time()) is None
+
+
+def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule():
+    """The bodies are written as ast.unparse writes transformers' source: a scan of the installed transformers finds
+    the classes that have each (LlamaRMSNorm's in well over 50 families), and a sample of them, imported, gets
+    the rule (a formatting change in transformers would leave them to the fallback: slower, still exact)."""
+    import ast
+    import importlib
+    import pathlib
+
+    import transformers
+    from ghostdp.norms import registry
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    having = {body: [] for body in registry._FORWARD_RULES}
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text()
+        if "variance_epsilon" not in text:
+            continue
+        for node in ast.parse(text).body:
+            forward = next((f for f in getattr(node, "body", []) if isinstance(f, ast.FunctionDef)
+                            and f.name == "forward"), None) if isinstance(node, ast.ClassDef) else None
+            if forward is not None:
+                docstring = isinstance(forward.body[0], ast.Expr) and isinstance(forward.body[0].value, ast.Constant)
+                body = forward.body[1:] if docstring else forward.body
+                key = " ; ".join(ast.unparse(statement) for statement in body)
+                if key in having:
+                    having[key].append(f"transformers.models.{path.parent.name}.{path.stem}.{node.name}")
+    assert all(having.values()) and len(sum(having.values(), [])) > 50, {k[:40]: len(v) for k, v in having.items()}
+    for names in having.values():
+        for name in names[:: max(1, len(names) // 6)]:
+            module_name, class_name = name.rsplit(".", 1)
+            cls = getattr(importlib.import_module(module_name), class_name)
+            assert registry.lookup_rule(cls.__new__(cls)) is registry._FORWARD_RULES[registry.forward_body(cls.forward)]
+
+
+class LayerScale(nn.Module):
+    """transformers' LayerScale forward (DINOv2's and ten other classes'), with any shape of scale."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.lambda1 = nn.Parameter(torch.linspace(-1.5, 1.5, math.prod(shape)).reshape(shape))
+
+    def forward(self, hidden_state):
+        return hidden_state * self.lambda1
+
+
+@pytest.mark.parametrize("x_shape,scale_shape", [((5, 3, 6), (6,)), ((5, 6), (6,)), ((4, 3, 2, 6), (6,)),
+                                                 ((5, 3, 6), (3, 1)), ((5, 3, 6), (3, 6)), ((5, 3, 6), (1, 1))])
+def test_layer_scale_is_ruled_by_its_forward_and_exact(x_shape, scale_shape):
+    from ghostdp.norms.elementwise import layer_scale_rule
+    from transformers.models.dinov2.modeling_dinov2 import Dinov2LayerScale
+    assert ghostdp.norms.find_norm_rule(Dinov2LayerScale.__new__(Dinov2LayerScale)) is layer_scale_rule
+    m = LayerScale(scale_shape)
+    assert ghostdp.norms.find_norm_rule(m) is layer_scale_rule
+    check_module(m, torch.randn(*x_shape))
+
+
+def test_a_scale_that_spans_the_batch_dim_is_refused_with_the_fix():
+    m = LayerScale((5, 3, 6))
+    controller = ghostdp.GhostClipping(m, 1.0)
+    with pytest.raises(ValueError, match="cannot be split by example. Fix: freeze it"):
+        controller.loss(m(torch.randn(5, 3, 6)).sum((1, 2)), reduction="sum").backward()
+    controller.detach()
 
 
 def test_unknown_norm_layer_uses_the_fallback_exactly():

@@ -8,13 +8,14 @@ positions and the norms accumulate in float32 inside the reductions.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from .factors import ELEMENT_BUDGET, Instantiated, acc_dtype, summed_positions_mass
-from .registry import qualified_name, register_norm_rule
+from .registry import forward_body, qualified_name, register_forward_rule, register_norm_rule
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -230,8 +231,17 @@ def group_norm_rule(module, inputs, output_grad, trainable):
 
 
 def _hf_style(module):
-    """The cast style of the registered class nearest in the MRO."""
-    return next(_HF_RMS_STYLE[qualified_name(c)] for c in type(module).__mro__ if qualified_name(c) in _HF_RMS_STYLE)
+    return _style_of_class(type(module))
+
+
+@functools.cache
+def _style_of_class(cls) -> str:
+    """The cast style of the class registered by name nearest in the MRO, else of its forward's body."""
+    for c in cls.__mro__:
+        style = _HF_RMS_STYLE.get(qualified_name(c))
+        if style is not None:
+            return style
+    return _BODY_STYLES[forward_body(cls.forward)]
 
 
 def _hf_xhat(module, x, style):
@@ -261,13 +271,29 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
     return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
 
 
-# Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight;
-# the style says where it casts. Registered by name: importing ghostdp imports no modeling file.
-TRANSFORMERS_RMS_NORMS = [
-    ("llama", "LlamaRMSNorm", "llama"), ("mistral", "MistralRMSNorm", "llama"), ("qwen2", "Qwen2RMSNorm", "llama"),
-    ("qwen3", "Qwen3RMSNorm", "llama"), ("phi3", "Phi3RMSNorm", "llama"), ("gemma", "GemmaRMSNorm", "gemma"),
-    ("gemma2", "Gemma2RMSNorm", "gemma"), ("t5", "T5LayerNorm", "t5"),
-]
+# Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight; the style says where it
+# casts. transformers copies these forwards into many model families (LlamaRMSNorm's into some 140 of them:
+# Mistral, Mixtral, Qwen2/3 and their MoE, Granite, OLMo 2, DeepSeek, ...), so they are registered by their code
+# (registry.register_forward_rule), which is read from the class's source when a module is first looked up:
+# importing ghostdp imports no modeling file, and a class whose forward changed is not taken for the old one.
+LLAMA_RMS_NORM_BODY = (
+    "input_dtype = hidden_states.dtype ; hidden_states = hidden_states.to(torch.float32) ; variance = "
+    "hidden_states.pow(2).mean(-1, keepdim=True) ; hidden_states = hidden_states * torch.rsqrt(variance + "
+    "self.variance_epsilon) ; return self.weight * hidden_states.to(input_dtype)")
+# The weight times the float32 xhat, cast at the end (OLMo's hybrid and FlexOlmo, AFMoE, ...): Gemma's casts.
+FLOAT32_PRODUCT_RMS_NORM_BODY = (
+    "input_dtype = hidden_states.dtype ; hidden_states = hidden_states.to(torch.float32) ; variance = "
+    "hidden_states.pow(2).mean(-1, keepdim=True) ; hidden_states = hidden_states * torch.rsqrt(variance + "
+    "self.variance_epsilon) ; return (self.weight * hidden_states).to(input_dtype)")
+T5_LAYER_NORM_BODY = (
+    "variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True) ; hidden_states = hidden_states * "
+    "torch.rsqrt(variance + self.variance_epsilon) ; if self.weight.dtype in [torch.float16, torch.bfloat16]:\n"
+    "    hidden_states = hidden_states.to(self.weight.dtype) ; return self.weight * hidden_states")
+_BODY_STYLES = {LLAMA_RMS_NORM_BODY: "llama", FLOAT32_PRODUCT_RMS_NORM_BODY: "gemma", T5_LAYER_NORM_BODY: "t5"}
+for _body in _BODY_STYLES:
+    register_forward_rule(_body, transformers_rms_norm_rule, params=("weight",), tokenwise=True)
+# Gemma's forward calls a method of its own (self._norm), which its body does not show: registered by name.
+TRANSFORMERS_RMS_NORMS = [("gemma", "GemmaRMSNorm", "gemma"), ("gemma2", "Gemma2RMSNorm", "gemma")]
 _HF_RMS_STYLE = {f"transformers.models.{family}.modeling_{family}.{name}": style
                  for family, name, style in TRANSFORMERS_RMS_NORMS}
 for _name in _HF_RMS_STYLE:

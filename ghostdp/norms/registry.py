@@ -14,7 +14,10 @@ ConvNext's channels-first LayerNorm) or owns other parameters has no rule until
 one is registered for it, and goes to the exact fallback.
 
 Third-party classes are registered by their qualified name ("package.module.Class"),
-so that ``import ghostdp`` imports none of their modules.
+so that ``import ghostdp`` imports none of their modules. A rule may also be registered for a forward's
+code (``register_forward_rule``): every class whose ``forward`` has exactly that body, read from its source
+when a module of it is first looked up (transformers copies one RMSNorm forward into some 140 model
+families, under as many names, and a name list goes stale with each release; the source is what runs).
 
 >>> @register_norm_rule(MyScaledLinear, params=("weight",))        # doctest: +SKIP
 ... def my_rule(module, inputs, output_grad, trainable):
@@ -22,6 +25,9 @@ so that ``import ghostdp`` imports none of their modules.
 """
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Callable, Dict
 
@@ -42,6 +48,8 @@ class RuleEntry:
 
 
 _RULES: dict[type | str, RuleEntry] = {}
+_FORWARD_RULES: dict[str, RuleEntry] = {}  # a forward's body (forward_body) -> its rule
+_BY_FORWARD: dict = {}  # a forward function -> the entry its body matched, or None (read once per function)
 
 
 def qualified_name(cls: type) -> str:
@@ -75,17 +83,54 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
     return add(rule) if rule is not None else add
 
 
+def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"), tokenwise: bool = False,
+                          holds_output_grad: Callable[..., bool] | None = None) -> None:
+    """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
+    ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
+    names in the body (the argument's, the attributes') are part of it. A class registered by itself, or one
+    derived from a registered class, takes that registration instead. ``params``, ``tokenwise`` and
+    ``holds_output_grad`` as for ``register_norm_rule``."""
+    _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad)
+    _BY_FORWARD.clear()
+
+
+def forward_body(fn) -> str | None:
+    """The statements of a function's body, each as ``ast.unparse`` writes it, joined by " ; ", without a leading
+    docstring; None where its source cannot be read (a builtin, a class made at run time, a REPL)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return " ; ".join(ast.unparse(statement) for statement in body)
+
+
+def _entry_of_forward(forward) -> RuleEntry | None:
+    if forward not in _BY_FORWARD:
+        _BY_FORWARD[forward] = _FORWARD_RULES.get(forward_body(forward)) if _FORWARD_RULES else None
+    return _BY_FORWARD[forward]
+
+
 def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
     """The entry of the most specific registered class in the module's MRO, if the module's class
     still runs that class's forward and the module has no forward of its own (one set on the
-    instance: ``module.forward = ...``, which the rule cannot know); None otherwise."""
+    instance: ``module.forward = ...``, which the rule cannot know); else, where no class of its MRO is
+    registered, the entry registered for its forward's body (register_forward_rule); None otherwise."""
     if "forward" in module.__dict__:
         return None
     for cls in type(module).__mro__:
         entry = _RULES.get(cls) or _RULES.get(qualified_name(cls))
         if entry is not None:
             return entry if type(module).forward is cls.forward else None
-    return None
+    forward = type(module).forward
+    if forward is torch.nn.Module.forward:
+        return None
+    return _entry_of_forward(forward)
 
 
 def find_norm_rule(module: torch.nn.Module) -> Rule | None:

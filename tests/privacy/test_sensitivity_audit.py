@@ -175,6 +175,13 @@ def _falcon():
         attention_dropout=0.0, bias=True))
 
 
+def _olmo2():
+    """RMSNorms that multiply the weight by the float32 xhat and cast after, on the queries and keys too."""
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16))
+
+
 def _rwkv():
     """Time mixing: a recurrence over positions with learned decays (its state kept in float32: rtol 1e-6)."""
     return transformers.RwkvForCausalLM(transformers.RwkvConfig(
@@ -202,6 +209,13 @@ def _convnext():
     return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
         num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2, image_size=16,
         num_labels=3))
+
+
+def _dinov2():
+    """A ViT with LayerScale after attention and MLP (ruled by its forward's code: norms/elementwise.py)."""
+    return transformers.Dinov2ForImageClassification(transformers.Dinov2Config(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        mlp_ratio=2, num_labels=3, drop_path_rate=0.0, **QUIET))
 
 
 def _convnext_v2():
@@ -348,9 +362,11 @@ ZOO = [
     Arch("bloom-alibi", _bloom, lambda n, g: _text(n, g, False), _lm),
     Arch("gpt-neox-parallel-residual", _gpt_neox, lambda n, g: _text(n, g, False), _lm),
     Arch("falcon", _falcon, lambda n, g: _text(n, g, False), _lm),
+    Arch("olmo2", _olmo2, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),  # float32 RMSNorm products
     Arch("rwkv", _rwkv, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("vit", _vit, _images, _logits_of, continuous="x"),
     Arch("convnext", _convnext, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
+    Arch("dinov2-layer-scale", _dinov2, _images, _logits_of, continuous="x"),
     Arch("convnext-v2-grn", _convnext_v2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("segformer", _segformer, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("cnn-groupnorm", _cnn, _images, _logits_of, continuous="x"),
