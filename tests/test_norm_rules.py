@@ -1,4 +1,5 @@
 """Every norm rule against the per-example loop, float64, every example clipped and none clipped."""
+import functools
 import math
 
 import pytest
@@ -207,6 +208,28 @@ class AlmostLlamaNorm(CopiedLlamaNorm):
         return self.weight * hidden_states.to(input_dtype)
 
 
+def _doubled(forward):
+    @functools.wraps(forward)
+    def wrapper(self, hidden_states):
+        return 2 * forward(self, hidden_states)
+    return wrapper
+
+
+class DecoratedLlamaNorm(CopiedLlamaNorm):
+    """The copied body under a decorator that doubles the output: the source shows the body, not what runs."""
+    forward = _doubled(CopiedLlamaNorm.forward)
+
+
+class MarkedLlamaNorm(CopiedLlamaNorm):
+    @torch.no_grad()
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
 def test_a_class_with_a_registered_forward_body_takes_its_rule_and_one_token_off_does_not():
     from ghostdp.norms.normalization import LLAMA_RMS_NORM_BODY, transformers_rms_norm_rule
     from ghostdp.norms.registry import forward_body
@@ -215,6 +238,9 @@ def test_a_class_with_a_registered_forward_body_takes_its_rule_and_one_token_off
     check_module(CopiedLlamaNorm(), torch.randn(4, 3, 6))
     assert ghostdp.norms.find_norm_rule(AlmostLlamaNorm()) is None
     check_module(AlmostLlamaNorm(), torch.randn(4, 3, 6))  # the fallback's, exact
+    for decorated in (DecoratedLlamaNorm, MarkedLlamaNorm):  # what runs is not the body the source shows
+        assert ghostdp.norms.find_norm_rule(decorated()) is None
+    check_module(DecoratedLlamaNorm(), torch.randn(4, 3, 6))  # the fallback's, exact
     made_at_run_time = type("Made", (nn.Module,), {"forward": eval("lambda self, hidden_states: hidden_states")})
     assert forward_body(made_at_run_time.forward) is None and ghostdp.norms.find_norm_rule(made_at_run_time()) is None
 

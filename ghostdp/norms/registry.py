@@ -96,13 +96,16 @@ def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"), toke
 
 def forward_body(fn) -> str | None:
     """The statements of a function's body, each as ``ast.unparse`` writes it, joined by " ; ", without a leading
-    docstring; None where its source cannot be read (a builtin, a class made at run time, a REPL)."""
+    docstring; None where its source cannot be read (a builtin, a class made at run time, a REPL) or where the
+    function is decorated (a wrapper's source is the function it wraps: the body would not be what runs)."""
+    if hasattr(fn, "__wrapped__"):
+        return None
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return None
     function = tree.body[0] if tree.body else None
-    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
         return None
     body = function.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
