@@ -144,6 +144,7 @@ def test_layer_norm_above_the_element_budget_is_formed_over_runs_of_positions(mo
 
 def test_transformers_rms_norms_have_a_rule_and_are_exact():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
@@ -152,7 +153,7 @@ def test_transformers_rms_norms_have_a_rule_and_are_exact():
     # GemmaRMSNorm (and OLMo 2's, which casts as Gemma's) forms its own weight gradient in float32 even in a
     # float64 model, so the batched backward (pass 2) carries float32 rounding that no rule can remove: 1e-6.
     for m, rtol in ((LlamaRMSNorm(6), 1e-9), (MixtralRMSNorm(6), 1e-9), (T5LayerNorm(6), 1e-9), (GemmaRMSNorm(6), 1e-6),
-                    (Olmo2RMSNorm(6), 1e-6)):
+                    (Gemma3RMSNorm(6), 1e-6), (Olmo2RMSNorm(6), 1e-6)):
         assert ghostdp.norms.find_norm_rule(m) is transformers_rms_norm_rule
         with torch.no_grad():
             m.weight.add_(torch.randn(6))
@@ -230,6 +231,32 @@ class MarkedLlamaNorm(CopiedLlamaNorm):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class GroupedGemmaNorm(nn.Module):
+    """Gemma's forward over another _norm (normalising groups of features, as one transformers class does)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-0.5, 0.5, d))
+        self.eps = 1e-6
+
+    def _norm(self, x):
+        x = x.reshape(*x.shape[:-1], -1, 3)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+def test_a_forward_matched_by_its_body_needs_the_methods_it_calls_to_match_too():
+    from ghostdp.norms.normalization import GEMMA_RMS_NORM_BODY
+    from ghostdp.norms.registry import forward_body
+    assert forward_body(GroupedGemmaNorm.forward) == GEMMA_RMS_NORM_BODY
+    assert ghostdp.norms.find_norm_rule(GroupedGemmaNorm()) is None
+    check_module(GroupedGemmaNorm(), torch.randn(4, 3, 6), rtol=1e-6)  # the fallback's (float32 inside)
+
+
 def test_a_class_with_a_registered_forward_body_takes_its_rule_and_one_token_off_does_not():
     from ghostdp.norms.normalization import LLAMA_RMS_NORM_BODY, transformers_rms_norm_rule
     from ghostdp.norms.registry import forward_body
@@ -247,35 +274,37 @@ def test_a_class_with_a_registered_forward_body_takes_its_rule_and_one_token_off
 
 def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule():
     """The bodies are written as ast.unparse writes transformers' source: a scan of the installed transformers finds
-    the classes that have each (LlamaRMSNorm's in well over 50 families), and a sample of them, imported, gets
-    the rule (a formatting change in transformers would leave them to the fallback: slower, still exact)."""
+    the classes that have each (and the bodies of the methods it names), LlamaRMSNorm's in well over 50 families,
+    and a sample of them, imported, gets the rule (a formatting change in transformers would leave them to the
+    fallback: slower, still exact)."""
     import ast
     import importlib
     import pathlib
 
     import transformers
     from ghostdp.norms import registry
+
+    def body_of(function):
+        docstring = isinstance(function.body[0], ast.Expr) and isinstance(function.body[0].value, ast.Constant)
+        return " ; ".join(ast.unparse(statement) for statement in function.body[1 if docstring else 0:])
+
     root = pathlib.Path(transformers.__file__).parent / "models"
     having = {body: [] for body in registry._FORWARD_RULES}
     for path in sorted(root.glob("*/modeling_*.py")):
         text = path.read_text()
-        if "variance_epsilon" not in text:
+        if not any(word in text for word in ("variance_epsilon", "lambda1", "self._norm(")):
             continue
         for node in ast.parse(text).body:
-            forward = next((f for f in getattr(node, "body", []) if isinstance(f, ast.FunctionDef)
-                            and f.name == "forward"), None) if isinstance(node, ast.ClassDef) else None
-            if forward is not None:
-                docstring = isinstance(forward.body[0], ast.Expr) and isinstance(forward.body[0].value, ast.Constant)
-                body = forward.body[1:] if docstring else forward.body
-                key = " ; ".join(ast.unparse(statement) for statement in body)
-                if key in having:
-                    having[key].append(f"transformers.models.{path.parent.name}.{path.stem}.{node.name}")
+            methods = {f.name: body_of(f) for f in getattr(node, "body", []) if isinstance(f, ast.FunctionDef)}
+            entry = registry._FORWARD_RULES.get(methods.get("forward")) if isinstance(node, ast.ClassDef) else None
+            if entry is not None and all(methods.get(name) == body for name, body in entry.methods):
+                having[methods["forward"]].append(f"transformers.models.{path.parent.name}.{path.stem}.{node.name}")
     assert all(having.values()) and len(sum(having.values(), [])) > 50, {k[:40]: len(v) for k, v in having.items()}
-    for names in having.values():
+    for body, names in having.items():
         for name in names[:: max(1, len(names) // 6)]:
             module_name, class_name = name.rsplit(".", 1)
             cls = getattr(importlib.import_module(module_name), class_name)
-            assert registry.lookup_rule(cls.__new__(cls)) is registry._FORWARD_RULES[registry.forward_body(cls.forward)]
+            assert registry.lookup_rule(cls.__new__(cls)) is registry._FORWARD_RULES[body], name
 
 
 class LayerScale(nn.Module):

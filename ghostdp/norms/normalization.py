@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .factors import ELEMENT_BUDGET, Instantiated, acc_dtype, summed_positions_mass
-from .registry import forward_body, qualified_name, register_forward_rule, register_norm_rule
+from .registry import forward_body, register_forward_rule, register_norm_rule
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -236,11 +236,7 @@ def _hf_style(module):
 
 @functools.cache
 def _style_of_class(cls) -> str:
-    """The cast style of the class registered by name nearest in the MRO, else of its forward's body."""
-    for c in cls.__mro__:
-        style = _HF_RMS_STYLE.get(qualified_name(c))
-        if style is not None:
-            return style
+    """The cast style of the class's forward (the body its rule was registered for)."""
     return _BODY_STYLES[forward_body(cls.forward)]
 
 
@@ -289,12 +285,13 @@ T5_LAYER_NORM_BODY = (
     "variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True) ; hidden_states = hidden_states * "
     "torch.rsqrt(variance + self.variance_epsilon) ; if self.weight.dtype in [torch.float16, torch.bfloat16]:\n"
     "    hidden_states = hidden_states.to(self.weight.dtype) ; return self.weight * hidden_states")
-_BODY_STYLES = {LLAMA_RMS_NORM_BODY: "llama", FLOAT32_PRODUCT_RMS_NORM_BODY: "gemma", T5_LAYER_NORM_BODY: "t5"}
+# Gemma's (1, 2, 3, VaultGemma, T5Gemma, Qwen3-Next, ...): the float32 xhat times (1 + weight), cast at the end; its
+# forward calls self._norm, whose body must be this one too (another with this forward normalises in groups).
+GEMMA_RMS_NORM_BODY = ("output = self._norm(x.float()) ; output = output * (1.0 + self.weight.float()) ; "
+                       "return output.type_as(x)")
+GEMMA_NORM_METHOD_BODY = "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)"
+_BODY_STYLES = {LLAMA_RMS_NORM_BODY: "llama", FLOAT32_PRODUCT_RMS_NORM_BODY: "gemma", T5_LAYER_NORM_BODY: "t5",
+                GEMMA_RMS_NORM_BODY: "gemma"}
 for _body in _BODY_STYLES:
-    register_forward_rule(_body, transformers_rms_norm_rule, params=("weight",), tokenwise=True)
-# Gemma's forward calls a method of its own (self._norm), which its body does not show: registered by name.
-TRANSFORMERS_RMS_NORMS = [("gemma", "GemmaRMSNorm", "gemma"), ("gemma2", "Gemma2RMSNorm", "gemma")]
-_HF_RMS_STYLE = {f"transformers.models.{family}.modeling_{family}.{name}": style
-                 for family, name, style in TRANSFORMERS_RMS_NORMS}
-for _name in _HF_RMS_STYLE:
-    register_norm_rule(_name, transformers_rms_norm_rule, params=("weight",), tokenwise=True)
+    register_forward_rule(_body, transformers_rms_norm_rule, params=("weight",), tokenwise=True,
+                          methods={"_norm": GEMMA_NORM_METHOD_BODY} if _body == GEMMA_RMS_NORM_BODY else None)

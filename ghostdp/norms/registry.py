@@ -45,11 +45,12 @@ class RuleEntry:
     # (module, inputs, output, trainable) -> whether book-keeping keeps this call's output grad whole until
     # the clipped sums: pass 1 may then capture it without a probe (clipping/capture.py). None: never.
     holds_output_grad: Callable[..., bool] | None = None
+    methods: tuple = ()  # registered by code: (name, body) of each method the forward calls (register_forward_rule)
 
 
 _RULES: dict[type | str, RuleEntry] = {}
 _FORWARD_RULES: dict[str, RuleEntry] = {}  # a forward's body (forward_body) -> its rule
-_BY_FORWARD: dict = {}  # a forward function -> the entry its body matched, or None (read once per function)
+_BY_CLASS: dict = {}  # a class -> the entry its code matched, or None (read once per class)
 
 
 def qualified_name(cls: type) -> str:
@@ -84,14 +85,17 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
 
 
 def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"), tokenwise: bool = False,
-                          holds_output_grad: Callable[..., bool] | None = None) -> None:
+                          holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
     ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
-    names in the body (the argument's, the attributes') are part of it. A class registered by itself, or one
-    derived from a registered class, takes that registration instead. ``params``, ``tokenwise`` and
-    ``holds_output_grad`` as for ``register_norm_rule``."""
-    _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad)
-    _BY_FORWARD.clear()
+    names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body} of the methods
+    of the module that the forward calls, which must have those bodies too (Gemma's forward calls self._norm,
+    whose body differs between classes with that forward). A class registered by itself, or one derived from a
+    registered class, takes that registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as
+    for ``register_norm_rule``."""
+    _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad,
+                                     tuple(sorted((methods or {}).items())))
+    _BY_CLASS.clear()
 
 
 def forward_body(fn) -> str | None:
@@ -113,10 +117,13 @@ def forward_body(fn) -> str | None:
     return " ; ".join(ast.unparse(statement) for statement in body)
 
 
-def _entry_of_forward(forward) -> RuleEntry | None:
-    if forward not in _BY_FORWARD:
-        _BY_FORWARD[forward] = _FORWARD_RULES.get(forward_body(forward)) if _FORWARD_RULES else None
-    return _BY_FORWARD[forward]
+def _entry_by_code(cls) -> RuleEntry | None:
+    if cls not in _BY_CLASS:
+        entry = _FORWARD_RULES.get(forward_body(cls.forward)) if _FORWARD_RULES else None
+        if entry is not None and any(forward_body(getattr(cls, name, None)) != body for name, body in entry.methods):
+            entry = None
+        _BY_CLASS[cls] = entry
+    return _BY_CLASS[cls]
 
 
 def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
@@ -130,10 +137,9 @@ def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
         entry = _RULES.get(cls) or _RULES.get(qualified_name(cls))
         if entry is not None:
             return entry if type(module).forward is cls.forward else None
-    forward = type(module).forward
-    if forward is torch.nn.Module.forward:
+    if type(module).forward is torch.nn.Module.forward:
         return None
-    return _entry_of_forward(forward)
+    return _entry_by_code(type(module))
 
 
 def find_norm_rule(module: torch.nn.Module) -> Rule | None:
