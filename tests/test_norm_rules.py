@@ -255,6 +255,12 @@ def test_a_forward_matched_by_its_body_needs_the_methods_it_calls_to_match_too()
     assert forward_body(GroupedGemmaNorm.forward) == GEMMA_RMS_NORM_BODY
     assert ghostdp.norms.find_norm_rule(GroupedGemmaNorm()) is None
     check_module(GroupedGemmaNorm(), torch.randn(4, 3, 6), rtol=1e-6)  # the fallback's (float32 inside)
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    gemma = GemmaRMSNorm(6)
+    assert ghostdp.norms.find_norm_rule(gemma) is not None
+    gemma._norm = GroupedGemmaNorm._norm.__get__(gemma)  # replaced on the instance: not the body that was checked
+    assert ghostdp.norms.find_norm_rule(gemma) is None
+    check_module(gemma, torch.randn(4, 3, 6), rtol=1e-6)
 
 
 def test_a_class_with_a_registered_forward_body_takes_its_rule_and_one_token_off_does_not():

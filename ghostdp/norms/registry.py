@@ -130,7 +130,8 @@ def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
     """The entry of the most specific registered class in the module's MRO, if the module's class
     still runs that class's forward and the module has no forward of its own (one set on the
     instance: ``module.forward = ...``, which the rule cannot know); else, where no class of its MRO is
-    registered, the entry registered for its forward's body (register_forward_rule); None otherwise."""
+    registered, the entry registered for its forward's body (register_forward_rule), unless the instance has a
+    method of its own that the forward calls; None otherwise."""
     if "forward" in module.__dict__:
         return None
     for cls in type(module).__mro__:
@@ -139,7 +140,10 @@ def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
             return entry if type(module).forward is cls.forward else None
     if type(module).forward is torch.nn.Module.forward:
         return None
-    return _entry_by_code(type(module))
+    entry = _entry_by_code(type(module))
+    if entry is not None and any(name in module.__dict__ for name, _ in entry.methods):
+        return None  # a method the forward calls was replaced on the instance: its body is not the one checked
+    return entry
 
 
 def find_norm_rule(module: torch.nn.Module) -> Rule | None:
