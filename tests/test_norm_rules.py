@@ -289,11 +289,6 @@ def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule(
 
     import transformers
     from ghostdp.norms import registry
-
-    def body_of(function):
-        docstring = isinstance(function.body[0], ast.Expr) and isinstance(function.body[0].value, ast.Constant)
-        return " ; ".join(ast.unparse(statement) for statement in function.body[1 if docstring else 0:])
-
     root = pathlib.Path(transformers.__file__).parent / "models"
     having = {body: [] for body in registry._FORWARD_RULES}
     for path in sorted(root.glob("*/modeling_*.py")):
@@ -301,7 +296,8 @@ def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule(
         if not any(word in text for word in ("variance_epsilon", "lambda1", "self._norm(")):
             continue
         for node in ast.parse(text).body:
-            methods = {f.name: body_of(f) for f in getattr(node, "body", []) if isinstance(f, ast.FunctionDef)}
+            methods = {f.name: registry.body_text(f) for f in getattr(node, "body", [])
+                       if isinstance(f, ast.FunctionDef)}
             entry = registry._FORWARD_RULES.get(methods.get("forward")) if isinstance(node, ast.ClassDef) else None
             if entry is not None and all(methods.get(name) == body for name, body in entry.methods):
                 having[methods["forward"]].append(f"transformers.models.{path.parent.name}.{path.stem}.{node.name}")

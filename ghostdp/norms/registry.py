@@ -111,6 +111,12 @@ def forward_body(fn) -> str | None:
     function = tree.body[0] if tree.body else None
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
         return None
+    return body_text(function)
+
+
+def body_text(function: ast.FunctionDef) -> str:
+    """A parsed function's statements, each as ``ast.unparse`` writes it, joined by " ; ", without a leading
+    docstring: the body ``register_forward_rule`` compares (forward_body; a scan of source files, in the tests)."""
     body = function.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
