@@ -23,7 +23,10 @@ from .registry import register_norm_rule
 
 # Patch length up to which unfolding is cheap and matmuls on the patches beat the convolution kernels:
 # measured on CPU (torch 2.13) on the first layers of benchmarks.opacus_paper's MNIST and CIFAR-10 networks
-# (1 and 3 input channels), where the weight-gradient convolution took 1.4-3x the patch matmul.
+# (1 and 3 input channels), where the weight-gradient convolution took 1.4-3x the patch matmul. Ungrouped
+# convolutions only: unfolded, a grouped one is one factor per group (Blocks), with Python and ops per group
+# at every step (a depthwise 7x7 convolution's 49-long patches made ConvNext's steps 6x plain on the CPU
+# stand-in, against 3.5x with ConvWeight's one grouped convolution).
 SHORT_PATCH = 64
 
 
@@ -154,7 +157,7 @@ def unfolded_factor(module, x, output_grad) -> PerExampleGrad:
 def conv_rule(module, inputs, output_grad, trainable):
     out = {}
     if "weight" in trainable:
-        short = math.prod(module.weight.shape[1:]) <= SHORT_PATCH
+        short = module.groups == 1 and math.prod(module.weight.shape[1:]) <= SHORT_PATCH
         out["weight"] = (unfolded_factor if short else ConvWeight)(module, inputs[0], output_grad)
     if "bias" in trainable:
         G = output_grad.reshape(*output_grad.shape[:2], -1)  # (B, C_out, L)

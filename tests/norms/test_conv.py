@@ -63,13 +63,18 @@ def test_the_factor_and_norm_path_follow_the_cost_model():
     long_patch = nn.Conv2d(8, 8, 3)
     x = torch.randn(2, 8, 6, 6)
     assert isinstance(conv_rule(long_patch, [x], torch.randn(2, 8, 4, 4), {"weight"})["weight"], ConvWeight)
+    # A grouped convolution takes ConvWeight's one grouped convolution whatever its patch: unfolded, it would be
+    # one factor per group (a depthwise 7x7 convolution's 49-long patch is short).
+    depthwise = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+    assert isinstance(conv_rule(depthwise, [x], torch.randn(2, 8, 6, 6), {"weight"})["weight"], ConvWeight)
 
 
 @pytest.mark.parametrize("spatial", [(3, 3), (12, 12)], ids=["gram", "materialised"])
 def test_model_on_each_norm_path_is_exact(spatial):
-    # A short patch (unfolded factor), then long ones (ConvWeight: Gram at 3x3, materialised at 12x12).
+    # A short patch (unfolded factor), then long ones (ConvWeight: Gram at 3x3, materialised at 12x12), then a
+    # depthwise convolution (a short patch, grouped: ConvWeight, materialised).
     model = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1), nn.Tanh(), nn.Conv2d(24, 24, 3, padding=1, groups=2),
-                          nn.Flatten(), nn.LazyLinear(2))
+                          nn.Tanh(), nn.Conv2d(24, 24, 5, padding=2, groups=24), nn.Flatten(), nn.LazyLinear(2))
     x = torch.randn(4, 3, *spatial)
     model(x)
     w = torch.randn(2)
