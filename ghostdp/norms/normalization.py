@@ -267,6 +267,26 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
     return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
 
 
+# ConvNext's LayerNorm, copied into ConvNextV2, SAM 1-3, RF-DETR, LW-DETR, DeepSeek-VL's hybrid, ...: nn.LayerNorm's
+# forward over the last dim of (B, H, W, C) features, or over the channels of (B, C, H, W) ones permuted to
+# channels last and back. Registered by its code with nn.LayerNorm as what ``super().forward`` must call.
+CHANNELS_FIRST_LAYER_NORM_BODY = (
+    "if self.data_format == 'channels_first':\n    features = features.permute(0, 2, 3, 1)\n    features = "
+    "super().forward(features)\n    features = features.permute(0, 3, 1, 2)\nelse:\n    features = "
+    "super().forward(features) ; return features")
+
+
+def channels_first_layer_norm_rule(module, inputs, output_grad, trainable):
+    """The LayerNorm rule on the LayerNorm's own input and output grad: channels last, as the forward permutes."""
+    x, G = inputs[0], output_grad
+    if module.data_format == "channels_first":
+        x, G = x.permute(0, 2, 3, 1), G.permute(0, 2, 3, 1)
+    return layer_norm_rule(module, [x], G, trainable)
+
+
+register_forward_rule(CHANNELS_FIRST_LAYER_NORM_BODY, channels_first_layer_norm_rule, base=torch.nn.LayerNorm)
+
+
 # Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight; the style says where it
 # casts. transformers copies these forwards into many model families (LlamaRMSNorm's into some 140 of them:
 # Mistral, Mixtral, Qwen2/3 and their MoE, Granite, OLMo 2, DeepSeek, ...), so they are registered by their code

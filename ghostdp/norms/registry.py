@@ -9,9 +9,9 @@ Modules whose class has no rule and that own trainable parameters are handled
 by the fallback (``ghostdp.norms.fallback``).
 
 A rule is trusted for a subclass only while the subclass computes what the rule
-assumes: a subclass that overrides ``forward`` (transformers' scaled embeddings,
-ConvNext's channels-first LayerNorm) or owns other parameters has no rule until
-one is registered for it, and goes to the exact fallback.
+assumes: a subclass that overrides ``forward`` (transformers' scaled embeddings) or owns other
+parameters has no rule until one is registered for it or for its forward's code, and goes to the
+exact fallback.
 
 Third-party classes are registered by their qualified name ("package.module.Class"),
 so that ``import ghostdp`` imports none of their modules. A rule may also be registered for a forward's
@@ -46,6 +46,7 @@ class RuleEntry:
     # the clipped sums: pass 1 may then capture it without a probe (clipping/capture.py). None: never.
     holds_output_grad: Callable[..., bool] | None = None
     methods: tuple = ()  # registered by code: (name, body) of each method the forward calls (register_forward_rule)
+    base: type | None = None  # registered by code: the class whose forward ``super().forward`` must call
 
 
 _RULES: dict[type | str, RuleEntry] = {}
@@ -85,16 +86,18 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
 
 
 def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"), tokenwise: bool = False,
-                          holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None) -> None:
+                          holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None,
+                          base: type | None = None) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
     ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
     names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body} of the methods
     of the module that the forward calls, which must have those bodies too (Gemma's forward calls self._norm,
-    whose body differs between classes with that forward). A class registered by itself, or one derived from a
-    registered class, takes that registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as
-    for ``register_norm_rule``."""
+    whose body differs between classes with that forward). ``base``: for a body that calls ``super().forward``,
+    the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's). A class
+    registered by itself, or one derived from a registered class whose forward it keeps, takes that registration
+    instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for ``register_norm_rule``."""
     _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad,
-                                     tuple(sorted((methods or {}).items())))
+                                     tuple(sorted((methods or {}).items())), base)
     _BY_CLASS.clear()
 
 
@@ -123,11 +126,28 @@ def body_text(function: ast.FunctionDef) -> str:
     return " ; ".join(ast.unparse(statement) for statement in body)
 
 
+def super_forward(cls):
+    """The function ``super().forward`` calls in ``cls.forward``: the forward of the first class that defines one
+    after the class the forward was written in (its ``__class__`` cell, which ``super()`` reads) in cls's MRO;
+    None where the forward has no such cell (it does not call ``super()``) or nothing after defines a forward."""
+    fn = cls.forward
+    code = getattr(fn, "__code__", None)
+    if code is None or "__class__" not in code.co_freevars:
+        return None
+    written_in = fn.__closure__[code.co_freevars.index("__class__")].cell_contents
+    mro = cls.__mro__
+    if written_in not in mro:
+        return None
+    return next((c.__dict__["forward"] for c in mro[mro.index(written_in) + 1:] if "forward" in c.__dict__), None)
+
+
 def _entry_by_code(cls) -> RuleEntry | None:
     if cls not in _BY_CLASS:
         entry = _FORWARD_RULES.get(forward_body(cls.forward)) if _FORWARD_RULES else None
         if entry is not None and any(forward_body(getattr(cls, name, None)) != body for name, body in entry.methods):
             entry = None
+        if entry is not None and entry.base is not None and super_forward(cls) is not entry.base.__dict__["forward"]:
+            entry = None  # its super().forward is another class's: the body alone does not say what runs
         _BY_CLASS[cls] = entry
     return _BY_CLASS[cls]
 
@@ -135,15 +155,18 @@ def _entry_by_code(cls) -> RuleEntry | None:
 def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
     """The entry of the most specific registered class in the module's MRO, if the module's class
     still runs that class's forward and the module has no forward of its own (one set on the
-    instance: ``module.forward = ...``, which the rule cannot know); else, where no class of its MRO is
-    registered, the entry registered for its forward's body (register_forward_rule), unless the instance has a
-    method of its own that the forward calls; None otherwise."""
+    instance: ``module.forward = ...``, which the rule cannot know); else (no class of its MRO is registered, or
+    its class overrides that class's forward) the entry registered for its forward's body
+    (register_forward_rule), unless the instance has a method of its own that the forward calls; None
+    otherwise."""
     if "forward" in module.__dict__:
         return None
     for cls in type(module).__mro__:
         entry = _RULES.get(cls) or _RULES.get(qualified_name(cls))
         if entry is not None:
-            return entry if type(module).forward is cls.forward else None
+            if type(module).forward is cls.forward:
+                return entry
+            break
     if type(module).forward is torch.nn.Module.forward:
         return None
     entry = _entry_by_code(type(module))

@@ -11,7 +11,8 @@ from torch import nn
 import ghostdp
 from ghostdp.norms.embedding import SCALED_EMBEDDINGS, SCALED_EMBEDDINGS_CASTING, cast_scaled_embedding_rule
 from ghostdp.norms.linear import MATMUL_LINEARS, linear_rule
-from ghostdp.norms.registry import _RULES, find_norm_rule, lookup_rule
+from ghostdp.norms.normalization import channels_first_layer_norm_rule
+from ghostdp.norms.registry import _FORWARD_RULES, _RULES, find_norm_rule, forward_body, lookup_rule
 from conftest import assert_exact
 
 B = 3
@@ -113,18 +114,88 @@ def test_bart_with_scaled_and_trainable_learned_position_embeddings_is_exact():
     _lm_exact(model, _tiny_text_inputs(40))
 
 
-def test_convnext_channels_first_layer_norm_goes_to_the_fallback_and_is_exact():
-    cfg = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2,
-                                      image_size=8, num_labels=3)
-    model = transformers.ConvNextForImageClassification(cfg)
-    norms = [m for m in model.modules() if type(m).__name__ == "ConvNextLayerNorm"]
-    assert norms and all(find_norm_rule(m) is None for m in norms)
-    # Feature-map width 8 == channel count 8: the case that was silently wrong.
+@pytest.mark.parametrize("v2", [False, True], ids=["convnext", "convnext-v2"])
+def test_convnext_layer_norms_take_the_layer_norm_rule_by_their_code_and_are_exact(v2):
+    config, model_class = ((transformers.ConvNextV2Config, transformers.ConvNextV2ForImageClassification) if v2 else
+                           (transformers.ConvNextConfig, transformers.ConvNextForImageClassification))
+    cfg = config(num_channels=3, hidden_sizes=[8, 8], depths=[1, 1], num_stages=2, patch_size=2, image_size=8,
+                 num_labels=3)
+    model = model_class(cfg)
+    norms = [m for m in model.modules() if type(m).__name__ in ("ConvNextLayerNorm", "ConvNextV2LayerNorm")]
+    assert {m.data_format for m in norms} == {"channels_first", "channels_last"}
+    assert all(find_norm_rule(m) is channels_first_layer_norm_rule for m in norms)
+    # Feature-map width 8 == channel count 8: a LayerNorm rule over the wrong dim would fit every shape (it was
+    # silently wrong once, before the fallback took these).
     x = torch.randn(B, 3, 16, 16)
     labels = torch.tensor([0, 1, 2])
     ce = nn.CrossEntropyLoss(reduction="none")
     assert_exact(model, lambda: ce(model(x).logits, labels),
                  lambda i: ce(model(x[i:i + 1]).logits, labels[i:i + 1]).sum(), B)
+
+
+class DoubledLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class ConvNextNormBody(nn.LayerNorm):
+    """ConvNext's LayerNorm forward, copied (as transformers copies it into other families)."""
+
+    def __init__(self, d, data_format):
+        super().__init__(d)
+        self.data_format = data_format
+
+    def forward(self, features):
+        if self.data_format == "channels_first":
+            features = features.permute(0, 2, 3, 1)
+            features = super().forward(features)
+            features = features.permute(0, 3, 1, 2)
+        else:
+            features = super().forward(features)
+        return features
+
+
+class ConvNextBodyOverDoubled(DoubledLayerNorm):
+    """The same body over a LayerNorm that doubles its output: super().forward is not nn.LayerNorm's."""
+
+    def __init__(self, d, data_format):
+        super().__init__(d)
+        self.data_format = data_format
+
+    def forward(self, features):
+        if self.data_format == "channels_first":
+            features = features.permute(0, 2, 3, 1)
+            features = super().forward(features)
+            features = features.permute(0, 3, 1, 2)
+        else:
+            features = super().forward(features)
+        return features
+
+
+class DoubledBetween(ConvNextNormBody, DoubledLayerNorm):
+    """The copied class itself, with the doubling LayerNorm after it in the MRO: its super() now reaches that."""
+
+
+class KeepsTheCopiedForward(ConvNextNormBody):
+    pass
+
+
+@pytest.mark.parametrize("data_format", ["channels_first", "channels_last"])
+def test_a_forward_matched_by_its_body_calls_super_of_the_registered_base_or_has_no_rule(data_format):
+    from ghostdp.norms.registry import super_forward
+    x = torch.randn(B, 6, 4, 5) if data_format == "channels_first" else torch.randn(B, 4, 5, 6)
+    w = torch.randn(*x.shape[1:])
+    for cls, ruled in ((ConvNextNormBody, True), (KeepsTheCopiedForward, True), (ConvNextBodyOverDoubled, False),
+                       (DoubledBetween, False)):
+        norm = cls(6, data_format)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-1, 1)
+        assert (super_forward(cls) is nn.LayerNorm.forward) == ruled, cls
+        assert (find_norm_rule(norm) is channels_first_layer_norm_rule) == ruled, cls
+        assert_exact(norm, lambda: (norm(x) * w).flatten(1).sum(1).pow(2),
+                     lambda i: (norm(x[i:i + 1]) * w).sum().pow(2), B)
+    assert super_forward(nn.Linear) is None  # no super() in its forward
 
 
 RULED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -168,9 +239,11 @@ def test_every_transformers_subclass_that_overrides_forward_is_ruled_only_if_its
         assert found[name] in SCALED_BODIES and SCALED_BODIES[found[name]] == cast, (name, found[name])
     for name in set(SCALED_EMBEDDINGS_CASTING + SCALED_EMBEDDINGS + MATMUL_LINEARS):
         assert f"transformers.models.{name}" in found, f"{name} is registered but not in this transformers"
-    # Everything else that overrides forward finds no rule: check a sample by importing it.
+    # Everything else that overrides forward finds no rule, or the rule registered for its forward's code (ConvNext's
+    # LayerNorm and its copies): check a sample by importing it.
     unregistered = sorted(set(found) - registered)
     for name in unregistered[:: max(1, len(unregistered) // 12)]:
         module_name, cls_name = name.rsplit(".", 1)
         cls = getattr(importlib.import_module(module_name), cls_name)
-        assert lookup_rule(cls.__new__(cls)) is None, name
+        entry = lookup_rule(cls.__new__(cls))
+        assert entry is None or entry is _FORWARD_RULES[forward_body(cls.forward)], name
