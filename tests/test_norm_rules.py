@@ -293,7 +293,8 @@ def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule(
     having = {body: [] for body in registry._FORWARD_RULES}
     for path in sorted(root.glob("*/modeling_*.py")):
         text = path.read_text()
-        if not any(word in text for word in ("variance_epsilon", "lambda1", "self._norm(", "data_format")):
+        if not any(word in text for word in ("variance_epsilon", "lambda1", "self._norm(", "data_format",
+                                             "global_features")):
             continue
         for node in ast.parse(text).body:
             methods = {f.name: registry.body_text(f) for f in getattr(node, "body", [])
@@ -321,7 +322,8 @@ class LayerScale(nn.Module):
 
 
 @pytest.mark.parametrize("x_shape,scale_shape", [((5, 3, 6), (6,)), ((5, 6), (6,)), ((4, 3, 2, 6), (6,)),
-                                                 ((5, 3, 6), (3, 1)), ((5, 3, 6), (3, 6)), ((5, 3, 6), (1, 1))])
+                                                 ((5, 3, 6), (3, 1)), ((5, 3, 6), (3, 6)), ((5, 3, 6), (1, 1)),
+                                                 ((5, 3, 6), (1, 1, 6)), ((5, 6), (1, 6))])
 def test_layer_scale_is_ruled_by_its_forward_and_exact(x_shape, scale_shape):
     from ghostdp.norms.elementwise import layer_scale_rule
     from transformers.models.dinov2.modeling_dinov2 import Dinov2LayerScale
@@ -329,6 +331,42 @@ def test_layer_scale_is_ruled_by_its_forward_and_exact(x_shape, scale_shape):
     m = LayerScale(scale_shape)
     assert ghostdp.norms.find_norm_rule(m) is layer_scale_rule
     check_module(m, torch.randn(*x_shape))
+
+
+def test_a_layer_scale_on_a_sequence_first_input_is_exact_or_refused():
+    """A vector scale scales every position alike, so a (T, B, d) input's batch may lie on dim 1: exact. A (T, d)
+    scale meets that input's batch dim, giving each example its own row (the batch of 3 is T): not tokenwise,
+    so no layout holds and the step is refused; the rule read it batch-first before, and the clipped sum was not
+    the gradient."""
+    x = torch.randn(3, 4, 6)  # (T, B, d)
+    w = torch.randn(3, 4, 6)
+    vector = LayerScale((6,))
+
+    def losses(m, sl=slice(None)):
+        return (m(x[:, sl]) * w[:, sl]).sum((0, 2)).pow(2)
+
+    assert_exact(vector, lambda: losses(vector), lambda i: losses(vector, slice(i, i + 1)).sum(), 4)
+    by_position = LayerScale((3, 6))
+    x = torch.randn(3, 3, 6)  # T == B: the (T, d) scale broadcasts against the batch dim
+    w = torch.randn(3, 3, 6)
+    for clipping in ("ghost", "bookkeeping"):
+        controller = ghostdp.GhostClipping(by_position, 1.0, clipping=clipping)
+        with pytest.raises(RuntimeError, match="mixes several examples in each of its candidate batch dimensions"):
+            controller.loss(losses(by_position), reduction="sum").backward()
+        controller.detach()
+
+
+def test_convnext_v2_global_response_norm_is_ruled_by_its_forward_and_exact():
+    from ghostdp.norms.elementwise import global_response_norm_rule
+    from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
+    grn = ConvNextV2GRN(6)
+    with torch.no_grad():  # zeros at init
+        grn.weight.uniform_(-1, 1)
+        grn.bias.uniform_(-1, 1)
+    assert ghostdp.norms.find_norm_rule(grn) is global_response_norm_rule
+    check_module(grn, torch.randn(4, 3, 5, 6))  # (B, H, W, C)
+    grn.weight.requires_grad_(False)
+    check_module(grn, torch.randn(4, 3, 5, 6))
 
 
 def test_a_scale_that_spans_the_batch_dim_is_refused_with_the_fix():

@@ -57,7 +57,8 @@ class ModuleCall:
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
         self.recorder, self.name, self.module, self.params = recorder, name, module, params
         self.rule = entry.rule if entry is not None else None
-        self.tokenwise = entry is not None and entry.tokenwise
+        tokenwise = entry is not None and entry.tokenwise
+        self.tokenwise = tokenwise(module) if callable(tokenwise) else tokenwise
         self.batch_dims = batch_dims
         self.inputs = self.edges = self.expanded = self.grads = self.shapes = ()
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = self.proven_in = None

@@ -1,8 +1,9 @@
-"""Elementwise scales: y = x * s, s a parameter that broadcasts over the batch (a LayerScale: s of shape (d,)).
+"""Elementwise scales and shifts: y = x * s (+ b), s and b parameters that broadcast over the batch (a LayerScale:
+s of shape (d,); ConvNextV2's GRN: s and b of shape (1, 1, 1, C) on a scaled input).
 
-Example i's gradient is g_i = sum over the broadcast positions of G_i * x_i (the shape of s), formed as the
-LayerNorm's weight is (normalization._affine_grads, with x for xhat): (B, *s.shape) instantiated, the sums and
-masses accumulated in float32 or better, 16-bit inputs read in their own dtype.
+Example i's gradient is g_i = sum over the broadcast positions of G_i * x_i (the shape of s), and of G_i for b,
+formed as the LayerNorm's weight and bias are (normalization._affine_grads, with x for xhat): (B, *s.shape)
+instantiated, the sums and masses accumulated in float32 or better, 16-bit inputs read in their own dtype.
 """
 from __future__ import annotations
 
@@ -13,17 +14,41 @@ from .normalization import _affine_grads, _working
 from .registry import register_forward_rule
 
 
+def _broadcast_dims(x: torch.Tensor, param: torch.Tensor) -> tuple:
+    """The dims of x (B, ...) over which ``param`` broadcasts, where its gradient is summed. A parameter with a size
+    other than 1 at x's batch dim, or with dims before it, is refused with the fix."""
+    lead = param.dim() - (x.dim() - 1)  # the parameter's dims at x's batch dim or before it
+    if lead > 1 or (lead == 1 and param.shape[0] != 1):
+        raise ValueError(
+            f"an elementwise parameter of shape {tuple(param.shape)} on an input of shape {tuple(x.shape)} spans "
+            "the batch dim: its gradient cannot be split by example. Fix: freeze it (requires_grad_(False)).")
+    trailing = tuple(param.shape[max(0, lead):])
+    aligned = (1,) * (x.dim() - 1 - len(trailing)) + trailing  # the parameter's shape beside x's dims 1...
+    return tuple(d + 1 for d, size in enumerate(aligned) if size == 1 and x.shape[d + 1] != 1)
+
+
 def scale_grads(x: torch.Tensor, G: torch.Tensor, scale: torch.Tensor) -> Instantiated:
     """g_i = sum_to_size(G_i * x_i, scale.shape) for x and G of shape (B, ...), with its token mass."""
-    if scale.dim() >= x.dim():
-        raise ValueError(
-            f"an elementwise scale of shape {tuple(scale.shape)} on an input of shape {tuple(x.shape)} spans the "
-            "batch dim: its gradient cannot be split by example. Fix: freeze it (requires_grad_(False)).")
-    aligned = (1,) * (x.dim() - 1 - scale.dim()) + tuple(scale.shape)  # scale's shape beside x's dims 1...
-    reduce_dims = tuple(d + 1 for d, size in enumerate(aligned) if size == 1 and x.shape[d + 1] != 1)
+    reduce_dims = _broadcast_dims(x, scale)
     x, G = _working(x, G)
     g = _affine_grads(x, G, ("scale",), reduce_dims, names=("scale", None))["scale"]
     return Instantiated(g.grads.reshape(x.shape[0], *scale.shape), g.mass)
+
+
+def shift_grads(G: torch.Tensor, shift: torch.Tensor) -> Instantiated:
+    """g_i = sum_to_size(G_i, shift.shape) for G of shape (B, ...), with its token mass."""
+    reduce_dims = _broadcast_dims(G, shift)
+    G, _ = _working(G, G)
+    g = _affine_grads(G, G, ("shift",), reduce_dims, names=(None, "shift"))["shift"]
+    return Instantiated(g.grads.reshape(G.shape[0], *shift.shape), g.mass)
+
+
+def scale_is_tokenwise(scale: torch.Tensor) -> bool:
+    """Whether x * scale scales every leading position of x alike (scale's dims before its last are all 1), so
+    that any leading dim of x may hold the examples. A scale that differs by position, (T, d), meets a
+    sequence-first (T, B, d) input's batch dim: there each example has its own row of it, which the rule, reading
+    the input made batch-first, would not know (the clipped sum was not the gradient before 2026-11-27)."""
+    return scale.numel() == (scale.shape[-1] if scale.dim() else 1)
 
 
 def layer_scale_rule(module, inputs, output_grad, trainable):
@@ -32,4 +57,25 @@ def layer_scale_rule(module, inputs, output_grad, trainable):
 
 # transformers' LayerScale (DINOv2, DINOv3, SAM 3, EoMT, ...): the forward, registered by its code (registry.py).
 LAYER_SCALE_BODY = "return hidden_state * self.lambda1"
-register_forward_rule(LAYER_SCALE_BODY, layer_scale_rule, params=("lambda1",), tokenwise=True)
+register_forward_rule(LAYER_SCALE_BODY, layer_scale_rule, params=("lambda1",),
+                      tokenwise=lambda module: scale_is_tokenwise(module.lambda1))
+
+
+def global_response_norm_rule(module, inputs, output_grad, trainable):
+    """ConvNextV2's GRN: y = w * (x * N(x)) + b + x, N(x) = |x|_(H,W) / (mean_C |x|_(H,W) + 1e-6) of each example
+    alone (x: (B, H, W, C)); w scales x * N(x), formed here as the forward forms it, and b shifts."""
+    x, out = inputs[0], {}
+    if "weight" in trainable:
+        global_features = torch.linalg.vector_norm(x, ord=2, dim=(1, 2), keepdim=True)
+        norm_features = global_features / (global_features.mean(dim=-1, keepdim=True) + 1e-6)
+        out["weight"] = scale_grads(x * norm_features, output_grad, module.weight)
+    if "bias" in trainable:
+        out["bias"] = shift_grads(output_grad, module.bias)
+    return out
+
+
+GLOBAL_RESPONSE_NORM_BODY = (
+    "global_features = torch.linalg.vector_norm(hidden_states, ord=2, dim=(1, 2), keepdim=True) ; norm_features = "
+    "global_features / (global_features.mean(dim=-1, keepdim=True) + 1e-06) ; hidden_states = self.weight * "
+    "(hidden_states * norm_features) + self.bias + hidden_states ; return hidden_states")
+register_forward_rule(GLOBAL_RESPONSE_NORM_BODY, global_response_norm_rule)

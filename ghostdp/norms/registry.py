@@ -40,7 +40,9 @@ Rule = Callable[..., Dict[str, "PerExampleGrad"]]
 class RuleEntry:
     rule: Rule
     params: frozenset   # the parameters the rule covers
-    tokenwise: bool     # the module maps each position of (..., features) alone: any leading dim may be the batch
+    # The module maps each position of (..., features) alone: any leading dim may be the batch. A callable: whether
+    # this module does, read at each call (an elementwise scale does only where it is the same at every position).
+    tokenwise: bool | Callable[[torch.nn.Module], bool]
     owner: type | str   # the registered class (or its qualified name) whose forward the rule knows
     # (module, inputs, output, trainable) -> whether book-keeping keeps this call's output grad whole until
     # the clipped sums: pass 1 may then capture it without a probe (clipping/capture.py). None: never.
@@ -59,13 +61,15 @@ def qualified_name(cls: type) -> str:
 
 
 def register_norm_rule(module_class: type | str, rule: Rule | None = None, params=("weight", "bias"),
-                       tokenwise: bool = False, holds_output_grad: Callable[..., bool] | None = None):
+                       tokenwise: bool | Callable[[torch.nn.Module], bool] = False,
+                       holds_output_grad: Callable[..., bool] | None = None):
     """Register ``rule`` for ``module_class`` and its subclasses that keep its ``forward``; usable as a decorator.
 
     ``module_class`` is a ``torch.nn.Module`` subclass or the qualified name of one ("pkg.module.Class").
     ``params`` names the parameters the rule covers: a module owning any other parameter goes to the
     fallback. ``tokenwise``: the module acts on each leading position alone (Linear, Embedding,
-    LayerNorm), so its batch may be a later leading dim (sequence-first) or flattened into rows.
+    LayerNorm), so its batch may be a later leading dim (sequence-first) or flattened into rows; a callable
+    ``tokenwise(module)`` says so per module, read at each call.
     ``holds_output_grad(module, inputs, output, trainable)``: whether the factors the rule returns for
     this call keep its output grad whole in book-keeping (``PerExampleGrad.kept``), told from the
     forward's tensors; book-keeping then captures that grad in pass 1 without a per-call probe. A wrong
@@ -85,7 +89,8 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
     return add(rule) if rule is not None else add
 
 
-def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"), tokenwise: bool = False,
+def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
+                          tokenwise: bool | Callable[[torch.nn.Module], bool] = False,
                           holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None,
                           base: type | None = None) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
