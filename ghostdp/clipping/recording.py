@@ -195,8 +195,10 @@ class ForwardRecorder:
                                              prepend=True)
             handles.append(handle)
             self._attached[id(m)] = (handle.id, type(m).forward)
-            if entry is None:  # its inputs' gradients are proven too (PassOne._prove_fallback_inputs)
-                handles.append(m.register_forward_pre_hook(self.on_fallback_forward, with_kwargs=True))
+            if entry is None or entry.accepts is not None:  # its inputs' gradients are proven too, where it takes
+                # the fallback (PassOne._prove_fallback_inputs)
+                handles.append(m.register_forward_pre_hook(functools.partial(self.on_fallback_forward, entry),
+                                                           with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(id(m))
         for unit in sharded_units(module):
@@ -288,13 +290,15 @@ class ForwardRecorder:
     def _probe(self, device):
         return zero_size_leaf(self.probes, device)
 
-    def on_fallback_forward(self, module, args, kwargs):
-        """A module without a rule: each of its float tensor arguments without grad (positional or keyword) through
-        an InputSink, so that the layout proof can read that input's gradient. A module that mixes examples in
-        its own forward (a batch mean) shows that only in its inputs' gradients, where no recorded call below may
-        look (one example moved the update by 7 C before 2026-11-25, and by 11.7 C through a second input
-        before 2026-11-26)."""
+    def on_fallback_forward(self, entry, module, args, kwargs):
+        """A module without a rule (``entry`` None), or a call its rule declines (RuleEntry.accepts): each of its
+        float tensor arguments without grad (positional or keyword) through an InputSink, so that the layout proof
+        can read that input's gradient. A module that mixes examples in its own forward (a batch mean) shows that
+        only in its inputs' gradients, where no recorded call below may look (one example moved the update by 7 C
+        before 2026-11-25, and by 11.7 C through a second input before 2026-11-26)."""
         if not (args or kwargs) or not self._recording(module) or not self._trainable_owned(module):
+            return None
+        if entry is not None and entry.accepts(module, args, kwargs):
             return None
         sunk = {}  # id(tensor) -> its sink: a tensor passed twice is copied once
 
@@ -312,6 +316,8 @@ class ForwardRecorder:
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
             entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
+        if entry is not None and entry.accepts is not None and not entry.accepts(module, args, kwargs):
+            entry = None  # a branch of the forward the rule does not know: the exact fallback
         if not self._recording(module):
             if self._training(module) and not self.pass_one.in_fallback:  # grad off
                 self.forward_checkpointed = self.forward_checkpointed or bool(self._trainable_owned(module))

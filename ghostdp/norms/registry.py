@@ -49,6 +49,9 @@ class RuleEntry:
     holds_output_grad: Callable[..., bool] | None = None
     methods: tuple = ()  # registered by code: (name, body) of each method the forward calls (register_forward_rule)
     base: type | None = None  # registered by code: the class whose forward ``super().forward`` must call
+    # (module, args, kwargs) -> whether this call computes what the rule knows; a declined call takes the fallback.
+    # None: every call.
+    accepts: Callable[..., bool] | None = None
 
 
 _RULES: dict[type | str, RuleEntry] = {}
@@ -92,17 +95,20 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
 def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
                           tokenwise: bool | Callable[[torch.nn.Module], bool] = False,
                           holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None,
-                          base: type | None = None) -> None:
+                          base: type | None = None, accepts: Callable[..., bool] | None = None) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
     ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
     names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body} of the methods
     of the module that the forward calls, which must have those bodies too (Gemma's forward calls self._norm,
     whose body differs between classes with that forward). ``base``: for a body that calls ``super().forward``,
-    the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's). A class
-    registered by itself, or one derived from a registered class whose forward it keeps, takes that registration
-    instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for ``register_norm_rule``."""
+    the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's).
+    ``accepts(module, args, kwargs)``: for a forward with branches the rule does not know (ViT's embeddings: mask
+    tokens, interpolated positions, dropout), whether this call took the known ones; a call it declines takes
+    the exact fallback. A class registered by itself, or one derived from a registered class whose forward it
+    keeps, takes that registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for
+    ``register_norm_rule``."""
     _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad,
-                                     tuple(sorted((methods or {}).items())), base)
+                                     tuple(sorted((methods or {}).items())), base, accepts)
     _BY_CLASS.clear()
 
 

@@ -1,0 +1,77 @@
+"""ViT's embeddings (class token, position embeddings) by their rule, and the calls it declines by the fallback: each
+exact against the per-example loop in both modes, with the path each took counted."""
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from ghostdp.norms import registry
+from ghostdp.norms.vit_embeddings import VIT_EMBEDDINGS_BODY, plain_call, vit_embeddings_rule
+from conftest import assert_exact
+
+B = 3
+
+
+def _vit(hidden_dropout_prob=0.0):
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=20, hidden_dropout_prob=hidden_dropout_prob,
+                                 attention_probs_dropout_prob=0.0)
+    model = transformers.ViTModel(cfg, add_pooling_layer=False, use_mask_token=True)
+    with torch.no_grad():
+        model.embeddings.mask_token.normal_()
+    return model
+
+
+@pytest.fixture
+def rule_calls(monkeypatch):
+    """The number of calls the ViT embeddings rule has formed since the controller attached."""
+    calls = []
+    entry = registry._FORWARD_RULES[VIT_EMBEDDINGS_BODY]
+
+    def counted(*args):
+        calls.append(1)
+        return vit_embeddings_rule(*args)
+
+    monkeypatch.setitem(registry._FORWARD_RULES, VIT_EMBEDDINGS_BODY, dataclasses.replace(entry, rule=counted))
+    monkeypatch.setattr(registry, "_BY_CLASS", {})
+    return calls
+
+
+def _assert_exact(model, x, w, **kwargs):
+    def losses(sl):
+        extra = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return (model(x[sl], **extra).last_hidden_state * w).flatten(1).sum(1).pow(2)
+
+    assert_exact(model, lambda: losses(slice(None)), lambda i: losses(slice(i, i + 1)).sum(), B)
+
+
+def test_the_class_token_and_position_embeddings_take_their_rule_and_are_exact(rule_calls):
+    model = _vit()
+    assert registry.find_norm_rule(model.embeddings) is not None
+    _assert_exact(model, torch.randn(B, 3, 8, 8), torch.randn(5, 16))
+    assert rule_calls  # every step's embeddings call (the mask token's gradient: zeros, as it is unused)
+    assert registry.lookup_rule(transformers.ViTMSNModel(transformers.ViTMSNConfig()).embeddings) is not None
+
+
+@pytest.mark.parametrize("branch", ["mask tokens", "interpolated positions"])
+def test_a_call_the_rule_does_not_know_takes_the_fallback_and_is_exact(rule_calls, branch):
+    model = _vit()
+    if branch == "mask tokens":
+        mask = torch.tensor([[True, False, False, True], [False, False, True, False], [True, True, False, False]])
+        _assert_exact(model, torch.randn(B, 3, 8, 8), torch.randn(5, 16), bool_masked_pos=mask)
+    else:
+        _assert_exact(model, torch.randn(B, 3, 12, 12), torch.randn(10, 16), interpolate_pos_encoding=True)
+    assert not rule_calls
+
+
+def test_an_active_dropout_is_declined():
+    model = _vit(hidden_dropout_prob=0.1).train()
+    x = torch.randn(B, 3, 8, 8)
+    assert not plain_call(model.embeddings, (x,), {"bool_masked_pos": None, "interpolate_pos_encoding": None})
+    model.eval()
+    assert plain_call(model.embeddings, (x,), {"bool_masked_pos": None, "interpolate_pos_encoding": None})
+    model.embeddings.dropout.p = 0.0
+    model.train()
+    assert plain_call(model.embeddings, (x, None, False), {})
+    assert not plain_call(model.embeddings, (x, None, True), {})
