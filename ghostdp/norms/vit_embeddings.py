@@ -1,5 +1,6 @@
 """ViT's embeddings: y = cat(class token, patch embeddings) + position embeddings, then dropout (DeiT's: the class
-and distillation tokens, then the patches).
+and distillation tokens, then the patches; DINOv2's: the positions through interpolate_pos_encoding, which returns
+them as they are for square images with as many patches as positions).
 
 The leading tokens (1, 1, d) and the position embeddings (1, k + N, d) broadcast over the batch, each position once,
 so example i's gradients are its output grad itself: G_i (k + N, d) for the positions, its row j for the j-th
@@ -26,10 +27,34 @@ def plain_call(module, args, kwargs) -> bool:
         args[1] if len(args) > 1 else None)
     interpolate = kwargs["interpolate_pos_encoding"] if "interpolate_pos_encoding" in kwargs else (
         args[2] if len(args) > 2 else False)
-    dropout = module.dropout
-    inactive = type(dropout) is torch.nn.Identity or (
+    return bool_masked_pos is None and not interpolate and _inactive(module.dropout)  # as the forward reads them
+
+
+def stored_positions_call(module, args, kwargs) -> bool:
+    """DINOv2's: no mask tokens, no active dropout, and the stored position embeddings added as they are:
+    interpolate_pos_encoding's early return (not tracing, a square image, as many patches as positions), with the
+    patches counted from the patch embeddings' Conv2d."""
+    bool_masked_pos = kwargs["bool_masked_pos"] if "bool_masked_pos" in kwargs else (
+        args[1] if len(args) > 1 else None)
+    pixel_values = kwargs["pixel_values"] if "pixel_values" in kwargs else args[0]
+    conv = getattr(module.patch_embeddings, "projection", None)
+    if bool_masked_pos is not None or not _inactive(module.dropout) or torch.jit.is_tracing():
+        return False
+    if module.position_embeddings is None:
+        return True
+    if type(conv) is not torch.nn.Conv2d or isinstance(conv.padding, str):
+        return False
+    height, width = pixel_values.shape[-2:]
+    patches = 1
+    for size, k, stride, pad, dilation in zip((height, width), conv.kernel_size, conv.stride, conv.padding,
+                                              conv.dilation):
+        patches *= (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    return height == width and patches == module.position_embeddings.shape[1] - 1
+
+
+def _inactive(dropout) -> bool:
+    return type(dropout) is torch.nn.Identity or (
         type(dropout) is torch.nn.Dropout and (dropout.p == 0 or not dropout.training))
-    return bool_masked_pos is None and not interpolate and inactive  # as the forward reads them
 
 
 def leading_tokens_rule(leading: tuple):
@@ -81,3 +106,27 @@ DEIT_EMBEDDINGS_BODY = (
 register_forward_rule(DEIT_EMBEDDINGS_BODY, deit_embeddings_rule,
                       params=("cls_token", "distillation_token", "position_embeddings", "mask_token"),
                       accepts=plain_call)
+# DINOv2's (BEiT's has this forward too, with another interpolate_pos_encoding: the methods check leaves it out).
+DINOV2_EMBEDDINGS_BODY = (
+    "_, _, height, width = pixel_values.shape ; embeddings = self.patch_embeddings(pixel_values) ; batch_size, "
+    "seq_len, _ = embeddings.size() ; if bool_masked_pos is not None:\n    mask_tokens = self.mask_token.expand("
+    "batch_size, seq_len, -1)\n    mask = bool_masked_pos.unsqueeze(-1).type_as(mask_tokens)\n    embeddings = "
+    "embeddings * (1 - mask) + mask_tokens * mask ; cls_tokens = self.cls_token.expand(batch_size, -1, -1) ; "
+    "embeddings = torch.cat((cls_tokens, embeddings), dim=1) ; if self.position_embeddings is not None:\n    "
+    "embeddings = embeddings + self.interpolate_pos_encoding(embeddings, height, width) ; embeddings = "
+    "self.dropout(embeddings) ; return embeddings")
+DINOV2_INTERPOLATE_BODY = (
+    "num_patches = embeddings.shape[1] - 1 ; num_positions = self.position_embeddings.shape[1] - 1 ; if not "
+    "torch.jit.is_tracing() and num_patches == num_positions and (height == width):\n    return "
+    "self.position_embeddings ; class_pos_embed = self.position_embeddings[:, :1] ; patch_pos_embed = "
+    "self.position_embeddings[:, 1:] ; dim = embeddings.shape[-1] ; patch_height, patch_width = "
+    "self.patch_embeddings.patch_size ; new_height = height // patch_height ; new_width = width // patch_width ; "
+    "sqrt_num_positions = torch_int(num_positions ** 0.5) ; patch_pos_embed = patch_pos_embed.reshape(1, "
+    "sqrt_num_positions, sqrt_num_positions, dim) ; patch_pos_embed = patch_pos_embed.permute(0, 3, 1, 2) ; "
+    "target_dtype = patch_pos_embed.dtype ; patch_pos_embed = nn.functional.interpolate(patch_pos_embed.to("
+    "torch.float32), size=(new_height, new_width), mode='bicubic', align_corners=False).to(dtype=target_dtype) ; "
+    "patch_pos_embed = patch_pos_embed.permute(0, 2, 3, 1).view(1, -1, dim) ; return torch.cat((class_pos_embed, "
+    "patch_pos_embed), dim=1)")
+register_forward_rule(DINOV2_EMBEDDINGS_BODY, vit_embeddings_rule,
+                      params=("cls_token", "position_embeddings", "mask_token"), accepts=stored_positions_call,
+                      methods={"interpolate_pos_encoding": DINOV2_INTERPOLATE_BODY})

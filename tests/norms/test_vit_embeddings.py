@@ -1,5 +1,5 @@
-"""ViT's and DeiT's embeddings (leading tokens, position embeddings) by their rule, and the calls it declines by the
-fallback: each exact against the per-example loop in both modes, with the path each took counted."""
+"""ViT's, DeiT's and DINOv2's embeddings (leading tokens, position embeddings) by their rule, and the calls it
+declines by the fallback: each exact against the per-example loop in both modes, with the path each took counted."""
 import dataclasses
 
 import pytest
@@ -7,21 +7,25 @@ import torch
 import transformers
 
 from ghostdp.norms import registry
-from ghostdp.norms.vit_embeddings import DEIT_EMBEDDINGS_BODY, VIT_EMBEDDINGS_BODY, plain_call
+from ghostdp.norms.vit_embeddings import (DEIT_EMBEDDINGS_BODY, DINOV2_EMBEDDINGS_BODY, VIT_EMBEDDINGS_BODY,
+                                          plain_call, stored_positions_call)
 from conftest import assert_exact
 
 B = 3
-# family: (config, model, the body its embeddings' forward has, its tokens before the patches)
-FAMILIES = {"vit": (transformers.ViTConfig, transformers.ViTModel, VIT_EMBEDDINGS_BODY, 1),
-            "deit": (transformers.DeiTConfig, transformers.DeiTModel, DEIT_EMBEDDINGS_BODY, 2)}
+# family: (config, model, the body its embeddings' forward has, what the model takes beside the config)
+FAMILIES = {"vit": (transformers.ViTConfig, transformers.ViTModel, VIT_EMBEDDINGS_BODY,
+                    {"add_pooling_layer": False, "use_mask_token": True}),
+            "deit": (transformers.DeiTConfig, transformers.DeiTModel, DEIT_EMBEDDINGS_BODY,
+                     {"add_pooling_layer": False, "use_mask_token": True}),
+            "dinov2": (transformers.Dinov2Config, transformers.Dinov2Model, DINOV2_EMBEDDINGS_BODY, {})}
 
 
 def _model(family, hidden_dropout_prob=0.0):
-    config, model_class, _, _ = FAMILIES[family]
+    config, model_class, _, extra = FAMILIES[family]
     cfg = config(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
-                 num_attention_heads=2, intermediate_size=20, hidden_dropout_prob=hidden_dropout_prob,
+                 num_attention_heads=2, intermediate_size=20, mlp_ratio=1, hidden_dropout_prob=hidden_dropout_prob,
                  attention_probs_dropout_prob=0.0)
-    model = model_class(cfg, add_pooling_layer=False, use_mask_token=True)
+    model = model_class(cfg, **extra)
     with torch.no_grad():
         model.embeddings.mask_token.normal_()
     return model
@@ -69,14 +73,17 @@ def test_vit_msn_has_vits_embeddings():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("branch", ["mask tokens", "interpolated positions"])
+@pytest.mark.parametrize("branch", ["mask tokens", "interpolated positions", "non-square"])
 def test_a_call_the_rule_does_not_know_takes_the_fallback_and_is_exact(rule_calls, family, branch):
     model = _model(family)
+    interpolate = {} if family == "dinov2" else {"interpolate_pos_encoding": True}  # DINOv2's: whenever needed
     if branch == "mask tokens":
         mask = torch.tensor([[True, False, False, True], [False, False, True, False], [True, True, False, False]])
         _assert_exact(model, torch.randn(B, 3, 8, 8), bool_masked_pos=mask)
-    else:
-        _assert_exact(model, torch.randn(B, 3, 12, 12), interpolate_pos_encoding=True)
+    elif branch == "interpolated positions":
+        _assert_exact(model, torch.randn(B, 3, 12, 12), **interpolate)
+    else:  # as many patches (4) as positions, not square: DINOv2 interpolates all the same
+        _assert_exact(model, torch.randn(B, 3, 4, 16), **interpolate)
     assert not rule_calls
 
 
@@ -90,3 +97,12 @@ def test_an_active_dropout_is_declined():
     model.train()
     assert plain_call(model.embeddings, (x, None, False), {})
     assert not plain_call(model.embeddings, (x, None, True), {})
+
+
+def test_dinov2_takes_the_stored_positions_only_where_its_interpolation_returns_them():
+    embeddings = _model("dinov2").embeddings
+    assert stored_positions_call(embeddings, (torch.randn(B, 3, 8, 8),), {"bool_masked_pos": None})
+    assert stored_positions_call(embeddings, (), {"pixel_values": torch.randn(B, 3, 9, 9)})  # 2 x 2 patches still
+    for shape in ((B, 3, 12, 12), (B, 3, 4, 16), (B, 3, 16, 4)):
+        assert not stored_positions_call(embeddings, (torch.randn(shape),), {})
+    assert not stored_positions_call(embeddings, (torch.randn(B, 3, 8, 8), torch.zeros(B, 4, dtype=torch.bool)), {})
