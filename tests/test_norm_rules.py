@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ghostdp
+import transformers
 from ghostdp.norms import factors
 from conftest import assert_exact
 
@@ -294,7 +295,7 @@ def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule(
     for path in sorted(root.glob("*/modeling_*.py")):
         text = path.read_text()
         if not any(word in text for word in ("variance_epsilon", "lambda1", "self._norm(", "data_format",
-                                             "global_features", "cls_token")):
+                                             "global_features", "cls_token", "self.pointwise")):
             continue
         for node in ast.parse(text).body:
             methods = {f.name: registry.body_text(f) for f in getattr(node, "body", [])
@@ -367,6 +368,16 @@ def test_convnext_v2_global_response_norm_is_ruled_by_its_forward_and_exact():
     check_module(grn, torch.randn(4, 3, 5, 6))  # (B, H, W, C)
     grn.weight.requires_grad_(False)
     check_module(grn, torch.randn(4, 3, 5, 6))
+
+
+def test_convberts_separable_convolution_bias_is_ruled_by_its_forward_and_exact():
+    from ghostdp.norms.elementwise import separable_conv_rule
+    from transformers.models.convbert.modeling_convbert import SeparableConv1D
+    conv = SeparableConv1D(transformers.ConvBertConfig(), 4, 6, 3)
+    with torch.no_grad():  # zeros at init
+        conv.bias.uniform_(-1, 1)
+    assert ghostdp.norms.find_norm_rule(conv) is separable_conv_rule
+    check_module(conv, torch.randn(4, 4, 7))  # (B, C, T)
 
 
 def test_a_scale_that_spans_the_batch_dim_is_refused_with_the_fix():

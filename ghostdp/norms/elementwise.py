@@ -79,3 +79,13 @@ GLOBAL_RESPONSE_NORM_BODY = (
     "global_features / (global_features.mean(dim=-1, keepdim=True) + 1e-06) ; hidden_states = self.weight * "
     "(hidden_states * norm_features) + self.bias + hidden_states ; return hidden_states")
 register_forward_rule(GLOBAL_RESPONSE_NORM_BODY, global_response_norm_rule)
+
+
+def separable_conv_rule(module, inputs, output_grad, trainable):
+    """ConvBERT's SeparableConv1D: a depthwise and a pointwise Conv1d (children, with their own rule), then
+    x += bias, a (C, 1) shift of the (B, C, T) output."""
+    return {"bias": shift_grads(output_grad, module.bias)} if "bias" in trainable else {}
+
+
+SEPARABLE_CONV_BODY = "x = self.depthwise(hidden_states) ; x = self.pointwise(x) ; x += self.bias ; return x"
+register_forward_rule(SEPARABLE_CONV_BODY, separable_conv_rule, params=("bias",))

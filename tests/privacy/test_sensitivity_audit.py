@@ -154,6 +154,18 @@ def _albert():
         intermediate_size=24, max_position_embeddings=16, num_labels=3, classifier_dropout_prob=0.0, **QUIET))
 
 
+def _convbert():
+    """Depthwise Conv1d spans in its attention and a separable convolution whose bias is added in place."""
+    model = transformers.ConvBertForSequenceClassification(transformers.ConvBertConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, num_labels=3, **QUIET))
+    with torch.no_grad():  # its separable convolutions' biases are zeros at init
+        for name, p in model.named_parameters():
+            if name.endswith("key_conv_attn_layer.bias"):
+                p.uniform_(-1, 1)
+    return model
+
+
 def _bloom():
     """ALiBi position biases (no position embeddings), attention softmax in float32."""
     return transformers.BloomForCausalLM(transformers.BloomConfig(
@@ -201,6 +213,13 @@ def _logits_of(model, b):
 
 def _vit():
     return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, **QUIET))
+
+
+def _deit():
+    """ViT with a distillation token beside its class token."""
+    return transformers.DeiTForImageClassification(transformers.DeiTConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, num_labels=3, **QUIET))
 
@@ -359,12 +378,14 @@ ZOO = [
     Arch("bart", _bart, lambda n, g: _text(n, g, False), _seq2seq),
     Arch("t5", _t5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
     Arch("albert-shared-layers", _albert, _text, _classify),
+    Arch("convbert-separable-convolution", _convbert, _text, _classify),
     Arch("bloom-alibi", _bloom, lambda n, g: _text(n, g, False), _lm),
     Arch("gpt-neox-parallel-residual", _gpt_neox, lambda n, g: _text(n, g, False), _lm),
     Arch("falcon", _falcon, lambda n, g: _text(n, g, False), _lm),
     Arch("olmo2", _olmo2, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),  # float32 RMSNorm products
     Arch("rwkv", _rwkv, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("vit", _vit, _images, _logits_of, continuous="x"),
+    Arch("deit-distillation-token", _deit, _images, _logits_of, continuous="x"),
     Arch("convnext", _convnext, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("dinov2-layer-scale", _dinov2, _images, _logits_of, continuous="x"),
     Arch("convnext-v2-grn", _convnext_v2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
