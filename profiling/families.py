@@ -1,0 +1,152 @@
+"""Step-time ratios to plain training for model families whose layers need rules of their own, on the CPU.
+
+    python -m profiling.families                                   # every family, 20 interleaved rounds
+    python -m profiling.families --families convnext vit --against 3de8fb7
+
+A tiny configuration of each family (one CPU thread, B=2) is host-bound as profiling.overhead's BERT is, so a
+module that takes the exact fallback (one batched VJP per chunk of examples, through the module's graph) where a
+rule would do shows as a step several times plain. For each family the modes' steps (plain, book-keeping, ghost,
+and with ``--against REF`` the ghostdp modes of that revision) are built in one process and interleaved round by
+round (profiling.step_ratio.round_order); the table gives the median over rounds of each round's step / plain
+step, the median step, and the modules that take the fallback in this checkout (trainable parameters, no rule).
+
+Measured 2026-11-27 against 3de8fb7 (15 rounds; ConvBERT 20): book-keeping ConvNext 5.98x -> 3.05x (a depthwise
+convolution was one factor per channel; its LayerNorm took the fallback; its layers' layer_scale_parameter still
+does), ConvNextV2 5.07x -> 2.38x (its GRN too), ConvBERT 3.65x -> 2.05x (depthwise Conv1d, its separable
+convolution's bias); the others within noise. Timings are the shared machine's: compare the ratios of one run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+from profiling.revision import ghostdp_at
+from profiling.step_ratio import median, round_order
+
+MODES = ("bookkeeping", "ghost")
+
+
+def _image_model(config_name, model_name, **config):
+    import torch
+    import transformers
+
+    def build():
+        cfg = getattr(transformers, config_name)(num_labels=3, **config)
+        size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
+        return getattr(transformers, model_name)(cfg), {"pixel_values": torch.randn(2, 3, size, size)}
+    return build
+
+
+def _text_model(config_name, model_name, **config):
+    import torch
+    import transformers
+
+    def build():
+        cfg = getattr(transformers, config_name)(vocab_size=100, num_labels=3, pad_token_id=0, **config)
+        return getattr(transformers, model_name)(cfg), {"input_ids": torch.randint(1, 100, (2, 8))}
+    return build
+
+
+_NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+_VIT = {"image_size": 16, "patch_size": 4, "hidden_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,
+        **_NO_DROPOUT}
+_CONVNEXT = {"num_channels": 3, "num_stages": 4, "hidden_sizes": [16, 32, 64, 128], "depths": [2, 2, 4, 2],
+             "image_size": 32}
+_DECODER = {"hidden_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4, "intermediate_size": 256}
+FAMILIES = {
+    "convnext": _image_model("ConvNextConfig", "ConvNextForImageClassification", **_CONVNEXT),
+    "convnextv2": _image_model("ConvNextV2Config", "ConvNextV2ForImageClassification", **_CONVNEXT),
+    "vit": _image_model("ViTConfig", "ViTForImageClassification", intermediate_size=256, **_VIT),
+    "deit": _image_model("DeiTConfig", "DeiTForImageClassification", intermediate_size=256, **_VIT),
+    "dinov2": _image_model("Dinov2Config", "Dinov2ForImageClassification", mlp_ratio=4, **_VIT),
+    "convbert": _text_model("ConvBertConfig", "ConvBertForSequenceClassification", **_DECODER, **_NO_DROPOUT),
+    "falcon": _text_model("FalconConfig", "FalconForSequenceClassification", hidden_size=64, num_hidden_layers=12,
+                          num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0),
+    "olmo2": _text_model("Olmo2Config", "Olmo2ForSequenceClassification", **_DECODER),
+}
+
+
+def fallback_modules(model) -> list:
+    """Qualified names of the modules with trainable parameters of their own that no rule covers."""
+    from ghostdp.norms.fallback import hooked_modules, owned_parameters
+    from ghostdp.norms.registry import lookup_rule
+    names = []
+    for name, module in hooked_modules(model):
+        owned = {n for n, p in owned_parameters(module).items() if p.requires_grad}
+        entry = lookup_rule(module)
+        if owned and (entry is None or not owned <= entry.params):
+            names.append(name or type(module).__name__)
+    return names
+
+
+def _step(library, mode, model, inputs):
+    import torch
+    labels = torch.tensor([0, 2])
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if library is None:
+        def step():
+            optimizer.zero_grad()
+            criterion(model(**inputs).logits, labels).backward()
+            optimizer.step()
+        return step
+    controller = library.GhostClipping(model, 1.0, clipping=mode)
+
+    def step():
+        optimizer.zero_grad()
+        controller.loss(library.per_example_loss(criterion, model(**inputs).logits, labels)).backward()
+        optimizer.step()
+    return step
+
+
+def measure(family: str, rounds: int, warmup: int, against: str | None) -> dict:
+    """{row: (median ms, median ratio to plain)} of one family, and its fallback modules under "fallback"."""
+    import time
+
+    import torch
+
+    import ghostdp
+    torch.manual_seed(0)
+    template, inputs = FAMILIES[family]()
+    template.train()
+    libraries = [("", ghostdp)] + ([(f"@{against}", ghostdp_at(against))] if against else [])
+    steps = {"plain": _step(None, "plain", copy.deepcopy(template), inputs)}
+    for mode in MODES:
+        for suffix, library in libraries:
+            steps[mode + suffix] = _step(library, mode, copy.deepcopy(template), inputs)
+    times = {row: [] for row in steps}
+    for round_ in range(warmup + rounds):
+        for row, step in round_order(steps, round_):
+            start = time.perf_counter()
+            step()
+            if round_ >= warmup:
+                times[row].append(time.perf_counter() - start)
+    rows = {row: (1e3 * median(ts), median([t / p for t, p in zip(ts, times["plain"])])) for row, ts in times.items()}
+    return {"rows": rows, "fallback": fallback_modules(template)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--against", default=None, help="also run the ghostdp modes of this git revision")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1: the ratios are medians over the measured rounds")
+    import torch
+    torch.set_num_threads(args.threads)
+    results = {}
+    print(f"{'family':<12}{'mode':<24}{'ratio':>7}{'median ms':>11}   fallback modules (this checkout)")
+    for family in args.families:
+        results[family] = measure(family, args.rounds, args.warmup, args.against)
+        fallback = results[family]["fallback"]
+        listed = ", ".join(fallback[:3]) + (f", ... ({len(fallback)})" if len(fallback) > 3 else "")
+        for n, (row, (ms, ratio)) in enumerate(results[family]["rows"].items()):
+            print(f"{family:<12}{row:<24}{ratio:>6.2f}x{ms:>11.1f}   {listed if n == 0 else ''}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
