@@ -132,6 +132,11 @@ def leading_dim(flat):
     return None
 
 
+def _replaced_method(module, entry) -> bool:
+    """Whether a method that the rule's forward calls (RuleEntry.methods) was set on the module instance."""
+    return any(name in module.__dict__ for name, _ in entry.methods)
+
+
 class ForwardRecorder:
     """The forward hooks of one controller. What a call records depends on its pass 1 (``pass_one``,
     pass_one.py, set by the controller: the running pass, a fallback's backward) and on ``regions``
@@ -314,8 +319,10 @@ class ForwardRecorder:
         return (new_args, new_kwargs) if sunk else None
 
     def on_forward(self, name, entry, module, args, kwargs, output):
-        if entry is not None and "forward" in module.__dict__:  # replaced on the instance after attaching
-            entry = None  # its forward is not the one the rule knows: the exact fallback (registry.lookup_rule)
+        if entry is not None and ("forward" in module.__dict__ or (entry.methods and _replaced_method(module, entry))):
+            entry = None  # replaced on the instance after attaching: its forward, or a method the forward calls
+            # (Gemma's _norm: norms 0.89-1.24x the true ones before 2026-11-27), is not the one the rule knows: the
+            # exact fallback (registry.lookup_rule)
         if entry is not None and entry.accepts is not None and not entry.accepts(module, args, kwargs):
             entry = None  # a branch of the forward the rule does not know: the exact fallback
         if not self._recording(module):
