@@ -66,19 +66,6 @@ FAMILIES = {
 }
 
 
-def fallback_modules(model) -> list:
-    """Qualified names of the modules with trainable parameters of their own that no rule covers."""
-    from ghostdp.norms.fallback import hooked_modules, owned_parameters
-    from ghostdp.norms.registry import lookup_rule
-    names = []
-    for name, module in hooked_modules(model):
-        owned = {n for n, p in owned_parameters(module).items() if p.requires_grad}
-        entry = lookup_rule(module)
-        if owned and (entry is None or not owned <= entry.params):
-            names.append(name or type(module).__name__)
-    return names
-
-
 def _step(library, mode, model, inputs):
     import torch
     labels = torch.tensor([0, 2])
@@ -122,7 +109,7 @@ def measure(family: str, rounds: int, warmup: int, against: str | None) -> dict:
             if round_ >= warmup:
                 times[row].append(time.perf_counter() - start)
     rows = {row: (1e3 * median(ts), median([t / p for t, p in zip(ts, times["plain"])])) for row, ts in times.items()}
-    return {"rows": rows, "fallback": fallback_modules(template)}
+    return {"rows": rows, "fallback": list(ghostdp.validate.fallback_modules(template))}
 
 
 def main(argv=None) -> dict:

@@ -111,3 +111,31 @@ def test_fix_refuses_a_bare_recurrent_layer_and_leaves_subclasses_that_override_
     with pytest.warns(UserWarning, match="overrides forward"):
         ghostdp.validate.fix(model)
     assert type(model[0]) is LastStep
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))  # raw, no rule: the fallback
+        self.frozen = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale * self.frozen
+
+
+class _LinearWithExtra(nn.Linear):  # keeps nn.Linear's forward, owns a parameter the rule does not cover
+    def __init__(self):
+        super().__init__(4, 4)
+        self.extra = nn.Parameter(torch.zeros(4))
+
+
+def test_fallback_modules_lists_the_trainable_parameters_no_rule_covers():
+    model = nn.Sequential(_Scaled(), _LinearWithExtra(), nn.MultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 2))
+    # A raw parameter beside a ruled child; a Linear owning another parameter (the whole module falls back); an
+    # opaque MultiheadAttention (its children's too); not the ruled Linear, nor a frozen parameter.
+    assert ghostdp.validate.fallback_modules(model) == {
+        "0": ["scale"], "1": ["weight", "bias", "extra"],
+        "2": ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]}
+    model[0].scale.requires_grad_(False)  # frozen: nothing to form
+    assert "0" not in ghostdp.validate.fallback_modules(model)

@@ -26,8 +26,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import collector
-from ..norms.fallback import OPAQUE_MODULES, hooked_modules, output_batch_dims, owned_parameters
-from ..norms.registry import lookup_rule
+from ..norms.fallback import attached_rule, hooked_modules, output_batch_dims, owned_parameters
 from ..sharding import is_sharded, sharded_units
 from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
@@ -191,9 +190,7 @@ class ForwardRecorder:
         handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True),
                    module.register_forward_hook(self.on_root_forward_end, always_call=True)]
         for name, m in hooked_modules(module):
-            entry = None if isinstance(m, OPAQUE_MODULES) else lookup_rule(m)
-            if entry is not None and not set(owned_parameters(m)) <= entry.params:
-                entry = None  # a subclass with parameters of its own: its forward differs, use the fallback
+            entry = attached_rule(m)
             # First among the forward hooks: FSDP2's own puts the sharded parameters back after the forward,
             # and the call must record the gathered ones that the forward used (and autograd will reach).
             handle = m.register_forward_hook(functools.partial(self.on_forward, name, entry), with_kwargs=True,

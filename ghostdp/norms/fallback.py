@@ -25,6 +25,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from .factors import ELEMENT_BUDGET, Instantiated
+from .registry import lookup_rule
 
 # Classes whose fallback covers every parameter below them, because their
 # forward uses children's parameters without calling the children.
@@ -63,6 +64,15 @@ def hooked_modules(root: torch.nn.Module):
             opaque_prefixes.append(name + "." if name else "")
         if owned_parameters(module):
             yield name, module
+
+
+def attached_rule(module):
+    """The rule entry ghostdp attaches to a hooked module, or None: its own parameters take the fallback (an opaque
+    module, no rule, or parameters the rule does not cover: a subclass with parameters of its own)."""
+    entry = None if isinstance(module, OPAQUE_MODULES) else lookup_rule(module)
+    if entry is not None and not set(owned_parameters(module)) <= entry.params:
+        return None
+    return entry
 
 
 def output_batch_dims(module, n_outputs):
