@@ -1,6 +1,7 @@
 """ViT's embeddings: y = cat(class token, patch embeddings) + position embeddings, then dropout (DeiT's: the class
 and distillation tokens, then the patches; DINOv2's: the positions through interpolate_pos_encoding, which returns
-them as they are for square images with as many patches as positions).
+them as they are for square images with as many patches as positions; DINOv2 with registers': register tokens put
+after the class token once the positions are added).
 
 The leading tokens (1, 1, d) and the position embeddings (1, k + N, d) broadcast over the batch, each position once,
 so example i's gradients are its output grad itself: G_i (k + N, d) for the positions, its row j for the j-th
@@ -132,3 +133,47 @@ DINOV2_INTERPOLATE_BODY = (
 register_forward_rule(DINOV2_EMBEDDINGS_BODY, vit_embeddings_rule,
                       params=("cls_token", "position_embeddings", "mask_token"), accepts=stored_positions_call,
                       methods={"interpolate_pos_encoding": DINOV2_INTERPOLATE_BODY})
+
+
+def registers_rule(module, inputs, output_grad, trainable):
+    """DINOv2 with registers: y = cat(e[:, :1], registers, e[:, 1:]) with e = cat(class token, patches) + positions,
+    so the positions' gradient is G without the register rows, the registers' is those rows."""
+    B, R = output_grad.shape[0], module.register_tokens.shape[1]
+    out = {}
+    if "position_embeddings" in trainable:
+        out["position_embeddings"] = Instantiated(
+            torch.cat((output_grad[:, :1], output_grad[:, 1 + R:]), dim=1).unsqueeze(1))
+    if "cls_token" in trainable:
+        out["cls_token"] = Instantiated(output_grad[:, :1].unsqueeze(1))
+    if "register_tokens" in trainable:
+        out["register_tokens"] = Instantiated(output_grad[:, 1:1 + R].unsqueeze(1))
+    if "mask_token" in trainable:  # unused by a call without bool_masked_pos
+        out["mask_token"] = Instantiated(output_grad.new_zeros((B, *module.mask_token.shape)))
+    return out
+
+
+DINOV2_REGISTERS_EMBEDDINGS_BODY = (
+    'batch_size, _, height, width = pixel_values.shape ; embeddings = self.patch_embeddings(pixel_values) ; if '
+    'bool_masked_pos is not None:\n    embeddings = torch.where(bool_masked_pos.unsqueeze(-1), '
+    'self.mask_token.to(embeddings.dtype).unsqueeze(0), embeddings) ; cls_tokens = '
+    'self.cls_token.expand(batch_size, -1, -1) ; embeddings = torch.cat((cls_tokens, embeddings), dim=1) ; '
+    'embeddings = embeddings + self.interpolate_pos_encoding(embeddings, height, width) ; embeddings = '
+    'torch.cat((embeddings[:, :1], self.register_tokens.expand(embeddings.shape[0], -1, -1), embeddings[:, 1:]), '
+    'dim=1) ; embeddings = self.dropout(embeddings) ; return embeddings')
+DINOV2_REGISTERS_INTERPOLATE_BODY = (
+    'num_patches = embeddings.shape[1] - 1 ; num_positions = self.position_embeddings.shape[1] - 1 ; if not '
+    'torch.jit.is_tracing() and num_patches == num_positions and (height == width):\n    return '
+    'self.position_embeddings ; class_pos_embed = self.position_embeddings[:, 0] ; patch_pos_embed = '
+    'self.position_embeddings[:, 1:] ; dim = embeddings.shape[-1] ; patch_height, patch_width = '
+    'self.patch_embeddings.patch_size ; height = height // patch_height ; width = width // patch_width ; '
+    'sqrt_num_positions = torch_int(num_positions ** 0.5) ; patch_pos_embed = patch_pos_embed.reshape(1, '
+    'sqrt_num_positions, sqrt_num_positions, dim) ; patch_pos_embed = patch_pos_embed.permute(0, 3, 1, 2) ; '
+    'target_dtype = patch_pos_embed.dtype ; patch_pos_embed = '
+    'nn.functional.interpolate(patch_pos_embed.to(dtype=torch.float32), size=(torch_int(height), '
+    "torch_int(width)), mode='bicubic', align_corners=False, antialias=True).to(dtype=target_dtype) ; "
+    'patch_pos_embed = patch_pos_embed.permute(0, 2, 3, 1).view(1, -1, dim) ; return '
+    'torch.cat((class_pos_embed.unsqueeze(0), patch_pos_embed), dim=1)')
+register_forward_rule(DINOV2_REGISTERS_EMBEDDINGS_BODY, registers_rule,
+                      params=("cls_token", "register_tokens", "position_embeddings", "mask_token"),
+                      accepts=stored_positions_call,
+                      methods={"interpolate_pos_encoding": DINOV2_REGISTERS_INTERPOLATE_BODY})

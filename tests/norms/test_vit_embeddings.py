@@ -1,4 +1,4 @@
-"""ViT's, DeiT's and DINOv2's embeddings (leading tokens, position embeddings) by their rule, and the calls it
+"""ViT's, DeiT's, DINOv2's and DINOv2 with registers' embeddings (leading tokens, position embeddings) by their rule, and the calls it
 declines by the fallback: each exact against the per-example loop in both modes, with the path each took counted."""
 import dataclasses
 
@@ -7,8 +7,9 @@ import torch
 import transformers
 
 from ghostdp.norms import registry
-from ghostdp.norms.vit_embeddings import (DEIT_EMBEDDINGS_BODY, DINOV2_EMBEDDINGS_BODY, VIT_EMBEDDINGS_BODY,
-                                          plain_call, stored_positions_call)
+from ghostdp.norms.vit_embeddings import (DEIT_EMBEDDINGS_BODY, DINOV2_EMBEDDINGS_BODY,
+                                          DINOV2_REGISTERS_EMBEDDINGS_BODY, VIT_EMBEDDINGS_BODY, plain_call,
+                                          stored_positions_call)
 from conftest import assert_exact
 
 B = 3
@@ -17,17 +18,20 @@ FAMILIES = {"vit": (transformers.ViTConfig, transformers.ViTModel, VIT_EMBEDDING
                     {"add_pooling_layer": False, "use_mask_token": True}),
             "deit": (transformers.DeiTConfig, transformers.DeiTModel, DEIT_EMBEDDINGS_BODY,
                      {"add_pooling_layer": False, "use_mask_token": True}),
-            "dinov2": (transformers.Dinov2Config, transformers.Dinov2Model, DINOV2_EMBEDDINGS_BODY, {})}
+            "dinov2": (transformers.Dinov2Config, transformers.Dinov2Model, DINOV2_EMBEDDINGS_BODY, {}),
+            "dinov2-registers": (transformers.Dinov2WithRegistersConfig, transformers.Dinov2WithRegistersModel,
+                                 DINOV2_REGISTERS_EMBEDDINGS_BODY, {})}
 
 
 def _model(family, hidden_dropout_prob=0.0):
     config, model_class, _, extra = FAMILIES[family]
     cfg = config(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
                  num_attention_heads=2, intermediate_size=20, mlp_ratio=1, hidden_dropout_prob=hidden_dropout_prob,
-                 attention_probs_dropout_prob=0.0)
+                 attention_probs_dropout_prob=0.0, num_register_tokens=2)
     model = model_class(cfg, **extra)
-    with torch.no_grad():
-        model.embeddings.mask_token.normal_()
+    with torch.no_grad():  # zeros at init in DINOv2's
+        for name, p in model.embeddings.named_parameters(recurse=False):
+            p.normal_()
     return model
 
 
@@ -76,7 +80,7 @@ def test_vit_msn_has_vits_embeddings():
 @pytest.mark.parametrize("branch", ["mask tokens", "interpolated positions", "non-square"])
 def test_a_call_the_rule_does_not_know_takes_the_fallback_and_is_exact(rule_calls, family, branch):
     model = _model(family)
-    interpolate = {} if family == "dinov2" else {"interpolate_pos_encoding": True}  # DINOv2's: whenever needed
+    interpolate = {} if family.startswith("dinov2") else {"interpolate_pos_encoding": True}  # DINOv2: when needed
     if branch == "mask tokens":
         mask = torch.tensor([[True, False, False, True], [False, False, True, False], [True, True, False, False]])
         _assert_exact(model, torch.randn(B, 3, 8, 8), bool_masked_pos=mask)
