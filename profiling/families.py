@@ -21,7 +21,7 @@ import argparse
 import copy
 
 from profiling.revision import ghostdp_at
-from profiling.step_ratio import median, round_order
+from profiling.step_ratio import ratios, run_rounds
 
 MODES = ("bookkeeping", "ghost")
 
@@ -88,8 +88,6 @@ def _step(library, mode, model, inputs):
 
 def measure(family: str, rounds: int, warmup: int, against: str | None) -> dict:
     """{row: (median ms, median ratio to plain)} of one family, and its fallback modules under "fallback"."""
-    import time
-
     import torch
 
     import ghostdp
@@ -101,14 +99,7 @@ def measure(family: str, rounds: int, warmup: int, against: str | None) -> dict:
     for mode in MODES:
         for suffix, library in libraries:
             steps[mode + suffix] = _step(library, mode, copy.deepcopy(template), inputs)
-    times = {row: [] for row in steps}
-    for round_ in range(warmup + rounds):
-        for row, step in round_order(steps, round_):
-            start = time.perf_counter()
-            step()
-            if round_ >= warmup:
-                times[row].append(time.perf_counter() - start)
-    rows = {row: (1e3 * median(ts), median([t / p for t, p in zip(ts, times["plain"])])) for row, ts in times.items()}
+    rows = ratios(run_rounds(steps, rounds, warmup, torch.device("cpu")))
     return {"rows": rows, "fallback": list(ghostdp.validate.fallback_modules(template))}
 
 

@@ -51,25 +51,34 @@ def interleaved_times(args) -> dict:
     if library is not None:
         for mode in [m for m in args.modes if m in GHOSTDP_MODES]:
             steps[f"{mode}@{against}"] = make_step(mode, copy.deepcopy(template), args, batch, library)
-    times = {mode: [] for mode in steps}
-    for round_ in range(args.warmup + args.rounds):
-        for mode, step in round_order(steps, round_):
+    return run_rounds(steps, args.rounds, args.warmup, device)
+
+
+def run_rounds(steps: dict, rounds: int, warmup: int, device) -> dict:
+    """{name: [seconds of its step in each measured round]}: every step once a round (round_order), ``warmup``
+    rounds first that are not kept."""
+    times = {name: [] for name in steps}
+    for round_ in range(warmup + rounds):
+        for name, step in round_order(steps, round_):
             seconds = timed(step, device)
-            if round_ >= args.warmup:
-                times[mode].append(seconds)
+            if round_ >= warmup:
+                times[name].append(seconds)
     return times
 
 
-def report(times) -> dict:
-    """{mode: (median ms, median of the per-round ratios to plain)}, printed as a table."""
+def ratios(times) -> dict:
+    """{mode: (median ms, median of the per-round ratios to the "plain" step)}."""
     plain = times["plain"]
-    rows = {}
+    return {mode: (1e3 * median(ts), median([t / p for t, p in zip(ts, plain)])) for mode, ts in times.items()}
+
+
+def report(times) -> dict:
+    """``ratios(times)``, printed as a table."""
+    rows = ratios(times)
     width = max(14, *(len(mode) + 2 for mode in times))
     print(f"{'mode':<{width}}{'median ms':>10}{'ratio':>8}   (ratio: median over rounds of step / plain step)")
-    for mode, ts in times.items():
-        ratio = median([t / p for t, p in zip(ts, plain)])
-        rows[mode] = (1e3 * median(ts), ratio)
-        print(f"{mode:<{width}}{rows[mode][0]:>10.1f}{ratio:>7.2f}x")
+    for mode, (ms, ratio) in rows.items():
+        print(f"{mode:<{width}}{ms:>10.1f}{ratio:>7.2f}x")
     return rows
 
 

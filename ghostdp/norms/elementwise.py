@@ -29,18 +29,21 @@ def _broadcast_dims(x: torch.Tensor, param: torch.Tensor) -> tuple:
 
 def scale_grads(x: torch.Tensor, G: torch.Tensor, scale: torch.Tensor) -> Instantiated:
     """g_i = sum_to_size(G_i * x_i, scale.shape) for x and G of shape (B, ...), with its token mass."""
-    reduce_dims = _broadcast_dims(x, scale)
-    x, G = _working(x, G)
-    g = _affine_grads(x, G, ("scale",), reduce_dims, names=("scale", None))["scale"]
-    return Instantiated(g.grads.reshape(x.shape[0], *scale.shape), g.mass)
+    return _summed_to(scale, x, G, ("param", None))
 
 
 def shift_grads(G: torch.Tensor, shift: torch.Tensor) -> Instantiated:
     """g_i = sum_to_size(G_i, shift.shape) for G of shape (B, ...), with its token mass."""
-    reduce_dims = _broadcast_dims(G, shift)
-    G, _ = _working(G, G)
-    g = _affine_grads(G, G, ("shift",), reduce_dims, names=(None, "shift"))["shift"]
-    return Instantiated(g.grads.reshape(G.shape[0], *shift.shape), g.mass)
+    return _summed_to(shift, G, G, (None, "param"))
+
+
+def _summed_to(param, x, G, names) -> Instantiated:
+    """_affine_grads' weight (G * x) or bias (G) gradient, as ``names`` picks, summed over the dims ``param``
+    broadcasts over, shaped (B, *param.shape)."""
+    reduce_dims = _broadcast_dims(G, param)
+    x, G = _working(x, G)
+    g = _affine_grads(x, G, ("param",), reduce_dims, names=names)["param"]
+    return Instantiated(g.grads.reshape(G.shape[0], *param.shape), g.mass)
 
 
 def scale_is_tokenwise(scale: torch.Tensor) -> bool:

@@ -23,13 +23,18 @@ from .factors import Instantiated
 from .registry import register_forward_rule
 
 
+def _argument(args, kwargs, position: int, name: str, default=None):
+    """The forward's argument ``name`` (positional ``position``) as the call passed it, or its default."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
 def plain_call(module, args, kwargs) -> bool:
     """Whether the call adds the class token and the stored position embeddings, with no mask tokens and no
     active dropout (the branches ``vit_embeddings_rule`` knows)."""
-    bool_masked_pos = kwargs["bool_masked_pos"] if "bool_masked_pos" in kwargs else (
-        args[1] if len(args) > 1 else None)
-    interpolate = kwargs["interpolate_pos_encoding"] if "interpolate_pos_encoding" in kwargs else (
-        args[2] if len(args) > 2 else False)
+    bool_masked_pos = _argument(args, kwargs, 1, "bool_masked_pos")
+    interpolate = _argument(args, kwargs, 2, "interpolate_pos_encoding", False)
     return bool_masked_pos is None and not interpolate and _inactive(module.dropout)  # as the forward reads them
 
 
@@ -37,17 +42,15 @@ def stored_positions_call(module, args, kwargs) -> bool:
     """DINOv2's: no mask tokens, no active dropout, and the stored position embeddings added as they are:
     interpolate_pos_encoding's early return (not tracing, a square image, as many patches as positions), with the
     patches counted from the patch embeddings' Conv2d."""
-    bool_masked_pos = kwargs["bool_masked_pos"] if "bool_masked_pos" in kwargs else (
-        args[1] if len(args) > 1 else None)
-    pixel_values = kwargs["pixel_values"] if "pixel_values" in kwargs else args[0]
     conv = getattr(module.patch_embeddings, "projection", None)
-    if bool_masked_pos is not None or not _inactive(module.dropout) or torch.jit.is_tracing():
+    if (_argument(args, kwargs, 1, "bool_masked_pos") is not None or not _inactive(module.dropout)
+            or torch.jit.is_tracing()):
         return False
     if module.position_embeddings is None:
         return True
     if type(conv) is not torch.nn.Conv2d or isinstance(conv.padding, str):
         return False
-    height, width = pixel_values.shape[-2:]
+    height, width = _argument(args, kwargs, 0, "pixel_values").shape[-2:]
     patches = 1
     for size, k, stride, pad, dilation in zip((height, width), conv.kernel_size, conv.stride, conv.padding,
                                               conv.dilation):
