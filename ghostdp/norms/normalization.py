@@ -8,14 +8,13 @@ positions and the norms accumulate in float32 inside the reductions.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from .factors import ELEMENT_BUDGET, Instantiated, acc_dtype, summed_positions_mass
-from .registry import forward_body, register_forward_rule, register_norm_rule
+from .registry import entry_by_code, register_forward_rule, register_norm_rule
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -230,14 +229,10 @@ def group_norm_rule(module, inputs, output_grad, trainable):
     return _affine_grads(xhat, G, trainable, spatial)
 
 
-def _hf_style(module):
-    return _style_of_class(type(module))
-
-
-@functools.cache
-def _style_of_class(cls) -> str:
-    """The cast style of the class's forward (the body its rule was registered for)."""
-    return _BODY_STYLES[forward_body(cls.forward)]
+def _hf_style(module) -> str:
+    """The cast style of the module's forward: the body its rule was registered for, as the registry matched it
+    (once per class)."""
+    return _BODY_STYLES[entry_by_code(type(module)).owner]
 
 
 def _hf_xhat(module, x, style):

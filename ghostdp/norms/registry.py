@@ -152,7 +152,8 @@ def super_forward(cls):
     return next((c.__dict__["forward"] for c in mro[mro.index(written_in) + 1:] if "forward" in c.__dict__), None)
 
 
-def _entry_by_code(cls) -> RuleEntry | None:
+def entry_by_code(cls) -> RuleEntry | None:
+    """The entry registered for ``cls``'s forward's body (register_forward_rule), read once per class, or None."""
     if cls not in _BY_CLASS:
         entry = _FORWARD_RULES.get(forward_body(cls.forward)) if _FORWARD_RULES else None
         if entry is not None and any(forward_body(getattr(cls, name, None)) != body for name, body in entry.methods):
@@ -180,7 +181,7 @@ def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
             break
     if type(module).forward is torch.nn.Module.forward:
         return None
-    entry = _entry_by_code(type(module))
+    entry = entry_by_code(type(module))
     if entry is not None and any(name in module.__dict__ for name, _ in entry.methods):
         return None  # a method the forward calls was replaced on the instance: its body is not the one checked
     return entry
