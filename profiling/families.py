@@ -47,6 +47,19 @@ def _text_model(config_name, model_name, **config):
     return build
 
 
+def _seq2seq_model(config_name, model_name, **config):
+    import torch
+    import transformers
+
+    def build():  # each text ends in the end-of-sequence token, where BART's classification head reads it
+        cfg = getattr(transformers, config_name)(vocab_size=100, num_labels=3, pad_token_id=0, eos_token_id=2,
+                                                 **config)
+        ids = torch.randint(3, 100, (2, 8))
+        ids[:, -1] = 2
+        return getattr(transformers, model_name)(cfg), {"input_ids": ids}
+    return build
+
+
 _NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 _VIT = {"image_size": 16, "patch_size": 4, "hidden_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,
         **_NO_DROPOUT}
@@ -63,6 +76,13 @@ FAMILIES = {
     "falcon": _text_model("FalconConfig", "FalconForSequenceClassification", hidden_size=64, num_hidden_layers=12,
                           num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0),
     "olmo2": _text_model("Olmo2Config", "Olmo2ForSequenceClassification", **_DECODER),
+    "opt": _text_model("OPTConfig", "OPTForSequenceClassification", hidden_size=64, num_hidden_layers=12,
+                       num_attention_heads=4, ffn_dim=256, word_embed_proj_dim=64, dropout=0.0,
+                       attention_dropout=0.0),
+    "bart": _seq2seq_model("BartConfig", "BartForSequenceClassification", d_model=64, encoder_layers=6,
+                           decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+                           decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                           classifier_dropout=0.0),
 }
 
 

@@ -1,10 +1,12 @@
 """Shared reference: the clipped sum from a per-example autograd loop, in float64."""
+import dataclasses
 import os
 
 import pytest
 import torch
 
 import ghostdp
+from ghostdp.norms import registry
 
 RTOL = 1e-9
 
@@ -217,3 +219,19 @@ def assert_norms_as_forms_alternate(model, x, ref_norms, clipping):
                                                                                   ref_norms)
     finally:
         controller.detach()
+
+
+def count_forward_rule_calls(monkeypatch, bodies: dict) -> dict:
+    """{key: the calls that the rule registered for the forward body ``bodies[key]`` has formed}, counted from now
+    on: each entry is replaced, for the test, by one whose rule counts and then forms as before."""
+    calls = {}
+    for key, body in bodies.items():
+        entry = registry._FORWARD_RULES[body]
+
+        def counted(*args, key=key, rule=entry.rule):
+            calls[key] = calls.get(key, 0) + 1
+            return rule(*args)
+
+        monkeypatch.setitem(registry._FORWARD_RULES, body, dataclasses.replace(entry, rule=counted))
+    monkeypatch.setattr(registry, "_BY_CLASS", {})
+    return calls

@@ -336,7 +336,7 @@ class ForwardRecorder:
         if not self.forward_checkpointed and _saved_tensor_hooks(False) is not None:
             self.forward_checkpointed = torch._C._current_graph_task_id() == -1  # not a recomputation
         if (entry is not None and not kwargs and isinstance(output, torch.Tensor) and output.requires_grad
-                and output.is_floating_point() and _all_tensors(args)):
+                and output.is_floating_point() and _all_tensors(args) and entry.rule_inputs is None):
             return self._record_ruled(name, entry, module, args, output, params)
         if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
             flat, spec = [output], None
@@ -353,6 +353,8 @@ class ForwardRecorder:
             inputs = list(args)
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        # What the rule reads: the call's tensors, or those its forward forms from them (RuleEntry.rule_inputs).
+        read = inputs if rule is None or entry.rule_inputs is None else entry.rule_inputs(module, args, kwargs)
         call = ModuleCall(self, name, module, entry, params,
                           (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
         call.edges, call.expanded, call.shapes = [], [], []
@@ -386,7 +388,7 @@ class ForwardRecorder:
             saved = ()
             if rule is not None:  # one output; the rule's activations, saved on the probe's node (probe.py)
                 saved = tuple(a.expand(B, *a.shape[1:]) if expanded and a.dim() > 0 and a.shape[0] == 1 else a
-                              for a in inputs)
+                              for a in read)
             new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None,
                                     inputs=saved)
         if recording:

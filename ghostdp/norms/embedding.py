@@ -3,13 +3,20 @@
 torch.nn.Embedding: y_t = E[x_t], so g_i = sum_t e_{x_t} G_t^T (an EmbeddingGather).
 transformers' scaled word embeddings (Gemma, BART, M2M100, ...): y_t = E[x_t] * s with s =
 ``embed_scale`` (Gemma's casts it to the weight's dtype first), so g_i = sum_t e_{x_t} (s G_t)^T.
+transformers' learned positional embeddings (BART, mBART, PLBart, MVP, TrOCR; OPT, BioGPT): nn.Embedding's
+lookup of position ids that the forward forms from its arguments (an arange, or the attention mask's cumulative
+sum) plus an offset; the rule reads those ids, formed as the forward forms them (``RuleEntry.rule_inputs``).
+Before 2026-11-27 they took the exact fallback, whose batched VJP instantiates every example's gradient of the
+whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output grads of B^2 T d elements.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from .factors import EmbeddingGather
-from .registry import register_norm_rule
+from .registry import register_forward_rule, register_norm_rule
 
 
 def _holds_output_grad(module, inputs, output, trainable) -> bool:
@@ -35,22 +42,65 @@ def cast_scaled_embedding_rule(module: torch.nn.Embedding, inputs: tuple[torch.T
     return embedding_rule(module, inputs, output_grad * module.embed_scale.to(module.weight.dtype), trainable)
 
 
-# Each forward is `return super().forward(input_ids) * self.embed_scale` (cast: `.to(self.weight.dtype)`);
-# tests/norms/test_embedding.py checks that against transformers' source.
-SCALED_EMBEDDINGS_CASTING = [
-    "gemma.modeling_gemma.GemmaTextScaledWordEmbedding", "gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
-    "gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding", "gemma3n.modeling_gemma3n.Gemma3nTextScaledWordEmbedding",
-    "vaultgemma.modeling_vaultgemma.VaultGemmaTextScaledWordEmbedding",
-    "minicpm3.modeling_minicpm3.MiniCPM3ScaledWordEmbedding",
-]
-SCALED_EMBEDDINGS = [
-    "bart.modeling_bart.BartScaledWordEmbedding", "mbart.modeling_mbart.MBartScaledWordEmbedding",
-    "m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding", "plbart.modeling_plbart.PLBartScaledWordEmbedding",
-    "nllb_moe.modeling_nllb_moe.NllbMoeScaledWordEmbedding", "biogpt.modeling_biogpt.BioGptScaledWordEmbedding",
-    "blenderbot.modeling_blenderbot.BlenderbotScaledWordEmbedding", "xglm.modeling_xglm.XGLMScaledWordEmbedding",
-    "bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusScaledWordEmbedding",
-    "pegasus_x.modeling_pegasus_x.PegasusXScaledWordEmbedding", "trocr.modeling_trocr.TrOCRScaledWordEmbedding",
-]
-for _names, _rule in ((SCALED_EMBEDDINGS_CASTING, cast_scaled_embedding_rule), (SCALED_EMBEDDINGS, scaled_embedding_rule)):
-    for _name in _names:
-        register_norm_rule(f"transformers.models.{_name}", _rule, params=("weight",), tokenwise=True)
+# Registered by their code (registry.register_forward_rule): a name list went stale with each release (Gemma 4's, 11
+# other classes of the same two forwards took the fallback, a per-example VJP over the whole vocabulary's table).
+SCALED_EMBEDDING_BODY = "return super().forward(input_ids) * self.embed_scale"
+CAST_SCALED_EMBEDDING_BODY = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+register_forward_rule(SCALED_EMBEDDING_BODY, scaled_embedding_rule, params=("weight",), tokenwise=True,
+                      base=torch.nn.Embedding)
+register_forward_rule(CAST_SCALED_EMBEDDING_BODY, cast_scaled_embedding_rule, params=("weight",), tokenwise=True,
+                      base=torch.nn.Embedding)
+
+
+_SIGNATURES: dict = {}  # a class -> its forward's signature
+
+
+def _arguments(module, args, kwargs) -> dict:
+    """The forward's arguments by name, as the call passed them, defaults filled in."""
+    signature = _SIGNATURES.get(type(module))
+    if signature is None:
+        signature = _SIGNATURES[type(module)] = inspect.signature(type(module).forward)
+    bound = signature.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def arange_positions(module, args, kwargs) -> tuple:
+    """The ids BART's positional embedding looks up, formed as its forward (ARANGE_POSITIONS_BODY) forms them."""
+    arguments = _arguments(module, args, kwargs)
+    position_ids = arguments["position_ids"]
+    if position_ids is None:
+        bsz, seq_len = arguments["input_ids"].shape[:2]
+        start = arguments["cache_length"]
+        position_ids = torch.arange(start, start + seq_len, dtype=torch.long, device=module.weight.device)
+        position_ids = position_ids.expand(bsz, -1)
+    else:
+        position_ids = position_ids.unsqueeze(0)
+    return (position_ids + module.offset,)
+
+
+def mask_positions(module, args, kwargs) -> tuple:
+    """The ids OPT's positional embedding looks up, formed as its forward (MASK_POSITIONS_BODY) forms them."""
+    arguments = _arguments(module, args, kwargs)
+    position_ids = arguments["position_ids"]
+    if position_ids is None:
+        attention_mask = arguments["attention_mask"]
+        position_ids = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+        position_ids = position_ids[:, arguments["cache_length"]:]
+    return (position_ids + module.offset,)
+
+
+# BART's, mBART's, PLBart's, MVP's, TrOCR's and PP-FormulaNet's (tests/norms/test_positional_embeddings.py lists them
+# from transformers' source).
+ARANGE_POSITIONS_BODY = (
+    "if position_ids is None:\n    bsz, seq_len = input_ids.shape[:2]\n    position_ids = torch.arange(cache_length, "
+    "cache_length + seq_len, dtype=torch.long, device=self.weight.device).expand(bsz, -1)\nelse:\n    position_ids = "
+    "position_ids.unsqueeze(0) ; return super().forward(position_ids + self.offset)")
+# OPT's and BioGPT's.
+MASK_POSITIONS_BODY = (
+    "if position_ids is None:\n    position_ids = torch.cumsum(attention_mask, dim=1)\n    position_ids = "
+    "(position_ids * attention_mask - 1).long()\n    position_ids = position_ids[:, cache_length:] ; return "
+    "super().forward(position_ids + self.offset)")
+for _body, _positions in ((ARANGE_POSITIONS_BODY, arange_positions), (MASK_POSITIONS_BODY, mask_positions)):
+    register_forward_rule(_body, embedding_rule, params=("weight",), tokenwise=True, base=torch.nn.Embedding,
+                          rule_inputs=_positions)

@@ -239,8 +239,9 @@ def _hf_xhat(module, x, style):
     """xhat exactly as the class computes it: statistics in float32, cast where the class casts."""
     x32 = x.to(torch.float32)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if style == "gemma":  # (x.float() normalised) * (1 + w), cast at the end
+    mean_square = x32.pow(2).mean(-1, keepdim=True) + eps
+    inv_rms = torch.pow(mean_square, -0.5) if style == "gemma4" else torch.rsqrt(mean_square)
+    if style in ("gemma", "gemma4"):  # (x.float() normalised) * (1 + w) (Gemma 4: * w), cast at the end
         return x32 * inv_rms
     if style == "t5":  # x (own dtype) * float32 statistic, cast to a half-precision weight's dtype
         xhat = x * inv_rms
@@ -256,7 +257,7 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
     style = _hf_style(module)
     xhat = _hf_xhat(module, inputs[0], style)
     dt = acc_dtype(inputs[0], output_grad)
-    if style == "gemma":  # the model itself forms this weight gradient in float32
+    if style in ("gemma", "gemma4"):  # the model itself forms this weight gradient in float32
         grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
         return {n: Instantiated(f.grads.to(dt), f.mass) for n, f in grads.items()}
     return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
@@ -305,8 +306,15 @@ T5_LAYER_NORM_BODY = (
 GEMMA_RMS_NORM_BODY = ("output = self._norm(x.float()) ; output = output * (1.0 + self.weight.float()) ; "
                        "return output.type_as(x)")
 GEMMA_NORM_METHOD_BODY = "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)"
+# Gemma 4's: the float32 xhat (a power -0.5, not rsqrt) times the weight itself, where it has one (with_scale).
+GEMMA4_RMS_NORM_BODY = (
+    "normed_output = self._norm(hidden_states.float()) ; if self.with_scale:\n    normed_output = normed_output * "
+    "self.weight.float() ; return normed_output.type_as(hidden_states)")
+GEMMA4_NORM_METHOD_BODY = ("mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps ; return "
+                           "hidden_states * torch.pow(mean_squared, -0.5)")
 _BODY_STYLES = {LLAMA_RMS_NORM_BODY: "llama", FLOAT32_PRODUCT_RMS_NORM_BODY: "gemma", T5_LAYER_NORM_BODY: "t5",
-                GEMMA_RMS_NORM_BODY: "gemma"}
+                GEMMA_RMS_NORM_BODY: "gemma", GEMMA4_RMS_NORM_BODY: "gemma4"}
+_NORM_METHODS = {GEMMA_RMS_NORM_BODY: GEMMA_NORM_METHOD_BODY, GEMMA4_RMS_NORM_BODY: GEMMA4_NORM_METHOD_BODY}
 for _body in _BODY_STYLES:
     register_forward_rule(_body, transformers_rms_norm_rule, params=("weight",), tokenwise=True,
-                          methods={"_norm": GEMMA_NORM_METHOD_BODY} if _body == GEMMA_RMS_NORM_BODY else None)
+                          methods={"_norm": _NORM_METHODS[_body]} if _body in _NORM_METHODS else None)

@@ -52,6 +52,10 @@ class RuleEntry:
     # (module, args, kwargs) -> whether this call computes what the rule knows; a declined call takes the fallback.
     # None: every call.
     accepts: Callable[..., bool] | None = None
+    # (module, args, kwargs) -> the tensors the rule reads as its inputs, where they are not the call's positional
+    # tensors (a learned positional embedding's position ids, formed from its arguments as its forward forms them).
+    # None: the call's positional tensors.
+    rule_inputs: Callable[..., tuple] | None = None
 
 
 _RULES: dict[type | str, RuleEntry] = {}
@@ -95,7 +99,8 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
 def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
                           tokenwise: bool | Callable[[torch.nn.Module], bool] = False,
                           holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None,
-                          base: type | None = None, accepts: Callable[..., bool] | None = None) -> None:
+                          base: type | None = None, accepts: Callable[..., bool] | None = None,
+                          rule_inputs: Callable[..., tuple] | None = None) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
     ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
     names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body} of the methods
@@ -104,11 +109,13 @@ def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
     the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's).
     ``accepts(module, args, kwargs)``: for a forward with branches the rule does not know (ViT's embeddings: mask
     tokens, interpolated positions, dropout), whether this call took the known ones; a call it declines takes
-    the exact fallback. A class registered by itself, or one derived from a registered class whose forward it
-    keeps, takes that registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for
-    ``register_norm_rule``."""
+    the exact fallback. ``rule_inputs(module, args, kwargs)``: the tensors the rule reads as its ``inputs``, where
+    the forward computes them from its arguments (OPT's positions: a cumulative sum of the attention mask), formed
+    as the body forms them; by default the call's positional tensors. A class registered by itself, or one derived
+    from a registered class whose forward it keeps, takes that registration instead. ``params``, ``tokenwise`` and
+    ``holds_output_grad`` as for ``register_norm_rule``."""
     _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad,
-                                     tuple(sorted((methods or {}).items())), base, accepts)
+                                     tuple(sorted((methods or {}).items())), base, accepts, rule_inputs)
     _BY_CLASS.clear()
 
 

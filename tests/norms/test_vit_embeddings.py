@@ -1,6 +1,5 @@
 """ViT's, DeiT's, DINOv2's and DINOv2 with registers' embeddings (leading tokens, position embeddings) by their rule, and the calls it
 declines by the fallback: each exact against the per-example loop in both modes, with the path each took counted."""
-import dataclasses
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from ghostdp.norms import registry
 from ghostdp.norms.vit_embeddings import (DEIT_EMBEDDINGS_BODY, DINOV2_EMBEDDINGS_BODY,
                                           DINOV2_REGISTERS_EMBEDDINGS_BODY, VIT_EMBEDDINGS_BODY, plain_call,
                                           stored_positions_call)
-from conftest import assert_exact
+from conftest import assert_exact, count_forward_rule_calls
 
 B = 3
 # family: (config, model, the body its embeddings' forward has, what the model takes beside the config)
@@ -38,17 +37,7 @@ def _model(family, hidden_dropout_prob=0.0):
 @pytest.fixture
 def rule_calls(monkeypatch):
     """{family: the number of calls its embeddings rule has formed since a controller attached}."""
-    calls = {}
-    for family, (_, _, body, _) in FAMILIES.items():
-        entry = registry._FORWARD_RULES[body]
-
-        def counted(*args, family=family, rule=entry.rule):
-            calls[family] = calls.get(family, 0) + 1
-            return rule(*args)
-
-        monkeypatch.setitem(registry._FORWARD_RULES, body, dataclasses.replace(entry, rule=counted))
-    monkeypatch.setattr(registry, "_BY_CLASS", {})
-    return calls
+    return count_forward_rule_calls(monkeypatch, {family: body for family, (_, _, body, _) in FAMILIES.items()})
 
 
 def _assert_exact(model, x, **kwargs):
