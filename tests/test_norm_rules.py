@@ -146,6 +146,7 @@ def test_layer_norm_above_the_element_budget_is_formed_over_runs_of_positions(mo
 def test_transformers_rms_norms_have_a_rule_and_are_exact():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
@@ -154,11 +155,27 @@ def test_transformers_rms_norms_have_a_rule_and_are_exact():
     # GemmaRMSNorm (and OLMo 2's, which casts as Gemma's) forms its own weight gradient in float32 even in a
     # float64 model, so the batched backward (pass 2) carries float32 rounding that no rule can remove: 1e-6.
     for m, rtol in ((LlamaRMSNorm(6), 1e-9), (MixtralRMSNorm(6), 1e-9), (T5LayerNorm(6), 1e-9), (GemmaRMSNorm(6), 1e-6),
-                    (Gemma3RMSNorm(6), 1e-6), (Olmo2RMSNorm(6), 1e-6)):
+                    (Gemma3RMSNorm(6), 1e-6), (Olmo2RMSNorm(6), 1e-6), (Gemma4RMSNorm(6), 1e-6)):
         assert ghostdp.norms.find_norm_rule(m) is transformers_rms_norm_rule
         with torch.no_grad():
             m.weight.add_(torch.randn(6))
         check_module(m, torch.randn(4, 3, 6), rtol=rtol)
+
+
+def test_layer_norms_written_out_in_float32_have_a_rule_and_are_exact():
+    """DeBERTa's (float32 statistics, xhat cast back, then the affine) and Cohere's (no bias, the product in float32,
+    as Gemma's: 1e-6), by their code: the fallback's before 2026-11-27. Inputs off zero mean, so that a rule without
+    the centring would be off."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
+    from ghostdp.norms.normalization import cohere_layer_norm_rule, deberta_layer_norm_rule
+    for m, rule, rtol in ((DebertaLayerNorm(6), deberta_layer_norm_rule, 1e-9),
+                          (CohereLayerNorm(6), cohere_layer_norm_rule, 1e-6)):
+        assert ghostdp.norms.find_norm_rule(m) is rule
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(6))
+        check_module(m, torch.randn(4, 3, 6) + torch.linspace(-2, 2, 6), rtol=rtol)
 
 
 def test_subclass_of_a_transformers_rms_norm_keeps_its_rule():

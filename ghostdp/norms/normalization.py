@@ -283,6 +283,45 @@ def channels_first_layer_norm_rule(module, inputs, output_grad, trainable):
 register_forward_rule(CHANNELS_FIRST_LAYER_NORM_BODY, channels_first_layer_norm_rule, base=torch.nn.LayerNorm)
 
 
+
+# LayerNorms written out in float32 (transformers' DeBERTa's and Cohere's, and their copies): xhat formed as each
+# forms it, mean and variance over the last dim.
+DEBERTA_LAYER_NORM_BODY = (
+    "input_type = hidden_states.dtype ; hidden_states = hidden_states.float() ; mean = hidden_states.mean(-1, "
+    "keepdim=True) ; variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True) ; hidden_states = "
+    "(hidden_states - mean) / torch.sqrt(variance + self.variance_epsilon) ; hidden_states = "
+    "hidden_states.to(input_type) ; y = self.weight * hidden_states + self.bias ; return y")
+COHERE_LAYER_NORM_BODY = (
+    "input_dtype = hidden_states.dtype ; hidden_states = hidden_states.to(torch.float32) ; mean = "
+    "hidden_states.mean(-1, keepdim=True) ; variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True) ; "
+    "hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon) ; hidden_states = "
+    "self.weight.to(torch.float32) * hidden_states ; return hidden_states.to(input_dtype)")
+
+
+def deberta_layer_norm_rule(module, inputs, output_grad, trainable):
+    """y = w * xhat + b, xhat = (x - mean) / sqrt(var + eps) in float32, cast back to x's dtype before the affine."""
+    x = inputs[0]
+    x32 = x.float()
+    centred = x32 - x32.mean(-1, keepdim=True)
+    xhat = (centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
+    dt = acc_dtype(x, output_grad)
+    return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(x, 1))
+
+
+def cohere_layer_norm_rule(module, inputs, output_grad, trainable):
+    """y = w * xhat (no bias), xhat = (x - mean) * rsqrt(var + eps), product in float32 and cast at the end: the model
+    forms this weight gradient in float32, as Gemma's (transformers_rms_norm_rule)."""
+    x32 = inputs[0].to(torch.float32)
+    centred = x32 - x32.mean(-1, keepdim=True)
+    xhat = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
+    dt = acc_dtype(inputs[0], output_grad)
+    return {n: Instantiated(f.grads.to(dt), f.mass) for n, f in grads.items()}
+
+
+register_forward_rule(DEBERTA_LAYER_NORM_BODY, deberta_layer_norm_rule, tokenwise=True)
+register_forward_rule(COHERE_LAYER_NORM_BODY, cohere_layer_norm_rule, params=("weight",), tokenwise=True)
+
 # Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight; the style says where it
 # casts. transformers copies these forwards into many model families (LlamaRMSNorm's into some 140 of them:
 # Mistral, Mixtral, Qwen2/3 and their MoE, Granite, OLMo 2, DeepSeek, ...), so they are registered by their code
