@@ -13,7 +13,10 @@ step, the median step, and the modules that take the fallback in this checkout (
 Measured 2026-11-27 against 3de8fb7 (15 rounds; ConvBERT 20): book-keeping ConvNext 5.98x -> 3.05x (a depthwise
 convolution was one factor per channel; its LayerNorm took the fallback; its layers' layer_scale_parameter still
 does), ConvNextV2 5.07x -> 2.38x (its GRN too), ConvBERT 3.65x -> 2.05x (depthwise Conv1d, its separable
-convolution's bias); the others within noise. Timings are the shared machine's: compare the ratios of one run.
+convolution's bias); the others within noise. OPT and BART against 4b409cc (20 rounds), their learned positional
+embeddings by a rule since then (they took the fallback): book-keeping 2.10x -> 1.98x and 2.05x -> 1.94x, ghost
+2.40x -> 2.25x and 2.32x -> 2.00x; at B=32, T=64 (OPT, 2 layers, d=64, two threads, a scratch run) book-keeping
+2.13x -> 1.56x. Timings are the shared machine's: compare the ratios of one run.
 """
 from __future__ import annotations
 

@@ -283,7 +283,6 @@ def channels_first_layer_norm_rule(module, inputs, output_grad, trainable):
 register_forward_rule(CHANNELS_FIRST_LAYER_NORM_BODY, channels_first_layer_norm_rule, base=torch.nn.LayerNorm)
 
 
-
 # LayerNorms written out in float32 (transformers' DeBERTa's and Cohere's, and their copies): xhat formed as each
 # forms it, mean and variance over the last dim.
 DEBERTA_LAYER_NORM_BODY = (
@@ -321,6 +320,7 @@ def cohere_layer_norm_rule(module, inputs, output_grad, trainable):
 
 register_forward_rule(DEBERTA_LAYER_NORM_BODY, deberta_layer_norm_rule, tokenwise=True)
 register_forward_rule(COHERE_LAYER_NORM_BODY, cohere_layer_norm_rule, params=("weight",), tokenwise=True)
+
 
 # Each of these computes xhat = x * rsqrt(mean(x^2, -1) + eps) and scales it by its weight; the style says where it
 # casts. transformers copies these forwards into many model families (LlamaRMSNorm's into some 140 of them:
