@@ -5,6 +5,7 @@ from torch import nn
 
 import ghostdp
 from ghostdp import per_example_loss
+from ghostdp.clipping.recording import SHARED_BY_THE_BATCH
 from conftest import assert_exact_model
 
 B = 4
@@ -104,6 +105,53 @@ def test_a_model_that_broadcasts_a_shared_output_itself_fails_naming_the_module_
     controller.detach()
     notes = "".join(getattr(caught.value, "__notes__", []))
     assert f"broadcast the output of module '{culprit}'" in notes and "Fix: freeze that module's parameters" in notes
+    assert SHARED_BY_THE_BATCH in notes
+
+
+@pytest.mark.parametrize("share_att_key", [True, False], ids=["deberta-v3", "deberta-v2"])
+def test_deberta_with_relative_attention_trains_exactly_with_what_the_error_names_frozen(share_att_key):
+    """What SHARED_BY_THE_BATCH says to freeze, frozen (the projections of the shared relative embeddings, the
+    embeddings and their LayerNorm): the rest of the model, tokens' query and key projections too where they are
+    other modules, exact against the per-example loop."""
+    import transformers as tf
+    model = tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pooler_dropout=0.0, relative_attention=True,
+        position_buckets=4, pos_att_type=["p2c", "c2p"], share_att_key=share_att_key, norm_rel_ebd="layer_norm",
+        num_labels=3, **_small())).double()
+    shared = ("query_proj", "key_proj") if share_att_key else ("pos_query_proj", "pos_key_proj")
+    for name, p in model.named_parameters():
+        frozen = (name.startswith(("deberta.encoder.rel_embeddings.", "deberta.encoder.LayerNorm."))
+                  or name.rsplit(".", 2)[-2] in shared)
+        p.requires_grad_(not frozen)
+    assert any(p.requires_grad for n, p in model.named_parameters() if "attention.self" in n)
+    ids, mask = padded_text(30)
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask),
+                       classification_loss(torch.randint(0, 3, (B,))), B)
+
+
+def test_blenderbots_positions_shared_by_the_batch_are_refused_naming_the_freeze_and_exact_frozen():
+    """Blenderbot's learned positions are (T, d): one lookup for the whole batch, with no batch dim, that the model
+    adds to every example's tokens. The layout proof refuses them, naming the module and the freeze; frozen, the
+    rest of the model is exact."""
+    import transformers as tf
+    cfg = tf.BlenderbotSmallConfig(vocab_size=30, d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                                   decoder_ffn_dim=24, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=1)
+    model = tf.BlenderbotSmallForConditionalGeneration(cfg).double()
+    ids = torch.randint(3, 30, (B, B + 2))  # T != B: no dim of the positions' output can hold the examples
+    inputs = dict(input_ids=ids, decoder_input_ids=ids.flip(1))
+
+    def loss(out, sl):
+        return per_example_loss(CE, out.logits[:, :-1], ids[sl].flip(1)[:, 1:])
+
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="embed_positions' .*Blenderbot's and BlenderbotSmall's embed_positions"):
+        controller.loss(loss(model(**inputs), slice(None))).backward()
+    controller.detach()
+    for name, p in model.named_parameters():
+        p.requires_grad_("embed_positions" not in name)
+    assert_exact_model(model, inputs, loss, B)
 
 
 @pytest.mark.parametrize("base", ["bert", "roberta", "gpt2", "llama"])

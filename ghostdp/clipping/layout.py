@@ -291,5 +291,7 @@ def refuse(call, g, batch_size, options, broadcast=False):
         "gradient. ghostdp proves from gradients which dim holds the examples, instead of guessing from sizes. "
         "Fixes: use batch-first layers (nn.TransformerEncoderLayer(..., batch_first=True), "
         "nn.MultiheadAttention(..., batch_first=True)); call the model itself (not a submodule) so that "
-        "the batch is known; freeze parameters shared by the whole batch (e.g. a relative position bias "
-        "computed once for all examples: requires_grad_(False)); or register a norm rule for this module.")
+        "the batch is known; freeze parameters shared by the whole batch (requires_grad_(False): a table looked up "
+        "once for all examples, as T5's and MPNet's relative_attention_bias and Blenderbot's and BlenderbotSmall's "
+        "embed_positions are; the rest of such a model then trains exactly); or register a norm rule for this "
+        "module.")

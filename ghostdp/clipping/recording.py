@@ -136,6 +136,15 @@ def _replaced_method(module, entry) -> bool:
     return any(name in module.__dict__ for name, _ in entry.methods)
 
 
+# What to freeze where a model broadcasts a computation shared by the batch itself, checked on each (the rest of the
+# model then trains exactly: tests/test_models.py). A module that also runs on the batch's own inputs (DeBERTa-v3's
+# query and key projections) is frozen for those too: ghostdp cannot yet split such a gradient by example.
+SHARED_BY_THE_BATCH = (
+    "Known cases: DeBERTa-v2/v3 with relative attention: freeze encoder.rel_embeddings, encoder.LayerNorm and every "
+    "layer's attention.self.query_proj and key_proj (with share_att_key, as DeBERTa-v3 has: they also project the "
+    "tokens) or pos_query_proj and pos_key_proj (without); Swin: freeze every relative_position_bias table.")
+
+
 class ForwardRecorder:
     """The forward hooks of one controller. What a call records depends on its pass 1 (``pass_one``,
     pass_one.py, set by the controller: the running pass, a fallback's backward) and on ``regions``
@@ -271,7 +280,7 @@ class ForwardRecorder:
             "position bias, peft's prompt tuning) or its dim 0 is not a batch dim (a sequence-first layer on a "
             "sequence of length 1: Longformer's global attention), ghostdp cannot split its gradient by "
             "example. Fix: freeze that module's parameters (requires_grad_(False)) before making the model "
-            "private (prompt tuning trains nothing else: use another adapter, e.g. LoRA).")
+            "private (prompt tuning trains nothing else: use another adapter, e.g. LoRA). " + SHARED_BY_THE_BATCH)
         if _ADDS_NOTES:
             error.add_note(explanation)
         else:  # Python 3.10: shown before the model's error

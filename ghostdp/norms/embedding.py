@@ -42,8 +42,9 @@ def cast_scaled_embedding_rule(module: torch.nn.Embedding, inputs: tuple[torch.T
     return embedding_rule(module, inputs, output_grad * module.embed_scale.to(module.weight.dtype), trainable)
 
 
-# Registered by their code (registry.register_forward_rule): a name list went stale with each release (Gemma 4's, 11
-# other classes of the same two forwards took the fallback, a per-example VJP over the whole vocabulary's table).
+# Registered by their code (registry.register_forward_rule): a name list went stale with each release (Gemma 4's and
+# 6 other classes with one of these two forwards took the fallback, a per-example VJP over the whole vocabulary's
+# table).
 SCALED_EMBEDDING_BODY = "return super().forward(input_ids) * self.embed_scale"
 CAST_SCALED_EMBEDDING_BODY = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
 register_forward_rule(SCALED_EMBEDDING_BODY, scaled_embedding_rule, params=("weight",), tokenwise=True,
