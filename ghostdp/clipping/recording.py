@@ -369,7 +369,7 @@ class ForwardRecorder:
         call.edges, call.expanded, call.shapes = [], [], []
         kind = self._call_kind()
         recording = kind is _RECORDED or kind is _IN_REGION
-        if kind is _IN_REGION and rule is None:
+        if (kind is _IN_REGION or kind is _IN_PROOF) and rule is None:  # the proof's recomputation comes first
             raise NotImplementedError(
                 f"module '{name}' ({type(module).__name__}) has trainable parameters but no norm rule, inside a "
                 "reentrant activation checkpoint: its fallback needs the region's graph after the checkpoint's own "

@@ -31,6 +31,29 @@ from .registry import lookup_rule
 # forward uses children's parameters without calling the children.
 OPAQUE_MODULES: tuple = (torch.nn.MultiheadAttention,)
 
+# Children whose output their parent broadcasts to the batch itself, by the parent's class (qualified name): T5's
+# relative attention bias is one lookup of a (q, k) table of buckets for all examples, with no batch dim, added to
+# every example's attention scores, so no call of the child holds an example's gradient (its layout proof refused
+# it: frozen only before 2026-11-27). Its parameters are the parent's, which takes the exact fallback: the VJP from
+# the attention's outputs, per example, reaches them through the scores. The child is not hooked. MPNet's bias
+# belongs to its whole encoder (a VJP through every layer per example): left refused, with the freeze as its fix.
+_T5_ATTENTIONS = ("t5.modeling_t5.T5Attention", "mt5.modeling_mt5.MT5Attention", "umt5.modeling_umt5.UMT5Attention",
+                  "longt5.modeling_longt5.LongT5Attention", "longt5.modeling_longt5.LongT5LocalAttention",
+                  "longt5.modeling_longt5.LongT5TransientGlobalAttention",
+                  "switch_transformers.modeling_switch_transformers.SwitchTransformersAttention",
+                  "pop2piano.modeling_pop2piano.Pop2PianoAttention", "udop.modeling_udop.UdopAttention",
+                  "pix2struct.modeling_pix2struct.Pix2StructTextAttention")
+ABSORBED_CHILDREN: dict = {f"transformers.models.{name}": ("relative_attention_bias",) for name in _T5_ATTENTIONS}
+
+
+def absorbed_children(module: torch.nn.Module) -> list:
+    """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN), through its MRO."""
+    for cls in type(module).__mro__:
+        names = ABSORBED_CHILDREN.get(f"{cls.__module__}.{cls.__qualname__}")
+        if names:
+            return [(n, module._modules[n]) for n in names if module._modules.get(n) is not None]
+    return []
+
 
 def owned_parameters(module: torch.nn.Module) -> dict:
     """Parameters a hook on ``module`` is responsible for, by qualified name. Those of a parametrization
@@ -45,6 +68,8 @@ def owned_parameters(module: torch.nn.Module) -> dict:
             owned.update({f"{child_name}.{n}": p for n, p in child.named_parameters()})
     if parametrize.is_parametrized(module):
         owned.update({f"parametrizations.{n}": p for n, p in module.parametrizations.named_parameters()})
+    for child_name, child in absorbed_children(module):
+        owned.update({f"{child_name}.{n}": p for n, p in child.named_parameters()})
     return owned
 
 
@@ -52,8 +77,9 @@ def hooked_modules(root: torch.nn.Module):
     """(qualified name, module) for every module that needs a hook, skipping the
     parameter containers, the children of opaque modules and the parametrizations (owned_parameters)."""
     opaque_prefixes = []
+    absorbed = set()  # the names of absorbed children (their own children start with one of opaque_prefixes)
     for name, module in root.named_modules():
-        if any(name.startswith(p) for p in opaque_prefixes):
+        if name in absorbed or any(name.startswith(p) for p in opaque_prefixes):
             continue
         if isinstance(module, (torch.nn.ParameterList, torch.nn.ParameterDict)):
             continue
@@ -62,6 +88,9 @@ def hooked_modules(root: torch.nn.Module):
             continue
         if isinstance(module, OPAQUE_MODULES):
             opaque_prefixes.append(name + "." if name else "")
+        for child, _ in absorbed_children(module):
+            absorbed.add(f"{name}.{child}" if name else child)
+            opaque_prefixes.append(f"{name}.{child}." if name else f"{child}.")
         if owned_parameters(module):
             yield name, module
 

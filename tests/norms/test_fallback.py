@@ -160,3 +160,17 @@ def test_a_sparse_gradient_in_the_fallback_is_refused_with_the_fix(clipping):
     with pytest.raises(NotImplementedError, match="'weight' of a module without a norm rule gets a torch.sparse_coo "
                                                   "gradient.*Fix: sparse=False"):
         controller.loss(model(torch.randint(0, 10, (4, 2))).pow(2).sum(1)).backward()
+
+
+def test_every_parent_that_owns_a_childs_parameters_is_a_class_of_this_transformers_that_makes_that_child():
+    """fallback.ABSORBED_CHILDREN names classes by their qualified names: each must exist and make the child."""
+    import importlib
+    import inspect
+
+    from ghostdp.norms.fallback import ABSORBED_CHILDREN
+    assert len(ABSORBED_CHILDREN) >= 8
+    for qualified, children in ABSORBED_CHILDREN.items():
+        module_name, class_name = qualified.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), class_name)
+        for child in children:
+            assert f"self.{child} = nn.Embedding(" in inspect.getsource(cls.__init__), (qualified, child)

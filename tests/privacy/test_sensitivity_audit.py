@@ -136,15 +136,11 @@ def _bart():
 
 
 def _t5():
-    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+    # The relative position bias, one lookup for the whole batch, trains through its attention's exact fallback
+    # (norms/fallback.py, ABSORBED_CHILDREN; refused before 2026-11-27, when it had to be frozen).
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=V, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
         dropout_rate=0.0))
-    # The relative position bias is computed once for the whole batch: no example owns its gradient, so
-    # ghostdp refuses it trainable (test below); frozen, as here, T5 trains privately.
-    for n, p in model.named_parameters():
-        if "relative_attention_bias" in n:
-            p.requires_grad_(False)
-    return model
 
 
 def _albert():
@@ -520,11 +516,20 @@ def test_the_clipped_sum_equals_the_per_example_loop(arch):
                  lambda i: arch.losses(model, _take(arch, D, [i])).sum(), B, rtol=arch.rtol)
 
 
-def test_t5_with_a_trainable_relative_position_bias_is_refused_with_the_fix():
-    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=V, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
-        dropout_rate=0.0))
-    controller = ghostdp.GhostClipping(model, 1.0)
-    b = _text(3, torch.Generator().manual_seed(0), False)
+def test_t5s_relative_position_bias_is_its_attentions_own_and_mpnets_is_refused_with_the_fix():
+    """T5's bias is owned by the attention that adds it to every example's scores (its Embedding is not hooked: its
+    (q, k, heads) output holds no example); MPNet's belongs to its whole encoder and stays refused, naming the freeze."""
+    from ghostdp.validate import fallback_modules
+    t5 = _t5()
+    owners = fallback_modules(t5)
+    for stack in ("encoder", "decoder"):
+        attention = f"{stack}.block.0.layer.0.SelfAttention"
+        assert owners[attention] == ["relative_attention_bias.weight"]
+        assert not any(name.startswith(attention + ".") for name in owners)
+    mpnet = transformers.MPNetForMaskedLM(transformers.MPNetConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    controller = ghostdp.GhostClipping(mpnet, 1.0)
+    ids = torch.randint(3, V, (3, 7))
     with pytest.raises(RuntimeError, match="relative_attention_bias.*requires_grad_\\(False\\)"):
-        controller.loss(_seq2seq(model, b)).backward()
+        controller.loss(mpnet(input_ids=ids).logits.pow(2).flatten(1).sum(1)).backward()
