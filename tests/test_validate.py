@@ -139,3 +139,20 @@ def test_fallback_modules_lists_the_trainable_parameters_no_rule_covers():
         "2": ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]}
     model[0].scale.requires_grad_(False)  # frozen: nothing to form
     assert "0" not in ghostdp.validate.fallback_modules(model)
+
+
+def test_attaching_logs_the_modules_that_take_the_fallback_once_and_names_them(caplog):
+    """On the ghostdp logger (info: the fallback is exact, only slower); nothing where every trainable module has a
+    rule."""
+    import logging
+    model = nn.Sequential(_Scaled(), nn.Linear(4, 2))
+    with caplog.at_level(logging.INFO, logger="ghostdp"):
+        controller = ghostdp.GhostClipping(model, 1.0)
+    controller.detach()
+    notes = [r.getMessage() for r in caplog.records if "take the exact fallback" in r.getMessage()]
+    assert len(notes) == 1 and "1 module(s)" in notes[0] and ": 0." in notes[0]
+    caplog.clear()
+    model[0].scale.requires_grad_(False)
+    with caplog.at_level(logging.INFO, logger="ghostdp"):
+        ghostdp.GhostClipping(model, 1.0).detach()
+    assert not [r for r in caplog.records if "take the exact fallback" in r.getMessage()]

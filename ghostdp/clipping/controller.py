@@ -52,6 +52,12 @@ REENTRANT_DISTRIBUTED = (
     "its norm pass is a backward without inputs, which would fire DDP's and FSDP's gradient hooks and "
     "collectives before the clipped gradients exist. " + NON_REENTRANT_FIX)
 
+FALLBACK_MODULES = (
+    "ghostdp: {count} module(s) have trainable parameters that no norm rule covers and take the exact fallback, one "
+    "batched backward of the module per chunk of examples (O(B^2) elements a step; several times a ruled layer's "
+    "cost at large batches): {names}. ghostdp.validate.fallback_modules(model) lists them with their parameters; "
+    "where speed matters, freeze them (requires_grad_(False)) or register a norm rule.")
+
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
 
@@ -196,6 +202,11 @@ class GhostClipping:
         self.independence = ForwardIndependence(module, self.recorder)
         self._handles += self.independence.attach(module)
         _ATTACHED[module] = self
+        slow = validate.fallback_modules(module)
+        if slow:  # logged, not warned: the fallback is exact, only slower (T5's relative bias, raw parameters)
+            names = list(slow)
+            log.info(FALLBACK_MODULES.format(count=len(names), names=", ".join(names[:5]) + (
+                f", ... ({len(names)})" if len(names) > 5 else "")))
 
     # ----------------------------------------------------------------- settings
     @property
