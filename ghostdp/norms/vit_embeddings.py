@@ -14,6 +14,11 @@ through, scales the gradient).
 Before 2026-11-27 every call took the fallback, whose batched VJP from masked output grads costs O(B^2) elements:
 on a 6-layer d=192 ViT at B=64 (CPU, two threads, interleaved against that day's start) book-keeping went from
 1.56x to 1.40x plain and ghost from 1.61x to 1.33x.
+
+CLIP's vision embeddings (and their copies: AltCLIP, Chinese-CLIP, MetaCLIP 2, X-CLIP, GIT, CLIPSeg, BridgeTower,
+Kosmos-2; OwlViT's and OWLv2's, without the cast) own only the class embedding, a (d,) vector put before the patches;
+the positions are a child Embedding's (its own rule) or interpolated from its table, added to every row. So the class
+embedding's per-example gradient is row 0 of G, whichever branch the call took (``class_embedding_rule``).
 """
 from __future__ import annotations
 
@@ -180,3 +185,32 @@ register_forward_rule(DINOV2_REGISTERS_EMBEDDINGS_BODY, registers_rule,
                       params=("cls_token", "register_tokens", "position_embeddings", "mask_token"),
                       accepts=stored_positions_call,
                       methods={"interpolate_pos_encoding": DINOV2_REGISTERS_INTERPOLATE_BODY})
+
+
+def class_embedding_rule(module, inputs, output_grad, trainable):
+    """CLIP's vision embeddings: y = cat(class embedding, patches) + positions, nothing after; the class embedding's
+    gradient is G's row 0 (see the module doc)."""
+    if "class_embedding" not in trainable:
+        return {}
+    return {"class_embedding": Instantiated(output_grad[:, 0])}
+
+
+# CLIP's (9 classes) and OwlViT's (2), registered by their code; the child modules (the patch Conv2d, the positions'
+# Embedding) take their own rules.
+CLIP_VISION_EMBEDDINGS_BODY = (
+    'batch_size, _, height, width = pixel_values.shape ; if not interpolate_pos_encoding and (height != '
+    'self.image_size or width != self.image_size):\n    raise ValueError(f"Input image size ({height}*{width}) '
+    'doesn\'t match model ({self.image_size}*{self.image_size}).") ; target_dtype = self.patch_embedding.weight.dtype '
+    '; patch_embeds = self.patch_embedding(pixel_values.to(dtype=target_dtype)) ; patch_embeds = '
+    'patch_embeds.flatten(2).transpose(1, 2) ; class_embeds = self.class_embedding.expand(batch_size, 1, -1) ; '
+    'embeddings = torch.cat([class_embeds, patch_embeds], dim=1) ; if interpolate_pos_encoding:\n    embeddings = '
+    'embeddings + self.interpolate_pos_encoding(embeddings, height, width)\nelse:\n    embeddings = embeddings + '
+    'self.position_embedding(self.position_ids) ; return embeddings')
+OWLVIT_VISION_EMBEDDINGS_BODY = (
+    'batch_size, _, height, width = pixel_values.shape ; patch_embeds = self.patch_embedding(pixel_values) ; '
+    'patch_embeds = patch_embeds.flatten(2).transpose(1, 2) ; class_embeds = self.class_embedding.expand(batch_size, '
+    '1, -1) ; embeddings = torch.cat([class_embeds, patch_embeds], dim=1) ; if interpolate_pos_encoding:\n    '
+    'embeddings = embeddings + self.interpolate_pos_encoding(embeddings, height, width)\nelse:\n    embeddings = '
+    'embeddings + self.position_embedding(self.position_ids) ; return embeddings')
+for _body in (CLIP_VISION_EMBEDDINGS_BODY, OWLVIT_VISION_EMBEDDINGS_BODY):
+    register_forward_rule(_body, class_embedding_rule, params=("class_embedding",))

@@ -6,9 +6,10 @@ import torch
 import transformers
 
 from ghostdp.norms import registry
-from ghostdp.norms.vit_embeddings import (DEIT_EMBEDDINGS_BODY, DINOV2_EMBEDDINGS_BODY,
-                                          DINOV2_REGISTERS_EMBEDDINGS_BODY, VIT_EMBEDDINGS_BODY, plain_call,
-                                          stored_positions_call)
+from ghostdp.norms.vit_embeddings import (CLIP_VISION_EMBEDDINGS_BODY, DEIT_EMBEDDINGS_BODY, DINOV2_EMBEDDINGS_BODY,
+                                          DINOV2_REGISTERS_EMBEDDINGS_BODY, OWLVIT_VISION_EMBEDDINGS_BODY,
+                                          VIT_EMBEDDINGS_BODY, plain_call, stored_positions_call)
+from ghostdp.validate import fallback_modules
 from conftest import assert_exact, count_forward_rule_calls
 
 B = 3
@@ -99,3 +100,21 @@ def test_dinov2_takes_the_stored_positions_only_where_its_interpolation_returns_
     for shape in ((B, 3, 12, 12), (B, 3, 4, 16), (B, 3, 16, 4)):
         assert not stored_positions_call(embeddings, (torch.randn(shape),), {})
     assert not stored_positions_call(embeddings, (torch.randn(B, 3, 8, 8), torch.zeros(B, 4, dtype=torch.bool)), {})
+
+
+@pytest.mark.parametrize("family", ["clip", "owlvit"])
+def test_clips_class_embedding_takes_its_rule_and_is_exact(monkeypatch, family):
+    """CLIP's vision embeddings own only the class embedding, row 0 of their output; the positions are a child
+    Embedding's. Nothing of the tower is left to the fallback."""
+    config, model_class, body = {
+        "clip": (transformers.CLIPVisionConfig, transformers.CLIPVisionModel, CLIP_VISION_EMBEDDINGS_BODY),
+        "owlvit": (transformers.OwlViTVisionConfig, transformers.OwlViTVisionModel, OWLVIT_VISION_EMBEDDINGS_BODY),
+    }[family]
+    calls = count_forward_rule_calls(monkeypatch, {family: body})
+    model = model_class(config(hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=8, patch_size=4))
+    embeddings = next(m for m in model.modules() if type(m).__name__.endswith("VisionEmbeddings"))
+    assert registry.lookup_rule(embeddings) is registry._FORWARD_RULES[body]
+    assert not fallback_modules(model)
+    _assert_exact(model, torch.randn(B, 3, 8, 8))
+    assert calls.get(family)

@@ -213,6 +213,16 @@ def _vit():
         intermediate_size=24, num_labels=3, **QUIET))
 
 
+def _clip():
+    """CLIP's vision tower: a class embedding that its embeddings module owns (row 0 of its output), a child
+    Embedding's positions, a LayerNorm before the encoder."""
+    return transformers.CLIPForImageClassification(transformers.CLIPConfig(
+        vision_config=dict(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=24),
+        text_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                         vocab_size=V), num_labels=3))
+
+
 def _deit():
     """ViT with a distillation token beside its class token."""
     return transformers.DeiTForImageClassification(transformers.DeiTConfig(
@@ -382,6 +392,7 @@ ZOO = [
     Arch("rwkv", _rwkv, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("vit", _vit, _images, _logits_of, continuous="x"),
     Arch("deit-distillation-token", _deit, _images, _logits_of, continuous="x"),
+    Arch("clip-vision-class-embedding", _clip, _images, _logits_of, continuous="x"),
     Arch("convnext", _convnext, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("dinov2-layer-scale", _dinov2, _images, _logits_of, continuous="x"),
     Arch("convnext-v2-grn", _convnext_v2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
