@@ -40,25 +40,17 @@ def _image_model(config_name, model_name, **config):
     return build
 
 
-def _text_model(config_name, model_name, **config):
+def _text_model(config_name, model_name, eos_token_id=None, **config):
+    """``eos_token_id``: each text ends in that token (BART's classification head reads it there)."""
     import torch
     import transformers
 
     def build():
-        cfg = getattr(transformers, config_name)(vocab_size=100, num_labels=3, pad_token_id=0, **config)
-        return getattr(transformers, model_name)(cfg), {"input_ids": torch.randint(1, 100, (2, 8))}
-    return build
-
-
-def _seq2seq_model(config_name, model_name, **config):
-    import torch
-    import transformers
-
-    def build():  # each text ends in the end-of-sequence token, where BART's classification head reads it
-        cfg = getattr(transformers, config_name)(vocab_size=100, num_labels=3, pad_token_id=0, eos_token_id=2,
-                                                 **config)
-        ids = torch.randint(3, 100, (2, 8))
-        ids[:, -1] = 2
+        extra = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+        cfg = getattr(transformers, config_name)(vocab_size=100, num_labels=3, pad_token_id=0, **extra, **config)
+        ids = torch.randint(1 if eos_token_id is None else 3, 100, (2, 8))  # BART's: 0-2 are its special tokens
+        if eos_token_id is not None:
+            ids[:, -1] = eos_token_id
         return getattr(transformers, model_name)(cfg), {"input_ids": ids}
     return build
 
@@ -82,10 +74,10 @@ FAMILIES = {
     "opt": _text_model("OPTConfig", "OPTForSequenceClassification", hidden_size=64, num_hidden_layers=12,
                        num_attention_heads=4, ffn_dim=256, word_embed_proj_dim=64, dropout=0.0,
                        attention_dropout=0.0),
-    "bart": _seq2seq_model("BartConfig", "BartForSequenceClassification", d_model=64, encoder_layers=6,
-                           decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
-                           decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                           classifier_dropout=0.0),
+    "bart": _text_model("BartConfig", "BartForSequenceClassification", eos_token_id=2, d_model=64, encoder_layers=6,
+                        decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+                        decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        classifier_dropout=0.0),
 }
 
 

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import collector
 from ..norms.fallback import attached_rule, hooked_modules, output_batch_dims, owned_parameters
+from ..norms.registry import replaced_method
 from ..sharding import is_sharded, sharded_units
 from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
@@ -129,11 +130,6 @@ def leading_dim(flat):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return t.shape[0]
     return None
-
-
-def _replaced_method(module, entry) -> bool:
-    """Whether a method that the rule's forward calls (RuleEntry.methods) was set on the module instance."""
-    return any(name in module.__dict__ for name, _ in entry.methods)
 
 
 # What to freeze where a model broadcasts a computation shared by the batch itself, checked on each (the rest of the
@@ -325,7 +321,7 @@ class ForwardRecorder:
         return (new_args, new_kwargs) if sunk else None
 
     def on_forward(self, name, entry, module, args, kwargs, output):
-        if entry is not None and ("forward" in module.__dict__ or (entry.methods and _replaced_method(module, entry))):
+        if entry is not None and ("forward" in module.__dict__ or (entry.methods and replaced_method(module, entry))):
             entry = None  # replaced on the instance after attaching: its forward, or a method the forward calls
             # (Gemma's _norm: norms 0.89-1.24x the true ones before 2026-11-27), is not the one the rule knows: the
             # exact fallback (registry.lookup_rule)

@@ -11,12 +11,10 @@ whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output gra
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from .factors import EmbeddingGather
-from .registry import register_forward_rule, register_norm_rule
+from .registry import call_arguments, register_forward_rule, register_norm_rule
 
 
 def _holds_output_grad(module, inputs, output, trainable) -> bool:
@@ -53,22 +51,9 @@ register_forward_rule(CAST_SCALED_EMBEDDING_BODY, cast_scaled_embedding_rule, pa
                       base=torch.nn.Embedding)
 
 
-_SIGNATURES: dict = {}  # a class -> its forward's signature
-
-
-def _arguments(module, args, kwargs) -> dict:
-    """The forward's arguments by name, as the call passed them, defaults filled in."""
-    signature = _SIGNATURES.get(type(module))
-    if signature is None:
-        signature = _SIGNATURES[type(module)] = inspect.signature(type(module).forward)
-    bound = signature.bind(module, *args, **kwargs)
-    bound.apply_defaults()
-    return bound.arguments
-
-
 def arange_positions(module, args, kwargs) -> tuple:
     """The ids BART's positional embedding looks up, formed as its forward (ARANGE_POSITIONS_BODY) forms them."""
-    arguments = _arguments(module, args, kwargs)
+    arguments = call_arguments(module, args, kwargs)
     position_ids = arguments["position_ids"]
     if position_ids is None:
         bsz, seq_len = arguments["input_ids"].shape[:2]
@@ -82,7 +67,7 @@ def arange_positions(module, args, kwargs) -> tuple:
 
 def mask_positions(module, args, kwargs) -> tuple:
     """The ids OPT's positional embedding looks up, formed as its forward (MASK_POSITIONS_BODY) forms them."""
-    arguments = _arguments(module, args, kwargs)
+    arguments = call_arguments(module, args, kwargs)
     position_ids = arguments["position_ids"]
     if position_ids is None:
         attention_mask = arguments["attention_mask"]

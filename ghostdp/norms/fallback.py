@@ -25,7 +25,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from .factors import ELEMENT_BUDGET, Instantiated
-from .registry import lookup_rule
+from .registry import lookup_rule, qualified_name
 
 # Classes whose fallback covers every parameter below them, because their
 # forward uses children's parameters without calling the children.
@@ -49,7 +49,7 @@ ABSORBED_CHILDREN: dict = {f"transformers.models.{name}": ("relative_attention_b
 def absorbed_children(module: torch.nn.Module) -> list:
     """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN), through its MRO."""
     for cls in type(module).__mro__:
-        names = ABSORBED_CHILDREN.get(f"{cls.__module__}.{cls.__qualname__}")
+        names = ABSORBED_CHILDREN.get(qualified_name(cls))
         if names:
             return [(n, module._modules[n]) for n in names if module._modules.get(n) is not None]
     return []

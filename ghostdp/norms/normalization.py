@@ -249,6 +249,15 @@ def _hf_xhat(module, x, style):
     return (x32 * inv_rms).to(x.dtype)  # llama style: normalise in float32, cast back, then scale
 
 
+def _float32_product_grads(xhat32, inputs, output_grad, trainable) -> dict:
+    """The affine gradients of a norm whose forward multiplies its float32 xhat by its weight in float32 and casts at
+    the end: the model forms the weight gradient in float32, so the rule does too, then casts to the accumulation
+    dtype."""
+    grads = _affine_grads(xhat32, output_grad.to(torch.float32), trainable, _leading_dims(xhat32, 1))
+    dt = acc_dtype(inputs[0], output_grad)
+    return {n: Instantiated(f.grads.to(dt), f.mass) for n, f in grads.items()}
+
+
 def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
     """transformers' RMSNorm classes: y = w * xhat (Gemma: (1 + w) * xhat), xhat over the last dim.
 
@@ -256,10 +265,9 @@ def transformers_rms_norm_rule(module, inputs, output_grad, trainable):
     """
     style = _hf_style(module)
     xhat = _hf_xhat(module, inputs[0], style)
-    dt = acc_dtype(inputs[0], output_grad)
     if style in ("gemma", "gemma4"):  # the model itself forms this weight gradient in float32
-        grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
-        return {n: Instantiated(f.grads.to(dt), f.mass) for n, f in grads.items()}
+        return _float32_product_grads(xhat, inputs, output_grad, trainable)
+    dt = acc_dtype(inputs[0], output_grad)
     return _affine_grads(xhat.to(dt), output_grad.to(dt), trainable, _leading_dims(xhat, 1))
 
 
@@ -313,9 +321,7 @@ def cohere_layer_norm_rule(module, inputs, output_grad, trainable):
     x32 = inputs[0].to(torch.float32)
     centred = x32 - x32.mean(-1, keepdim=True)
     xhat = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    grads = _affine_grads(xhat, output_grad.to(torch.float32), trainable, _leading_dims(xhat, 1))
-    dt = acc_dtype(inputs[0], output_grad)
-    return {n: Instantiated(f.grads.to(dt), f.mass) for n, f in grads.items()}
+    return _float32_product_grads(xhat, inputs, output_grad, trainable)
 
 
 register_forward_rule(DEBERTA_LAYER_NORM_BODY, deberta_layer_norm_rule, tokenwise=True)

@@ -61,6 +61,7 @@ class RuleEntry:
 _RULES: dict[type | str, RuleEntry] = {}
 _FORWARD_RULES: dict[str, RuleEntry] = {}  # a forward's body (forward_body) -> its rule
 _BY_CLASS: dict = {}  # a class -> the entry its code matched, or None (read once per class)
+_SIGNATURES: dict = {}  # a class -> its forward's signature (call_arguments)
 
 
 def qualified_name(cls: type) -> str:
@@ -171,6 +172,23 @@ def entry_by_code(cls) -> RuleEntry | None:
     return _BY_CLASS[cls]
 
 
+def replaced_method(module: torch.nn.Module, entry: RuleEntry) -> bool:
+    """Whether a method that the entry's forward calls (RuleEntry.methods) was set on the module instance: its body
+    is then not the one the registry checked."""
+    return any(name in module.__dict__ for name, _ in entry.methods)
+
+
+def call_arguments(module: torch.nn.Module, args, kwargs) -> dict:
+    """The module's forward's arguments by name, as a call passed them, defaults filled in: what a rule registered by
+    code reads of a call (RuleEntry.accepts, RuleEntry.rule_inputs)."""
+    signature = _SIGNATURES.get(type(module))
+    if signature is None:
+        signature = _SIGNATURES[type(module)] = inspect.signature(type(module).forward)
+    bound = signature.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
     """The entry of the most specific registered class in the module's MRO, if the module's class
     still runs that class's forward and the module has no forward of its own (one set on the
@@ -189,7 +207,7 @@ def lookup_rule(module: torch.nn.Module) -> RuleEntry | None:
     if type(module).forward is torch.nn.Module.forward:
         return None
     entry = entry_by_code(type(module))
-    if entry is not None and any(name in module.__dict__ for name, _ in entry.methods):
+    if entry is not None and replaced_method(module, entry):
         return None  # a method the forward calls was replaced on the instance: its body is not the one checked
     return entry
 

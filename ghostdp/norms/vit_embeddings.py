@@ -25,22 +25,15 @@ from __future__ import annotations
 import torch
 
 from .factors import Instantiated
-from .registry import register_forward_rule
-
-
-def _argument(args, kwargs, position: int, name: str, default=None):
-    """The forward's argument ``name`` (positional ``position``) as the call passed it, or its default."""
-    if name in kwargs:
-        return kwargs[name]
-    return args[position] if len(args) > position else default
+from .registry import call_arguments, register_forward_rule
 
 
 def plain_call(module, args, kwargs) -> bool:
     """Whether the call adds the class token and the stored position embeddings, with no mask tokens and no
     active dropout (the branches ``vit_embeddings_rule`` knows)."""
-    bool_masked_pos = _argument(args, kwargs, 1, "bool_masked_pos")
-    interpolate = _argument(args, kwargs, 2, "interpolate_pos_encoding", False)
-    return bool_masked_pos is None and not interpolate and _inactive(module.dropout)  # as the forward reads them
+    arguments = call_arguments(module, args, kwargs)
+    return (arguments["bool_masked_pos"] is None and not arguments["interpolate_pos_encoding"]
+            and _inactive(module.dropout))  # as the forward reads them
 
 
 def stored_positions_call(module, args, kwargs) -> bool:
@@ -48,14 +41,14 @@ def stored_positions_call(module, args, kwargs) -> bool:
     interpolate_pos_encoding's early return (not tracing, a square image, as many patches as positions), with the
     patches counted from the patch embeddings' Conv2d."""
     conv = getattr(module.patch_embeddings, "projection", None)
-    if (_argument(args, kwargs, 1, "bool_masked_pos") is not None or not _inactive(module.dropout)
-            or torch.jit.is_tracing()):
+    arguments = call_arguments(module, args, kwargs)
+    if arguments["bool_masked_pos"] is not None or not _inactive(module.dropout) or torch.jit.is_tracing():
         return False
     if module.position_embeddings is None:
         return True
     if type(conv) is not torch.nn.Conv2d or isinstance(conv.padding, str):
         return False
-    height, width = _argument(args, kwargs, 0, "pixel_values").shape[-2:]
+    height, width = arguments["pixel_values"].shape[-2:]
     patches = 1
     for size, k, stride, pad, dilation in zip((height, width), conv.kernel_size, conv.stride, conv.padding,
                                               conv.dilation):
