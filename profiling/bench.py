@@ -268,7 +268,15 @@ def measure(args) -> dict:
 
 def tensor_peak_mb(step) -> float:
     """The peak of live CPU tensor bytes during one call of ``step``, above those alive when it starts,
-    from torch.profiler's memory timeline (every allocation and free of a tensor, in order)."""
+    from torch.profiler's memory timeline (every allocation and free of a tensor, in order).
+
+    Right only on a call made right after a profiled call of the same step: the CPU allocator tells the profiler
+    the size of a freed block from a table it fills only while profiling (c10's ProfiledCPUMemoryReporter), and
+    a table entry of a block freed unprofiled stays behind. So the first profiled call reads a free of a tensor
+    allocated unprofiled (the last step's p.grad, freed by zero_grad) as nothing, or as the size of an older
+    tensor that had its address: by how much depends on where malloc placed what, so on the process (a 2-layer
+    Linear stack's two-pass step read 0.0265 MB on every second call and 0.0357 to 0.0396 MB on first calls in
+    ten processes; the lower of a first and a second call read 0.0226 MB once in CI, 2026-11-27)."""
     import tempfile
     import warnings
     from torch.profiler import ProfilerActivity, profile

@@ -529,31 +529,18 @@ def test_knobs_runs_each_budget_variant_beside_the_shipped_settings_and_restores
         knobs.parse_knobs(["deferred"])
 
 
-_ONE_BACKWARD_ROWS = """
-import json, sys
-from profiling import one_backward
-rows = dict(one_backward.main(["--model", "gpt2-lm", "--layers", "1", "--hidden", "16", "--vocab", "512",
-                               "--seq", "16", "--batch", "4"]))
-rows.update(one_backward.main(["--model", "linear", "--layers", "2", "--hidden", "32", "--seq", "4", "--batch", "8"]))
-print("ROWS " + json.dumps(rows))
-"""
-
-
-def test_one_backward_weighs_kept_against_saved_bytes_and_switches_only_where_the_peak_is_not_higher():
-    """In a process of its own: the peaks are a few KB, and in a pytest worker that had run other tests first the
-    two-pass step once read one (B, T, H) activation lower than in any fresh process (2026-11-27, cause not found)."""
-    import pathlib
-    import sys
-    run = subprocess.run([sys.executable, "-c", _ONE_BACKWARD_ROWS], capture_output=True, text=True, timeout=600,
-                         cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(run.stdout.rsplit("ROWS ", 1)[1])
+def test_one_backward_weighs_kept_against_saved_bytes_and_switches_only_where_the_peak_is_not_higher(capsys):
+    from profiling import one_backward
+    rows = dict(one_backward.main(["--model", "gpt2-lm", "--layers", "1", "--hidden", "16", "--vocab", "512",
+                                   "--seq", "16", "--batch", "4"]))
+    rows.update(one_backward.main(["--model", "linear", "--layers", "2", "--hidden", "32", "--seq", "4",
+                                   "--batch", "8"]))
     lm, stack = rows["gpt2-lm L=1 H=16 V=512 T=16 B=4 fp32"], rows["linear L=2 H=32 T=4 B=8 fp32"]
     assert lm["mode"] == "bookkeeping" and lm["kept / saved"] < 0.9
     assert lm["ghost"] == lm["book-keeping"] <= lm["two passes"]
     assert stack["mode"] == "ghost" and stack["kept / saved"] > 1
     assert stack["ghost"] == stack["two passes"] < stack["book-keeping"]
-    assert "kept/saved" in run.stdout
+    assert "kept/saved" in capsys.readouterr().out
 
 
 def test_the_families_benchmark_interleaves_each_familys_modes_and_lists_its_fallback_modules(capsys):
