@@ -11,12 +11,14 @@ round (profiling.step_ratio.round_order); the table gives the median over rounds
 step, the median step, and the modules that take the fallback in this checkout (trainable parameters, no rule).
 
 Measured 2026-11-27 against 3de8fb7 (15 rounds; ConvBERT 20): book-keeping ConvNext 5.98x -> 3.05x (a depthwise
-convolution was one factor per channel; its LayerNorm took the fallback; its layers' layer_scale_parameter still
-does), ConvNextV2 5.07x -> 2.38x (its GRN too), ConvBERT 3.65x -> 2.05x (depthwise Conv1d, its separable
-convolution's bias); the others within noise. OPT and BART against 4b409cc (20 rounds), their learned positional
+convolution was one factor per channel; its LayerNorm took the fallback), ConvNextV2 5.07x -> 2.38x (its GRN too),
+ConvBERT 3.65x -> 2.05x (depthwise Conv1d, its separable convolution's bias); the others within noise. OPT and BART against 4b409cc (20 rounds), their learned positional
 embeddings by a rule since then (they took the fallback): book-keeping 2.10x -> 1.98x and 2.05x -> 1.94x, ghost
 2.40x -> 2.25x and 2.32x -> 2.00x; at B=32, T=64 (OPT, 2 layers, d=64, two threads, a scratch run) book-keeping
-2.13x -> 1.56x. Timings are the shared machine's: compare the ratios of one run.
+2.13x -> 1.56x. ConvNext's blocks' layer scales by a rule against 4b20105 (15 rounds): book-keeping 2.85x -> 2.59x,
+ghost 3.07x -> 2.69x (at B=32 on 64x64 images, two threads, a scratch run: 3.39x -> 2.18x). T5 trains its relative
+attention bias through the fallback (the first attention of each stack). Timings are the shared machine's: compare
+the ratios of one run.
 """
 from __future__ import annotations
 
@@ -74,6 +76,9 @@ FAMILIES = {
     "opt": _text_model("OPTConfig", "OPTForSequenceClassification", hidden_size=64, num_hidden_layers=12,
                        num_attention_heads=4, ffn_dim=256, word_embed_proj_dim=64, dropout=0.0,
                        attention_dropout=0.0),
+    "t5": _text_model("T5Config", "T5ForSequenceClassification", eos_token_id=1, d_model=64, d_ff=256, d_kv=16,
+                      num_layers=6, num_decoder_layers=6, num_heads=4, dropout_rate=0.0, classifier_dropout=0.0,
+                      decoder_start_token_id=0),
     "bart": _text_model("BartConfig", "BartForSequenceClassification", eos_token_id=2, d_model=64, encoder_layers=6,
                         decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
                         decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,

@@ -545,14 +545,15 @@ def test_one_backward_weighs_kept_against_saved_bytes_and_switches_only_where_th
 
 def test_the_families_benchmark_interleaves_each_familys_modes_and_lists_its_fallback_modules(capsys):
     from profiling import families
-    results = families.main(["--families", "convnext", "vit", "--rounds", "1", "--warmup", "0", "--against", "HEAD"])
-    assert list(results) == ["convnext", "vit"]
+    results = families.main(["--families", "convnext", "t5", "--rounds", "1", "--warmup", "0", "--against", "HEAD"])
+    assert list(results) == ["convnext", "t5"]
     for result in results.values():
         assert set(result["rows"]) == {"plain", "bookkeeping", "ghost", "bookkeeping@HEAD", "ghost@HEAD"}
         assert result["rows"]["plain"][1] == 1.0
         assert all(math.isfinite(ratio) and ratio > 0 for _, ratio in result["rows"].values())
-    # ConvNext's layers own their layer_scale_parameter (no rule: the fallback); ViT has none left.
-    assert len(results["convnext"]["fallback"]) == sum(families._CONVNEXT["depths"])
-    assert all(".layers." in name for name in results["convnext"]["fallback"])
-    assert results["vit"]["fallback"] == []
+    # T5's first attention of each stack owns its relative attention bias (the fallback); ConvNext has none left
+    # (its blocks' layer scales by their rule since 2026-11-27).
+    assert results["t5"]["fallback"] == ["transformer.encoder.block.0.layer.0.SelfAttention",
+                                         "transformer.decoder.block.0.layer.0.SelfAttention"]
+    assert results["convnext"]["fallback"] == []
     assert "ghost@HEAD" in capsys.readouterr().out

@@ -359,7 +359,9 @@ class ForwardRecorder:
         else:
             inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         # What the rule reads: the call's tensors, or those its forward forms from them (RuleEntry.rule_inputs).
-        read = inputs if rule is None or entry.rule_inputs is None else entry.rule_inputs(module, args, kwargs)
+        read = inputs if rule is None or entry.rule_inputs is None else entry.rule_inputs(module, args, kwargs, output)
+        if read is None:  # the call computed something the rule does not know (RuleEntry.rule_inputs)
+            entry, rule, read = None, None, inputs
         call = ModuleCall(self, name, module, entry, params,
                           (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
         call.edges, call.expanded, call.shapes = [], [], []

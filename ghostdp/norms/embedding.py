@@ -51,7 +51,7 @@ register_forward_rule(CAST_SCALED_EMBEDDING_BODY, cast_scaled_embedding_rule, pa
                       base=torch.nn.Embedding)
 
 
-def arange_positions(module, args, kwargs) -> tuple:
+def arange_positions(module, args, kwargs, output=None) -> tuple:
     """The ids BART's positional embedding looks up, formed as its forward (ARANGE_POSITIONS_BODY) forms them."""
     arguments = call_arguments(module, args, kwargs)
     position_ids = arguments["position_ids"]
@@ -65,7 +65,7 @@ def arange_positions(module, args, kwargs) -> tuple:
     return (position_ids + module.offset,)
 
 
-def mask_positions(module, args, kwargs) -> tuple:
+def mask_positions(module, args, kwargs, output=None) -> tuple:
     """The ids OPT's positional embedding looks up, formed as its forward (MASK_POSITIONS_BODY) forms them."""
     arguments = call_arguments(module, args, kwargs)
     position_ids = arguments["position_ids"]

@@ -52,9 +52,10 @@ class RuleEntry:
     # (module, args, kwargs) -> whether this call computes what the rule knows; a declined call takes the fallback.
     # None: every call.
     accepts: Callable[..., bool] | None = None
-    # (module, args, kwargs) -> the tensors the rule reads as its inputs, where they are not the call's positional
-    # tensors (a learned positional embedding's position ids, formed from its arguments as its forward forms them).
-    # None: the call's positional tensors.
+    # (module, args, kwargs, output) -> the tensors the rule reads as its inputs, where they are not the call's
+    # positional tensors (a learned positional embedding's position ids, formed from its arguments as its forward
+    # forms them; the tensor a ConvNext block's layer scale multiplied, read from the output's graph), or None where
+    # this call computed something the rule does not know (it takes the exact fallback). None: the call's tensors.
     rule_inputs: Callable[..., tuple] | None = None
 
 
@@ -110,11 +111,12 @@ def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
     the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's).
     ``accepts(module, args, kwargs)``: for a forward with branches the rule does not know (ViT's embeddings: mask
     tokens, interpolated positions, dropout), whether this call took the known ones; a call it declines takes
-    the exact fallback. ``rule_inputs(module, args, kwargs)``: the tensors the rule reads as its ``inputs``, where
-    the forward computes them from its arguments (OPT's positions: a cumulative sum of the attention mask), formed
-    as the body forms them; by default the call's positional tensors. A class registered by itself, or one derived
-    from a registered class whose forward it keeps, takes that registration instead. ``params``, ``tokenwise`` and
-    ``holds_output_grad`` as for ``register_norm_rule``."""
+    the exact fallback. ``rule_inputs(module, args, kwargs, output)``: the tensors the rule reads as its ``inputs``,
+    where the forward computes them from its arguments (OPT's positions: a cumulative sum of the attention mask),
+    formed as the body forms them, or finds them in the output's graph (ConvNext's scaled features); None where
+    the call computed something else (it takes the exact fallback); by default the call's positional tensors. A
+    class registered by itself, or one derived from a registered class whose forward it keeps, takes that
+    registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for ``register_norm_rule``."""
     _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad,
                                      tuple(sorted((methods or {}).items())), base, accepts, rule_inputs)
     _BY_CLASS.clear()
