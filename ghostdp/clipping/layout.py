@@ -279,7 +279,9 @@ def refuse(call, g, batch_size, options, broadcast=False):
             "for one shared by the whole batch (a position embedding looked up once) and broadcasts it to the batch "
             "on dim 0, but the examples do not lie there: the layer runs sequence-first on a sequence of length 1 "
             "(or its dim 0 is otherwise not shared by the examples), and the broadcast changes what the model "
-            "computes (a sum over that dim counts each example's value once per example). Fix: run the layer "
+            "computes (a sum over that dim counts each example's value once per example). The batch size it "
+            "broadcast to is dim 0 of the model's first tensor argument: in a sequence-first model given one "
+            "example, the sequence length (a Poisson-sampled batch can hold one example). Fix: run the layer "
             "batch-first (batch_first=True, or transpose its input to (batch, sequence, ...)).")
     if not options:
         problem = f"has no dimension of size {batch_size} that could hold the examples"

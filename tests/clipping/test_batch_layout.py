@@ -66,6 +66,19 @@ def test_a_sequence_first_layer_on_one_position_is_refused_not_broadcast(clippin
     _exact(model, torch.randn(4, 2, 3), batch_dim=0, B=4)
 
 
+def test_a_sequence_first_model_given_one_example_is_refused_naming_why():
+    """The batch size that ghostdp broadcasts a shared output to is read from dim 0 of the model's first input: the
+    sequence length of a sequence-first model. With one example, torch's attention's (T, 1, E) output looked shared
+    and was broadcast to T examples; the error now says where the size came from."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=False)
+    controller = ghostdp.GhostClipping(layer, 1.0)
+    with pytest.raises(RuntimeError, match=r"dim 0 of the model's first tensor argument: in a sequence-first model "
+                                           r"given one example, the sequence length.*Fix: run the layer batch-first"):
+        controller.loss(layer(torch.randn(4, 1, 8)).pow(2).sum((0, 2))).backward()
+    controller.detach()
+
+
 class SequenceFirstOnATrainedInput(nn.Module):
     """As Longformer's global attention: a sequence-first layer on one position of hidden states that carry
     gradient, (1, B, 3), pooled over that position."""
