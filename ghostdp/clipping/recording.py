@@ -202,8 +202,8 @@ class ForwardRecorder:
                                              prepend=True)
             handles.append(handle)
             self._attached[id(m)] = (handle.id, type(m).forward)
-            if entry is None or entry.accepts is not None:  # its inputs' gradients are proven too, where it takes
-                # the fallback (PassOne._prove_fallback_inputs)
+            if entry is None or entry.accepts is not None or entry.rule_inputs is not None:  # its inputs'
+                # gradients are proven too, where it takes the fallback (PassOne._prove_fallback_inputs)
                 handles.append(m.register_forward_pre_hook(functools.partial(self.on_fallback_forward, entry),
                                                            with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
@@ -298,14 +298,17 @@ class ForwardRecorder:
         return zero_size_leaf(self.probes, device)
 
     def on_fallback_forward(self, entry, module, args, kwargs):
-        """A module without a rule (``entry`` None), or a call its rule declines (RuleEntry.accepts): each of its
-        float tensor arguments without grad (positional or keyword) through an InputSink, so that the layout proof
-        can read that input's gradient. A module that mixes examples in its own forward (a batch mean) shows that
-        only in its inputs' gradients, where no recorded call below may look (one example moved the update by 7 C
-        before 2026-11-25, and by 11.7 C through a second input before 2026-11-26)."""
+        """A module without a rule (``entry`` None), a call its rule declines (RuleEntry.accepts), or one whose rule
+        may decline it once its forward has run (RuleEntry.rule_inputs: ConvNext's block, whose graph the rule reads):
+        each of its float tensor arguments without grad (positional or keyword) through an InputSink, so that the
+        layout proof can read that input's gradient. A module that mixes examples in its own forward (a batch mean)
+        shows that only in its inputs' gradients, where no recorded call below may look (one example moved the
+        update by 7 C before 2026-11-25, and by 11.7 C through a second input before 2026-11-26; a ConvNext block
+        whose drop path was a batch mean, with only its layer scale trained, went through while its rule was new on
+        2026-11-27)."""
         if not (args or kwargs) or not self._recording(module) or not self._trainable_owned(module):
             return None
-        if entry is not None and entry.accepts(module, args, kwargs):
+        if entry is not None and entry.rule_inputs is None and entry.accepts(module, args, kwargs):
             return None
         sunk = {}  # id(tensor) -> its sink: a tensor passed twice is copied once
 

@@ -114,3 +114,28 @@ def test_a_block_under_a_checkpoint_takes_the_exact_fallback(rule_calls):
     assert_exact(model, lambda: (model(x) * w).flatten(1).sum(1).pow(2),
                  lambda i: (model(x[i:i + 1]) * w[i:i + 1]).sum().pow(2), B)
     assert rule_calls.get("convnext", 0) == 0
+
+
+class _BatchCentring(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_block_that_mixes_examples_where_its_rule_declines_is_refused(clipping):
+    """A drop path that is a batch mean: the graph reader declines (a node it does not know) and the block takes the
+    fallback, whose proof of its input's gradient must see the mixing. With only the layer scale trained and an
+    input without gradient, nothing below shows it, and the forward check is off here: the input had no sink (one
+    is set before the forward, where the rule cannot yet know it will decline) and the step went through."""
+    block = _spread_scales(transformers.models.convnext.modeling_convnext.ConvNextLayer(
+        transformers.ConvNextConfig(), dim=4))
+    block.drop_path = _BatchCentring()
+    for name, p in block.named_parameters():
+        p.requires_grad_(name == "layer_scale_parameter")
+    controller = ghostdp.GhostClipping(block, 1e-3, clipping=clipping)
+    controller.independence.every = 0
+    try:
+        with pytest.raises(RuntimeError, match=r"\(ConvNextLayer\) has no norm rule and mixes examples"):
+            controller.loss(block(torch.randn(5, 4, 3, 3)).flatten(1).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
