@@ -119,12 +119,10 @@ def breakdown(args):
             for key, value in sorted(norms.items(), key=lambda kv: -kv[1]):
                 print(f"        {key[len('ghostdp.norms.'):]:<22}{value:8.1f}")
             print(f"      backward (activations)  {pass1 - norm_total:8.1f}")
-            if mode == "ghost":
-                print(f"    pass 2 (plain backward)   {t['step.backward'] - pass1:8.1f}")
-            else:
-                clipped = t.get("ghostdp.clipped_sum", 0.0)
-                print(f"    clipped sums (c*G)^T A    {clipped:8.1f}")
-                print(f"    rest                      {t['step.backward'] - pass1 - clipped:8.1f}")
+            clipped = t.get("ghostdp.clipped_sum", 0.0)  # ghost: formed in pass 2, as its G arrive
+            print(f"    clipped sums (c*G)^T A    {clipped:8.1f}")
+            rest = "pass 2 (pass 1's backward)" if mode == "ghost" else "rest"
+            print(f"    {rest:<26}{t['step.backward'] - pass1 - clipped:8.1f}")
         print(f"  optimizer step              {t['step.optimizer']:8.1f}")
     return runs
 

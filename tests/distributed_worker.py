@@ -61,7 +61,7 @@ def train_exact(wrap_first, seed, physical):
         return future.then(lambda f: f.value()[0] / dist.get_world_size())
 
     ddp.register_comm_hook(None, record_allreduce)
-    steps, backward_calls, seen = 0, 0, [[]]
+    steps, backward_calls, seen, buckets = 0, 0, [[]], []
     for x, y, index in loader:
         optimizer.zero_grad()
         if not loader.tracker.yielded[-1].padding:
@@ -72,9 +72,10 @@ def train_exact(wrap_first, seed, physical):
         if not optimizer._mid_logical_batch:
             steps += 1
             seen.append([])
+            buckets.append(optimizer.buckets_last_step)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "seed": engine.random_source.seed,
             "indices": seen[:-1], "steps": steps, "backward_calls": backward_calls, "in_norm_pass": in_norm_pass,
-            "epsilon": engine.get_epsilon(1e-5)}
+            "buckets": buckets, "epsilon": engine.get_epsilon(1e-5)}
 
 
 def train_bookkeeping(seed, physical, checkpointed=False):
@@ -133,7 +134,7 @@ def train_adapters(one_backward, checkpointed=False):
         for x, y, _ in loader:
             optimizer.zero_grad()
             criterion(ddp(x), y).backward()
-            wrote.append(engine.controller.ledger.records[-1].wrote_sums)
+            wrote.append(engine.controller.ledger.records[-1].one_backward)
             optimizer.step()
         return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "wrote": wrote,
                 "agreed": engine.controller.step_modes.agreed}
@@ -182,7 +183,9 @@ def refusals():
         "fixed_batches_unsharded": refusal(lambda: ghostdp.PrivacyEngine(seed=1).make_private(
             module=mlp(), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1), noise_multiplier=1.0,
             data_loader=DataLoader(data(), batch_size=4), max_grad_norm=1.0, poisson_sampling=False)),
-        "not_all_reduced": refusal(lambda: one_step(wrap=False)),
+        # Not refused: both modes write the clipped sums themselves, and the step sums the ranks' (it refused this
+        # before 2026-11-27, when two passes' second backward left the summing to DDP).
+        "unwrapped": refusal(lambda: one_step(wrap=False)),
         "noise_not_shared": refusal(lambda: one_step({"seed": 1, "noise_generator": other_noise}, noise=1.0)),
     }
 

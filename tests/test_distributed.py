@@ -140,14 +140,17 @@ def test_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples
             torch.testing.assert_close(rank["params"][name], value, rtol=1e-10, atol=1e-12)
 
 
-def test_chunked_ranks_run_equal_numbers_of_backward_calls_and_pass_one_never_all_reduces(engine_runs):
+def test_chunked_ranks_run_equal_numbers_of_backward_calls_and_the_step_sums_them_in_one_all_reduce(engine_runs):
+    """Two passes write their clipped sums themselves (pass 2 repeats pass 1's backward, which forms no weight
+    gradient): DDP's reducer never all-reduces, in either pass; the step sums the ranks' clipped sums in one
+    bucketed all-reduce per logical batch, however many physical chunks it had."""
     ranks = [r["after_chunked"] for r in engine_runs]
     sizes = [[len(s) for s in r["indices"]] for r in ranks]
     assert sizes[0] != sizes[1]  # the ranks' draws differ, so padding chunks were needed
     assert ranks[0]["backward_calls"] == ranks[1]["backward_calls"] == sum(
         max(math.ceil(a / 2), math.ceil(b / 2), 1) for a, b in zip(*sizes))
-    for rank in ranks:  # one bucket all-reduce per backward, none during the norm pass
-        assert len(rank["in_norm_pass"]) == rank["backward_calls"] and not any(rank["in_norm_pass"])
+    for rank in ranks:
+        assert rank["in_norm_pass"] == [] and rank["buckets"] == [1] * rank["steps"]
 
 
 def test_noise_is_one_shared_draw_with_variance_sigma_squared_c_squared(engine_runs):
@@ -164,7 +167,7 @@ def test_noise_is_one_shared_draw_with_variance_sigma_squared_c_squared(engine_r
     ("secure_mode", "NotImplementedError", "secure_mode with several processes"),
     ("different_seeds", "ValueError", "different seeds"),
     ("fixed_batches_unsharded", "ValueError", "DistributedSampler"),
-    ("not_all_reduced", "PrivacyStepError", "not all-reduced"),
+    ("unwrapped", None, ""),  # the step sums the ranks' clipped sums itself: a forward without DDP is not misuse
     ("noise_not_shared", "PrivacyStepError", "noise differs"),
 ])
 def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error, match):
@@ -203,9 +206,9 @@ def test_bookkeeping_sums_the_ranks_in_one_bucketed_all_reduce_per_step(engine_r
     for rank in engine_runs:
         run = rank["bookkeeping"]
         assert run["buckets"] == [1] * run["steps"]  # 4 parameters, one float64 bucket, once per logical batch
-        # Under checkpointing book-keeping takes two passes, whose second DDP all-reduces: no sum of its own.
+        # Under checkpointing book-keeping takes two passes, which write their sums themselves too.
         run = rank["bookkeeping_checkpointed"]
-        assert run["buckets"] == [0] * run["steps"]
+        assert run["buckets"] == [1] * run["steps"]
 
 
 @pytest.mark.parametrize("run", ["adapters", "adapters_checkpointed"])

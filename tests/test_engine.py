@@ -1,12 +1,12 @@
 """PrivacyEngine end to end: the update equals a per-example reference with the same noise; chunks,
 accumulation and resume change nothing; every misuse is refused."""
-import contextlib
 import copy
 import math
 import warnings
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ghostdp
@@ -644,20 +644,24 @@ def test_a_loop_steps_an_empty_batch_without_a_forward_and_says_which_steps_were
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** taken)
 
 
-def test_switching_checkpointing_inside_a_logical_batch_of_book_keeping_is_refused_with_several_processes():
-    # Under saved-tensor hooks book-keeping takes two passes (DDP sums their second); without, it writes the
-    # sums itself (the step sums them): a logical batch with both would be summed over the ranks in part.
-    _, model, opt, crit, loader = private(batch_size=20, max_physical_batch_size=4, clipping="bookkeeping")
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_switching_reentrant_checkpointing_inside_a_logical_batch_is_refused_with_several_processes(clipping):
+    # Through reentrant checkpoints two passes' second is autograd's backward (DDP sums it); otherwise ghostdp writes
+    # the clipped sums itself (the step sums them): a logical batch with both would be summed over the ranks in part.
+    # Saved-tensor hooks (book-keeping's two passes there) write them itself too: no refusal.
+    _, model, opt, crit, loader = private(batch_size=20, max_physical_batch_size=4, clipping=clipping)
     opt.world_size = 2  # as under torchrun: the refusal comes before any collective
     for x, y in loader:
         chunk = opt.tracker.yielded[-1]
-        hooks = torch.autograd.graph.save_on_cpu() if chunk.index == 0 else contextlib.nullcontext()
-        with hooks:
-            output = model(x)
+        if chunk.index == 0:
+            output = checkpoint(model, x.clone().requires_grad_(), use_reentrant=True)
+        else:
+            with torch.autograd.graph.save_on_cpu():
+                output = model(x)
         crit(output, y).backward()
         if chunk.is_last:
             assert chunk.count >= 2  # the seeded draw's first logical batch has several chunks
-            with pytest.raises(PrivacyStepError, match="mixed book-keeping's one backward with two passes"):
+            with pytest.raises(PrivacyStepError, match="mixed clipped sums that autograd formed"):
                 opt.step()
             return
 

@@ -33,7 +33,7 @@ from .buffers import BufferWatch
 from .independence import ForwardIndependence
 from .ledger import StepLedger
 from .loss import DPCriterion, clipped_loss
-from .modes import StepModes, clipping_mode, new_factor_store
+from .modes import ClippedSums, StepModes, clipping_mode, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .probe import compiled_code_note
 from .pass_one import PassOne
@@ -430,9 +430,10 @@ class GhostClipping:
             "can move the update by more than the clipping norm. Fix: scale_grad_by_freq=False.")
 
     @torch.no_grad()  # called by a user outside a backward too: no graph from the activations to the norms
-    def per_example_norms(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:
+    def per_example_norms(self, per_example_losses: torch.Tensor, mode=None, pass_two: bool = False) -> torch.Tensor:
         """Pass 1 only: the (B,) per-example gradient norms of all trainable parameters, float64.
-        ``mode``: the clipping mode of this backward (``mode_for_loss``; default: the controller's)."""
+        ``mode``: the clipping mode of this backward (``mode_for_loss``; default: the controller's).
+        ``pass_two``: ``write_clipped_sums`` follows (the DP loss's backward): two passes keep what pass 2 repeats."""
         mode = self.mode if mode is None else mode
         if per_example_losses.dim() != 1:
             raise ValueError(f"per-example losses must have shape (batch,), got {tuple(per_example_losses.shape)}")
@@ -465,7 +466,8 @@ class GhostClipping:
                     saved = saved_bytes(audited, alive)
             measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes)
             groups = 1 if self.group_norms is None else len(self.group_norms)
-            passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph)
+            passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph,
+                                       pass_two)
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
@@ -481,13 +483,13 @@ class GhostClipping:
         self.last_group_norms = group_norms
         return sq.sum(0).clamp(min=0).sqrt()
 
-    def clip_coefficients(self, per_example_losses: torch.Tensor, mode=None) -> torch.Tensor:
+    def clip_coefficients(self, per_example_losses: torch.Tensor, mode=None, pass_two: bool = False) -> torch.Tensor:
         """Pass 1 and c_i = min(1, C / (n_i + 1e-6)) (per-group clipping: c_ki = min(1, C_k / (n_ki + 1e-6)),
         shape (groups, B)). Examples with a non-finite loss or norm, or whose gradient terms could round
         the others away (precision.py), raise or get c_i = 0."""
         if self.ledger.norm_pass_check is not None:
             self.ledger.norm_pass_check(per_example_losses)
-        norms = self.per_example_norms(per_example_losses, mode)
+        norms = self.per_example_norms(per_example_losses, mode, pass_two)
         bad = ~torch.isfinite(norms) | ~torch.isfinite(per_example_losses.detach()).to(norms.device)
         if self.group_norms is None:
             coeffs = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
@@ -503,6 +505,7 @@ class GhostClipping:
             indices = bad.nonzero().flatten().tolist()
             if self.nonfinite == "error":
                 self._kept = new_factor_store()
+                self.pass_one.forget_replay()
                 if imprecise is not None and imprecise.any():
                     raise ImpreciseExampleError(imprecise.nonzero().flatten().tolist())
                 raise NonFiniteLossError(indices, "loss or gradient norm")
@@ -510,18 +513,38 @@ class GhostClipping:
         self.last_norms, self.last_coefficients = norms, coeffs
         return coeffs
 
+    def writes_sums_itself(self, mode=None) -> bool:
+        """Whether this DP loss's clipped sums go into p.grad past autograd's accumulation (so past DDP's reducer):
+        book-keeping's, and two passes' that repeat pass 1 (after ``clip_coefficients``)."""
+        mode = self.mode if mode is None else mode
+        return mode.keeps_factors or self.pass_one.replays()
+
     def write_clipped_sums(self, coefficients, grad_output, losses, mode=None):
         """After pass 1: sum_i c_i g_i into p.grad. Book-keeping writes it from its kept factors; two passes
-        run pass 2, a backward of the losses weighted by c_i, here, as a backward of its own: nothing of the
-        DP loss's gradient flows into the model in the caller's backward, so a gradient that reaches a
-        recorded call there came from something else and is refused (PassOne.refuse_if_not_from_dp_loss)."""
+        run pass 2, pass 1's backward again, here, as a backward of its own, which writes each layer's sum as its
+        output grads arrive (PassOne.write_sums): nothing of the DP loss's gradient flows into the model in the
+        caller's backward, so a gradient that reaches a recorded call there came from something else and is
+        refused (PassOne.refuse_if_not_from_dp_loss). The fallback's parameters take their sums from pass 1's
+        per-example gradients (precision.py).
+
+        Through reentrant checkpoints (whose regions' calls pass 2 would record again) and with FSDP2-sharded
+        parameters (whose gradients must go through FSDP2's reduce-scatter), pass 2 is still a backward of
+        sum_i c_i L_i: that G is c_i times pass 1's only up to rounding, which an example whose G is mostly
+        rounding can turn into a contribution above C (PassOne.write_sums; the README's known gaps)."""
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
+        if self.pass_one.replays():
+            sums = ClippedSums(coefficients, grad_output)
+            skipped = set(kept)
+            with self._region("ghostdp.clipped_sum"):
+                sums.write(kept)
+            with self.pass_one.running_pass_two():
+                self.pass_one.write_sums(losses, sums, skipped)
+            return
         with self._region("ghostdp.clipped_sum"):
             weights = mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)
         if weights is None:
             return
-        # The fallback's parameters take their clipped sums from pass 1's per-example gradients (precision.py).
         exact = exact_sums(kept, coefficients * grad_output.to(coefficients.dtype)) if kept else contextlib.nullcontext()
         with self.pass_one.running_pass_two(), exact:
             torch.autograd.backward(losses, weights)

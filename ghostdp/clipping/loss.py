@@ -38,7 +38,7 @@ class ClippedLoss(torch.autograd.Function):
                 "this ghostdp loss was already backpropagated once; a second backward would add every "
                 "example's clipped gradient twice and double its privacy cost. Compute a new loss instead.")
         ctx.consumed = True
-        coeffs = ctx.controller.clip_coefficients(ctx.losses, ctx.mode)
+        coeffs = ctx.controller.clip_coefficients(ctx.losses, ctx.mode, pass_two=True)
         ledger = ctx.controller.ledger
         ledger.loss_scale = grad_output.detach()
         if ledger.records is not None:  # tensors: no host sync mid-backward
@@ -46,8 +46,9 @@ class ClippedLoss(torch.autograd.Function):
             if ledger.count_unclipped:  # adaptive clipping: examples whose norm is <= C
                 norms = ctx.controller.last_norms
                 unclipped = (norms <= ctx.controller.max_grad_norm).sum() if ctx.examples else norms.new_zeros(())
-            ledger.record(BackwardRecord(ctx.examples, grad_output.detach(), unclipped, ctx.mode.keeps_factors,
-                                         ctx.controller.max_grad_norm))
+            ledger.record(BackwardRecord(ctx.examples, grad_output.detach(), unclipped,
+                                         ctx.controller.writes_sums_itself(ctx.mode),
+                                         ctx.controller.max_grad_norm, ctx.mode.keeps_factors))
         ctx.controller.write_clipped_sums(coeffs, grad_output, ctx.losses, ctx.mode)
         return None, None, None, None, None, None
 

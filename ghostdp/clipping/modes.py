@@ -48,7 +48,8 @@ class TwoPass:
     continues_backward = True  # pass 2 is a backward of the losses (GhostClipping.write_clipped_sums)
 
     def grad_of_losses(self, kept, coefficients, grad_output, losses, group_of=None):
-        """The weights c_i of pass 2's backward of the losses."""
+        """The weights of the losses in pass 2's backward where it is not pass 1's again (see
+        GhostClipping.write_clipped_sums): c_i times the loss's incoming gradient."""
         return (coefficients * grad_output).to(losses.dtype)
 
 
@@ -60,19 +61,34 @@ class BookKeeping:
     @torch.no_grad()
     def grad_of_losses(self, kept, coefficients, grad_output, losses, group_of=None):
         """``coefficients``: (B,), or (groups, B) with ``group_of`` mapping id(parameter) to its row."""
-        all_weights = coefficients * grad_output.to(coefficients.dtype)
-        in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
+        ClippedSums(coefficients, grad_output, group_of).write(kept)
+        return None  # nothing flows further back: p.grad already holds the clipped sum
 
-        def weights_of(group, dt):
-            if (dt, group) not in in_dtype:
-                in_dtype[(dt, group)] = (all_weights if group is None else all_weights[group]).to(dt)
-            return in_dtype[(dt, group)]
 
-        def weighted_sum(factor, group, **options):
-            if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
-                return factor.weighted_sum(all_weights if group is None else all_weights[group], **options)
-            return factor.weighted_sum(weights_of(group, factor.sum_dtype()), **options)
+class ClippedSums:
+    """Writes sum_i w_i g_i of factors into p.grad, w_i = c_i times the loss's incoming gradient: book-keeping's
+    sums from its kept factors, and two passes' from the factors pass 2 forms again (pass_one.PassOne.write_sums).
+    ``coefficients``: (B,), or (groups, B) with ``group_of`` mapping id(parameter) to its row."""
 
+    def __init__(self, coefficients, grad_output, group_of=None):
+        self.all_weights = coefficients * grad_output.to(coefficients.dtype)
+        self.group_of = group_of
+        self._in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
+
+    def _weights_of(self, group, dt):
+        if (dt, group) not in self._in_dtype:
+            self._in_dtype[(dt, group)] = (self.all_weights if group is None else self.all_weights[group]).to(dt)
+        return self._in_dtype[(dt, group)]
+
+    def _weighted_sum(self, factor, group, **options):
+        if type(factor).sum_dtype is PerExampleGrad.sum_dtype:  # a factor that does not say: as given
+            return factor.weighted_sum(self.all_weights if group is None else self.all_weights[group], **options)
+        return factor.weighted_sum(self._weights_of(group, factor.sum_dtype()), **options)
+
+    @torch.no_grad()
+    def write(self, kept) -> None:
+        """Each parameter's sum over its factors in ``kept`` (parameter -> factors; emptied) added to its p.grad."""
+        group_of = self.group_of
         uses, owner = [], []  # (factor, group) per use; the index in ``params`` of the parameter it belongs to
         params, left = [], []  # the parameters summed in batches; how many of their uses are still to come
         written_in = []  # per use: the parameter's dtype where that use's sum is its whole clipped sum, else None
@@ -92,7 +108,7 @@ class BookKeeping:
         partial = {}  # parameter index -> the sum of its uses so far (tied weights)
         # Each sum is written as its batch is formed (equal shapes in batches, norms/batched_sums.py), and its
         # factors dropped: the gradients written replace the activations and output grads that were kept.
-        for position, part in weighted_sums(uses, weights_of, weighted_sum, written_in):
+        for position, part in weighted_sums(uses, self._weights_of, self._weighted_sum, written_in):
             uses[position] = None
             k = owner[position]
             clipped = part if k not in partial else partial.pop(k) + part
@@ -106,8 +122,8 @@ class BookKeeping:
         # beside 37 MB of kept factors: 1.95x plain's peak before 2026-11-26).
         while tables:
             param, factor, group = tables.pop()
-            self._write(param, weighted_sum(factor, group, out_dtype=param.dtype))  # no wide copy of a 16-bit table
-        return None  # nothing flows further back: p.grad already holds the clipped sum
+            # (in the parameter's dtype: no wide copy of a 16-bit table)
+            self._write(param, self._weighted_sum(factor, group, out_dtype=param.dtype))
 
     @staticmethod
     def _write(param, clipped):

@@ -111,12 +111,13 @@ class PassOne:
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._proof_region_calls = None  # a reentrant step proven before pass 1: the proof's region calls, in order
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
+        self._replay = None              # what pass 2 repeats of the last pass 1 (``write_sums``), or None
 
     def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
-            graph: tuple) -> NormPass:
+            graph: tuple, pass_two: bool = False) -> NormPass:
         """The layout proof if needed, then pass 1, over the audited ``calls``: the finished NormPass.
         ``graph``: the signature of the step's graph (audit.py); on a graph not proven before, every call's
-        layout is proven again."""
+        layout is proven again. ``pass_two``: two passes' pass 2 follows (write_sums)."""
         B = per_example_losses.shape[0]
         due = self.layouts.proof_due()  # a proof covers the values it ran on too (layout.REPROOF_EVERY)
         layouts = self.layouts.select(graph)
@@ -147,6 +148,11 @@ class PassOne:
             self._prove_reentrant_layouts(per_example_losses, audited, calls)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
+        # Two passes write their clipped sums by pass 1's backward again (write_sums), except through reentrant
+        # checkpoints and FSDP2's sharded parameters (GhostClipping.write_clipped_sums).
+        self._replay = None
+        passed.replayed = (pass_two and mode.continues_backward and not regions
+                           and not self.controller._has_sharded_parameters())
         passed.kept_storages.alive_anyway = self.recorder.input_storages
         request = self.controller._sample_request
         if request is not None:
@@ -157,6 +163,9 @@ class PassOne:
                 if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
                     self._reentrant_pass_one(per_example_losses, audited)
                 else:
+                    # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
+                    # which pass 2 names again.
+                    edges = [(c, c.edges) for c in captured] if passed.replayed else ()
                     if probes or captured:
                         # Pass 2 needs the graph again; book-keeping has none, so pass 1 frees it as it goes, unless
                         # its forward was recorded for two passes (_missed_calls_possible).
@@ -165,6 +174,8 @@ class PassOne:
                         self._backward_to_outputs(per_example_losses, probes, captured,
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
+                    if passed.replayed:
+                        self._replay = (probes, edges, passed.second_backward)
             if mode.continues_backward:
                 self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
@@ -243,7 +254,8 @@ class PassOne:
                     f"internal error: pass 1 did not reach the captured layer '{missed[0].name}' although a probe "
                     "or a named layer lies below it; please report this with the model")
             passed.captured_only = True  # the second backward runs probed nodes again: they stay quiet
-            self._receive_named(losses, [], missed, cotangent, retain)
+            passed.second_backward = True  # (pass 2 repeats it: write_sums)
+            self._receive_named(losses, [], missed, cotangent, retain and passed.sums is None)
 
     def _proof_sinks(self, captured):
         """The layout proof's split of the captured calls: (named, delivered by their nodes' pre-hooks). The proof
@@ -298,6 +310,9 @@ class PassOne:
         if passed.proving:
             if call.projections is not None:
                 call.projections[slot] = self.layouts.project(grad)
+            return
+        if passed.sums is not None:
+            self._receive_for_sums(call, slot, grad)
             return
         call.grads[slot] = grad
         if not call.fired:
@@ -409,6 +424,13 @@ class PassOne:
     # ----------------------------------------------------------------- norms
     def _compute(self, call):
         B = self.current.batch_size
+        if self.current.sums is not None:
+            self._write_sums(call, B)
+            return
+        # A captured call keeps its inputs as they came (not batch-first) where pass 2 forms its clipped sums from
+        # them again (write_sums): autograd holds them for the layer's backward until pass 2 reaches it anyway.
+        # Otherwise they go: the call would hold them as long as its graph (capture.py).
+        kept_inputs = call.inputs if self.current.replayed and call.captured is not None else ()
         if call.projections is not None:
             self.layouts.resolve(call, B)
         self.layouts.batch_first(call, B)
@@ -417,9 +439,7 @@ class PassOne:
         else:
             with self.controller._region(f"ghostdp.norms.{type(call.module).__name__}"):
                 self._factors(call, B)
-        # The inputs go too: a captured call would otherwise hold them as long as its graph, through pass 2,
-        # which frees the graph's saved activations as it goes (capture.py).
-        call.grads, call.inputs, call.done = (), (), True
+        call.grads, call.inputs, call.done = (), kept_inputs, True
         if not self.current.reentrant:  # the audit of a reentrant region reads them when its backward is done
             call.edges = ()
         if self.current.queue.full(held=self.current.queue_held):
@@ -461,6 +481,88 @@ class PassOne:
             else:
                 passed.add_mass(f)
                 passed.pending[param].append(f)
+
+    # ----------------------------------------------------------------- pass 2 of two passes
+    def write_sums(self, losses, sums, skipped) -> None:
+        """Pass 2 of two passes: pass 1's backward again, the same cotangent towards the same probes and edges, so
+        that each ruled call receives the output grad G that pass 1 formed its norm from, bit for bit (the same
+        ops on the same values in the same order); each call's clipped sums (c ⊙ G)^T A are written from it
+        (``sums``, modes.ClippedSums), its parameters' weight gradients are never formed by autograd.
+
+        A backward of sum_i c_i L_i instead (the algorithm as first written) forms c_i g_i from a G of its own
+        that equals c_i times pass 1's only up to rounding, and where an example's G at a layer is mostly
+        rounding (catastrophic cancellation, e.g. a saturated softmax in attention on inputs of 1e4) the two
+        differ by as much as G itself: one example moved a float32 clipped sum by up to 4.5 C
+        (tests/privacy/test_sensitivity_audit.py, linear-attention-encoder). ``skipped``: the parameters whose
+        clipped sums are already written (the fallback's, from pass 1's per-example gradients)."""
+        probes, captured_edges, second_backward = self._replay
+        self._replay = None
+        passed = NormPass(losses.shape[0])
+        passed.sums, passed.sums_skipped = sums, skipped
+        captured = []
+        for call, edges in captured_edges:
+            call.edges = edges
+            captured.append(call)
+        self.current = passed
+        try:
+            with self.controller._region("ghostdp.pass2"):
+                if probes or captured:
+                    self._backward_to_outputs(losses, probes, captured, torch.ones_like(losses), second_backward)
+                for call in passed.summing.values():
+                    if not call.done:
+                        self._write_sums(call, passed.batch_size)
+                self._flush_sums()
+        finally:
+            self.current = None
+            for call in captured:  # (controller._forget_captured_edges)
+                call.edges, call.inputs = (), ()
+
+    def forget_replay(self) -> None:
+        """Drops what pass 2 would have repeated (a step stopped between the passes: refused examples)."""
+        if self._replay is not None:
+            for call, _ in self._replay[1]:
+                call.inputs = ()
+        self._replay = None
+
+    def replays(self) -> bool:
+        """Whether the last pass 1 is to be repeated by pass 2 (write_sums)."""
+        return self._replay is not None
+
+    def _receive_for_sums(self, call, slot, grad):
+        """An output grad of a recorded call in pass 2 (write_sums); a call without a rule has its sums already."""
+        if call.rule is None:
+            call.inputs = ()  # (a probe hands them over)
+            return
+        passed = self.current
+        if id(call) not in passed.summing:
+            passed.summing[id(call)] = call
+            call.grads, call.done = [None] * len(call.shapes), False
+        call.grads[slot] = grad
+        if len(call.grads) == 1:
+            self._write_sums(call, passed.batch_size)
+
+    def _write_sums(self, call, B):
+        """The factors of one call of pass 2, waiting with others for their clipped sums (_flush_sums)."""
+        passed = self.current
+        self.layouts.batch_first(call, B)
+        factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
+        for n, f in factors.items():
+            param = call.params[n]
+            if param not in passed.sums_skipped:
+                passed.sum_factors[param].append(f)
+        passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
+        passed.sum_elements += sum([x.numel() for x in call.inputs])
+        call.grads, call.inputs, call.done = (), (), True
+        if passed.sum_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
+            self._flush_sums()
+
+    def _flush_sums(self):
+        """The clipped sums of the factors waiting, written in batches of equal shapes (modes.ClippedSums)."""
+        passed = self.current
+        if passed.sum_factors:
+            with self.controller._region("ghostdp.clipped_sum"):
+                passed.sums.write(passed.sum_factors)
+        passed.sum_elements = 0
 
     def _reduce_queue(self, final: bool = False):
         with self.controller._region("ghostdp.norms.batched"):

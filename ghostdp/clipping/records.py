@@ -23,8 +23,9 @@ class BackwardRecord(NamedTuple):
     examples: int                      # examples clipped (0 for a padding chunk)
     loss_scale: torch.Tensor           # the gradient that flowed into the loss: 1 for a plain backward()
     unclipped: torch.Tensor | None     # adaptive clipping: examples whose norm was <= C
-    wrote_sums: bool                   # the mode wrote the clipped sums itself (book-keeping: no DDP reducer)
+    wrote_sums: bool                   # ghostdp wrote the clipped sums itself, not autograd (no DDP reducer)
     max_grad_norm: float               # the clipping norm C its coefficients used (the noise is scaled to it)
+    one_backward: bool                 # it took book-keeping's one backward (else two passes)
 
 
 class ModuleCall:
@@ -164,6 +165,13 @@ class NormPass:
         self.arrived_elements = 0         # (PassOne.arrive)
         self.captured_only = False        # a second backward for captured calls only (PassOne._backward_to_outputs)
         self.queue_held = False           # calls received without reducing the queue (PassOne._receive_named)
+        self.replayed = False             # pass 2 repeats this pass's backward (PassOne.write_sums)
+        self.second_backward = False      # a second backward named calls the first missed (_backward_to_outputs)
+        self.sums = None                  # pass 2 of two passes: the modes.ClippedSums it writes (write_sums)
+        self.sums_skipped = ()            # the parameters whose clipped sums are written already
+        self.summing = {}                 # id -> call reached in pass 2, in order
+        self.sum_factors = new_factor_store()  # parameter -> factors of pass 2 waiting for their clipped sums
+        self.sum_elements = 0             # what those factors hold (PassOne._write_sums)
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
         # Factors of single-use parameters, reduced in batches; what layers reduced alone leave, reduced together.
         self.queue = NormQueue(self.grams, DeferredGrams())

@@ -157,9 +157,9 @@ def test_two_passes_capture_every_call_above_the_lowest_and_take_their_grads_fro
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     for _ in range(2):  # the first step proves the layouts: a backward of its own
         controller.loss(model(torch.randn(B, 3, 6)).pow(2).sum((1,))).backward()
-    assert named == [1, 1, 1]  # the one probe leaf, in the proof and in each pass 1
+    assert named == [1] * 5  # the one probe leaf, in the proof and in each pass 1 and pass 2 (pass 1's again)
     assert {m for m, _ in by_hooks} == {model.down, model.norm, model.head} and all(h for _, h in by_hooks)
-    assert len(by_hooks) == 9
+    assert len(by_hooks) == 15
     # Once its norm is formed a captured call holds its inputs no longer: pass 2 frees the saved activations.
     out = model(torch.randn(B, 3, 6))
     controller.per_example_norms(out.pow(2).sum((1,)))
@@ -193,9 +193,9 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
     controller.loss(model(x * 1.0).pow(2).sum(1)).backward()
     # The layout proof names the probe and up's edge at once (up has no probe or captured call below it:
-    # PassOne._proof_sinks); pass 1, and the next: the probe, then up's edge.
-    assert named == [2] + [1, 1] * 2
-    assert by_hooks == [(model.head, True), (model.up, False)] * 3
+    # PassOne._proof_sinks); pass 1 and pass 2 (pass 1's backwards again), on each step: the probe, then up's edge.
+    assert named == [2] + [1, 1] * 4
+    assert by_hooks == [(model.head, True), (model.up, False)] * 5
     controller.detach()
     assert_exact_model(model, x, classification_loss(torch.randint(0, 3, (B,))), B)
     mlp = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).train()
@@ -204,9 +204,9 @@ def test_a_captured_call_with_no_probe_below_it_is_named_in_a_second_backward(mo
     assert recorded_modules(mlp(inputs * 1.0)) == ({mlp[0], mlp[2]}, set())
     named, by_hooks = watch_pass_one(controller, monkeypatch)
     controller.loss(mlp(inputs * 1.0).pow(2).sum(1)).backward()
-    assert named == [1, 2]  # the proof (the lowest layer's edge: PassOne._proof_sinks), then pass 1
+    assert named == [1, 2, 2]  # the proof (the lowest layer's edge: PassOne._proof_sinks), then passes 1 and 2
     # The top layer's node runs (the first layer's named edge lies below it): its G comes by its pre-hook.
-    assert by_hooks == [(mlp[2], True), (mlp[0], False)] * 2
+    assert by_hooks == [(mlp[2], True), (mlp[0], False)] * 3
     controller.detach()
     assert_exact_model(mlp, inputs, lambda out, sl: out.pow(2).sum(1), B)
 

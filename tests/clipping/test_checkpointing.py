@@ -103,7 +103,7 @@ def bookkeeping_wrote_the_sums(model, controller, forward):
     controller.ledger.open()
     model.zero_grad(set_to_none=True)
     controller.loss(forward().pow(2).sum(1)).backward()
-    return controller.ledger.records[-1].wrote_sums
+    return controller.ledger.records[-1].one_backward
 
 
 @pytest.mark.parametrize("saving, one_backward", [("none", True), ("non-reentrant", False), ("reentrant", False),
@@ -276,7 +276,7 @@ def test_per_group_clipping_under_checkpointing_keeps_book_keeping_is_exact_and_
     controller.ledger.open()
     with pytest.warns(UserWarning, match="per-group clipping needs book-keeping"):
         controller.loss(nn.functional.cross_entropy(model(ids), labels, reduction="none"), reduction="sum").backward()
-    assert controller.ledger.records[-1].wrote_sums  # one backward: the kept factors wrote the sums
+    assert controller.ledger.records[-1].one_backward  # one backward: the kept factors wrote the sums
     torch.testing.assert_close(controller.last_group_norms, ref_group_norms, rtol=1e-10, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)

@@ -57,7 +57,8 @@ def test_the_collector_is_paused_in_the_dp_backward_and_the_step_and_runs_again_
     optimizer.original_optimizer.register_step_pre_hook(lambda *_: seen_in_step.append(gc.isenabled()))
     assert gc.isenabled()
     engine.controller.loss((model(x) ** 2).sum(1)).backward()
-    assert COLLECTOR_ON_IN_RULE == [False] and gc.isenabled()
+    # The rule runs in pass 1, and in ghost's pass 2 (pass 1's backward again, forming the clipped sums).
+    assert COLLECTOR_ON_IN_RULE == [False] * (2 if clipping == "ghost" else 1) and gc.isenabled()
     optimizer.step()
     assert seen_in_step == [False] and gc.isenabled()
 
@@ -85,7 +86,8 @@ def test_a_collector_the_caller_turned_off_stays_off_and_the_switch_turns_the_pa
     optimizer.zero_grad()
     monkeypatch.setattr(collector, "PAUSE", False)
     engine.controller.loss((model(x) ** 2).sum(1)).backward()
-    assert COLLECTOR_ON_IN_RULE == [False, True]
+    # Passes 1 and 2 of the first step; the second's one or two (it may take book-keeping's one backward: modes.py).
+    assert COLLECTOR_ON_IN_RULE[:2] == [False, False] and COLLECTOR_ON_IN_RULE[2:] and all(COLLECTOR_ON_IN_RULE[2:])
 
 
 class NotesCollector(nn.Module):

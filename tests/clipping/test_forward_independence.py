@@ -554,7 +554,7 @@ def test_book_keeping_keeps_its_one_backward_on_a_checked_forward():
         losses = model(x, v)
         assert controller.independence.forwards == 1  # checked
         controller.loss(losses, reduction="sum").backward()
-        assert controller.ledger.records[-1].wrote_sums  # one backward: book-keeping wrote the clipped sums itself
+        assert controller.ledger.records[-1].one_backward  # one backward: book-keeping wrote the clipped sums itself
     finally:
         controller.detach()
 

@@ -62,7 +62,7 @@ def dp_step(controller, model, losses) -> bool:
     controller.ledger.open()
     model.zero_grad(set_to_none=True)
     controller.loss(losses(), reduction="sum").backward()
-    return controller.ledger.records[-1].wrote_sums
+    return controller.ledger.records[-1].one_backward
 
 
 def step(controller, model, x, C):
@@ -473,7 +473,7 @@ def private_run(one_backward: bool, monkeypatch):
                 optimizer.step()
             else:
                 criterion(model(input_ids=ids).logits, labels).backward()
-                wrote.append(engine.controller.ledger.records[-1].wrote_sums)
+                wrote.append(engine.controller.ledger.records[-1].one_backward)
                 optimizer.step()
             if optimizer.last_step_taken:
                 optimizer.zero_grad()

@@ -327,7 +327,7 @@ def test_book_keeping_drops_each_factor_once_its_sum_is_written(monkeypatch):
     gradients written replace it instead of adding to it; the sums equal each factor's alone."""
     import weakref
 
-    from ghostdp.clipping.modes import BookKeeping, new_factor_store
+    from ghostdp.clipping.modes import BookKeeping, ClippedSums, new_factor_store
     g = torch.Generator().manual_seed(4)
     params = [torch.nn.Parameter(torch.zeros(n, 8, dtype=torch.float64)) for n in (4, 6, 10)]  # three shapes
     kept, alive = new_factor_store(), []
@@ -339,13 +339,13 @@ def test_book_keeping_drops_each_factor_once_its_sum_is_written(monkeypatch):
     c = torch.rand(B, dtype=torch.float64, generator=g)
     expected = [kept[p][0].weighted_sum(c) for p in params]
     seen = []
-    write = BookKeeping._write
+    write = ClippedSums._write
 
     def watch(param, clipped):
         seen.append(sum(left() is not None for left, _ in alive))
         write(param, clipped)
 
-    monkeypatch.setattr(BookKeeping, "_write", staticmethod(watch))
+    monkeypatch.setattr(ClippedSums, "_write", staticmethod(watch))
     del left, right
     assert BookKeeping().grad_of_losses(kept, c, torch.ones(B, dtype=torch.float64), torch.zeros(B)) is None
     assert seen == [2, 1, 0] and not kept  # at each write, only the factors still to be summed are alive
@@ -357,7 +357,7 @@ def test_book_keeping_writes_bf16_sums_rounded_once_per_batch(monkeypatch):
     """Book-keeping hands each parameter's dtype to the batched sums where the sum is the parameter's whole
     clipped sum: bf16 biases of one shape are written from one rounding of their batch, equal to rounding
     each; a parameter with two uses (tied) is summed wide and rounded once, after its uses are added."""
-    from ghostdp.clipping.modes import BookKeeping, new_factor_store
+    from ghostdp.clipping.modes import BookKeeping, ClippedSums, new_factor_store
     g = torch.Generator().manual_seed(8)
     biases = [torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)) for _ in range(3)]
     tied = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16))  # another shape: a batch of its own
@@ -367,8 +367,8 @@ def test_book_keeping_writes_bf16_sums_rounded_once_per_batch(monkeypatch):
     c = torch.rand(B, generator=g)
     expected = {p: sum(f.weighted_sum(c) for f in kept[p]).to(torch.bfloat16) for p in biases + [tied]}
     written = []
-    write = BookKeeping._write
-    monkeypatch.setattr(BookKeeping, "_write",
+    write = ClippedSums._write
+    monkeypatch.setattr(ClippedSums, "_write",
                         staticmethod(lambda param, clipped: written.append(clipped.dtype) or write(param, clipped)))
     BookKeeping().grad_of_losses(kept, c, torch.ones(B), torch.zeros(B))
     assert written == [torch.bfloat16] * 3 + [torch.float32]  # the tied sum goes wide to its write

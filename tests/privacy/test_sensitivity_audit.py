@@ -299,6 +299,34 @@ class Attention(nn.Module):
         return self.head(h.mean(1))
 
 
+class LinearAttentionEncoder(nn.Module):
+    """A post-LN encoder layer whose attention projections are nn.Linear layers (as users write their own attention,
+    each projection ruled), on raw inputs: an input of 1e4 saturates the softmax, and the float32 gradient at the
+    query and key projections is then mostly rounding. Two passes whose second backward weighted the losses by c_i
+    formed a gradient there that was c_i times the first's only up to that rounding: one example moved the clipped
+    sum by up to 4.5 C."""
+
+    def __init__(self, batch_first, d=8, heads=2):
+        super().__init__()
+        self.batch_first, self.heads = batch_first, heads
+        self.query, self.key, self.value, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 12), nn.Linear(12, d)
+        self.head = nn.Linear(d, 3)
+
+    def _heads(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        h = self.norm1(x + self.out(attended))
+        h = self.norm2(h + self.down(torch.relu(self.up(h))))
+        return self.head(h.mean(1))
+
+
 class CalledTwice(nn.Module):
     def __init__(self):
         super().__init__()
@@ -415,6 +443,10 @@ ZOO = [
          sequence=True),
     Arch("encoder-layer-seq-first", lambda: Encoder(False), lambda n, g: _tokens(n, g, 8, True), _logits_of,
          SEQ_FIRST, "x", True),
+    Arch("linear-attention-encoder", lambda: LinearAttentionEncoder(True), lambda n, g: _tokens(n, g, 8), _logits_of,
+         continuous="x", sequence=True),
+    Arch("linear-attention-encoder-seq-first", lambda: LinearAttentionEncoder(False),
+         lambda n, g: _tokens(n, g, 8, True), _logits_of, SEQ_FIRST, "x", True),
     Arch("multihead-attention", Attention, lambda n, g: _tokens(n, g, 8), _logits_of, continuous="x",
          sequence=True),
     Arch("module-called-twice", CalledTwice, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",

@@ -1,0 +1,70 @@
+"""Pass 2 of two passes repeats pass 1's backward (PassOne.write_sums): each layer's clipped sum reads the output
+grads its norm was formed from, bit for bit, so that an example whose gradient is mostly float32 rounding still
+moves the clipped sum by at most C."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ghostdp
+from test_sensitivity_audit import LinearAttentionEncoder
+
+B, T, D = 4, 4, 8
+
+
+def _losses(model, x, labels):
+    return torch.nn.functional.cross_entropy(model(x), labels, reduction="none")
+
+
+def _clipped_sum(model, x, labels, C):
+    controller = ghostdp.GhostClipping(model, C, clipping="ghost", nonfinite="skip")
+    try:
+        model.zero_grad(set_to_none=True)
+        controller.loss(_losses(model, x, labels), reduction="sum").backward()
+        return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+    finally:
+        controller.detach()
+        model.zero_grad(set_to_none=True)
+
+
+def test_pass_two_receives_the_output_grads_that_pass_one_received_bit_for_bit():
+    """A tensor hook on the query projection's output sees every backward of the step: the layout proof's, pass 1's
+    and pass 2's. Pass 2's (before 2026-11-27: c_i times another rounding of them) equal pass 1's."""
+    model = LinearAttentionEncoder(batch_first=True).float()
+    x, labels = torch.randn(B, T, D, dtype=torch.float32), torch.tensor([0, 1, 2, 0])
+    x[0] *= 1e4  # a saturated softmax: the example's G at the query projection is mostly rounding
+    seen = []
+
+    def watch(module, args, out):
+        out.register_hook(lambda g: seen.append(g.clone()))
+
+    model.query.register_forward_hook(watch)
+    controller = ghostdp.GhostClipping(model, 0.1, clipping="ghost")
+    controller.loss(_losses(model, x, labels), reduction="sum").backward()
+    controller.detach()
+    assert len(seen) == 3  # the layout proof, pass 1, pass 2
+    assert torch.equal(seen[2], seen[1]) and seen[1][0].abs().max() > 0
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_sum_by_at_most_C(batch_first):
+    """The sensitivity audit's adversaries (the example x 1e4, tokens of 1e8 that cancel) on several seeds of a
+    Linear-projected attention: before 2026-11-27 two passes moved the clipped sum by up to 4.5 C here."""
+    worst = 0.0
+    for seed in range(6):
+        torch.manual_seed(seed)
+        model = LinearAttentionEncoder(batch_first).float()
+        x, labels = torch.randn(B + 1, T, D, dtype=torch.float32), torch.randint(0, 3, (B + 1,))
+        layout = (lambda t: t) if batch_first else (lambda t: t.transpose(0, 1))
+        probe = ghostdp.GhostClipping(model, 1.0)
+        C = float(probe.per_example_norms(_losses(model, layout(x[:B]), labels[:B])).median())  # about half clipped
+        probe.detach()
+        cancelling = 1e8 * torch.tensor([1.0, -1.0] * (T // 2), dtype=torch.float32)[:, None] * x[B, 0]
+        for adversary in (x[B] * 1e4, cancelling):
+            batch = torch.cat([x[:B], adversary[None]])
+            without = _clipped_sum(model, layout(x[:B]), labels[:B], C)
+            with_it = _clipped_sum(model, layout(batch), labels, C)
+            moved = float((with_it - without).norm())
+            assert moved <= C * (1 + 1e-6) + 1e-5 * float(without.norm() + with_it.norm()), moved / C
+            worst = max(worst, moved / C)
+    assert worst > 0.5  # the adversaries are clipped: each moves the sum by about C
