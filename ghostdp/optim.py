@@ -296,10 +296,10 @@ class DPOptimizer(torch.optim.Optimizer):
         written = {record.wrote_sums for record in passes}
         if len(written) > 1 and self.world_size > 1:
             raise PrivacyStepError(
-                "this step's backward calls mixed clipped sums that autograd formed, which DDP summed over the "
-                "ranks (two passes through reentrant activation checkpoints), with clipped sums that ghostdp wrote "
-                "itself, which the step sums (every other backward): reentrant checkpointing was switched on or off "
-                "between the physical batches of one logical batch. Switch it only between optimizer steps.")
+                "this step's backward calls mixed clipped sums that autograd formed, which DDP or FSDP summed over "
+                "the ranks (two passes with FSDP2-sharded parameters), with clipped sums that ghostdp wrote itself, "
+                "which the step sums (every other backward): the model changed between the physical batches of one "
+                "logical batch. Change it only between optimizer steps.")
         self._sums_written_by_mode = written.pop() if written else None
         # One host sync for all of the step's backward calls, at the step rather than inside each backward:
         # their loss scales and, for adaptive clipping, their counts of unclipped examples.

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ghostdp
@@ -644,21 +643,20 @@ def test_a_loop_steps_an_empty_batch_without_a_forward_and_says_which_steps_were
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** taken)
 
 
-@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
-def test_switching_reentrant_checkpointing_inside_a_logical_batch_is_refused_with_several_processes(clipping):
-    # Through reentrant checkpoints two passes' second is autograd's backward (DDP sums it); otherwise ghostdp writes
-    # the clipped sums itself (the step sums them): a logical batch with both would be summed over the ranks in part.
-    # Saved-tensor hooks (book-keeping's two passes there) write them itself too: no refusal.
-    _, model, opt, crit, loader = private(batch_size=20, max_physical_batch_size=4, clipping=clipping)
+def test_a_logical_batch_mixing_sums_summed_by_ddp_with_sums_written_by_ghostdp_is_refused_with_several_processes(
+        monkeypatch):
+    """Every backward writes its clipped sums itself (the step sums the ranks'), except two passes with FSDP2-sharded
+    parameters, whose second backward leaves them to FSDP's reduce-scatter: a logical batch with both would be
+    summed over the ranks in part. No model switches between the two within a logical batch (its parameters are
+    sharded or not), so the first chunk's backward is made to report autograd's sums here."""
+    _, model, opt, crit, loader = private(batch_size=20, max_physical_batch_size=4, clipping="ghost")
     opt.world_size = 2  # as under torchrun: the refusal comes before any collective
+    controller = opt.controller
+    writes = controller.writes_sums_itself
     for x, y in loader:
         chunk = opt.tracker.yielded[-1]
-        if chunk.index == 0:
-            output = checkpoint(model, x.clone().requires_grad_(), use_reentrant=True)
-        else:
-            with torch.autograd.graph.save_on_cpu():
-                output = model(x)
-        crit(output, y).backward()
+        monkeypatch.setattr(controller, "writes_sums_itself", (lambda mode=None: False) if chunk.index == 0 else writes)
+        crit(model(x), y).backward()
         if chunk.is_last:
             assert chunk.count >= 2  # the seeded draw's first logical batch has several chunks
             with pytest.raises(PrivacyStepError, match="mixed clipped sums that autograd formed"):

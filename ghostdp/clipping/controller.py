@@ -527,10 +527,9 @@ class GhostClipping:
         refused (PassOne.refuse_if_not_from_dp_loss). The fallback's parameters take their sums from pass 1's
         per-example gradients (precision.py).
 
-        Through reentrant checkpoints (whose regions' calls pass 2 would record again) and with FSDP2-sharded
-        parameters (whose gradients must go through FSDP2's reduce-scatter), pass 2 is still a backward of
-        sum_i c_i L_i: that G is c_i times pass 1's only up to rounding, which an example whose G is mostly
-        rounding can turn into a contribution above C (PassOne.write_sums; the README's known gaps)."""
+        With FSDP2-sharded parameters (whose gradients must go through FSDP2's reduce-scatter) pass 2 is still a
+        backward of sum_i c_i L_i: that G is c_i times pass 1's only up to rounding, which an example whose G is
+        mostly rounding can turn into a contribution above C (PassOne.write_sums; the README's known gaps)."""
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
         if self.pass_one.replays():

@@ -28,6 +28,7 @@ sequences), and a stack of Linear layers more.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -74,6 +75,29 @@ class ClippedSums:
         self.all_weights = coefficients * grad_output.to(coefficients.dtype)
         self.group_of = group_of
         self._in_dtype = {}  # the weights in each factor's accumulation dtype, converted once for all factors
+        self._collected = None  # parameter -> its sum so far, inside ``collected``
+
+    @contextlib.contextmanager
+    def collected(self):
+        """Inside, the sums are collected instead of written; on leaving, written into p.grad (a backward that drops
+        what autograd accumulates into the parameters runs inside: PassOne.write_sums, reentrant checkpoints)."""
+        self._collected = {}
+        try:
+            yield
+            collected = self._collected
+            self._collected = None
+            while collected:
+                self._write(*collected.popitem())
+        finally:
+            self._collected = None
+
+    def _put(self, param, clipped):
+        if self._collected is None:
+            self._write(param, clipped)
+        elif param in self._collected:
+            self._collected[param] = self._collected[param] + clipped
+        else:
+            self._collected[param] = clipped
 
     def _weights_of(self, group, dt):
         if (dt, group) not in self._in_dtype:
@@ -116,14 +140,14 @@ class ClippedSums:
             if left[k]:
                 partial[k] = clipped
             else:
-                self._write(params[k], clipped)
+                self._put(params[k], clipped)
         # An embedding table's clipped sum is as large as the table, and its factor (ids and G) small: written after
         # every other sum has freed its factors, not beside them (BERT L=4, H=256, B=8, the word embeddings' 30 MB
         # beside 37 MB of kept factors: 1.95x plain's peak before 2026-11-26).
         while tables:
             param, factor, group = tables.pop()
             # (in the parameter's dtype: no wide copy of a 16-bit table)
-            self._write(param, self._weighted_sum(factor, group, out_dtype=param.dtype))
+            self._put(param, self._weighted_sum(factor, group, out_dtype=param.dtype))
 
     @staticmethod
     def _write(param, clipped):

@@ -148,11 +148,10 @@ class PassOne:
             self._prove_reentrant_layouts(per_example_losses, audited, calls)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
-        # Two passes write their clipped sums by pass 1's backward again (write_sums), except through reentrant
-        # checkpoints and FSDP2's sharded parameters (GhostClipping.write_clipped_sums).
+        # Two passes write their clipped sums by pass 1's backward again (write_sums), except with FSDP2's sharded
+        # parameters (GhostClipping.write_clipped_sums).
         self._replay = None
-        passed.replayed = (pass_two and mode.continues_backward and not regions
-                           and not self.controller._has_sharded_parameters())
+        passed.replayed = pass_two and mode.continues_backward and not self.controller._has_sharded_parameters()
         passed.kept_storages.alive_anyway = self.recorder.input_storages
         request = self.controller._sample_request
         if request is not None:
@@ -162,6 +161,8 @@ class PassOne:
             with self.controller._region("ghostdp.pass1"):
                 if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
                     self._reentrant_pass_one(per_example_losses, audited)
+                    if passed.replayed:  # pass 2's recomputed region calls take the layouts of these, in order
+                        self._replay = (probes, [(c, ()) for c in captured], False, passed.region_calls)
                 else:
                     # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
                     # which pass 2 names again.
@@ -175,7 +176,7 @@ class PassOne:
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
                     if passed.replayed:
-                        self._replay = (probes, edges, passed.second_backward)
+                        self._replay = (probes, edges, passed.second_backward, None)
             if mode.continues_backward:
                 self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
@@ -494,11 +495,16 @@ class PassOne:
         rounding (catastrophic cancellation, e.g. a saturated softmax in attention on inputs of 1e4) the two
         differ by as much as G itself: one example moved a float32 clipped sum by up to 4.5 C
         (tests/privacy/test_sensitivity_audit.py, linear-attention-encoder). ``skipped``: the parameters whose
-        clipped sums are already written (the fallback's, from pass 1's per-example gradients)."""
-        probes, captured_edges, second_backward = self._replay
+        clipped sums are already written (the fallback's, from pass 1's per-example gradients).
+
+        Through reentrant checkpoints (reentrant.py) pass 1 was a backward without inputs, and so is pass 2: it
+        recomputes each region, whose calls are recorded again and take the layouts of pass 1's region calls in
+        order (take_twin_layouts); the gradients autograd accumulates into the parameters are dropped as in pass
+        1, and the clipped sums are written once that backward is done."""
+        probes, captured_edges, second_backward, region_calls = self._replay
         self._replay = None
-        passed = NormPass(losses.shape[0])
-        passed.sums, passed.sums_skipped = sums, skipped
+        passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
+        passed.sums, passed.sums_skipped, passed.twins = sums, skipped, region_calls
         captured = []
         for call, edges in captured_edges:
             call.edges = edges
@@ -506,16 +512,36 @@ class PassOne:
         self.current = passed
         try:
             with self.controller._region("ghostdp.pass2"):
-                if probes or captured:
-                    self._backward_to_outputs(losses, probes, captured, torch.ones_like(losses), second_backward)
-                for call in passed.summing.values():
-                    if not call.done:
-                        self._write_sums(call, passed.batch_size)
-                self._flush_sums()
+                if region_calls is not None:
+                    with sums.collected(), self._grads_set_aside(losses):
+                        torch.autograd.backward(losses, torch.ones_like(losses))
+                        self._finish_sums()
+                else:
+                    if probes or captured:
+                        self._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
+                                                  second_backward)
+                    self._finish_sums()
         finally:
             self.current = None
             for call in captured:  # (controller._forget_captured_edges)
                 call.edges, call.inputs = (), ()
+
+    def _finish_sums(self):
+        """Pass 2's calls that wait for output grads that never came (several outputs), and the last sums."""
+        for call in self.current.summing.values():
+            if not call.done:
+                self._write_sums(call, self.current.batch_size)
+        self._flush_sums()
+
+    def take_twin_layouts(self, call):
+        """A region call that pass 2's recomputation of a reentrant checkpoint recorded (recording.py) takes the
+        layouts of pass 1's call at its place in the order; refused where the two recomputations differ."""
+        passed = self.current
+        k = len(passed.region_calls) - 1
+        twins = passed.twins
+        if k >= len(twins) or twins[k].module is not call.module or list(twins[k].shapes) != list(call.shapes):
+            raise RuntimeError(DIFFERENT_REGION_CALLS)
+        call.layouts = twins[k].layouts
 
     def forget_replay(self) -> None:
         """Drops what pass 2 would have repeated (a step stopped between the passes: refused examples)."""
@@ -530,6 +556,9 @@ class PassOne:
 
     def _receive_for_sums(self, call, slot, grad):
         """An output grad of a recorded call in pass 2 (write_sums); a call without a rule has its sums already."""
+        if call.in_region and not call.fired:  # recorded by pass 2's recomputation: its uses are consumed
+            call.fired = True
+            self.recorder.forget(call)
         if call.rule is None:
             call.inputs = ()  # (a probe hands them over)
             return
@@ -544,6 +573,8 @@ class PassOne:
     def _write_sums(self, call, B):
         """The factors of one call of pass 2, waiting with others for their clipped sums (_flush_sums)."""
         passed = self.current
+        if call.in_region:  # a factor waiting for its sum would hold the region's graph (_fire_in_reentrant_step)
+            call.inputs = tuple(x.detach() for x in call.inputs)
         self.layouts.batch_first(call, B)
         factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
         for n, f in factors.items():

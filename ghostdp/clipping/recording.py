@@ -454,16 +454,19 @@ class ForwardRecorder:
         by pass 1 (reentrant.py); one recomputed by the layout proof; or nothing (any other recomputation)."""
         if self.regions.depth:
             if self.pass_one.current is None:
-                return _INERT  # pass 2 recomputing a region
+                return _INERT  # a backward of sum_i c_i L_i recomputing a region (FSDP2's pass 2)
             return _IN_PROOF if self.pass_one.current.proving else _IN_REGION
         return _RECORDED if self.pass_one.current is None else _INERT
 
     def _note_region_call(self, call, kind):
-        self.pass_one.current.region_calls.append(call)
+        passed = self.pass_one.current
+        passed.region_calls.append(call)
         if kind is _IN_PROOF:
             call.projections = [None] * len(call.shapes)
         else:
             call.in_region = True
+            if passed.sums is not None:  # pass 2 of two passes (PassOne.write_sums)
+                self.pass_one.take_twin_layouts(call)
 
     def _record_ruled(self, name, entry, module, args, output, params):
         """on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one

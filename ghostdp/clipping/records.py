@@ -169,6 +169,7 @@ class NormPass:
         self.second_backward = False      # a second backward named calls the first missed (_backward_to_outputs)
         self.sums = None                  # pass 2 of two passes: the modes.ClippedSums it writes (write_sums)
         self.sums_skipped = ()            # the parameters whose clipped sums are written already
+        self.twins = None                 # pass 2 through reentrant checkpoints: pass 1's region calls, in order
         self.summing = {}                 # id -> call reached in pass 2, in order
         self.sum_factors = new_factor_store()  # parameter -> factors of pass 2 waiting for their clipped sums
         self.sum_elements = 0             # what those factors hold (PassOne._write_sums)
