@@ -2,9 +2,9 @@
 # The GPU checks of the GPU-speed issue, for a session lent a device machine (15 minutes of device time, the
 # machine's start included):
 #
-#     bash profiling/device_checks.sh                        # on the device machine: suite and forward_check
-#     bash profiling/device_checks.sh layers knobs           # any steps by name: suite forward_check compiled layers
-#                                                            # knobs one_backward
+#     bash profiling/device_checks.sh                        # on the device machine: suite, forward_check, pass_two
+#     bash profiling/device_checks.sh layers knobs           # any steps by name: suite forward_check pass_two
+#                                                            # compiled layers knobs one_backward
 #     SUITE_ARGS="--against REF" bash profiling/device_checks.sh suite   # extra arguments for the suite
 #     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers knobs one_backward  # dry run
 #
@@ -13,8 +13,12 @@
 # - suite (limit 300 s): profiling.suite, every row of the GPU table; suite/suite.json and suite/suite.png, the
 #   JSON rewritten after every row. 238 s on an H200 with Opacus (2026-11-26).
 # - forward_check (60 s): the forward check's margins in float32, bfloat16 and float16. 21 s there.
+# - pass_two (60 s): tests/privacy/test_pass_two.py on the GPU: whether pass 2 of two passes receives the output
+#   grads pass 1 received, bit for bit (its clipped sums are consistent with the norms only then; a difference is
+#   refused on the layout proof's steps, pass_one.CHECK_PASS_TWO), and the float32 bound on raw-input attention.
+#   Not yet run on a device; its answer decides whether two passes are sound on GPUs as they are.
 # - compiled (300 s): torch.compile against eager at BERT-base, bf16, B=32, each setting in its own process.
-#   288 s there, so it is not in the default: the default's 360 s and a machine's start (about 30 s) leave a
+#   288 s there, so it is not in the default: the default's 420 s and a machine's start (about 30 s) leave a
 #   15-minute session room for a rerun.
 # - layers (120 s): profiling.layers at BERT-base, bf16, B=256, all trainable: a step split into regions by CUDA
 #   events (forward, pass 1's norm rules by module type and its backward, pass 2 or the clipped sums, optimizer),
@@ -35,7 +39,7 @@ mkdir -p "$out/suite"
 python=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # unbuffered: a step stopped at its limit keeps its output
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(suite forward_check)
+[ ${#steps[@]} -eq 0 ] && steps=(suite forward_check pass_two)
 
 step() {  # step NAME LIMIT_S COMMAND...: the command's output and exit status in $out/NAME.txt
     local name=$1 limit=$2
@@ -56,6 +60,8 @@ for name in "${steps[@]}"; do
             --dtypes float32 bfloat16 float16 ;;
         forward_check:*) step forward_check 300 "$python" -m profiling.forward_check --device "$device" \
             --dtypes float32 --models "bert (sdpa)" --batches 8 ;;
+        pass_two:*) step pass_two 60 "$python" -m pytest -q -p no:cacheprovider tests/privacy/test_pass_two.py \
+            --device "$device" ;;
         compiled:cuda) step compiled 300 "$python" -m profiling.compiled --device cuda --hidden 768 --heads 12 \
             --seq 128 --batch 32 --dtype bf16 --threads 0 --steps 30 ;;
         compiled:*) step compiled 300 "$python" -m profiling.compiled --device "$device" --modes bookkeeping \
@@ -74,7 +80,8 @@ for name in "${steps[@]}"; do
             --seq 256 --batch 8 --dtype bf16" ;;
         one_backward:*) step one_backward 300 "$python" -m profiling.one_backward --device "$device" --model linear \
             --layers 1 --hidden 16 --seq 4 --batch 4 ;;
-        *) echo "unknown step '$name': the steps are suite, forward_check, compiled, layers, knobs and one_backward" >&2
+        *) echo "unknown step '$name': the steps are suite, forward_check, pass_two, compiled, layers, knobs and" \
+                "one_backward" >&2
            exit 2 ;;
     esac
 done

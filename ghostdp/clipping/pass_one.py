@@ -49,6 +49,30 @@ RANDOM_DRAWS_IN_PASS_ONE = (
     "make the backward deterministic.")
 
 
+# Pass 2 repeats pass 1's backward (PassOne.write_sums), so that each layer's clipped sum is c_i times the very
+# output grads its norm was formed from; that holds where the backward gives the same output grads twice. On the
+# layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every REPROOF_EVERY-th;
+# a new graph) every ruled call's output grads are compared between the two passes (each example's sum of
+# squares in float64, one reduction per call and pass), and a difference is refused (PASS_TWO_DIFFERS). False:
+# not compared.
+CHECK_PASS_TWO = True
+
+PASS_TWO_DIFFERS = (
+    "pass 2 of clipping='ghost' repeats pass 1's backward so that each layer's clipped sum reads the output grads "
+    "its norm was formed from, but on this step module '{name}' received different ones in the two passes (an "
+    "example's squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not "
+    "deterministic (on a GPU: atomics in an attention backward or a scatter). An example's clipped gradient could "
+    "then exceed the clipping norm, by as much as its output grads differ. Fix: clipping='bookkeeping' (its clipped "
+    "sums read the output grads its norms read, at the memory of keeping them), or "
+    "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
+    "ghostdp.clipping.pass_one.CHECK_PASS_TWO = False accepts the difference.")
+
+
+def _squares(grad) -> torch.Tensor:
+    """(B,) each example's sum of squares of a batch-first output grad, in float64 (PASS_TWO_DIFFERS)."""
+    return grad.reshape(grad.shape[0], -1).double().pow(2).sum(1)
+
+
 DIFFERENT_REGION_CALLS = (
     "a reentrant activation checkpoint recomputed different module calls in two backward passes of one step (a "
     "forward that depends on state other than its inputs and the random generators?), so ghostdp cannot prove "
@@ -152,6 +176,8 @@ class PassOne:
         # parameters (GhostClipping.write_clipped_sums).
         self._replay = None
         passed.replayed = pass_two and mode.continues_backward and not self.controller._has_sharded_parameters()
+        if passed.replayed and CHECK_PASS_TWO and self._reprove:
+            passed.pass_two_check = {}
         passed.kept_storages.alive_anyway = self.recorder.input_storages
         request = self.controller._sample_request
         if request is not None:
@@ -162,7 +188,8 @@ class PassOne:
                 if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
                     self._reentrant_pass_one(per_example_losses, audited)
                     if passed.replayed:  # pass 2's recomputed region calls take the layouts of these, in order
-                        self._replay = (probes, [(c, ()) for c in captured], False, passed.region_calls)
+                        self._replay = (probes, [(c, ()) for c in captured], False, passed.region_calls,
+                                        passed.pass_two_check)
                 else:
                     # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
                     # which pass 2 names again.
@@ -176,7 +203,7 @@ class PassOne:
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
                     if passed.replayed:
-                        self._replay = (probes, edges, passed.second_backward, None)
+                        self._replay = (probes, edges, passed.second_backward, None, passed.pass_two_check)
             if mode.continues_backward:
                 self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
@@ -435,6 +462,8 @@ class PassOne:
         if call.projections is not None:
             self.layouts.resolve(call, B)
         self.layouts.batch_first(call, B)
+        if self.current.pass_two_check is not None and call.rule is not None and call.grads[0] is not None:
+            self.current.pass_two_check[self._replay_key(call)] = _squares(call.grads[0])
         if self.controller.region_timer is None and not _profiler_enabled():
             self._factors(call, B)
         else:
@@ -501,10 +530,11 @@ class PassOne:
         recomputes each region, whose calls are recorded again and take the layouts of pass 1's region calls in
         order (take_twin_layouts); the gradients autograd accumulates into the parameters are dropped as in pass
         1, and the clipped sums are written once that backward is done."""
-        probes, captured_edges, second_backward, region_calls = self._replay
+        probes, captured_edges, second_backward, region_calls, expected = self._replay
         self._replay = None
         passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
         passed.sums, passed.sums_skipped, passed.twins = sums, skipped, region_calls
+        passed.pass_two_check = expected  # pass 1's squares of the output grads, on a checked step
         captured = []
         for call, edges in captured_edges:
             call.edges = edges
@@ -521,6 +551,8 @@ class PassOne:
                         self._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
                                                   second_backward)
                     self._finish_sums()
+            if passed.pass_two_pairs:
+                self._refuse_different_output_grads(passed.pass_two_pairs)
         finally:
             self.current = None
             for call in captured:  # (controller._forget_captured_edges)
@@ -532,6 +564,25 @@ class PassOne:
             if not call.done:
                 self._write_sums(call, self.current.batch_size)
         self._flush_sums()
+
+    def _replay_key(self, call):
+        """What names a call in both passes: itself, or a reentrant region's call by its place in the order."""
+        return ("region", self.current.region_calls.index(call)) if call.in_region else id(call)
+
+    @staticmethod
+    def _refuse_different_output_grads(pairs):
+        """Refuses a call whose output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs`` of
+        (its name, pass 1's squares, pass 2's). One host sync, on checked steps only."""
+        first = torch.stack([a.to(pairs[0][1].device) for _, a, _ in pairs])
+        second = torch.stack([b.to(pairs[0][1].device) for _, _, b in pairs])
+        # An example whose squares are not finite in pass 1 has a non-finite norm: refused or given c_i = 0 already.
+        differs = (first != second) & first.isfinite()
+        if not bool(differs.any()):
+            return
+        relative = torch.where(differs, (second - first).abs() / first.abs().clamp(min=torch.finfo(torch.float64).tiny),
+                               0.0).amax(1)
+        k = int(relative.argmax())
+        raise RuntimeError(PASS_TWO_DIFFERS.format(name=pairs[k][0], relative=float(relative[k])))
 
     def take_twin_layouts(self, call):
         """A region call that pass 2's recomputation of a reentrant checkpoint recorded (recording.py) takes the
@@ -576,6 +627,10 @@ class PassOne:
         if call.in_region:  # a factor waiting for its sum would hold the region's graph (_fire_in_reentrant_step)
             call.inputs = tuple(x.detach() for x in call.inputs)
         self.layouts.batch_first(call, B)
+        if passed.pass_two_check is not None and call.grads[0] is not None:
+            expected = passed.pass_two_check.pop(self._replay_key(call), None)
+            if expected is not None:
+                passed.pass_two_pairs.append((call.name, expected, _squares(call.grads[0])))
         factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
         for n, f in factors.items():
             param = call.params[n]

@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ghostdp
-from test_sensitivity_audit import LinearAttentionEncoder
+from test_sensitivity_audit import LinearAttentionEncoder, strict_float32  # noqa: F401 (a fixture)
 
 B, T, D = 4, 4, 8
 
@@ -31,11 +31,13 @@ def _clipped_sum(model, x, labels, C, reentrant=False):
         model.zero_grad(set_to_none=True)
 
 
-def test_pass_two_receives_the_output_grads_that_pass_one_received_bit_for_bit():
+def test_pass_two_receives_the_output_grads_that_pass_one_received_bit_for_bit(device):
     """A tensor hook on the query projection's output sees every backward of the step: the layout proof's, pass 1's
-    and pass 2's. Pass 2's (before 2026-11-27: c_i times another rounding of them) equal pass 1's."""
-    model = LinearAttentionEncoder(batch_first=True).float()
-    x, labels = torch.randn(B, T, D, dtype=torch.float32), torch.tensor([0, 1, 2, 0])
+    and pass 2's. Pass 2's (before 2026-11-27: c_i times another rounding of them) equal pass 1's. (On a GPU,
+    ``pytest tests/privacy --device cuda``: whether its attention backward is deterministic.)"""
+    model = LinearAttentionEncoder(batch_first=True).float().to(device)
+    x = torch.randn(B, T, D, dtype=torch.float32).to(device)
+    labels = torch.tensor([0, 1, 2, 0], device=device)
     x[0] *= 1e4  # a saturated softmax: the example's G at the query projection is mostly rounding
     seen = []
 
@@ -52,20 +54,22 @@ def test_pass_two_receives_the_output_grads_that_pass_one_received_bit_for_bit()
 
 @pytest.mark.parametrize("batch_first, reentrant", [(True, False), (False, False), (True, True)])
 def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_sum_by_at_most_C(batch_first,
-                                                                                                reentrant):
+                                                                                                reentrant, device,
+                                                                                                strict_float32):
     """The sensitivity audit's adversaries (the example x 1e4, tokens of 1e8 that cancel) on several seeds of a
     Linear-projected attention: before 2026-11-27 two passes moved the clipped sum by up to 4.5 C here; through a
     reentrant checkpoint, whose region pass 2 recomputes, by 2.87 C."""
     worst = 0.0
     for seed in range(6):
         torch.manual_seed(seed)
-        model = LinearAttentionEncoder(batch_first).float()
-        x, labels = torch.randn(B + 1, T, D, dtype=torch.float32), torch.randint(0, 3, (B + 1,))
+        model = LinearAttentionEncoder(batch_first).float().to(device)
+        x = torch.randn(B + 1, T, D, dtype=torch.float32).to(device)
+        labels = torch.randint(0, 3, (B + 1,)).to(device)
         layout = (lambda t: t) if batch_first else (lambda t: t.transpose(0, 1))
         probe = ghostdp.GhostClipping(model, 1.0)
         C = float(probe.per_example_norms(_losses(model, layout(x[:B]), labels[:B])).median())  # about half clipped
         probe.detach()
-        cancelling = 1e8 * torch.tensor([1.0, -1.0] * (T // 2), dtype=torch.float32)[:, None] * x[B, 0]
+        cancelling = 1e8 * torch.tensor([1.0, -1.0] * (T // 2), dtype=torch.float32, device=device)[:, None] * x[B, 0]
         for adversary in (x[B] * 1e4, cancelling):
             batch = torch.cat([x[:B], adversary[None]])
             without = _clipped_sum(model, layout(x[:B]), labels[:B], C, reentrant)
@@ -74,3 +78,43 @@ def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_
             assert moved <= C * (1 + 1e-6) + 1e-5 * float(without.norm() + with_it.norm()), moved / C
             worst = max(worst, moved / C)
     assert worst > 0.5  # the adversaries are clipped: each moves the sum by about C
+
+
+class Unsteady(torch.autograd.Function):
+    """The identity, whose backward scales its gradient by 1 + 1e-6 on every second run: a kernel that does not give
+    the same result twice (a GPU's atomics), between pass 1 (its second run: the layout proof is the first) and
+    pass 2 (its third)."""
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        Unsteady.runs += 1
+        return grad * (1 + 1e-6 * (Unsteady.runs % 2))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_backward_that_differs_between_the_passes_is_refused_on_checked_steps(check, monkeypatch):
+    """The refusal names the module and how far its output grads moved, and the fixes; with the check off the step
+    runs (the caller accepts the difference)."""
+    from ghostdp.clipping import pass_one
+    monkeypatch.setattr(pass_one, "CHECK_PASS_TWO", check)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
+    x, Unsteady.runs = torch.randn(B, D), 0
+
+    def losses():
+        hidden = model[1](model[0](x))
+        return model[2](Unsteady.apply(hidden)).pow(2).sum(1)
+
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    if check:
+        with pytest.raises(RuntimeError, match=r"module '0' received different ones.*differs by 2e-06 of itself.*"
+                                               r"clipping='bookkeeping'.*use_deterministic_algorithms"):
+            controller.loss(losses(), reduction="sum").backward()
+    else:
+        controller.loss(losses(), reduction="sum").backward()
+        assert model[0].weight.grad is not None
+    assert Unsteady.runs == 3  # the layout proof, pass 1, pass 2
