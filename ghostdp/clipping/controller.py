@@ -442,6 +442,7 @@ class GhostClipping:
                              "(is the forward under torch.no_grad(), or is every parameter frozen?)")
         if self.pass_one.current is not None:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
+        self.pass_one.forget_replay()  # a pass 1 whose pass 2 never came (a refusal between them): not this step's
         B = per_example_losses.shape[0]
         self._mass = None
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only

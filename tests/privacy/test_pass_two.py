@@ -8,9 +8,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ghostdp
-from test_sensitivity_audit import LinearAttentionEncoder, strict_float32  # noqa: F401 (a fixture)
+import test_sensitivity_audit as audit
+from test_sensitivity_audit import LinearAttentionEncoder
 
 B, T, D = 4, 4, 8
+strict_float32 = audit.strict_float32  # the audit's fixture: TF32 off on a GPU
 
 
 def _losses(model, x, labels, reentrant=False):
@@ -118,3 +120,17 @@ def test_a_backward_that_differs_between_the_passes_is_refused_on_checked_steps(
         controller.loss(losses(), reduction="sum").backward()
         assert model[0].weight.grad is not None
     assert Unsteady.runs == 3  # the layout proof, pass 1, pass 2
+
+
+def test_a_pass_one_whose_pass_two_never_came_is_not_repeated_by_the_next_backward():
+    """Pass 1 keeps what pass 2 repeats; a step stopped between them (a refusal) leaves it behind. The next DP loss's
+    backward must not repeat it: here an empty Poisson batch's, which runs no pass 1 of its own (it raised an
+    internal error before 2026-11-27's fix, reading the old step's calls)."""
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, 2))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.clip_coefficients(model(torch.randn(3, D)).pow(2).sum(1), pass_two=True)
+    assert controller.pass_one.replays()
+    model.zero_grad(set_to_none=True)
+    controller.loss(model(torch.randn(0, D)).pow(2).sum(1)).backward()
+    assert not controller.pass_one.replays()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
