@@ -515,10 +515,11 @@ class GhostClipping:
         return coeffs
 
     def writes_sums_itself(self, mode=None) -> bool:
-        """Whether this DP loss's clipped sums go into p.grad past autograd's accumulation (so past DDP's reducer):
-        book-keeping's, and two passes' that repeat pass 1 (after ``clip_coefficients``)."""
+        """Whether this DP loss's clipped sums go into p.grad past autograd's accumulation and DDP's reducer, for the
+        DP optimizer to sum over the ranks: book-keeping's, and two passes' that repeat pass 1 (after
+        ``clip_coefficients``), except with FSDP2, which reduce-scatters them."""
         mode = self.mode if mode is None else mode
-        return mode.keeps_factors or self.pass_one.replays()
+        return mode.keeps_factors or (self.pass_one.replays() and not self.pass_one.replay_summed_by_fsdp())
 
     def write_clipped_sums(self, coefficients, grad_output, losses, mode=None):
         """After pass 1: sum_i c_i g_i into p.grad. Book-keeping writes it from its kept factors; two passes
@@ -528,9 +529,11 @@ class GhostClipping:
         refused (PassOne.refuse_if_not_from_dp_loss). The fallback's parameters take their sums from pass 1's
         per-example gradients (precision.py).
 
-        With FSDP2-sharded parameters (whose gradients must go through FSDP2's reduce-scatter) pass 2 is still a
-        backward of sum_i c_i L_i: that G is c_i times pass 1's only up to rounding, which an example whose G is
-        mostly rounding can turn into a contribution above C (PassOne.write_sums; the README's known gaps)."""
+        With FSDP2-sharded parameters each call's sums go into the unsharded parameters' .grad as its G arrives,
+        for FSDP's reduce-scatter (PassOne._replay_for_fsdp); where a call's G would come only from the backward's
+        result, after FSDP has reduced, pass 2 is still a backward of sum_i c_i L_i, whose G is c_i times pass 1's
+        only up to rounding, which an example whose G is mostly rounding can turn into a contribution above C
+        (PassOne.write_sums; the README's known gaps)."""
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
         if self.pass_one.replays():

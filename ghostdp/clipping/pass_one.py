@@ -136,6 +136,7 @@ class PassOne:
         self._proof_region_calls = None  # a reentrant step proven before pass 1: the proof's region calls, in order
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
         self._replay = None              # what pass 2 repeats of the last pass 1 (``write_sums``), or None
+        self._replay_by_fsdp = False     # FSDP2 reduce-scatters pass 2's sums (_replay_for_fsdp)
 
     def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
             graph: tuple, pass_two: bool = False) -> NormPass:
@@ -172,10 +173,9 @@ class PassOne:
             self._prove_reentrant_layouts(per_example_losses, audited, calls)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
-        # Two passes write their clipped sums by pass 1's backward again (write_sums), except with FSDP2's sharded
-        # parameters (GhostClipping.write_clipped_sums).
+        # Two passes write their clipped sums by pass 1's backward again (write_sums).
         self._replay = None
-        passed.replayed = pass_two and mode.continues_backward and not self.controller._has_sharded_parameters()
+        passed.replayed = pass_two and mode.continues_backward
         if passed.replayed and CHECK_PASS_TWO and self._reprove:
             passed.pass_two_check = {}
         passed.kept_storages.alive_anyway = self.recorder.input_storages
@@ -190,6 +190,8 @@ class PassOne:
                     if passed.replayed:  # pass 2's recomputed region calls take the layouts of these, in order
                         self._replay = (probes, [(c, ()) for c in captured], False, passed.region_calls,
                                         passed.pass_two_check)
+                        if self.controller._has_sharded_parameters():  # (refused with FSDP: controller.py)
+                            self.forget_replay()
                 else:
                     # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
                     # which pass 2 names again.
@@ -204,6 +206,8 @@ class PassOne:
                     self._finish()
                     if passed.replayed:
                         self._replay = (probes, edges, passed.second_backward, None, passed.pass_two_check)
+                        if self.controller._has_sharded_parameters():
+                            self._replay_for_fsdp(captured, passed.second_backward)
             if mode.continues_backward:
                 self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
@@ -237,7 +241,7 @@ class PassOne:
         passed.arrived.append((call, grad))
         # Counted as the queue counts a factor (batched._held_elements): its inputs and G.
         passed.arrived_elements += grad.numel() + sum([x.numel() for x in call.inputs])
-        if passed.arrived_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
+        if passed.synchronous or passed.arrived_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
             self._receive_arrived()
 
     def _receive_arrived(self):
@@ -533,6 +537,7 @@ class PassOne:
         probes, captured_edges, second_backward, region_calls, expected = self._replay
         self._replay = None
         passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
+        passed.synchronous, self._replay_by_fsdp = self._replay_by_fsdp, False
         passed.sums, passed.sums_skipped, passed.twins = sums, skipped, region_calls
         passed.pass_two_check = expected  # pass 1's squares of the output grads, on a checked step
         captured = []
@@ -557,6 +562,22 @@ class PassOne:
             self.current = None
             for call in captured:  # (controller._forget_captured_edges)
                 call.edges, call.inputs = (), ()
+
+    def _replay_for_fsdp(self, captured, second_backward):
+        """With FSDP2-sharded parameters FSDP reduce-scatters each unit's gradients in its post-backward hook, during
+        pass 2's backward (or in the callback that ends it): pass 2 writes each call's clipped sums into the
+        unsharded parameters' .grad as its output grads arrive (``fsdp``, write_sums), before that hook reads them.
+        A call whose output grads come from the backward's result (named, or named in a second backward) would come
+        after it: such a step keeps pass 2 as a backward of sum_i c_i L_i (GhostClipping.write_clipped_sums)."""
+        if second_backward or any(c.named for c in captured):
+            self.forget_replay()
+        else:
+            self._replay_by_fsdp = True
+
+    def replay_summed_by_fsdp(self) -> bool:
+        """Whether pass 2's clipped sums go into FSDP2's unsharded parameters, which FSDP reduce-scatters over the
+        ranks (else the DP optimizer sums the ranks' itself)."""
+        return self._replay is not None and self._replay_by_fsdp
 
     def _finish_sums(self):
         """Pass 2's calls that wait for output grads that never came (several outputs), and the last sums."""
@@ -599,7 +620,7 @@ class PassOne:
         if self._replay is not None:
             for call, _ in self._replay[1]:
                 call.inputs = ()
-        self._replay = None
+        self._replay, self._replay_by_fsdp = None, False
 
     def replays(self) -> bool:
         """Whether the last pass 1 is to be repeated by pass 2 (write_sums)."""
@@ -639,7 +660,7 @@ class PassOne:
         passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
         passed.sum_elements += sum([x.numel() for x in call.inputs])
         call.grads, call.inputs, call.done = (), (), True
-        if passed.sum_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
+        if passed.synchronous or passed.sum_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
             self._flush_sums()
 
     def _flush_sums(self):

@@ -170,6 +170,7 @@ class NormPass:
         self.sums = None                  # pass 2 of two passes: the modes.ClippedSums it writes (write_sums)
         self.sums_skipped = ()            # the parameters whose clipped sums are written already
         self.twins = None                 # pass 2 through reentrant checkpoints: pass 1's region calls, in order
+        self.synchronous = False          # pass 2 with FSDP2: each call's sums written as its G arrives
         self.pass_two_check = None        # a checked step: key -> (B,) squares of a call's G (pass_one.CHECK_PASS_TWO)
         self.pass_two_pairs = []          # pass 2: (name, pass 1's squares, pass 2's) of the calls compared
         self.summing = {}                 # id -> call reached in pass 2, in order
