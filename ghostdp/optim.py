@@ -144,7 +144,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.last_step_taken = False
         self._expect_fresh_grads = True   # the next norm pass must find p.grad None or zero
         self.buckets_last_step = 0        # book-keeping with several processes: all-reduces of the last step
-        self._sums_written_by_mode = None  # this step's backwards wrote their clipped sums past DDP (book-keeping)
+        self._sums_written_by_mode = None  # this step's backwards wrote their clipped sums past DDP's reducer
+        self._weights_compared = False  # several processes: the replicas' weights were compared (add_noise)
         self.noise_scheduler = None       # set by a schedules.NoiseScheduler built on this optimizer
         self.calibrated_epsilon = None    # set by make_private_with_epsilon (a scheduler then warns)
         self.calibrated_steps = None      # the steps that calibration planned: more are warned of, once
@@ -382,8 +383,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def add_noise(self, expected_batch_size: float | None = None, clipped_with: float | None = None, params=None):
         """p.grad <- (p.grad + N(0, sigma^2 C^2)) [/ expected batch size]; None grads count as zero.
 
-        With several processes p.grad is first multiplied by the world size (DDP averaged it), or, in
-        book-keeping, summed over the ranks here. ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
+        With several processes p.grad is first summed over the ranks here (ghostdp wrote the clipped sums itself:
+        book-keeping, and two passes since 2026-11-27), or multiplied by the world size (FSDP averaged it).
+        ``expected_batch_size``: that of this step's draw (a batch-size schedule), else the initial one.
         ``clipped_with``: the clipping norm C this step's gradients were clipped with (the largest of its
         backward calls'), else the controller's now: a C changed between backward() and step() must not
         scale the noise of gradients clipped with another. ``params``: ``self.params``, where the caller has it.
@@ -404,13 +406,18 @@ class DPOptimizer(torch.optim.Optimizer):
         # FSDP2: a sharded gradient's local part is this rank's alone; it gets its own noise (randomness.py).
         grads, sharded = local_parts([p.grad for p in params])
         replicated = params if sharded is None else [p for p, s in zip(params, sharded) if not s]
-        # Book-keeping wrote the clipped sums itself: DDP's reducer never ran (a checkpointed book-keeping
-        # step takes two passes, and DDP's reducer runs in its second: modes.mode_of_step).
+        # ghostdp wrote the clipped sums itself (GhostClipping.writes_sums_itself): DDP's reducer never ran.
         written, self._sums_written_by_mode = self._sums_written_by_mode, None
         summed_here = distributed and (self.controller.mode.keeps_factors if written is None else written)
         if summed_here:
             self.buckets_last_step = _all_reduce_sum(grads)
-        clipped_fingerprint = self._fingerprint(replicated) if distributed and replicated else None
+        clipped_fingerprint = self._fingerprint([p.grad for p in replicated]) if distributed and replicated else None
+        # The replicas' weights, compared at the first step: the step sums every rank's clipped sums itself, so a
+        # forward that did not go through DDP (which broadcasts rank 0's weights when it wraps the model) trains
+        # each rank's own replica unnoticed otherwise.
+        weights = None
+        if clipped_fingerprint is not None and not self._weights_compared:
+            weights, self._weights_compared = self._fingerprint([p.detach() for p in replicated]), True
         if distributed and not summed_here:
             torch._foreach_mul_(grads, self.world_size)  # DDP / FSDP averaged the ranks' clipped sums
         if std > 0:  # one noise stream over all gradients, in parameter order (randomness.py)
@@ -424,18 +431,19 @@ class DPOptimizer(torch.optim.Optimizer):
             torch._foreach_div_(grads, divisor)
         if clipped_fingerprint is not None:
             modes = self.controller.step_modes  # the ranks' measures ride on the same all-reduce
-            modes.agree(self._check_ranks_agree(clipped_fingerprint, self._fingerprint(replicated),
-                                                modes.local_measure()))
+            modes.agree(self._check_ranks_agree(clipped_fingerprint, self._fingerprint([p.grad for p in replicated]),
+                                                modes.local_measure(), weights))
 
     @staticmethod
-    def _fingerprint(params) -> torch.Tensor:
-        """Two float64 numbers that summarise every p.grad: sum_k (k + 1) sum(g_k), and sum_k |g_k|."""
-        device = params[0].device
+    def _fingerprint(tensors) -> torch.Tensor:
+        """Two float64 numbers that summarise tensors t_k (None counts as absent): sum_k (k + 1) sum(t_k), and
+        sum_k |t_k|."""
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         weighted, norms = [], []
-        for k, p in enumerate(params):
-            if p.grad is not None:
-                weighted.append(((k + 1) * _wide_sum(p.grad)).to(device))
-                norms.append(torch.linalg.vector_norm(p.grad).double().to(device))
+        for k, t in enumerate(tensors):
+            if t is not None:
+                weighted.append(((k + 1) * _wide_sum(t)).to(device))
+                norms.append(torch.linalg.vector_norm(t).double().to(device))
         if not weighted:
             return torch.zeros(2, dtype=torch.float64, device=device)
         return torch.stack([torch.stack(weighted).sum(), torch.stack(norms).sum()])
@@ -449,28 +457,38 @@ class DPOptimizer(torch.optim.Optimizer):
         dist.all_reduce(both)
         return float(both[0]), int(both[1])
 
-    def _check_ranks_agree(self, clipped, noisy, measures: tuple) -> tuple:
-        """Refuses clipped sums or noise that differ between the ranks; returns each of ``measures``' largest over
-        the ranks (what book-keeping would keep, clipping/modes.StepModes), taken in the same all-reduce."""
+    def _check_ranks_agree(self, clipped, noisy, measures: tuple, weights=None) -> tuple:
+        """Refuses clipped sums, noise or (at the first step, ``weights``) model weights that differ between the
+        ranks; returns each of ``measures``' largest over the ranks (what book-keeping would keep,
+        clipping/modes.StepModes), taken in the same all-reduce."""
         import torch.distributed as dist
-        both = torch.cat([clipped, noisy])
+        if weights is None:  # every rank compares its weights at the same step: all pass them, or none
+            weights = torch.zeros_like(clipped)
+        both = torch.cat([clipped, noisy, weights.to(clipped.device)])
         largest = torch.tensor(list(measures), dtype=both.dtype, device=both.device)
         spread = torch.cat([both, -both, largest]).to(collective_device(both.device))
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         spread = spread.cpu()
-        high, low = spread[:4], -spread[4:8]
+        high, low = spread[:6], -spread[6:12]
         differs = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-300
         if bool(differs[:2].any()):
             raise PrivacyStepError(
                 "the clipped gradients differ between processes after backward(), so they were not all-reduced "
                 "and each rank would step on its own examples only. Wrap the model in DistributedDataParallel "
                 "(or let accelerate / the Trainer do it) and run forward through the wrapper.")
-        if bool(differs[2:].any()):
+        if bool(differs[4:].any()):
+            raise PrivacyStepError(
+                "the model's weights differ between processes at the first step: each rank trains a replica of its "
+                "own (nothing broadcast rank 0's weights, as DistributedDataParallel does when it wraps the model), "
+                "and the step would apply the summed update to different models. Wrap the model in "
+                "DistributedDataParallel (or let accelerate / the Trainer do it), or build it from the same seed on "
+                "every rank.")
+        if bool(differs[2:4].any()):
             raise PrivacyStepError(
                 "the noise differs between processes: the ranks do not share one noise stream (a "
                 "noise_generator seeded differently per rank?), so the models would drift apart and the noise "
                 "would not be one draw. Give every rank the same seed / generator state.")
-        return tuple(spread[8:].tolist())
+        return tuple(spread[12:].tolist())
 
     def _check_finite(self, params, examples: int | None = None, clipped_with: float | None = None):
         """Refuse a NaN or infinite clipped gradient of ``params`` and, in one process, a clipped sum larger than

@@ -165,8 +165,13 @@ def refusal(build):
     return None, ""
 
 
-def one_step(engine_kwargs=None, wrap=True, noise=0.0):
+def one_step(engine_kwargs=None, wrap=True, noise=0.0, replica_seed=None):
+    """``replica_seed``: the model's weights drawn from this seed (rank-dependent: replicas that differ)."""
     model = mlp()
+    if replica_seed is not None:
+        torch.manual_seed(replica_seed)
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
     _, module, optimizer, criterion, loader = private(model, noise=noise, **(engine_kwargs or {"seed": 1}))
     forward = DDP(model) if wrap else model
     x, y, _ = next(iter(loader))
@@ -186,6 +191,8 @@ def refusals():
         # Not refused: both modes write the clipped sums themselves, and the step sums the ranks' (it refused this
         # before 2026-11-27, when two passes' second backward left the summing to DDP).
         "unwrapped": refusal(lambda: one_step(wrap=False)),
+        # ... unless the replicas differ, which DDP's wrapping would have made equal.
+        "replicas_differ": refusal(lambda: one_step(wrap=False, replica_seed=rank)),
         "noise_not_shared": refusal(lambda: one_step({"seed": 1, "noise_generator": other_noise}, noise=1.0)),
     }
 

@@ -168,6 +168,7 @@ def test_noise_is_one_shared_draw_with_variance_sigma_squared_c_squared(engine_r
     ("different_seeds", "ValueError", "different seeds"),
     ("fixed_batches_unsharded", "ValueError", "DistributedSampler"),
     ("unwrapped", None, ""),  # the step sums the ranks' clipped sums itself: a forward without DDP is not misuse
+    ("replicas_differ", "PrivacyStepError", "weights differ between processes at the first step"),
     ("noise_not_shared", "PrivacyStepError", "noise differs"),
 ])
 def test_multi_process_misuse_is_refused_on_every_rank(engine_runs, case, error, match):
