@@ -381,9 +381,11 @@ def full_params(model):
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def train_fsdp(seed=11, noise=0.0, secure=False, steps=None, state=None, physical=None):
+def train_fsdp(seed=11, noise=0.0, secure=False, steps=None, state=None, physical=None, input_grad=False):
     """The engine on a fully_shard-ed MLP; ``state``: an engine state to resume from (with the model and
-    optimizer state, saved with torch.distributed.checkpoint)."""
+    optimizer state, saved with torch.distributed.checkpoint). ``input_grad``: the input enters through an op that
+    requires grad, so two passes capture every layer, probe none, and take their output grads from the backward's
+    result, after FSDP has reduce-scattered: pass 2 is then a backward of sum_i c_i L_i (pass_one._replay_for_fsdp)."""
     model = fully_sharded(mlp())
     engine, _, optimizer, criterion, loader = private(model, seed=None if secure else seed, secure_mode=secure,
                                                       noise=noise, physical=physical)
@@ -394,7 +396,7 @@ def train_fsdp(seed=11, noise=0.0, secure=False, steps=None, state=None, physica
         optimizer.zero_grad()
         if not loader.tracker.yielded[-1].padding:
             seen[-1].extend(index.tolist())
-        criterion(model(x), y).backward()
+        criterion(model(x.requires_grad_() * 1.0 if input_grad else x), y).backward()
         optimizer.step()
         if optimizer.last_step_taken:
             taken += 1
@@ -557,7 +559,7 @@ def _runtime_refusal(run):
 
 def fsdp(out):
     resumed_from = save_sharded(*train_fsdp(noise=1.0, steps=2)[:3], os.path.join(out, "checkpoint"))
-    return {"exact": train_fsdp()[3], "chunked": train_fsdp(physical=2)[3],
+    return {"exact": train_fsdp()[3], "chunked": train_fsdp(physical=2)[3], "input_grad": train_fsdp(input_grad=True)[3],
             "uninterrupted": train_fsdp(noise=1.0, steps=4)[3],
             "resumed": train_fsdp(noise=1.0, steps=2, state=resumed_from)[3],
             "noise": fsdp_noise(secure=False), "secure_noise": fsdp_noise(secure=True),

@@ -267,7 +267,7 @@ def test_dp_trainer_ranks_stay_identical_with_noise(trainer_runs):
                for name, value in ranks[0]["params"].items())
 
 
-@pytest.mark.parametrize("run", ["exact", "chunked"])
+@pytest.mark.parametrize("run", ["exact", "chunked", "input_grad"])
 def test_fsdp_noise_free_update_equals_one_process_on_the_union_of_the_ranks_examples(fsdp_runs, run):
     ranks = [r[run] for r in fsdp_runs]
     seed, steps = ranks[0]["seed"], ranks[0]["steps"]

@@ -207,7 +207,7 @@ class PassOne:
                     if passed.replayed:
                         self._replay = (probes, edges, passed.second_backward, None, passed.pass_two_check)
                         if self.controller._has_sharded_parameters():
-                            self._replay_for_fsdp(captured, passed.second_backward)
+                            self._replay_for_fsdp(probes, captured, passed.second_backward)
             if mode.continues_backward:
                 self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
@@ -563,13 +563,14 @@ class PassOne:
             for call in captured:  # (controller._forget_captured_edges)
                 call.edges, call.inputs = (), ()
 
-    def _replay_for_fsdp(self, captured, second_backward):
+    def _replay_for_fsdp(self, probes, captured, second_backward):
         """With FSDP2-sharded parameters FSDP reduce-scatters each unit's gradients in its post-backward hook, during
         pass 2's backward (or in the callback that ends it): pass 2 writes each call's clipped sums into the
         unsharded parameters' .grad as its output grads arrive (``fsdp``, write_sums), before that hook reads them.
-        A call whose output grads come from the backward's result (named, or named in a second backward) would come
-        after it: such a step keeps pass 2 as a backward of sum_i c_i L_i (GhostClipping.write_clipped_sums)."""
-        if second_backward or any(c.named for c in captured):
+        A call whose output grads come from the backward's result (named: a call recorded so, every captured call
+        where no probe lies below them, _backward_to_outputs; or named in a second backward) would come after it:
+        such a step keeps pass 2 as a backward of sum_i c_i L_i (GhostClipping.write_clipped_sums)."""
+        if second_backward or (captured and not probes) or any(c.named for c in captured):
             self.forget_replay()
         else:
             self._replay_by_fsdp = True
