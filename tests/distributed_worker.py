@@ -385,7 +385,7 @@ def train_fsdp(seed=11, noise=0.0, secure=False, steps=None, state=None, physica
     """The engine on a fully_shard-ed MLP; ``state``: an engine state to resume from (with the model and
     optimizer state, saved with torch.distributed.checkpoint). ``input_grad``: the input enters through an op that
     requires grad, so two passes capture every layer, probe none, and take their output grads from the backward's
-    result, after FSDP has reduce-scattered: pass 2 is then a backward of sum_i c_i L_i (pass_one._replay_for_fsdp)."""
+    result, after FSDP has reduce-scattered: pass 2 is then a backward of sum_i c_i L_i (PassTwo.keep_for_fsdp)."""
     model = fully_sharded(mlp())
     engine, _, optimizer, criterion, loader = private(model, seed=None if secure else seed, secure_mode=secure,
                                                       noise=noise, physical=physical)

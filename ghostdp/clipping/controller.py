@@ -442,7 +442,7 @@ class GhostClipping:
                              "(is the forward under torch.no_grad(), or is every parameter frozen?)")
         if self.pass_one.current is not None:
             raise RuntimeError("a ghostdp norm pass is already running (nested backward of a DP loss)")
-        self.pass_one.forget_replay()  # a pass 1 whose pass 2 never came (a refusal between them): not this step's
+        self.pass_one.pass_two.forget()  # a pass 1 whose pass 2 never came (a refusal between them): not this step's
         B = per_example_losses.shape[0]
         self._mass = None
         if B == 0:  # an empty Poisson batch: nothing to clip, the step adds noise only
@@ -506,7 +506,7 @@ class GhostClipping:
             indices = bad.nonzero().flatten().tolist()
             if self.nonfinite == "error":
                 self._kept = new_factor_store()
-                self.pass_one.forget_replay()
+                self.pass_one.pass_two.forget()
                 if imprecise is not None and imprecise.any():
                     raise ImpreciseExampleError(imprecise.nonzero().flatten().tolist())
                 raise NonFiniteLossError(indices, "loss or gradient norm")
@@ -519,30 +519,31 @@ class GhostClipping:
         DP optimizer to sum over the ranks: book-keeping's, and two passes' that repeat pass 1 (after
         ``clip_coefficients``), except with FSDP2, which reduce-scatters them."""
         mode = self.mode if mode is None else mode
-        return mode.keeps_factors or (self.pass_one.replays() and not self.pass_one.replay_summed_by_fsdp())
+        pass_two = self.pass_one.pass_two
+        return mode.keeps_factors or (pass_two.pending() and not pass_two.summed_by_fsdp())
 
     def write_clipped_sums(self, coefficients, grad_output, losses, mode=None):
         """After pass 1: sum_i c_i g_i into p.grad. Book-keeping writes it from its kept factors; two passes
         run pass 2, pass 1's backward again, here, as a backward of its own, which writes each layer's sum as its
-        output grads arrive (PassOne.write_sums): nothing of the DP loss's gradient flows into the model in the
+        output grads arrive (pass_two.py): nothing of the DP loss's gradient flows into the model in the
         caller's backward, so a gradient that reaches a recorded call there came from something else and is
         refused (PassOne.refuse_if_not_from_dp_loss). The fallback's parameters take their sums from pass 1's
         per-example gradients (precision.py).
 
         With FSDP2-sharded parameters each call's sums go into the unsharded parameters' .grad as its G arrives,
-        for FSDP's reduce-scatter (PassOne._replay_for_fsdp); where a call's G would come only from the backward's
+        for FSDP's reduce-scatter (PassTwo.keep_for_fsdp); where a call's G would come only from the backward's
         result, after FSDP has reduced, pass 2 is still a backward of sum_i c_i L_i, whose G is c_i times pass 1's
         only up to rounding, which an example whose G is mostly rounding can turn into a contribution above C
-        (PassOne.write_sums; the README's known gaps)."""
+        (pass_two.py; the README's known gaps)."""
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
-        if self.pass_one.replays():
+        if self.pass_one.pass_two.pending():
             sums = ClippedSums(coefficients, grad_output)
             skipped = set(kept)
             with self._region("ghostdp.clipped_sum"):
                 sums.write(kept)
             with self.pass_one.running_pass_two():
-                self.pass_one.write_sums(losses, sums, skipped)
+                self.pass_one.pass_two.run(losses, sums, skipped)
             return
         with self._region("ghostdp.clipped_sum"):
             weights = mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)

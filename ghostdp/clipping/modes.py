@@ -68,7 +68,7 @@ class BookKeeping:
 
 class ClippedSums:
     """Writes sum_i w_i g_i of factors into p.grad, w_i = c_i times the loss's incoming gradient: book-keeping's
-    sums from its kept factors, and two passes' from the factors pass 2 forms again (pass_one.PassOne.write_sums).
+    sums from its kept factors, and two passes' from the factors pass 2 forms again (pass_two.py).
     ``coefficients``: (B,), or (groups, B) with ``group_of`` mapping id(parameter) to its row."""
 
     def __init__(self, coefficients, grad_output, group_of=None):
@@ -80,7 +80,7 @@ class ClippedSums:
     @contextlib.contextmanager
     def collected(self):
         """Inside, the sums are collected instead of written; on leaving, written into p.grad (a backward that drops
-        what autograd accumulates into the parameters runs inside: PassOne.write_sums, reentrant checkpoints)."""
+        what autograd accumulates into the parameters runs inside: pass_two.py, reentrant checkpoints)."""
         self._collected = {}
         try:
             yield

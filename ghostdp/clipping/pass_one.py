@@ -6,7 +6,9 @@ the captured calls' edges (capture.py). Each call's G arrives through ``receive`
 G) into factors (norms/factors.py), which are queued and reduced to squared norms in batches of layers
 (norms/batched.py), or, for a parameter that several calls share, kept until all of its calls are in
 (cross terms). Book-keeping also keeps every factor for its clipped sums. With reentrant checkpoints the
-pass is a backward without inputs that recomputes each region (reentrant.py).
+pass is a backward without inputs that recomputes each region (reentrant.py). Two passes' pass 2 runs this
+pass's backward again through the same receiving path, forming clipped sums where this pass forms norms
+(pass_two.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
 from .capture import check_inputs_unchanged, hooked_output_grad, sink_below
 from .generators import random_states, same_random_states
+from . import pass_two as pass_two_module
 from .layout import LayoutProver
+from .pass_two import PassTwo
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
 from .samples import write_samples
@@ -47,30 +51,6 @@ RANDOM_DRAWS_IN_PASS_ONE = (
     "each example's clip coefficient would belong to one gradient and the clipped sum to another, which can "
     "exceed the clipping norm (measured: 1.14 C). Fix: keep preserve_rng_state=True (torch's default), or "
     "make the backward deterministic.")
-
-
-# Pass 2 repeats pass 1's backward (PassOne.write_sums), so that each layer's clipped sum is c_i times the very
-# output grads its norm was formed from; that holds where the backward gives the same output grads twice. On the
-# layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every REPROOF_EVERY-th;
-# a new graph) every ruled call's output grads are compared between the two passes (each example's sum of
-# squares in float64, one reduction per call and pass), and a difference is refused (PASS_TWO_DIFFERS). False:
-# not compared.
-CHECK_PASS_TWO = True
-
-PASS_TWO_DIFFERS = (
-    "pass 2 of clipping='ghost' repeats pass 1's backward so that each layer's clipped sum reads the output grads "
-    "its norm was formed from, but on this step module '{name}' received different ones in the two passes (an "
-    "example's squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not "
-    "deterministic (on a GPU: atomics in an attention backward or a scatter). An example's clipped gradient could "
-    "then exceed the clipping norm, by as much as its output grads differ. Fix: clipping='bookkeeping' (its clipped "
-    "sums read the output grads its norms read, at the memory of keeping them), or "
-    "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
-    "ghostdp.clipping.pass_one.CHECK_PASS_TWO = False accepts the difference.")
-
-
-def _squares(grad) -> torch.Tensor:
-    """(B,) each example's sum of squares of a batch-first output grad, in float64 (PASS_TWO_DIFFERS)."""
-    return grad.reshape(grad.shape[0], -1).double().pow(2).sum(1)
 
 
 DIFFERENT_REGION_CALLS = (
@@ -135,14 +115,13 @@ class PassOne:
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._proof_region_calls = None  # a reentrant step proven before pass 1: the proof's region calls, in order
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
-        self._replay = None              # what pass 2 repeats of the last pass 1 (``write_sums``), or None
-        self._replay_by_fsdp = False     # FSDP2 reduce-scatters pass 2's sums (_replay_for_fsdp)
+        self.pass_two = PassTwo(self)    # two passes' pass 2, which repeats this pass's backward (pass_two.py)
 
     def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
             graph: tuple, pass_two: bool = False) -> NormPass:
         """The layout proof if needed, then pass 1, over the audited ``calls``: the finished NormPass.
         ``graph``: the signature of the step's graph (audit.py); on a graph not proven before, every call's
-        layout is proven again. ``pass_two``: two passes' pass 2 follows (write_sums)."""
+        layout is proven again. ``pass_two``: two passes' pass 2 follows (pass_two.py)."""
         B = per_example_losses.shape[0]
         due = self.layouts.proof_due()  # a proof covers the values it ran on too (layout.REPROOF_EVERY)
         layouts = self.layouts.select(graph)
@@ -173,10 +152,10 @@ class PassOne:
             self._prove_reentrant_layouts(per_example_losses, audited, calls)
         passed = NormPass(B, groups=groups, reentrant=bool(regions), keeps_factors=mode.keeps_factors,
                           measures_kept=measures_kept)
-        # Two passes write their clipped sums by pass 1's backward again (write_sums).
-        self._replay = None
+        # Two passes write their clipped sums by pass 1's backward again (pass_two.py).
+        self.pass_two.forget()
         passed.replayed = pass_two and mode.continues_backward
-        if passed.replayed and CHECK_PASS_TWO and self._reprove:
+        if passed.replayed and pass_two_module.CHECK_PASS_TWO and self._reprove:
             passed.pass_two_check = {}
         passed.kept_storages.alive_anyway = self.recorder.input_storages
         request = self.controller._sample_request
@@ -188,10 +167,10 @@ class PassOne:
                 if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
                     self._reentrant_pass_one(per_example_losses, audited)
                     if passed.replayed:  # pass 2's recomputed region calls take the layouts of these, in order
-                        self._replay = (probes, [(c, ()) for c in captured], False, passed.region_calls,
-                                        passed.pass_two_check)
+                        self.pass_two.keep(probes, [(c, ()) for c in captured], False, passed.region_calls,
+                                           passed.pass_two_check)
                         if self.controller._has_sharded_parameters():  # (refused with FSDP: controller.py)
-                            self.forget_replay()
+                            self.pass_two.forget()
                 else:
                     # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
                     # which pass 2 names again.
@@ -205,9 +184,9 @@ class PassOne:
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
                     if passed.replayed:
-                        self._replay = (probes, edges, passed.second_backward, None, passed.pass_two_check)
+                        self.pass_two.keep(probes, edges, passed.second_backward, None, passed.pass_two_check)
                         if self.controller._has_sharded_parameters():
-                            self._replay_for_fsdp(probes, captured, passed.second_backward)
+                            self.pass_two.keep_for_fsdp(probes, captured, passed.second_backward)
             if mode.continues_backward:
                 self._refuse_random_draws(per_example_losses.device)
             if passed.samples is not None:
@@ -286,7 +265,7 @@ class PassOne:
                     f"internal error: pass 1 did not reach the captured layer '{missed[0].name}' although a probe "
                     "or a named layer lies below it; please report this with the model")
             passed.captured_only = True  # the second backward runs probed nodes again: they stay quiet
-            passed.second_backward = True  # (pass 2 repeats it: write_sums)
+            passed.second_backward = True  # (pass 2 repeats it: pass_two.py)
             self._receive_named(losses, [], missed, cotangent, retain and passed.sums is None)
 
     def _proof_sinks(self, captured):
@@ -344,7 +323,7 @@ class PassOne:
                 call.projections[slot] = self.layouts.project(grad)
             return
         if passed.sums is not None:
-            self._receive_for_sums(call, slot, grad)
+            self.pass_two.receive(call, slot, grad)
             return
         call.grads[slot] = grad
         if not call.fired:
@@ -457,17 +436,17 @@ class PassOne:
     def _compute(self, call):
         B = self.current.batch_size
         if self.current.sums is not None:
-            self._write_sums(call, B)
+            self.pass_two.write(call)
             return
         # A captured call keeps its inputs as they came (not batch-first) where pass 2 forms its clipped sums from
-        # them again (write_sums): autograd holds them for the layer's backward until pass 2 reaches it anyway.
+        # them again (pass_two.py): autograd holds them for the layer's backward until pass 2 reaches it anyway.
         # Otherwise they go: the call would hold them as long as its graph (capture.py).
         kept_inputs = call.inputs if self.current.replayed and call.captured is not None else ()
         if call.projections is not None:
             self.layouts.resolve(call, B)
         self.layouts.batch_first(call, B)
         if self.current.pass_two_check is not None and call.rule is not None and call.grads[0] is not None:
-            self.current.pass_two_check[self._replay_key(call)] = _squares(call.grads[0])
+            self.current.pass_two_check[self.pass_two.key(call)] = pass_two_module.squares(call.grads[0])
         if self.controller.region_timer is None and not _profiler_enabled():
             self._factors(call, B)
         else:
@@ -515,162 +494,6 @@ class PassOne:
             else:
                 passed.add_mass(f)
                 passed.pending[param].append(f)
-
-    # ----------------------------------------------------------------- pass 2 of two passes
-    def write_sums(self, losses, sums, skipped) -> None:
-        """Pass 2 of two passes: pass 1's backward again, the same cotangent towards the same probes and edges, so
-        that each ruled call receives the output grad G that pass 1 formed its norm from, bit for bit (the same
-        ops on the same values in the same order); each call's clipped sums (c ⊙ G)^T A are written from it
-        (``sums``, modes.ClippedSums), its parameters' weight gradients are never formed by autograd.
-
-        A backward of sum_i c_i L_i instead (the algorithm as first written) forms c_i g_i from a G of its own
-        that equals c_i times pass 1's only up to rounding, and where an example's G at a layer is mostly
-        rounding (catastrophic cancellation, e.g. a saturated softmax in attention on inputs of 1e4) the two
-        differ by as much as G itself: one example moved a float32 clipped sum by up to 4.5 C
-        (tests/privacy/test_sensitivity_audit.py, linear-attention-encoder). ``skipped``: the parameters whose
-        clipped sums are already written (the fallback's, from pass 1's per-example gradients).
-
-        Through reentrant checkpoints (reentrant.py) pass 1 was a backward without inputs, and so is pass 2: it
-        recomputes each region, whose calls are recorded again and take the layouts of pass 1's region calls in
-        order (take_twin_layouts); the gradients autograd accumulates into the parameters are dropped as in pass
-        1, and the clipped sums are written once that backward is done."""
-        probes, captured_edges, second_backward, region_calls, expected = self._replay
-        self._replay = None
-        passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
-        passed.synchronous, self._replay_by_fsdp = self._replay_by_fsdp, False
-        passed.sums, passed.sums_skipped, passed.twins = sums, skipped, region_calls
-        passed.pass_two_check = expected  # pass 1's squares of the output grads, on a checked step
-        captured = []
-        for call, edges in captured_edges:
-            call.edges = edges
-            captured.append(call)
-        self.current = passed
-        try:
-            with self.controller._region("ghostdp.pass2"):
-                if region_calls is not None:
-                    with sums.collected(), self._grads_set_aside(losses):
-                        torch.autograd.backward(losses, torch.ones_like(losses))
-                        self._finish_sums()
-                else:
-                    if probes or captured:
-                        self._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
-                                                  second_backward)
-                    self._finish_sums()
-            if passed.pass_two_pairs:
-                self._refuse_different_output_grads(passed.pass_two_pairs)
-        finally:
-            self.current = None
-            for call in captured:  # (controller._forget_captured_edges)
-                call.edges, call.inputs = (), ()
-
-    def _replay_for_fsdp(self, probes, captured, second_backward):
-        """With FSDP2-sharded parameters FSDP reduce-scatters each unit's gradients in its post-backward hook, during
-        pass 2's backward (or in the callback that ends it): pass 2 writes each call's clipped sums into the
-        unsharded parameters' .grad as its output grads arrive (``fsdp``, write_sums), before that hook reads them.
-        A call whose output grads come from the backward's result (named: a call recorded so, every captured call
-        where no probe lies below them, _backward_to_outputs; or named in a second backward) would come after it:
-        such a step keeps pass 2 as a backward of sum_i c_i L_i (GhostClipping.write_clipped_sums)."""
-        if second_backward or (captured and not probes) or any(c.named for c in captured):
-            self.forget_replay()
-        else:
-            self._replay_by_fsdp = True
-
-    def replay_summed_by_fsdp(self) -> bool:
-        """Whether pass 2's clipped sums go into FSDP2's unsharded parameters, which FSDP reduce-scatters over the
-        ranks (else the DP optimizer sums the ranks' itself)."""
-        return self._replay is not None and self._replay_by_fsdp
-
-    def _finish_sums(self):
-        """Pass 2's calls that wait for output grads that never came (several outputs), and the last sums."""
-        for call in self.current.summing.values():
-            if not call.done:
-                self._write_sums(call, self.current.batch_size)
-        self._flush_sums()
-
-    def _replay_key(self, call):
-        """What names a call in both passes: itself, or a reentrant region's call by its place in the order."""
-        return ("region", self.current.region_calls.index(call)) if call.in_region else id(call)
-
-    @staticmethod
-    def _refuse_different_output_grads(pairs):
-        """Refuses a call whose output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs`` of
-        (its name, pass 1's squares, pass 2's). One host sync, on checked steps only."""
-        first = torch.stack([a.to(pairs[0][1].device) for _, a, _ in pairs])
-        second = torch.stack([b.to(pairs[0][1].device) for _, _, b in pairs])
-        # An example whose squares are not finite in pass 1 has a non-finite norm: refused or given c_i = 0 already.
-        differs = (first != second) & first.isfinite()
-        if not bool(differs.any()):
-            return
-        relative = torch.where(differs, (second - first).abs() / first.abs().clamp(min=torch.finfo(torch.float64).tiny),
-                               0.0).amax(1)
-        k = int(relative.argmax())
-        raise RuntimeError(PASS_TWO_DIFFERS.format(name=pairs[k][0], relative=float(relative[k])))
-
-    def take_twin_layouts(self, call):
-        """A region call that pass 2's recomputation of a reentrant checkpoint recorded (recording.py) takes the
-        layouts of pass 1's call at its place in the order; refused where the two recomputations differ."""
-        passed = self.current
-        k = len(passed.region_calls) - 1
-        twins = passed.twins
-        if k >= len(twins) or twins[k].module is not call.module or list(twins[k].shapes) != list(call.shapes):
-            raise RuntimeError(DIFFERENT_REGION_CALLS)
-        call.layouts = twins[k].layouts
-
-    def forget_replay(self) -> None:
-        """Drops what pass 2 would have repeated (a step stopped between the passes: refused examples)."""
-        if self._replay is not None:
-            for call, _ in self._replay[1]:
-                call.inputs = ()
-        self._replay, self._replay_by_fsdp = None, False
-
-    def replays(self) -> bool:
-        """Whether the last pass 1 is to be repeated by pass 2 (write_sums)."""
-        return self._replay is not None
-
-    def _receive_for_sums(self, call, slot, grad):
-        """An output grad of a recorded call in pass 2 (write_sums); a call without a rule has its sums already."""
-        if call.in_region and not call.fired:  # recorded by pass 2's recomputation: its uses are consumed
-            call.fired = True
-            self.recorder.forget(call)
-        if call.rule is None:
-            call.inputs = ()  # (a probe hands them over)
-            return
-        passed = self.current
-        if id(call) not in passed.summing:
-            passed.summing[id(call)] = call
-            call.grads, call.done = [None] * len(call.shapes), False
-        call.grads[slot] = grad
-        if len(call.grads) == 1:
-            self._write_sums(call, passed.batch_size)
-
-    def _write_sums(self, call, B):
-        """The factors of one call of pass 2, waiting with others for their clipped sums (_flush_sums)."""
-        passed = self.current
-        if call.in_region:  # a factor waiting for its sum would hold the region's graph (_fire_in_reentrant_step)
-            call.inputs = tuple(x.detach() for x in call.inputs)
-        self.layouts.batch_first(call, B)
-        if passed.pass_two_check is not None and call.grads[0] is not None:
-            expected = passed.pass_two_check.pop(self._replay_key(call), None)
-            if expected is not None:
-                passed.pass_two_pairs.append((call.name, expected, _squares(call.grads[0])))
-        factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
-        for n, f in factors.items():
-            param = call.params[n]
-            if param not in passed.sums_skipped:
-                passed.sum_factors[param].append(f)
-        passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
-        passed.sum_elements += sum([x.numel() for x in call.inputs])
-        call.grads, call.inputs, call.done = (), (), True
-        if passed.synchronous or passed.sum_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
-            self._flush_sums()
-
-    def _flush_sums(self):
-        """The clipped sums of the factors waiting, written in batches of equal shapes (modes.ClippedSums)."""
-        passed = self.current
-        if passed.sum_factors:
-            with self.controller._region("ghostdp.clipped_sum"):
-                passed.sums.write(passed.sum_factors)
-        passed.sum_elements = 0
 
     def _reduce_queue(self, final: bool = False):
         with self.controller._region("ghostdp.norms.batched"):

@@ -465,8 +465,8 @@ class ForwardRecorder:
             call.projections = [None] * len(call.shapes)
         else:
             call.in_region = True
-            if passed.sums is not None:  # pass 2 of two passes (PassOne.write_sums)
-                self.pass_one.take_twin_layouts(call)
+            if passed.sums is not None:  # pass 2 of two passes (pass_two.py)
+                self.pass_one.pass_two.take_twin_layouts(call)
 
     def _record_ruled(self, name, entry, module, args, output, params):
         """on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one

@@ -599,8 +599,8 @@ def test_reduction_order_noise_of_a_gpu_passes_the_proof(monkeypatch):
     # per element must not refuse a layer whose examples stay apart. (Drawn from a generator of its own: a
     # draw from the global one in a backward is refused, as a checkpoint recomputing dropout afresh.) Two passes
     # refuse such a backward after pass 2 on the proof's steps (tests/privacy/test_pass_two.py): not compared here.
-    from ghostdp.clipping import pass_one
-    monkeypatch.setattr(pass_one, "CHECK_PASS_TWO", False)
+    from ghostdp.clipping import pass_two
+    monkeypatch.setattr(pass_two, "CHECK_PASS_TWO", False)
     torch.set_default_dtype(torch.float32)
     rounding = torch.Generator().manual_seed(0)
     model = _with_backward(lambda g: g * (1 + 0.3 * torch.randn(g.shape, generator=rounding, dtype=g.dtype)))

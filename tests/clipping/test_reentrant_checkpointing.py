@@ -192,7 +192,7 @@ def test_a_region_whose_layer_holds_its_examples_on_another_dim_in_another_form_
 
 def test_the_whole_model_checkpointed_leaves_the_input_without_gradient_as_without_reentrant_checkpointing():
     """Pass 1 through reentrant checkpoints is a backward without inputs, and so is pass 2, which repeats it
-    (PassOne.write_sums): the gradients they accumulate into the graph's leaves (the input here) are set aside and
+    (pass_two.py): the gradients they accumulate into the graph's leaves (the input here) are set aside and
     dropped, as neither pass forms one without reentrant checkpointing (book-keeping too takes two passes under
     checkpointing: modes.mode_of_step). Until 2026-11-27 pass 2 was a backward of sum_i c_i L_i, which left the
     input a clipped gradient. The parameters' clipped sums agree."""

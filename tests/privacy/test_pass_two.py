@@ -1,4 +1,4 @@
-"""Pass 2 of two passes repeats pass 1's backward (PassOne.write_sums): each layer's clipped sum reads the output
+"""Pass 2 of two passes repeats pass 1's backward (pass_two.py): each layer's clipped sum reads the output
 grads its norm was formed from, bit for bit, so that an example whose gradient is mostly float32 rounding still
 moves the clipped sum by at most C."""
 from __future__ import annotations
@@ -102,8 +102,8 @@ class Unsteady(torch.autograd.Function):
 def test_a_backward_that_differs_between_the_passes_is_refused_on_checked_steps(check, monkeypatch):
     """The refusal names the module and how far its output grads moved, and the fixes; with the check off the step
     runs (the caller accepts the difference)."""
-    from ghostdp.clipping import pass_one
-    monkeypatch.setattr(pass_one, "CHECK_PASS_TWO", check)
+    from ghostdp.clipping import pass_two
+    monkeypatch.setattr(pass_two, "CHECK_PASS_TWO", check)
     model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
     x, Unsteady.runs = torch.randn(B, D), 0
 
@@ -129,8 +129,8 @@ def test_a_pass_one_whose_pass_two_never_came_is_not_repeated_by_the_next_backwa
     model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, 2))
     controller = ghostdp.GhostClipping(model, 1.0)
     controller.clip_coefficients(model(torch.randn(3, D)).pow(2).sum(1), pass_two=True)
-    assert controller.pass_one.replays()
+    assert controller.pass_one.pass_two.pending()
     model.zero_grad(set_to_none=True)
     controller.loss(model(torch.randn(0, D)).pow(2).sum(1)).backward()
-    assert not controller.pass_one.replays()
+    assert not controller.pass_one.pass_two.pending()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())

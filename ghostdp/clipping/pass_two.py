@@ -1,0 +1,213 @@
+"""Pass 2 of two passes: pass 1's backward again, each ruled call writing its clipped sums (c ⊙ G)^T A from the
+output grads G that pass 1 formed its norm from.
+
+A backward of sum_i c_i L_i instead (the algorithm as first written, and ghostdp until 2026-11-27) forms c_i g_i
+from a G of its own that equals c_i times pass 1's only up to rounding (c_i is not a power of two); where an
+example's G at a layer is mostly rounding (catastrophic cancellation, e.g. a saturated softmax in an attention on
+raw inputs of 1e4) the two differ by as much as G itself, and one example moved a float32 clipped sum by up to
+4.5 C (tests/privacy/test_pass_two.py, the sensitivity audit's linear-attention-encoder). Pass 2 runs pass 1's
+backward with the same cotangent towards the same probes and edges (the same second backward where pass 1 needed
+one), so each call receives pass 1's G bit for bit (the same ops on the same values in the same order), and writes
+its sums with the rule's factors (modes.ClippedSums, as book-keeping writes its own from kept factors). Autograd
+forms no weight gradient in either pass.
+
+- Reentrant checkpoints (reentrant.py): pass 1 was a backward without inputs, and so is pass 2; it recomputes each
+  region, whose calls are recorded again and take the layouts of pass 1's region calls in order
+  (``take_twin_layouts``); what autograd accumulates into the parameters is dropped, and the sums are written
+  once that backward is done.
+- FSDP2: FSDP reduce-scatters each unit's gradients in its post-backward hook, during pass 2's backward, so each
+  call's sums are written as its G arrives (``synchronous``); a step in which some call's G comes only from the
+  backward's result keeps a backward of sum_i c_i L_i (``keep_for_fsdp``, GhostClipping.write_clipped_sums).
+- Bit for bit holds where the backward's kernels are deterministic. On the layout proof's steps each ruled call's
+  G is compared between the two passes and a difference refused (CHECK_PASS_TWO).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..norms import batched
+from .records import NormPass
+
+# On the layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every
+# REPROOF_EVERY-th; a new graph) every ruled call's output grads are compared between the two passes (each
+# example's sum of squares in float64, one reduction per call and pass), and a difference is refused
+# (PASS_TWO_DIFFERS). False: not compared.
+CHECK_PASS_TWO = True
+
+PASS_TWO_DIFFERS = (
+    "pass 2 of clipping='ghost' repeats pass 1's backward so that each layer's clipped sum reads the output grads "
+    "its norm was formed from, but on this step module '{name}' received different ones in the two passes (an "
+    "example's squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not "
+    "deterministic (on a GPU: atomics in an attention backward or a scatter). An example's clipped gradient could "
+    "then exceed the clipping norm, by as much as its output grads differ. Fix: clipping='bookkeeping' (its clipped "
+    "sums read the output grads its norms read, at the memory of keeping them), or "
+    "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
+    "ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the difference.")
+
+# Pass 2's factors wait for their sums until they hold this many elements (a sixteenth of the norm queue's bound,
+# as pass 1's arrivals: pass_one.ARRIVALS_PER_QUEUE), then are summed in batches of equal shapes.
+SUM_ELEMENTS = batched.QUEUE_ELEMENTS // 16
+
+
+def squares(grad) -> torch.Tensor:
+    """(B,) each example's sum of squares of a batch-first output grad, in float64 (PASS_TWO_DIFFERS)."""
+    return grad.reshape(grad.shape[0], -1).double().pow(2).sum(1)
+
+
+class PassTwo:
+    """Pass 2 of a controller's two passes, over its PassOne (``passes``: the running pass, the layouts, the
+    backward towards the probes). ``replay`` is what pass 1 kept for it, or None."""
+
+    def __init__(self, passes):
+        self.passes = passes
+        self.replay = None     # (probes, [(captured call, its edges)], second backward, region calls, pass 1's squares)
+        self.by_fsdp = False   # FSDP2 reduce-scatters the sums (keep_for_fsdp)
+
+    # ----------------------------------------------------------------- what pass 1 keeps
+    def keep(self, probes, edges, second_backward, region_calls, squares_of_pass_one) -> None:
+        """Pass 1 is done: what pass 2 repeats (see the class doc)."""
+        self.replay = (probes, edges, second_backward, region_calls, squares_of_pass_one)
+
+    def keep_for_fsdp(self, probes, captured, second_backward) -> None:
+        """With FSDP2-sharded parameters: each call's sums are written as its G arrives. A call whose G comes from the
+        backward's result (named: a call recorded so, or every captured call where no probe lies below them,
+        PassOne._backward_to_outputs; or named in a second backward) would come after FSDP has reduce-scattered:
+        such a step keeps pass 2 as a backward of sum_i c_i L_i (the step's sums were lost before 2026-11-27's
+        test of an input that requires grad)."""
+        if second_backward or (captured and not probes) or any(c.named for c in captured):
+            self.forget()
+        else:
+            self.by_fsdp = True
+
+    def forget(self) -> None:
+        """Drops what pass 2 would have repeated (a step stopped between the passes: refused examples)."""
+        if self.replay is not None:
+            for call, _ in self.replay[1]:
+                call.inputs = ()
+        self.replay, self.by_fsdp = None, False
+
+    def pending(self) -> bool:
+        """Whether the last pass 1 is to be repeated by pass 2."""
+        return self.replay is not None
+
+    def summed_by_fsdp(self) -> bool:
+        """Whether pass 2's clipped sums go into FSDP2's unsharded parameters, which FSDP reduce-scatters over the
+        ranks (else the DP optimizer sums the ranks' itself)."""
+        return self.replay is not None and self.by_fsdp
+
+    # ----------------------------------------------------------------- the pass
+    def run(self, losses, sums, skipped) -> None:
+        """Pass 2: ``sums`` (modes.ClippedSums) receives each ruled call's factors; ``skipped``: the parameters
+        whose clipped sums are written already (the fallback's, from pass 1's per-example gradients)."""
+        passes = self.passes
+        probes, captured_edges, second_backward, region_calls, expected = self.replay
+        passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
+        passed.sums, passed.sums_skipped, passed.twins = sums, skipped, region_calls
+        passed.synchronous, passed.pass_two_check = self.by_fsdp, expected
+        self.replay, self.by_fsdp = None, False
+        captured = []
+        for call, edges in captured_edges:
+            call.edges = edges
+            captured.append(call)
+        passes.current = passed
+        try:
+            with passes.controller._region("ghostdp.pass2"):
+                if region_calls is not None:
+                    with sums.collected(), passes._grads_set_aside(losses):
+                        torch.autograd.backward(losses, torch.ones_like(losses))
+                        self._finish()
+                else:
+                    if probes or captured:
+                        passes._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
+                                                    second_backward)
+                    self._finish()
+            if passed.pass_two_pairs:
+                _refuse_different_output_grads(passed.pass_two_pairs)
+        finally:
+            passes.current = None
+            for call in captured:  # (controller._forget_captured_edges)
+                call.edges, call.inputs = (), ()
+
+    def receive(self, call, slot, grad) -> None:
+        """An output grad of a recorded call in pass 2; a call without a rule has its sums already."""
+        if call.in_region and not call.fired:  # recorded by pass 2's recomputation: its uses are consumed
+            call.fired = True
+            self.passes.recorder.forget(call)
+        if call.rule is None:
+            call.inputs = ()  # (a probe hands them over)
+            return
+        passed = self.passes.current
+        if id(call) not in passed.summing:
+            passed.summing[id(call)] = call
+            call.grads, call.done = [None] * len(call.shapes), False
+        call.grads[slot] = grad
+        if len(call.grads) == 1:
+            self.write(call)
+
+    def write(self, call) -> None:
+        """The factors of one call, waiting with others for their clipped sums (_flush)."""
+        passes = self.passes
+        passed = passes.current
+        if call.in_region:  # a factor waiting for its sum would hold the region's graph (_fire_in_reentrant_step)
+            call.inputs = tuple(x.detach() for x in call.inputs)
+        passes.layouts.batch_first(call, passed.batch_size)
+        if passed.pass_two_check is not None and call.grads[0] is not None:
+            first = passed.pass_two_check.pop(self.key(call), None)
+            if first is not None:
+                passed.pass_two_pairs.append((call.name, first, squares(call.grads[0])))
+        factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
+        for n, f in factors.items():
+            param = call.params[n]
+            if param not in passed.sums_skipped:
+                passed.sum_factors[param].append(f)
+        passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
+        passed.sum_elements += sum([x.numel() for x in call.inputs])
+        call.grads, call.inputs, call.done = (), (), True
+        if passed.synchronous or passed.sum_elements >= SUM_ELEMENTS:
+            self._flush()
+
+    def _finish(self) -> None:
+        """The calls that wait for output grads that never came (several outputs), and the last sums."""
+        passed = self.passes.current
+        for call in passed.summing.values():
+            if not call.done:
+                self.write(call)
+        self._flush()
+
+    def _flush(self) -> None:
+        """The clipped sums of the factors waiting, written in batches of equal shapes (modes.ClippedSums)."""
+        passed = self.passes.current
+        if passed.sum_factors:
+            with self.passes.controller._region("ghostdp.clipped_sum"):
+                passed.sums.write(passed.sum_factors)
+        passed.sum_elements = 0
+
+    def key(self, call):
+        """What names a call in both passes: itself, or a reentrant region's call by its place in the order."""
+        return ("region", self.passes.current.region_calls.index(call)) if call.in_region else id(call)
+
+    def take_twin_layouts(self, call) -> None:
+        """A region call that pass 2's recomputation of a reentrant checkpoint recorded (recording.py) takes the
+        layouts of pass 1's call at its place in the order; refused where the two recomputations differ."""
+        from .pass_one import DIFFERENT_REGION_CALLS
+        passed = self.passes.current
+        k = len(passed.region_calls) - 1
+        twins = passed.twins
+        if k >= len(twins) or twins[k].module is not call.module or list(twins[k].shapes) != list(call.shapes):
+            raise RuntimeError(DIFFERENT_REGION_CALLS)
+        call.layouts = twins[k].layouts
+
+
+def _refuse_different_output_grads(pairs) -> None:
+    """Refuses a call whose output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs`` of (its
+    name, pass 1's squares, pass 2's). One host sync, on checked steps only."""
+    first = torch.stack([a.to(pairs[0][1].device) for _, a, _ in pairs])
+    second = torch.stack([b.to(pairs[0][1].device) for _, _, b in pairs])
+    # An example whose squares are not finite in pass 1 has a non-finite norm: refused or given c_i = 0 already.
+    differs = (first != second) & first.isfinite()
+    if not bool(differs.any()):
+        return
+    tiny = torch.finfo(torch.float64).tiny
+    relative = torch.where(differs, (second - first).abs() / first.abs().clamp(min=tiny), 0.0).amax(1)
+    k = int(relative.argmax())
+    raise RuntimeError(PASS_TWO_DIFFERS.format(name=pairs[k][0], relative=float(relative[k])))
