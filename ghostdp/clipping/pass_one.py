@@ -167,10 +167,9 @@ class PassOne:
                 if regions:  # the captured calls' grads come through their nodes' pre-hooks (capture.py)
                     self._reentrant_pass_one(per_example_losses, audited)
                     if passed.replayed:  # pass 2's recomputed region calls take the layouts of these, in order
+                        # (no FSDP here: the step's audit refuses reentrant regions with it, REENTRANT_DISTRIBUTED)
                         self.pass_two.keep(probes, [(c, ()) for c in captured], False, passed.region_calls,
                                            passed.pass_two_check)
-                        if self.controller._has_sharded_parameters():  # (refused with FSDP: controller.py)
-                            self.pass_two.forget()
                 else:
                     # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
                     # which pass 2 names again.

@@ -454,7 +454,7 @@ class ForwardRecorder:
         by pass 1 (reentrant.py); one recomputed by the layout proof; or nothing (any other recomputation)."""
         if self.regions.depth:
             if self.pass_one.current is None:
-                return _INERT  # a backward of sum_i c_i L_i recomputing a region (FSDP2's pass 2)
+                return _INERT  # a region recomputed outside ghostdp's passes (their backwards record)
             return _IN_PROOF if self.pass_one.current.proving else _IN_REGION
         return _RECORDED if self.pass_one.current is None else _INERT
 
