@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from .layers import recurrent
+from .layers import attention, recurrent
 from .norms.fallback import attached_rule, hooked_modules, owned_parameters
 
 _RECURRENT = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN)
@@ -85,18 +85,22 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
       weights, state_dict keys and outputs, whose weights the Linear norm rule covers (torch.nn's go
       to the per-example fallback, O(batch) in time and memory). An LSTM with ``proj_size`` and
       subclasses that override ``forward`` stay, with a warning.
+    - Every torch.nn.MultiheadAttention becomes ``ghostdp.layers.MultiheadAttention``, with the same settings,
+      weights, state_dict keys and outputs, whose projections the Linear norm rule covers (torch.nn's go to the
+      per-example fallback: a VJP per example through the attention). Subclasses that override ``forward`` stay,
+      with a warning.
     """
     if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
         raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
-    if isinstance(model, _RECURRENT):
+    if isinstance(model, (*_RECURRENT, torch.nn.MultiheadAttention)):
         raise ModelNotPrivatizable(f"the model itself is a torch.nn.{type(model).__name__}; use "
                                    f"ghostdp.layers.from_torch(model) or wrap it in a parent module to fix it")
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                 setattr(m, child_name, _group_norm_for(child))
-            elif isinstance(child, _RECURRENT):
-                replacement = _recurrent_for(child, f"{name}.{child_name}" if name else child_name)
+            elif isinstance(child, (*_RECURRENT, torch.nn.MultiheadAttention)):
+                replacement = _twin_for(child, f"{name}.{child_name}" if name else child_name)
                 if replacement is not None:
                     setattr(m, child_name, replacement)
     return model
@@ -112,14 +116,30 @@ def _group_norm_for(batch_norm) -> torch.nn.GroupNorm:
     return gn
 
 
-def _recurrent_for(module, name):
-    kind = type(module).__name__
-    if type(module).forward not in (torch.nn.LSTM.forward, torch.nn.GRU.forward, torch.nn.RNN.forward):
-        reason = "its class overrides forward"
-    elif getattr(module, "proj_size", 0):
-        reason = "ghostdp.layers.LSTM has no proj_size"
-    else:
-        return recurrent.from_torch(module)
-    warnings.warn(f"ghostdp.validate.fix left '{name}' ({kind}) in place because {reason}: it trains through the "
-                  "exact per-example fallback, O(batch) in time and memory", stacklevel=3)
+def swappable_modules(model: torch.nn.Module) -> list:
+    """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules with trainable parameters that
+    ``fix`` would swap for their ghostdp.layers twins (which the Linear rule covers; torch.nn's take the fallback)."""
+    return [name or "<root>" for name, m in model.named_modules()
+            if isinstance(m, (*_RECURRENT, torch.nn.MultiheadAttention)) and _why_kept(m) is None
+            and any(p.requires_grad for p in m.parameters())]
+
+
+def _why_kept(module) -> str | None:
+    """Why ``fix`` leaves a torch.nn recurrent layer or MultiheadAttention in place, or None: it swaps it."""
+    if type(module).forward not in (torch.nn.LSTM.forward, torch.nn.GRU.forward, torch.nn.RNN.forward,
+                                    torch.nn.MultiheadAttention.forward):
+        return "its class overrides forward"
+    if getattr(module, "proj_size", 0):
+        return "ghostdp.layers.LSTM has no proj_size"
+    return None
+
+
+def _twin_for(module, name):
+    """The ghostdp.layers twin of a torch.nn recurrent layer or MultiheadAttention, or None (warned)."""
+    reason = _why_kept(module)
+    if reason is None:
+        return (attention.from_torch(module) if isinstance(module, torch.nn.MultiheadAttention)
+                else recurrent.from_torch(module))
+    warnings.warn(f"ghostdp.validate.fix left '{name}' ({type(module).__name__}) in place because {reason}: it "
+                  "trains through the exact per-example fallback, O(batch) in time and memory", stacklevel=3)
     return None

@@ -37,7 +37,9 @@ def build_model(args):
     torch.manual_seed(0)
     if args.model.startswith("llama"):
         return _llama_lora(args)
-    if args.model.startswith("bert"):
+    if args.model.startswith("torch-encoder"):
+        model = _torch_encoder(args)
+    elif args.model.startswith("bert"):
         config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                             num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
                             max_position_embeddings=max(512, args.seq), num_labels=2,
@@ -76,6 +78,8 @@ def _train_last_layer_only(model) -> None:
 
 def _enable_checkpointing(model, args) -> None:
     kind = getattr(args, "checkpointing", None)
+    if kind and not hasattr(model, "gradient_checkpointing_enable"):
+        raise ValueError(f"--checkpointing needs a transformers model, not --model {args.model}")
     if kind:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
 
@@ -92,6 +96,38 @@ def _llama_lora(args):
     _enable_checkpointing(model, args)
     return get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                             lora_dropout=0.0, modules_to_save=["score"]))
+
+
+def _torch_encoder(args):
+    """A torch.nn.TransformerEncoder classifier (post-LN, GELU, batch-first, learned positions) called as
+    model(input_ids=...).logits. "torch-encoder": torch.nn.MultiheadAttention, which no norm rule covers (the exact
+    fallback takes its projections); "torch-encoder-fixed": the same model after ghostdp.validate.fix, whose
+    ghostdp.layers.MultiheadAttention projections the Linear rule covers (same weights and outputs)."""
+    import types
+
+    import torch
+    from torch import nn
+
+    class EncoderClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embeddings = nn.Embedding(args.vocab, args.hidden)
+            self.position_embeddings = nn.Embedding(args.seq, args.hidden)
+            layer = nn.TransformerEncoderLayer(args.hidden, args.heads, 4 * args.hidden, dropout=0.0,
+                                               activation="gelu", batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False)
+            self.classifier = nn.Linear(args.hidden, 2)
+
+        def forward(self, input_ids):
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T), as BERT's
+            x = self.embeddings(input_ids) + self.position_embeddings(positions)
+            return types.SimpleNamespace(logits=self.classifier(self.encoder(x)[:, 0]))
+
+    model = EncoderClassifier()
+    if args.model == "torch-encoder-fixed":
+        import ghostdp
+        ghostdp.validate.fix(model)
+    return model
 
 
 # Weights and compute: "amp" keeps float32 weights and runs forward and loss under bf16 autocast.
@@ -398,7 +434,8 @@ def plot(results, modes, batches, budget, out):
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model options shared by bench and layers (defaults: the issue's BERT L=2, H=256, T=128)."""
-    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora", "llama-lora"])
+    p.add_argument("--model", default="bert", choices=["bert", "gpt2", "bert-lora", "gpt2-lora", "llama-lora",
+                                                            "torch-encoder", "torch-encoder-fixed"])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

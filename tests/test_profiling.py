@@ -6,7 +6,9 @@ import subprocess
 import tarfile
 
 import pytest
+import torch
 
+import ghostdp
 from profiling import bench, layers, revision, step_ratio
 from ghostdp.norms.factors import gram_tile, prefers_gram
 
@@ -157,6 +159,21 @@ def test_step_ratio_interleaves_the_modes_and_pairs_each_round_with_plain(capsys
     assert "median over rounds" in capsys.readouterr().out
     times = {"plain": [1.0, 2.0, 4.0], "ghost": [2.0, 3.0, 8.0]}  # per-round ratios 2, 1.5, 2
     assert step_ratio.report(times)["ghost"] == (3000.0, 2.0)
+
+
+@pytest.mark.parametrize("model", ["torch-encoder", "torch-encoder-fixed"])
+def test_step_ratio_runs_torchs_transformer_encoder_before_and_after_validate_fix(model, capsys):
+    rows = step_ratio.main(TINY + ["--model", model, "--batch", "2", "--rounds", "1", "--warmup", "0",
+                                   "--modes", "ghost", "bookkeeping", "--freeze-embeddings"])
+    assert set(rows) == {"plain", "ghost", "bookkeeping"}
+    built = bench.build_model(bench.parse(TINY + ["--model", model, "--freeze-embeddings"]))
+    attention = built.encoder.layers[0].self_attn
+    fixed = model == "torch-encoder-fixed"
+    assert isinstance(attention, ghostdp.layers.MultiheadAttention if fixed else torch.nn.MultiheadAttention)
+    assert (ghostdp.validate.fallback_modules(built) == {}) == fixed
+    assert not built.embeddings.weight.requires_grad and not built.position_embeddings.weight.requires_grad
+    with pytest.raises(ValueError, match="--checkpointing needs a transformers model"):
+        bench.build_model(bench.parse(TINY + ["--model", model, "--checkpointing"]))
 
 
 def test_step_ratio_runs_the_ghostdp_modes_of_another_revision_in_the_same_rounds(capsys):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 import weakref
 
 import torch
@@ -57,6 +58,13 @@ FALLBACK_MODULES = (
     "batched backward of the module per chunk of examples (O(B^2) elements a step; several times a ruled layer's "
     "cost at large batches): {names}. ghostdp.validate.fallback_modules(model) lists them with their parameters; "
     "where speed matters, freeze them (requires_grad_(False)) or register a norm rule.")
+
+SWAPPABLE_MODULES = (
+    "ghostdp: these torch.nn modules take the exact per-example fallback, O(batch) in time and memory (a 4-layer "
+    "nn.TransformerEncoder: 7x a plain step and 30x its memory on a CPU), because torch.nn applies their weights "
+    "inside one functional call that no norm rule sees: {names} ({kinds}). Fix: ghostdp.validate.fix(model) before making it "
+    "private swaps them for their ghostdp.layers twins (same weights, state_dict keys and outputs), whose "
+    "projections the Linear rule covers.")
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -203,6 +211,11 @@ class GhostClipping:
         self._handles += self.independence.attach(module)
         _ATTACHED[module] = self
         slow = validate.fallback_modules(module)
+        swappable = validate.swappable_modules(module) if slow else []
+        if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
+            kinds = sorted({type(module.get_submodule("" if n == "<root>" else n)).__name__ for n in swappable})
+            warnings.warn(SWAPPABLE_MODULES.format(names=", ".join(f"'{n}'" for n in swappable[:5]) + (
+                f", ... ({len(swappable)})" if len(swappable) > 5 else ""), kinds=", ".join(kinds)), stacklevel=3)
         if slow:  # logged, not warned: the fallback is exact, only slower (T5's relative bias, raw parameters)
             names = list(slow)
             log.info(FALLBACK_MODULES.format(count=len(names), names=", ".join(names[:5]) + (

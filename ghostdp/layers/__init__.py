@@ -1,4 +1,19 @@
-"""Drop-in modules whose parameters the norm rules cover: recurrent layers built from Linear projections."""
-from .recurrent import GRU, LSTM, RNN, from_torch
+"""Drop-in modules whose parameters the norm rules cover: recurrent layers and multi-head attention built from
+Linear projections."""
+from torch import nn
 
-__all__ = ["LSTM", "GRU", "RNN", "from_torch"]
+from . import attention, recurrent
+from .attention import MultiheadAttention
+from .recurrent import GRU, LSTM, RNN
+
+__all__ = ["LSTM", "GRU", "RNN", "MultiheadAttention", "from_torch"]
+
+
+def from_torch(module: nn.Module) -> nn.Module:
+    """The ghostdp twin of a torch.nn LSTM, GRU, RNN or MultiheadAttention: same settings, weights, frozen
+    parameters, device, dtype and mode."""
+    if isinstance(module, nn.MultiheadAttention):
+        return attention.from_torch(module)
+    if isinstance(module, (nn.LSTM, nn.GRU, nn.RNN)):
+        return recurrent.from_torch(module)
+    raise TypeError(f"from_torch takes a torch.nn LSTM, GRU, RNN or MultiheadAttention, got {type(module).__name__}")

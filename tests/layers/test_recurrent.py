@@ -189,7 +189,7 @@ def test_bad_inputs_are_refused_with_the_reason():
         gru(x, (torch.zeros(1, B, H), torch.zeros(1, B, H)))
     with pytest.raises(ValueError, match="4-D"):
         gru(torch.randn(2, T, B, E))
-    with pytest.raises(TypeError, match="LSTM, GRU or RNN"):
+    with pytest.raises(TypeError, match="LSTM, GRU, RNN or MultiheadAttention"):
         layers.from_torch(nn.Linear(2, 2))
 
 

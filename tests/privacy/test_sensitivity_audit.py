@@ -289,9 +289,9 @@ class Encoder(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, **settings):
         super().__init__()
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, **settings)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
@@ -449,6 +449,13 @@ ZOO = [
          lambda n, g: _tokens(n, g, 8, True), _logits_of, SEQ_FIRST, "x", True),
     Arch("multihead-attention", Attention, lambda n, g: _tokens(n, g, 8), _logits_of, continuous="x",
          sequence=True),
+    Arch("ghostdp-encoder-layer", lambda: ghostdp.validate.fix(Encoder(True)), lambda n, g: _tokens(n, g, 8),
+         _logits_of, continuous="x", sequence=True),
+    Arch("ghostdp-encoder-layer-seq-first", lambda: ghostdp.validate.fix(Encoder(False)),
+         lambda n, g: _tokens(n, g, 8, True), _logits_of, SEQ_FIRST, "x", True),
+    Arch("ghostdp-multihead-attention-bias-kv", lambda: ghostdp.validate.fix(Attention(add_bias_kv=True,
+                                                                                       add_zero_attn=True)),
+         lambda n, g: _tokens(n, g, 8), _logits_of, continuous="x", sequence=True),
     Arch("module-called-twice", CalledTwice, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("fallback-module-chained", ChainedGain, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
