@@ -118,9 +118,10 @@ def _group_norm_for(batch_norm) -> torch.nn.GroupNorm:
 
 def swappable_modules(model: torch.nn.Module) -> list:
     """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules with trainable parameters that
-    ``fix`` would swap for their ghostdp.layers twins (which the Linear rule covers; torch.nn's take the fallback)."""
-    return [name or "<root>" for name, m in model.named_modules()
-            if isinstance(m, (*_RECURRENT, torch.nn.MultiheadAttention)) and _why_kept(m) is None
+    ``fix`` would swap for their ghostdp.layers twins (which the Linear rule covers; torch.nn's take the fallback).
+    The model itself is not listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one module)."""
+    return [name for name, m in model.named_modules()
+            if name and isinstance(m, (*_RECURRENT, torch.nn.MultiheadAttention)) and _why_kept(m) is None
             and any(p.requires_grad for p in m.parameters())]
 
 

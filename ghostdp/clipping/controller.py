@@ -213,7 +213,7 @@ class GhostClipping:
         slow = validate.fallback_modules(module)
         swappable = validate.swappable_modules(module) if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
-            kinds = sorted({type(module.get_submodule("" if n == "<root>" else n)).__name__ for n in swappable})
+            kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
             warnings.warn(SWAPPABLE_MODULES.format(names=", ".join(f"'{n}'" for n in swappable[:5]) + (
                 f", ... ({len(swappable)})" if len(swappable) > 5 else ""), kinds=", ".join(kinds)), stacklevel=3)
         if slow:  # logged, not warned: the fallback is exact, only slower (T5's relative bias, raw parameters)

@@ -269,6 +269,7 @@ def test_attaching_to_torchs_attention_warns_with_the_fix_and_not_after_it():
         ghostdp.GhostClipping(model, 1.0).detach()
     frozen = nn.Sequential(nn.MultiheadAttention(E, HEADS).requires_grad_(False), nn.Linear(E, 1))
     assert ghostdp.validate.swappable_modules(frozen) == []  # nothing to clip there: no warning
+    assert ghostdp.validate.swappable_modules(nn.MultiheadAttention(E, HEADS)) == []  # fix swaps children only
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ghostdp.GhostClipping(frozen, 1.0).detach()
