@@ -1,10 +1,12 @@
 """Every norm rule against the per-example loop, float64, every example clipped and none clipped."""
+import copy
 import functools
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import ghostdp
 import transformers
@@ -64,6 +66,62 @@ def test_embedding_padding_rows_get_no_gradient():
     assert torch.all(emb.weight.grad[0] == 0)
 
 
+def bags_of(examples, layout):
+    """nn.EmbeddingBag's arguments for ``examples`` (a list of (ids, weights) per example, one bag each): a 2-D
+    input where every bag has one length, else a 1-D input cut at offsets (with the last offset or not)."""
+    ids = [torch.tensor(i, dtype=torch.long) for i, _ in examples]
+    weights = [torch.tensor(w, dtype=torch.float64) for _, w in examples]
+    if layout == "2d":
+        return torch.stack(ids), None, torch.stack(weights)
+    offsets = torch.tensor([0] + [len(i) for i in ids]).cumsum(0)
+    return torch.cat(ids), offsets if layout == "offsets-with-last" else offsets[:-1], torch.cat(weights)
+
+
+@pytest.mark.parametrize("layout", ["2d", "offsets", "offsets-with-last"])
+@pytest.mark.parametrize("mode,padding_idx,weighted", [("sum", None, False), ("sum", 2, True), ("mean", None, False),
+                                                       ("mean", 2, False), ("max", None, False)])
+def test_embedding_bag(layout, mode, padding_idx, weighted):
+    """Modes sum (with per_sample_weights) and mean by the rule, max by the fallback; padding_idx left out."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=padding_idx, include_last_offset=layout == "offsets-with-last")
+    if layout == "2d":
+        examples = [([1, 2, 1], [0.5, -1.0, 2.0]), ([2, 2, 7], [1.0, 3.0, -2.0]), ([8, 0, 3], [1.5, 0.5, 1.0])]
+    else:  # bags of several lengths
+        examples = [([1, 2, 1, 5], [0.5, -1.0, 2.0, 1.0]), ([4], [3.0]), ([8, 0, 3], [1.5, 0.5, 1.0]),
+                    ([2, 6, 2], [1.0, 2.0, -1.0])]
+    head = torch.randn(4)
+
+    def losses(chosen):
+        ids, offsets, weights = bags_of(chosen, layout)
+        out = bag(ids, offsets, per_sample_weights=weights if weighted else None)
+        return (out.tanh() @ head) + 0.1 * out.pow(2).sum(1)
+
+    from ghostdp.norms.embedding import embedding_bag_rule
+    assert ghostdp.norms.find_norm_rule(bag) is embedding_bag_rule
+    model = nn.Sequential(bag)
+    assert_exact(model, lambda: losses(examples), lambda i: losses([examples[i]]).sum(), len(examples))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_empty_and_all_padding_bags_have_no_gradient(mode):
+    """torch leaves padding_idx out of a bag's reduction (and of its mean's count): such a bag's output is zeros."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=2)
+    ids, offsets = torch.tensor([1, 2, 5, 2, 2, 7, 7, 2]), torch.tensor([0, 3, 3, 5])  # bags: [1 2 5] [] [2 2] [7 7 2]
+    controller = ghostdp.GhostClipping(bag, 1e3)
+    out = bag(ids, offsets)
+    controller.loss((out + 1).pow(2).sum(1), "sum").backward()
+    norms = controller.last_norms
+    controller.detach()
+    expected = []
+    for lo, hi in ((0, 3), (3, 3), (3, 5), (5, 8)):
+        grad, = torch.autograd.grad((bag(ids[lo:hi], torch.tensor([0])) + 1).pow(2).sum(), bag.weight)
+        expected.append(grad.norm())
+    assert norms[1] == 0 and norms[2] == 0
+    torch.testing.assert_close(norms, torch.stack(expected), rtol=1e-12, atol=0)
+    assert set(ghostdp.norms.embedding.bag_members(bag, (ids, offsets), {})[1][1].tolist()) == {0.0}
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(),
     dict(stride=2, padding=1),
@@ -93,6 +151,9 @@ def test_transformers_conv1d():
     (lambda: nn.RMSNorm(6, eps=1e-3), (4, 6)),
     (lambda: nn.GroupNorm(2, 4), (3, 4, 5, 2)),
     (lambda: nn.GroupNorm(2, 4), (3, 4)),
+    (lambda: nn.InstanceNorm1d(4, affine=True), (3, 4, 5)),
+    (lambda: nn.InstanceNorm2d(4, affine=True, eps=1e-3), (3, 4, 5, 2)),
+    (lambda: nn.InstanceNorm3d(2, affine=True), (3, 2, 3, 2, 2)),
 ])
 def test_normalization_layers(layer, shape):
     torch.manual_seed(1)
@@ -101,6 +162,52 @@ def test_normalization_layers(layer, shape):
         for p in m.parameters():
             p.add_(torch.randn_like(p))
     check_module(m, torch.randn(*shape))
+
+
+@pytest.mark.parametrize("cls", [nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])
+def test_instance_norms_have_a_rule_not_the_fallback(cls):
+    from ghostdp.norms.normalization import instance_norm_rule
+    assert ghostdp.norms.find_norm_rule(cls(4, affine=True)) is instance_norm_rule
+    assert ghostdp.validate.fallback_modules(nn.Sequential(cls(4, affine=True))) == {}
+
+
+def test_instance_norm_in_eval_mode_reads_its_running_statistics_and_the_rule_updates_none():
+    torch.manual_seed(1)
+    norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+    x = torch.randn(3, 4, 5, 2)
+    with torch.no_grad():
+        norm(3 * torch.randn(6, 4, 5, 2) + 1)  # running statistics away from the batch's own
+        norm.weight.add_(torch.randn(4))
+        norm.bias.add_(torch.randn(4))
+    with torch.no_grad():  # (the running statistics matter here)
+        assert not torch.allclose(norm.eval()(x), F.instance_norm(x, None, None, norm.weight, norm.bias, eps=norm.eps))
+
+    class KeptInEval(nn.Module):  # assert_exact sets training mode: this parent leaves its norm in eval
+        def __init__(self):
+            super().__init__()
+            self.norm = norm.eval()
+
+        def train(self, mode=True):
+            self.training = mode
+            return self
+
+        def forward(self, inp):
+            return self.norm(inp)
+
+    stats = norm.running_mean.clone(), norm.running_var.clone()
+    check_module(KeptInEval(), x)
+    assert torch.equal(norm.running_mean, stats[0]) and torch.equal(norm.running_var, stats[1])
+    # in training the forward updates them once a step (the buffer watch warns of it); the rule never does
+    plain = copy.deepcopy(norm).train()
+    with torch.no_grad():
+        plain(x)
+    norm.train()
+    controller = ghostdp.GhostClipping(norm, 1.0)
+    with pytest.warns(UserWarning, match="changed during a training forward") as warned:
+        controller.loss(norm(x).pow(2).sum((1, 2, 3)), "sum").backward()
+    assert {"running_mean", "running_var"} <= {str(w.message).split("'")[1] for w in warned}
+    controller.detach()
+    assert torch.equal(norm.running_mean, plain.running_mean) and torch.equal(norm.running_var, plain.running_var)
 
 
 @pytest.mark.parametrize("layer,shape", [

@@ -574,3 +574,5 @@ def test_the_families_benchmark_interleaves_each_familys_modes_and_lists_its_fal
                                          "transformer.decoder.block.0.layer.0.SelfAttention"]
     assert results["convnext"]["fallback"] == []
     assert "ghost@HEAD" in capsys.readouterr().out
+    torch_layers = families.main(["--families", "embedding-bag", "instance-norm", "--rounds", "1", "--warmup", "0"])
+    assert all(result["fallback"] == [] for result in torch_layers.values())  # by their rules since 2026-11-27

@@ -8,6 +8,9 @@ lookup of position ids that the forward forms from its arguments (an arange, or 
 sum) plus an offset; the rule reads those ids, formed as the forward forms them (``RuleEntry.rule_inputs``).
 Before 2026-11-27 they took the exact fallback, whose batched VJP instantiates every example's gradient of the
 whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output grads of B^2 T d elements.
+torch.nn.EmbeddingBag in modes "sum" and "mean": each output row (a bag) is a weighted sum of rows, so an
+EmbeddingGather of the bag's ids with the bag's output grad scaled per member (since 2026-11-27; the fallback's
+before); mode "max" takes the exact fallback.
 """
 from __future__ import annotations
 
@@ -90,3 +93,56 @@ MASK_POSITIONS_BODY = (
 for _body, _positions in ((ARANGE_POSITIONS_BODY, arange_positions), (MASK_POSITIONS_BODY, mask_positions)):
     register_forward_rule(_body, embedding_rule, params=("weight",), tokenwise=True, base=torch.nn.Embedding,
                           rule_inputs=_positions)
+
+
+def bag_members(module, args, kwargs, output=None) -> tuple:
+    """(ids, scales), each (bags, longest bag): the rows an nn.EmbeddingBag call reduces into each output row and
+    the factor each row enters with (its per_sample_weight in mode "sum", 1 / the bag's size in "mean"; 0 where the
+    row is the padding_idx, which torch leaves out of the reduction and its count, and after a bag's end).
+    A 2-D input is one bag per row; a 1-D input is cut into bags at ``offsets``."""
+    arguments = call_arguments(module, args, kwargs)
+    ids, offsets, weights = arguments["input"], arguments["offsets"], arguments["per_sample_weights"]
+    if ids.dim() == 2:
+        scales = torch.ones(ids.shape, device=ids.device) if weights is None else weights
+    else:
+        ends = offsets[1:] if module.include_last_offset else torch.cat([offsets[1:], offsets.new_tensor([len(ids)])])
+        starts = offsets[:len(ends)]
+        lengths = ends - starts
+        bag = torch.repeat_interleave(torch.arange(len(ends), device=ids.device), lengths)
+        position = torch.arange(len(bag), device=ids.device) - starts[bag]
+        longest = int(lengths.max()) if len(lengths) else 0
+        flat_ids, flat_scales = ids[:len(bag)], (torch.ones(len(bag), device=ids.device) if weights is None
+                                                 else weights[:len(bag)])
+        padded = torch.zeros(len(ends), longest, dtype=ids.dtype, device=ids.device)
+        ids = padded.index_put((bag, position), flat_ids)
+        scales = torch.zeros(len(ends), longest, dtype=flat_scales.dtype, device=ids.device).index_put(
+            (bag, position), flat_scales)
+        members = torch.zeros(len(ends), longest, dtype=torch.bool, device=ids.device).index_put(
+            (bag, position), torch.ones_like(flat_ids, dtype=torch.bool))
+        scales = scales * members
+    if module.padding_idx is not None:
+        scales = scales * (ids != module.padding_idx)
+    if module.mode == "mean":
+        scales = scales / (scales != 0).sum(1, keepdim=True).clamp(min=1)  # (no per_sample_weights in "mean")
+    return ids, scales.to(module.weight.dtype)
+
+
+def _sums_or_means(module, args, kwargs) -> bool:
+    """mode "max" picks one row per feature: not a weighted sum of rows (the exact fallback takes it)."""
+    return module.mode in ("sum", "mean")
+
+
+def embedding_bag_rule(module: torch.nn.EmbeddingBag, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+                       trainable: set[str]) -> dict:
+    """Output row b = sum_t s_bt E[x_bt] (bag_members), so g_b = sum_t e_{x_bt} (s_bt G_b)^T: an EmbeddingGather of
+    the bag's rows, each with its scaled output grad."""
+    if "weight" not in trainable:
+        return {}
+    ids, scales = inputs
+    grads = output_grad.unsqueeze(1) * scales.unsqueeze(-1).to(output_grad.dtype)
+    return {"weight": EmbeddingGather(ids, grads, module.num_embeddings)}
+
+
+# Its arguments read by name (offsets and per_sample_weights may come by keyword).
+register_norm_rule(torch.nn.EmbeddingBag, embedding_bag_rule, params=("weight",), accepts=_sums_or_means,
+                   rule_inputs=bag_members)

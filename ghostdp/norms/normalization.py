@@ -1,4 +1,4 @@
-"""LayerNorm, GroupNorm, RMSNorm: per-example gradients are (B, d), so instantiate them.
+"""LayerNorm, GroupNorm, InstanceNorm, RMSNorm: per-example gradients are (B, d), so instantiate them.
 
 For y = w * xhat + b:  dL/dw_i = sum over positions of G * xhat,  dL/db_i = sum of G.
 xhat is recomputed from the saved input. float32 and float64 inputs are used as they are;
@@ -227,6 +227,21 @@ def group_norm_rule(module, inputs, output_grad, trainable):
     xhat = F.group_norm(x, module.num_groups, eps=module.eps)
     spatial = tuple(range(2, x.dim()))
     return _affine_grads(xhat, G, trainable, spatial)
+
+
+def instance_norm_rule(module, inputs, output_grad, trainable):
+    """InstanceNorm1d/2d/3d with affine=True: GroupNorm with a group per channel. xhat from the input's own
+    statistics (training, or track_running_stats=False) or from the running ones (eval with tracked statistics),
+    as the module's forward takes them; F.instance_norm updates no running statistic without the input's."""
+    x, G = _working(inputs[0], output_grad)
+    use_input_stats = module.training or not module.track_running_stats
+    running = (None, None) if use_input_stats else (module.running_mean, module.running_var)
+    xhat = F.instance_norm(x, *running, use_input_stats=use_input_stats, eps=module.eps)
+    return _affine_grads(xhat, G, trainable, tuple(range(2, x.dim())))
+
+
+for _cls in (torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d):
+    register_norm_rule(_cls, instance_norm_rule)
 
 
 def _hf_style(module) -> str:

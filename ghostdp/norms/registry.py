@@ -71,7 +71,8 @@ def qualified_name(cls: type) -> str:
 
 def register_norm_rule(module_class: type | str, rule: Rule | None = None, params=("weight", "bias"),
                        tokenwise: bool | Callable[[torch.nn.Module], bool] = False,
-                       holds_output_grad: Callable[..., bool] | None = None):
+                       holds_output_grad: Callable[..., bool] | None = None,
+                       accepts: Callable[..., bool] | None = None, rule_inputs: Callable[..., tuple] | None = None):
     """Register ``rule`` for ``module_class`` and its subclasses that keep its ``forward``; usable as a decorator.
 
     ``module_class`` is a ``torch.nn.Module`` subclass or the qualified name of one ("pkg.module.Class").
@@ -83,6 +84,8 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
     this call keep its output grad whole in book-keeping (``PerExampleGrad.kept``), told from the
     forward's tensors; book-keeping then captures that grad in pass 1 without a per-call probe. A wrong
     True costs memory (the grad is held to the end of pass 1), never exactness.
+    ``accepts`` and ``rule_inputs``: as for ``register_forward_rule`` (nn.EmbeddingBag: mode "max" declined, the
+    bags' members read from the call's arguments by name).
     """
     if isinstance(module_class, str):
         if "." not in module_class:
@@ -92,7 +95,8 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
         raise TypeError(f"register_norm_rule needs a torch.nn.Module subclass, got {module_class!r}")
 
     def add(fn):
-        _RULES[module_class] = RuleEntry(fn, frozenset(params), tokenwise, module_class, holds_output_grad)
+        _RULES[module_class] = RuleEntry(fn, frozenset(params), tokenwise, module_class, holds_output_grad,
+                                         accepts=accepts, rule_inputs=rule_inputs)
         return fn
 
     return add(rule) if rule is not None else add

@@ -213,7 +213,8 @@ def test_a_forward_matched_by_its_body_calls_super_of_the_registered_base_or_has
     assert super_forward(nn.Linear) is None  # no super() in its forward
 
 
-RULED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+RULED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+         nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 RULED_NAMES = {f"nn.{c.__name__}" for c in RULED}
 # The forwards that compute what nn.Linear's does (linear.MATMUL_LINEARS).
 MATMUL_BODIES = {"hidden_states = input @ self.weight.T ; if self.bias is None:\n    return hidden_states ; "
