@@ -31,11 +31,6 @@ from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stash
 from .samples import write_samples
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
-# The calls waiting to be received (PassOne.arrive) hold at most 1/ARRIVALS_PER_QUEUE of what the norm queue
-# may hold (1 MB in float32): every peak measured then stays that of receiving each call at once (CPU tensor
-# bytes, BERT L=2 H=256 T=128 B=8, ghost: 43.5 MB; waiting up to the queue's whole bound: 47.5 MB; a quarter of
-# it still raised the Llama-shaped LoRA model's by 1 MB at B=4).
-ARRIVALS_PER_QUEUE = 16
 
 CHECKPOINTING_UNSUPPORTED = (
     "A reentrant activation checkpoint was not recognised (another library's, not torch.utils.checkpoint's): "
@@ -219,7 +214,7 @@ class PassOne:
         passed.arrived.append((call, grad))
         # Counted as the queue counts a factor (batched._held_elements): its inputs and G.
         passed.arrived_elements += grad.numel() + sum([x.numel() for x in call.inputs])
-        if passed.synchronous or passed.arrived_elements >= batched.QUEUE_ELEMENTS // ARRIVALS_PER_QUEUE:
+        if passed.synchronous or passed.arrived_elements >= batched.waiting_elements():
             self._receive_arrived()
 
     def _receive_arrived(self):

@@ -44,11 +44,6 @@ PASS_TWO_DIFFERS = (
     "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
     "ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the difference.")
 
-# Pass 2's factors wait for their sums until they hold this many elements (a sixteenth of the norm queue's bound,
-# as pass 1's arrivals: pass_one.ARRIVALS_PER_QUEUE), then are summed in batches of equal shapes.
-SUM_ELEMENTS = batched.QUEUE_ELEMENTS // 16
-
-
 def squares(grad) -> torch.Tensor:
     """(B,) each example's sum of squares of a batch-first output grad, in float64 (PASS_TWO_DIFFERS)."""
     return grad.reshape(grad.shape[0], -1).double().pow(2).sum(1)
@@ -163,7 +158,7 @@ class PassTwo:
         passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
         passed.sum_elements += sum([x.numel() for x in call.inputs])
         call.grads, call.inputs, call.done = (), (), True
-        if passed.synchronous or passed.sum_elements >= SUM_ELEMENTS:
+        if passed.synchronous or passed.sum_elements >= batched.waiting_elements():  # then summed in batches
             self._flush()
 
     def _finish(self) -> None:

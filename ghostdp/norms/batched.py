@@ -43,6 +43,18 @@ from .normalization import AffineGrad, form_layer_norms
 # what ghost mode holds beyond the unbatched rules, which freed each G at once.
 QUEUE_ELEMENTS = 1 << 22
 
+# The calls waiting for their norms (pass 1's arrivals, PassOne.arrive) or for their clipped sums (pass 2's
+# factors, pass_two.PassTwo.write) hold at most 1/WAITING_PART of what the queue may hold (1 MB in float32): every
+# peak measured then stays that of receiving each call at once (CPU tensor bytes, BERT L=2 H=256 T=128 B=8, ghost:
+# 43.5 MB; waiting up to the queue's whole bound: 47.5 MB; a quarter of it still raised the Llama-shaped LoRA
+# model's by 1 MB at B=4).
+WAITING_PART = 16
+
+
+def waiting_elements() -> int:
+    """The elements that waiting calls may hold (WAITING_PART), read at each call: the queue's bound may be set."""
+    return QUEUE_ELEMENTS // WAITING_PART
+
 # Most elements one batch copies into a stack. Batching saves per-op host work (some 10 us an op) and
 # costs a copy of its tensors (about 1 ns an element on a CPU, a few ps on an H100): on a CPU it pays
 # for tensors of up to some ten thousand elements, on a GPU up to millions. Larger tensors are reduced
