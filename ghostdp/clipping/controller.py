@@ -62,9 +62,9 @@ FALLBACK_MODULES = (
 SWAPPABLE_MODULES = (
     "ghostdp: these torch.nn modules take the exact per-example fallback, O(batch) in time and memory (a 4-layer "
     "nn.TransformerEncoder: 7x a plain step and 30x its memory on a CPU), because torch.nn applies their weights "
-    "inside one functional call that no norm rule sees: {names} ({kinds}). Fix: ghostdp.validate.fix(model) before making it "
-    "private swaps them for their ghostdp.layers twins (same weights, state_dict keys and outputs), whose "
-    "projections the Linear rule covers.")
+    "inside one functional call that no norm rule sees: {names} ({kinds}). Fix: ghostdp.validate.fix(model) "
+    "before making it private swaps them for their ghostdp.layers twins (same weights, state_dict keys and "
+    "outputs), whose projections the Linear rule covers.")
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
