@@ -13,9 +13,12 @@ summed over tokens), at the cost of the layer's own matmuls.
   draws it, then split into the three Linear weights.
 - state_dict keys are torch's (``in_proj_weight``, ``in_proj_bias``, or ``q_proj_weight``, ... where kdim or vdim
   differ from embed_dim; ``out_proj.*``, ``bias_k``, ``bias_v``), so checkpoints load either way.
-- ``in_proj_weight`` / ``in_proj_bias`` (and the three separate weights) are read-only properties, the
-  concatenation of the projections' current values, for code that reads them (torch's TransformerEncoderLayer
-  reads them on its inference fast path); train the projections themselves.
+- ``in_proj_weight`` / ``in_proj_bias`` are properties, the concatenation of the projections' current values, for
+  code that reads them (torch's TransformerEncoderLayer reads them on its inference fast path). They are copies,
+  made as inference tensors so that writing into them (``nn.init.xavier_uniform_(m.in_proj_weight)`` after
+  ``fix``) or differentiating through them raises instead of silently changing nothing: initialise and train the
+  projections themselves. ``q_proj_weight``, ``k_proj_weight`` and ``v_proj_weight`` (kdim or vdim ≠ embed_dim) are
+  the projections' own weights, detached.
 - ``add_bias_kv``: ``bias_k`` and ``bias_v`` stay parameters of this module, used outside any Linear call, so the
   exact fallback forms their per-example gradients (a VJP per example from this module's outputs); the projections
   keep their rule.
@@ -86,18 +89,20 @@ class MultiheadAttention(nn.Module):
                 nn.init.xavier_normal_(self.bias_k)
                 nn.init.xavier_normal_(self.bias_v)
 
-    # torch.nn.MultiheadAttention's parameters, as read-only values (the module doc)
+    # torch.nn.MultiheadAttention's parameters, as values to read (the module doc)
     @property
     def in_proj_weight(self):
         if not self._qkv_same_embed_dim:
             return None
-        return torch.cat([getattr(self, name).weight.detach() for name in _PROJECTIONS])
+        with torch.inference_mode():  # a copy that refuses writes and autograd (the module doc)
+            return torch.cat([getattr(self, name).weight for name in _PROJECTIONS])
 
     @property
     def in_proj_bias(self):
         if self.q_proj.bias is None:
             return None
-        return torch.cat([getattr(self, name).bias.detach() for name in _PROJECTIONS])
+        with torch.inference_mode():
+            return torch.cat([getattr(self, name).bias for name in _PROJECTIONS])
 
     @property
     def q_proj_weight(self):

@@ -102,6 +102,14 @@ def test_same_seed_same_weights_and_state_dict_keys_as_torch(kdim, bias_kv):
     else:
         assert ours.in_proj_weight is None and torch.equal(ours.k_proj_weight, changed["k_proj_weight"])
     assert torch.equal(ours.in_proj_bias, changed["in_proj_bias"])
+    if kdim is None:  # a copy: writing into it, or differentiating through it, raises instead of doing nothing
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            nn.init.xavier_uniform_(ours.in_proj_weight)
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+            (torch.randn(2, E, requires_grad=True) @ ours.in_proj_weight.T).sum().backward()
+    else:  # the projection's own weight: a write reaches it
+        nn.init.zeros_(ours.k_proj_weight)
+        assert not ours.k_proj.weight.any()
     assert ours.k_proj.weight.shape == (E, kdim or E)
     assert layers.MultiheadAttention(E, HEADS, bias=False).in_proj_bias is None
 
