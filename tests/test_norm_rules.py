@@ -102,6 +102,16 @@ def test_embedding_bag(layout, mode, padding_idx, weighted):
     assert_exact(model, lambda: losses(examples), lambda i: losses([examples[i]]).sum(), len(examples))
 
 
+def test_embedding_bag_with_several_bags_per_example_is_refused_with_the_fix():
+    bag, head = nn.EmbeddingBag(9, 4), nn.Linear(8, 1)
+    model = nn.ModuleDict({"bag": bag, "head": head})
+    ids, offsets = torch.randint(0, 9, (12,)), torch.arange(0, 12, 2)  # 6 bags: 2 for each of 3 examples
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match="module 'bag' .*give each example one bag"):
+        controller.loss(head(bag(ids, offsets).reshape(3, 8)).squeeze(-1).pow(2), "sum").backward()
+    controller.detach()
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_embedding_bag_empty_and_all_padding_bags_have_no_gradient(mode):
     """torch leaves padding_idx out of a bag's reduction (and of its mean's count): such a bag's output is zeros."""
