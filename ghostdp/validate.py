@@ -5,10 +5,11 @@ import warnings
 
 import torch
 
-from .layers import attention, recurrent
+from . import layers
 from .norms.fallback import attached_rule, hooked_modules, owned_parameters
 
-_RECURRENT = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN)
+# torch.nn modules that ghostdp.layers has twins of, whose weights the Linear rule covers (``fix``)
+_TWINNED = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.MultiheadAttention)
 
 
 class ModelNotPrivatizable(ValueError):
@@ -92,14 +93,14 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
     """
     if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
         raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
-    if isinstance(model, (*_RECURRENT, torch.nn.MultiheadAttention)):
+    if isinstance(model, _TWINNED):
         raise ModelNotPrivatizable(f"the model itself is a torch.nn.{type(model).__name__}; use "
                                    f"ghostdp.layers.from_torch(model) or wrap it in a parent module to fix it")
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                 setattr(m, child_name, _group_norm_for(child))
-            elif isinstance(child, (*_RECURRENT, torch.nn.MultiheadAttention)):
+            elif isinstance(child, _TWINNED):
                 replacement = _twin_for(child, f"{name}.{child_name}" if name else child_name)
                 if replacement is not None:
                     setattr(m, child_name, replacement)
@@ -121,14 +122,13 @@ def swappable_modules(model: torch.nn.Module) -> list:
     ``fix`` would swap for their ghostdp.layers twins (which the Linear rule covers; torch.nn's take the fallback).
     The model itself is not listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one module)."""
     return [name for name, m in model.named_modules()
-            if name and isinstance(m, (*_RECURRENT, torch.nn.MultiheadAttention)) and _why_kept(m) is None
+            if name and isinstance(m, _TWINNED) and _why_kept(m) is None
             and any(p.requires_grad for p in m.parameters())]
 
 
 def _why_kept(module) -> str | None:
     """Why ``fix`` leaves a torch.nn recurrent layer or MultiheadAttention in place, or None: it swaps it."""
-    if type(module).forward not in (torch.nn.LSTM.forward, torch.nn.GRU.forward, torch.nn.RNN.forward,
-                                    torch.nn.MultiheadAttention.forward):
+    if type(module).forward not in [cls.forward for cls in _TWINNED]:
         return "its class overrides forward"
     if getattr(module, "proj_size", 0):
         return "ghostdp.layers.LSTM has no proj_size"
@@ -139,8 +139,7 @@ def _twin_for(module, name):
     """The ghostdp.layers twin of a torch.nn recurrent layer or MultiheadAttention, or None (warned)."""
     reason = _why_kept(module)
     if reason is None:
-        return (attention.from_torch(module) if isinstance(module, torch.nn.MultiheadAttention)
-                else recurrent.from_torch(module))
+        return layers.from_torch(module)
     warnings.warn(f"ghostdp.validate.fix left '{name}' ({type(module).__name__}) in place because {reason}: it "
                   "trains through the exact per-example fallback, O(batch) in time and memory", stacklevel=3)
     return None

@@ -25,7 +25,6 @@ from .capture import check_inputs_unchanged, hooked_output_grad, sink_below
 from .generators import random_states, same_random_states
 from . import pass_two as pass_two_module
 from .layout import LayoutProver
-from .pass_two import PassTwo
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
 from .samples import write_samples
@@ -110,7 +109,7 @@ class PassOne:
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._proof_region_calls = None  # a reentrant step proven before pass 1: the proof's region calls, in order
         self._region_uses_known = False  # a reentrant step has counted every parameter's calls
-        self.pass_two = PassTwo(self)    # two passes' pass 2, which repeats this pass's backward (pass_two.py)
+        self.pass_two = pass_two_module.PassTwo(self)  # two passes' pass 2: this pass's backward again
 
     def run(self, per_example_losses, mode, calls, regions, audited, groups: int, measures_kept: bool,
             graph: tuple, pass_two: bool = False) -> NormPass:

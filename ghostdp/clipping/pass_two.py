@@ -44,6 +44,7 @@ PASS_TWO_DIFFERS = (
     "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
     "ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the difference.")
 
+
 def squares(grad) -> torch.Tensor:
     """(B,) each example's sum of squares of a batch-first output grad, in float64 (PASS_TWO_DIFFERS)."""
     return grad.reshape(grad.shape[0], -1).double().pow(2).sum(1)
@@ -88,7 +89,7 @@ class PassTwo:
     def summed_by_fsdp(self) -> bool:
         """Whether pass 2's clipped sums go into FSDP2's unsharded parameters, which FSDP reduce-scatters over the
         ranks (else the DP optimizer sums the ranks' itself)."""
-        return self.replay is not None and self.by_fsdp
+        return self.by_fsdp  # (set only with a replay: keep_for_fsdp follows keep; forget and run clear both)
 
     # ----------------------------------------------------------------- the pass
     def run(self, losses, sums, skipped) -> None:

@@ -116,10 +116,7 @@ def bag_members(module, args, kwargs, output=None) -> tuple:
         padded = torch.zeros(len(ends), longest, dtype=ids.dtype, device=ids.device)
         ids = padded.index_put((bag, position), flat_ids)
         scales = torch.zeros(len(ends), longest, dtype=flat_scales.dtype, device=ids.device).index_put(
-            (bag, position), flat_scales)
-        members = torch.zeros(len(ends), longest, dtype=torch.bool, device=ids.device).index_put(
-            (bag, position), torch.ones_like(flat_ids, dtype=torch.bool))
-        scales = scales * members
+            (bag, position), flat_scales)  # 0 past each bag's end
     if module.padding_idx is not None:
         scales = scales * (ids != module.padding_idx)
     if module.mode == "mean":
