@@ -19,9 +19,14 @@ forms no weight gradient in either pass.
   call's sums are written as its G arrives (``synchronous``); a step in which some call's G comes only from the
   backward's result keeps a backward of sum_i c_i L_i (``keep_for_fsdp``, GhostClipping.write_clipped_sums).
 - Bit for bit holds where the backward's kernels are deterministic. On the layout proof's steps each ruled call's
-  G is compared between the two passes and a difference refused (CHECK_PASS_TWO).
+  G is compared between the two passes (CHECK_PASS_TWO), and the step's clipped sums are held until the comparison
+  is done: where they differ, none of them is written (PassTwoDiffers), and the controller takes book-keeping's one
+  backward from the next step on (modes.StepModes.pass_two_differed), which forms each norm and clipped sum from one
+  G. Only FSDP2's sums, which FSDP reduce-scatters during the pass, cannot be held: a difference there is refused.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -30,8 +35,8 @@ from .records import NormPass
 
 # On the layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every
 # REPROOF_EVERY-th; a new graph) every ruled call's output grads are compared between the two passes (each
-# example's sum of squares in float64, one reduction per call and pass), and a difference is refused
-# (PASS_TWO_DIFFERS). False: not compared.
+# example's sum of squares in float64, one reduction per call and pass); a difference drops the step's clipped sums
+# (PassTwoDiffers). False: not compared.
 CHECK_PASS_TWO = True
 
 PASS_TWO_DIFFERS = (
@@ -39,10 +44,16 @@ PASS_TWO_DIFFERS = (
     "its norm was formed from, but on this step module '{name}' received different ones in the two passes (an "
     "example's squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not "
     "deterministic (on a GPU: atomics in an attention backward or a scatter). An example's clipped gradient could "
-    "then exceed the clipping norm, by as much as its output grads differ. Fix: clipping='bookkeeping' (its clipped "
-    "sums read the output grads its norms read, at the memory of keeping them), or "
-    "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
-    "ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the difference.")
+    "then exceed the clipping norm, by as much as its output grads differ.")
+
+
+class PassTwoDiffers(RuntimeError):
+    """Pass 2's output grads differed from pass 1's on a checked step (PASS_TWO_DIFFERS). ``held``: the step's clipped
+    sums were held, and none was written (every one but FSDP2's, which FSDP reduce-scatters during the pass)."""
+
+    def __init__(self, name: str, relative: float, held: bool):
+        super().__init__(PASS_TWO_DIFFERS.format(name=name, relative=relative))
+        self.name, self.relative, self.held = name, relative, held
 
 
 def squares(grad) -> torch.Tensor:
@@ -92,14 +103,17 @@ class PassTwo:
         return self.by_fsdp  # (set only with a replay: keep_for_fsdp follows keep; forget and run clear both)
 
     # ----------------------------------------------------------------- the pass
-    def run(self, losses, sums, skipped) -> None:
-        """Pass 2: ``sums`` (modes.ClippedSums) receives each ruled call's factors; ``skipped``: the parameters
-        whose clipped sums are written already (the fallback's, from pass 1's per-example gradients)."""
+    def run(self, losses, sums, kept) -> None:
+        """Pass 2: ``sums`` (modes.ClippedSums) receives each ruled call's factors, and first ``kept``'s (parameter ->
+        the fallback's factors, from pass 1's per-example gradients; emptied). The sums are held and written once the
+        pass is done where a backward that sets p.grad aside runs (reentrant regions) or where pass 2's output grads
+        are compared with pass 1's (a checked step: none is written if they differ, PassTwoDiffers)."""
         passes = self.passes
         probes, captured_edges, second_backward, region_calls, expected = self.replay
         passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
-        passed.sums, passed.sums_skipped, passed.twins = sums, skipped, region_calls
+        passed.sums, passed.sums_skipped, passed.twins = sums, set(kept), region_calls
         passed.synchronous, passed.pass_two_check = self.by_fsdp, expected
+        held = region_calls is not None or (expected is not None and not self.by_fsdp)
         self.replay, self.by_fsdp = None, False
         captured = []
         for call, edges in captured_edges:
@@ -107,18 +121,21 @@ class PassTwo:
             captured.append(call)
         passes.current = passed
         try:
-            with passes.controller._region("ghostdp.pass2"):
-                if region_calls is not None:
-                    with sums.collected(), passes._grads_set_aside(losses):
-                        torch.autograd.backward(losses, torch.ones_like(losses))
+            with sums.collected() if held else contextlib.nullcontext():
+                with passes.controller._region("ghostdp.clipped_sum"):
+                    sums.write(kept)
+                with passes.controller._region("ghostdp.pass2"):
+                    if region_calls is not None:
+                        with passes._grads_set_aside(losses):
+                            torch.autograd.backward(losses, torch.ones_like(losses))
+                            self._finish()
+                    else:
+                        if probes or captured:
+                            passes._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
+                                                        second_backward)
                         self._finish()
-                else:
-                    if probes or captured:
-                        passes._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
-                                                    second_backward)
-                    self._finish()
-            if passed.pass_two_pairs:
-                _refuse_different_output_grads(passed.pass_two_pairs)
+                if passed.pass_two_pairs:
+                    _refuse_different_output_grads(passed.pass_two_pairs, held)
         finally:
             passes.current = None
             for call in captured:  # (controller._forget_captured_edges)
@@ -194,9 +211,10 @@ class PassTwo:
         call.layouts = twins[k].layouts
 
 
-def _refuse_different_output_grads(pairs) -> None:
-    """Refuses a call whose output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs`` of (its
-    name, pass 1's squares, pass 2's). One host sync, on checked steps only."""
+def _refuse_different_output_grads(pairs, held: bool) -> None:
+    """Raises PassTwoDiffers where a call's output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs``
+    of (its name, pass 1's squares, pass 2's); ``held``: the step's sums are held. One host sync, on checked steps
+    only."""
     first = torch.stack([a.to(pairs[0][1].device) for _, a, _ in pairs])
     second = torch.stack([b.to(pairs[0][1].device) for _, _, b in pairs])
     # An example whose squares are not finite in pass 1 has a non-finite norm: refused or given c_i = 0 already.
@@ -206,4 +224,4 @@ def _refuse_different_output_grads(pairs) -> None:
     tiny = torch.finfo(torch.float64).tiny
     relative = torch.where(differs, (second - first).abs() / first.abs().clamp(min=tiny), 0.0).amax(1)
     k = int(relative.argmax())
-    raise RuntimeError(PASS_TWO_DIFFERS.format(name=pairs[k][0], relative=float(relative[k])))
+    raise PassTwoDiffers(pairs[k][0], float(relative[k]), held)

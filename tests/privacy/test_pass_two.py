@@ -83,10 +83,11 @@ def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_
 
 
 class Unsteady(torch.autograd.Function):
-    """The identity, whose backward scales its gradient by 1 + 1e-6 on every second run: a kernel that does not give
-    the same result twice (a GPU's atomics), between pass 1 (its second run: the layout proof is the first) and
+    """The identity, whose backward scales its gradient by 1 + ``wobble`` on every second run: a kernel that does not
+    give the same result twice (a GPU's atomics), between pass 1 (its second run: the layout proof is the first) and
     pass 2 (its third)."""
     runs = 0
+    wobble = 1e-6
 
     @staticmethod
     def forward(ctx, x):
@@ -95,31 +96,139 @@ class Unsteady(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         Unsteady.runs += 1
-        return grad * (1 + 1e-6 * (Unsteady.runs % 2))
+        return grad * (1 + Unsteady.wobble * (Unsteady.runs % 2))
+
+
+def _unsteady(wobble=1e-6, checkpointed=False):
+    """A model whose middle backward is Unsteady, and a function of its per-example losses on a batch."""
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
+    Unsteady.runs, Unsteady.wobble = 0, wobble
+
+    def losses(x):
+        hidden = model[1](model[0](x))
+        if checkpointed:
+            hidden = checkpoint(lambda h: model[1](model[0](h)), x, use_reentrant=False)
+        return model[2](Unsteady.apply(hidden)).pow(2).sum(1)
+    return model, losses
+
+
+def _grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _clipped_sum_by_loop(model, losses, x, C):
+    """sum_i min(1, C / |g_i|) g_i, from each example's own backward (float64)."""
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(losses(x[i:i + 1]).sum(), list(model.parameters()))
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, C / (float(norm) + 1e-6))
+    return total
 
 
 @pytest.mark.parametrize("check", [True, False])
-def test_a_backward_that_differs_between_the_passes_is_refused_on_checked_steps(check, monkeypatch):
-    """The refusal names the module and how far its output grads moved, and the fixes; with the check off the step
-    runs (the caller accepts the difference)."""
-    from ghostdp.clipping import pass_two
+def test_a_backward_that_differs_between_the_passes_drops_the_step_and_takes_bookkeeping(check, monkeypatch):
+    """A checked step whose passes' output grads differ writes none of its clipped sums, warns (naming the module, how
+    far its output grads moved, what was dropped and the fix), and the next steps take book-keeping's one backward,
+    whose clipped sums equal the per-example loop's. With the check off the step runs (the caller accepts the
+    difference) and the mode stays (this model keeps little: its steps would take book-keeping for that too)."""
+    from ghostdp.clipping import modes, pass_two
     monkeypatch.setattr(pass_two, "CHECK_PASS_TWO", check)
-    model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
-    x, Unsteady.runs = torch.randn(B, D), 0
-
-    def losses():
-        hidden = model[1](model[0](x))
-        return model[2](Unsteady.apply(hidden)).pow(2).sum(1)
-
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)
+    model, losses = _unsteady()
+    x = torch.randn(B, D)
     controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
     if check:
-        with pytest.raises(RuntimeError, match=r"module '0' received different ones.*differs by 2e-06 of itself.*"
-                                               r"clipping='bookkeeping'.*use_deterministic_algorithms"):
-            controller.loss(losses(), reduction="sum").backward()
+        with pytest.warns(UserWarning, match=r"module '0' received different ones.*differs by 2e-06 of itself.*"
+                                             r"clipped gradients were dropped.*counts its privacy.*book-keeping.*"
+                                             r"use_deterministic_algorithms") as caught:
+            controller.loss(losses(x), reduction="sum").backward()
+        assert caught[0].filename == __file__  # the line that called backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert controller.mode_for_loss().name == "bookkeeping" and controller.step_modes.pass_two_differs
     else:
-        controller.loss(losses(), reduction="sum").backward()
-        assert model[0].weight.grad is not None
+        controller.loss(losses(x), reduction="sum").backward()
+        assert model[0].weight.grad is not None and controller.mode_for_loss().name == "ghost"
     assert Unsteady.runs == 3  # the layout proof, pass 1, pass 2
+    if check:
+        model.zero_grad(set_to_none=True)
+        Unsteady.wobble = 0.0
+        x = torch.randn(B, D)
+        controller.loss(losses(x), reduction="sum").backward()
+        controller.detach()
+        for p, expected in zip(model.parameters(), _clipped_sum_by_loop(model, losses, x, 1.0)):
+            torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_dropped_step_leaves_the_gradients_of_earlier_backwards_as_they_were(monkeypatch):
+    """Gradient accumulation: the second backward (a checked step: norm passes 1, 2, 4, ...) differs; p.grad keeps the
+    first backward's clipped sums, bit for bit (pass 2's sums and the fallback's are held until the check)."""
+    from ghostdp.clipping import modes
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)  # two passes at the second step
+    model, losses = _unsteady(wobble=0.0)
+    model.append(torch.nn.PReLU())  # no norm rule: its clipped sum comes from the fallback, before pass 2 (on -L_i < 0)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    controller.loss(model[3](-losses(torch.randn(B, D))), reduction="sum").backward()
+    first = _grads(model)
+    assert all(g is not None and g.any() for g in first)
+    Unsteady.wobble = 1e-6
+    with pytest.warns(UserWarning, match="dropped"):
+        controller.loss(model[3](-losses(torch.randn(B, D))), reduction="sum").backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(first, model.parameters()))
+    controller.detach()
+
+
+def test_a_checkpointed_step_whose_passes_differ_is_refused_without_writing_its_sums():
+    """Under activation checkpointing book-keeping takes two passes too: the step is refused, and says that the fix
+    is deterministic kernels (not clipping='bookkeeping'); nothing was written. BOOKKEEPING_WHERE_PASS_TWO_DIFFERS
+    = False refuses without a checkpoint, naming book-keeping as a fix."""
+    model, losses = _unsteady(checkpointed=True)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    with pytest.raises(RuntimeError, match=r"module '.*' received different ones.*None of this step's clipped sums "
+                                           r"was written.*use_deterministic_algorithms.*'bookkeeping' takes two passes "
+                                           r"under activation checkpointing too"):
+        controller.loss(losses(torch.randn(B, D)), reduction="sum").backward()
+    assert all(p.grad is None for p in model.parameters()) and not controller.step_modes.pass_two_differs
+    controller.detach()
+
+
+def test_without_the_switch_a_backward_that_differs_is_refused(monkeypatch):
+    from ghostdp.clipping import modes
+    monkeypatch.setattr(modes, "BOOKKEEPING_WHERE_PASS_TWO_DIFFERS", False)
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)
+    model, losses = _unsteady()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
+    with pytest.raises(RuntimeError, match=r"module '0' received different ones.*None of this step's clipped sums "
+                                           r"was written.*use_deterministic_algorithms.*clipping='bookkeeping'"):
+        controller.loss(losses(torch.randn(B, D)), reduction="sum").backward()
+    assert all(p.grad is None for p in model.parameters()) and controller.mode_for_loss().name == "ghost"
+    controller.detach()
+
+
+def test_the_switch_is_kept_in_the_saved_state_and_agreed_between_processes():
+    """A resumed run keeps book-keeping; with several processes a rank's finding rides on the optimizer's all-reduce
+    (the largest of each rank's measures) and every rank switches at the same step."""
+    from ghostdp.clipping.modes import StepModes, CLIPPING_MODES
+    modes = StepModes(CLIPPING_MODES["ghost"], per_group=False)
+    assert modes.local_measure()[2] == 0.0
+    modes.pass_two_differs = True
+    restored = StepModes(CLIPPING_MODES["ghost"], per_group=False)
+    restored.load_state_dict(modes.state_dict())
+    assert restored.for_loss(lambda: False, False, lambda: False).name == "bookkeeping"
+    assert restored.for_loss(lambda: True, False, lambda: False).name == "ghost"  # under a checkpoint
+    assert restored.for_loss(lambda: False, False, lambda: True).name == "ghost"  # FSDP2-sharded parameters
+    other = StepModes(CLIPPING_MODES["ghost"], per_group=False)
+    assert other.for_loss(lambda: False, True, lambda: False).name == "ghost"
+    assert restored.for_loss(lambda: False, True, lambda: False).name == "ghost"  # not agreed yet
+    largest = tuple(max(a, b) for a, b in zip(restored.local_measure(), other.local_measure()))
+    for rank in (restored, other):
+        rank.agree(largest)
+        assert rank.for_loss(lambda: False, True, lambda: False).name == "bookkeeping"
+    old = restored.state_dict()
+    del old["pass_two_differs"], old["agreed_pass_two_differs"]  # saved before the switch existed
+    restored.load_state_dict(old)
+    assert restored.for_loss(lambda: False, False, lambda: False).name == "ghost"
 
 
 def test_a_pass_one_whose_pass_two_never_came_is_not_repeated_by_the_next_backward():
@@ -134,3 +243,28 @@ def test_a_pass_one_whose_pass_two_never_came_is_not_repeated_by_the_next_backwa
     controller.loss(model(torch.randn(0, D)).pow(2).sum(1)).backward()
     assert not controller.pass_one.pass_two.pending()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_a_private_training_loop_goes_on_past_a_dropped_step(monkeypatch):
+    """make_private and its DP optimizer: the dropped step adds noise and is accounted; later steps train."""
+    from ghostdp.clipping import modes
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)
+    model, losses = _unsteady()
+    data = torch.utils.data.TensorDataset(torch.randn(16, D))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, _, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                      noise_multiplier=1.0, max_grad_norm=1.0, clipping="ghost")
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = 0
+    with pytest.warns(UserWarning, match="dropped") as caught:
+        for (x,) in loader:
+            optimizer.zero_grad(set_to_none=True)
+            engine.controller.loss(losses(x)).backward()
+            optimizer.step()
+            steps += 1
+    assert len([w for w in caught if "dropped" in str(w.message)]) == 1
+    assert engine.controller.mode_for_loss().name == "bookkeeping"
+    assert engine.accountant.steps == steps and steps >= 2
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
