@@ -142,55 +142,6 @@ def train_adapters(one_backward, checkpointed=False):
         modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = True
 
 
-class Wobbling(torch.autograd.Function):
-    """The identity, whose backward on rank 0 scales its gradient by 1 + 1e-6 on every second run (a kernel that does
-    not give the same result twice): rank 0's first checked step finds two passes' output grads different."""
-    runs = 0
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        Wobbling.runs += 1
-        return grad * (1 + (1e-6 if dist.get_rank() == 0 else 0.0) * (Wobbling.runs % 2))
-
-
-class WobblingMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = mlp()
-
-    def forward(self, x):
-        return self.layers[3](Wobbling.apply(self.layers[2](self.layers[1](self.layers[0](x)))))
-
-
-def train_wobbling():
-    """Two passes through a DDP-wrapped MLP whose backward differs between runs on rank 0 only, in physical chunks: the
-    chunk whose passes differed drops its sums (warned) and both ranks take book-keeping from the next logical batch
-    (clipping/modes.py, BOOKKEEPING_WHERE_PASS_TWO_DIFFERS). Which backward calls took one backward, the warnings, the
-    weights after."""
-    import warnings
-    from ghostdp.clipping import modes
-    modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = False  # (this MLP keeps little: it would switch for that too)
-    try:
-        model = WobblingMLP()
-        engine, _, optimizer, criterion, loader = private(model, seed=11, physical=2)
-        ddp, wrote = DDP(model), []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for x, y, _ in loader:
-                optimizer.zero_grad()
-                criterion(ddp(x), y).backward()
-                wrote.append(engine.controller.ledger.records[-1].one_backward)
-                optimizer.step()
-        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "wrote": wrote,
-                "dropped": [str(w.message) for w in caught if "dropped" in str(w.message)]}
-    finally:
-        modes.ONE_BACKWARD_WHERE_KEEPING_LITTLE = True
-
-
 def noise_draws(steps=5, sigma=2.0):
     """Zero per-example gradients: after each step, p.grad * expected batch size is the noise alone."""
     torch.manual_seed(0)
@@ -627,7 +578,6 @@ def main(scenario, out):
                   "bookkeeping_checkpointed": train_bookkeeping(seed=11, physical=2, checkpointed=True),
                   "adapters": {on: train_adapters(on) for on in (True, False)},
                   "adapters_checkpointed": {on: train_adapters(on, checkpointed=True) for on in (True, False)},
-                  "wobbling": train_wobbling(),
                   "noise": noise_draws(), "refusals": refusals(), "forward_checks": forward_checks()}
     elif scenario == "fsdp":
         result = fsdp(out)

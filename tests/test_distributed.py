@@ -228,22 +228,6 @@ def test_two_passes_take_one_backward_for_adapters_on_every_rank_alike(engine_ru
     assert engine_runs[0][run][True]["wrote"] == engine_runs[1][run][True]["wrote"]
 
 
-def test_a_rank_whose_passes_differ_drops_its_chunk_and_every_rank_takes_bookkeeping_at_the_next_step(engine_runs):
-    """Rank 0's backward differs between runs: its chunks on checked steps drop their sums, warned on rank 0 only. The
-    finding rides on the optimizer's all-reduce, so the ranks change mode together, between logical batches: rank 0's
-    chunks of the first logical batch on checked steps (norm passes 1, 2, 4) whose two passes differ (every other run
-    of the backward) are dropped, and both ranks take book-keeping's one backward from the next logical batch on, with
-    the same weights."""
-    first, second = (rank["wobbling"] for rank in engine_runs)
-    assert first["wrote"] == second["wrote"]
-    two_passes = first["wrote"].index(True)  # the first logical batch's chunks (a Poisson batch, 2 examples a chunk)
-    assert two_passes >= 2 and all(first["wrote"][two_passes:])
-    assert 1 <= len(first["dropped"]) <= len([k for k in (1, 2, 4) if k <= two_passes]) and not second["dropped"]
-    assert "module 'layers.0'" in first["dropped"][0]
-    for name, p in first["params"].items():
-        torch.testing.assert_close(second["params"][name], p, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("runs, run", [("trainer_runs", "exact"), ("accelerate_trainer_runs", "exact"),
                                        ("trainer_runs", "bookkeeping")])
 def test_dp_trainer_under_torchrun_or_accelerate_equals_one_process_on_the_union(runs, run, request):

@@ -38,7 +38,6 @@ from .modes import ClippedSums, StepModes, clipping_mode, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
 from .probe import compiled_code_note
 from .pass_one import PassOne
-from .pass_two import PassTwoDiffers
 from .recording import ForwardRecorder, zero_size_leaf
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
 from .samples import SampleRequest
@@ -552,11 +551,8 @@ class GhostClipping:
         mode = self.mode if mode is None else mode
         kept, self._kept = self._kept, new_factor_store()
         if self.pass_one.pass_two.pending():
-            try:
-                with self.pass_one.running_pass_two():
-                    self.pass_one.pass_two.run(losses, ClippedSums(coefficients, grad_output), kept)
-            except PassTwoDiffers as differs:  # none of this step's sums was written where they were held
-                self.step_modes.pass_two_differed(differs, self.recorder.forward_was_checkpointed())
+            with self.pass_one.running_pass_two():
+                self.pass_one.pass_two.run(losses, ClippedSums(coefficients, grad_output), kept)
             return
         with self._region("ghostdp.clipped_sum"):
             weights = mode.grad_of_losses(kept, coefficients, grad_output, losses, self._group_of)

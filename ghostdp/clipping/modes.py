@@ -36,7 +36,6 @@ from collections import defaultdict
 
 import torch
 
-from ..callers import caller_stacklevel
 from ..norms.batched_sums import weighted_sums
 from ..norms.factors import EmbeddingGather, PerExampleGrad
 from .layout import REPROOF_EVERY, proof_scheduled
@@ -216,13 +215,12 @@ KEPT_OF_SAVED = 1.1
 
 
 def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction: float | None = None,
-                 may_keep: bool = False, kept_of_saved: float | None = None, pass_two_differs: bool = False):
+                 may_keep: bool = False, kept_of_saved: float | None = None):
     """The mode a DP loss's backward runs in: ``configured``, or two passes for a checkpointed book-keeping step,
-    or book-keeping for a two-pass step that keeps little (see above) or whose passes' output grads differed
-    (``pass_two_differs``, without a checkpoint: BOOKKEEPING_WHERE_PASS_TWO_DIFFERS). ``kept_fraction``: kept bytes
-    / held bytes of the last norm pass, None before the first; ``kept_of_saved``: kept bytes / the graph's saved
-    bytes (see KEPT_OF_SAVED), None where not measured. ``may_keep``: book-keeping can run this step (no
-    FSDP2-sharded parameter; several processes decide by measures they agreed on: StepModes)."""
+    or book-keeping for a two-pass step that keeps little (see above). ``kept_fraction``: kept bytes / held bytes
+    of the last norm pass, None before the first; ``kept_of_saved``: kept bytes / the graph's saved bytes (see
+    KEPT_OF_SAVED), None where not measured. ``may_keep``: book-keeping can run this step (no FSDP2-sharded
+    parameter; several processes decide by measures they agreed on: StepModes)."""
     limit = KEPT_FRACTION_UNDER_CHECKPOINTING if checkpointed else KEPT_FRACTION_WITHOUT_CHECKPOINTING
     keeps_little = ((kept_fraction is not None and kept_fraction <= limit)
                     or (not checkpointed and kept_of_saved is not None and kept_of_saved <= KEPT_OF_SAVED))
@@ -230,32 +228,9 @@ def mode_of_step(configured, checkpointed: bool, per_group: bool, kept_fraction:
         if checkpointed and not per_group and not keeps_little:
             return CLIPPING_MODES[TwoPass.name]
         return configured
-    if may_keep and ((keeps_little and ONE_BACKWARD_WHERE_KEEPING_LITTLE) or (pass_two_differs and not checkpointed)):
+    if keeps_little and may_keep and ONE_BACKWARD_WHERE_KEEPING_LITTLE:
         return CLIPPING_MODES[BookKeeping.name]
     return configured
-
-
-# Two passes need pass 2 to receive pass 1's output grads bit for bit (pass_two.py), which a backward with
-# non-deterministic kernels does not give (on a GPU: atomics in an attention backward or a scatter). Where a checked
-# step finds them different, its clipped sums are dropped (the step adds its noise and counts its privacy as any
-# other: nothing of the batch reaches the update) and the controller takes book-keeping's one backward from the next
-# step on, which forms each example's norm and its clipped sum from one output grad: the same clipped sums, without
-# the step's second backward, keeping the layers' inputs and output grads (more memory where a layer's T (d + p)
-# exceeds d p). A step run under activation checkpointing cannot switch (book-keeping takes two passes there too):
-# refused. False: refused everywhere.
-BOOKKEEPING_WHERE_PASS_TWO_DIFFERS = True
-DETERMINISTIC_FIX = ("torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8) makes "
-                     "the passes agree")
-
-SWITCHED_WHERE_PASS_TWO_DIFFERS = (
-    " This batch's clipped gradients were dropped: the step adds its noise and counts its privacy as usual, but the "
-    "batch does not train the model. clipping='ghost' takes book-keeping's one backward from the next step on: each "
-    "example's norm and its clipped sum then read one output grad (the same clipped sums; it keeps each layer's input "
-    "and output grad until the coefficients are known, more memory where a layer's tokens x (d_in + d_out) exceed "
-    "d_in x d_out). To keep two passes, make the backward deterministic: {fix}.")
-REFUSED_WHERE_PASS_TWO_DIFFERS = (
-    " None of this step's clipped sums was written{written}. Fix: {fix}{bookkeeping}. "
-    "ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the difference.")
 
 
 BOOKKEEPING_WITH_CHECKPOINTING = (
@@ -296,10 +271,6 @@ class StepModes:
         # Several processes: (kept_fraction, kept_of_saved), each the largest of the ranks', agreed at the last
         # optimizer step (``agree``).
         self.agreed = None
-        # A checked step of this process found pass 2's output grads different from pass 1's; several processes:
-        # one of the ranks did, agreed at an optimizer step (BOOKKEEPING_WHERE_PASS_TWO_DIFFERS).
-        self.pass_two_differs = False
-        self.agreed_pass_two_differs = False
         self._told = set()
 
     def for_loss(self, checkpointed, several: bool, sharded):
@@ -311,8 +282,7 @@ class StepModes:
         mode = self._decide(checkpointed, several, sharded)
         if mode is not self.configured:
             if not self.configured.keeps_factors:
-                if not self._differs(several):  # (told when it was found: pass_two_differed)
-                    self._tell_once(ONE_BACKWARD_KEEPING_LITTLE)
+                self._tell_once(ONE_BACKWARD_KEEPING_LITTLE)
             elif several or self.kept_fraction is not None:  # the first such step measures
                 self._tell_once(TWO_PASSES_UNDER_CHECKPOINTING)
         return mode
@@ -330,7 +300,7 @@ class StepModes:
                                                                                      self.kept_of_saved)
         if not configured.keeps_factors:
             mode = mode_of_step(configured, checkpointed(), False, kept_fraction, may_keep=True,
-                                kept_of_saved=kept_of_saved, pass_two_differs=self._differs(several))
+                                kept_of_saved=kept_of_saved)
             if mode is configured or sharded():  # (the walk over the parameters only where it decides)
                 return configured
             return mode
@@ -344,16 +314,13 @@ class StepModes:
         little."""
         if self.configured.keeps_factors:
             return checkpointed()
-        if self.pass_two_differs or self.agreed_pass_two_differs:  # book-keeping without a checkpoint, whatever it keeps
-            return False
         return ONE_BACKWARD_WHERE_KEEPING_LITTLE and (
             mode.keeps_factors or self.kept_fraction is None or proof_scheduled(passes, REPROOF_EVERY))
 
     def weighs_saved(self) -> bool:
         """Whether this controller weighs what book-keeping keeps against the bytes the graph saved: two passes
         configured (a step without a checkpoint then needs its footprint: ``counts_saved``)."""
-        return (ONE_BACKWARD_WHERE_KEEPING_LITTLE and not self.configured.keeps_factors
-                and not (self.pass_two_differs or self.agreed_pass_two_differs))
+        return ONE_BACKWARD_WHERE_KEEPING_LITTLE and not self.configured.keeps_factors
 
     def counts_saved(self, footprint: int, passes: int) -> bool:
         """Whether the step about to run norm pass ``passes``, without a checkpoint (its saved tensors would be the
@@ -382,42 +349,15 @@ class StepModes:
             self._told.add(BOOKKEEPING_WITH_CHECKPOINTING)
             warnings.warn(BOOKKEEPING_WITH_CHECKPOINTING, stacklevel=3)
 
-    def local_measure(self) -> tuple[float, float, float]:
-        """This process's (kept_fraction, kept_of_saved) for the ranks' agreement (inf where not measured), and 1.0
-        where its passes differed (else 0.0)."""
-        return (*(math.inf if m is None else m for m in (self.kept_fraction, self.kept_of_saved)),
-                float(self.pass_two_differs))
+    def local_measure(self) -> tuple[float, float]:
+        """This process's (kept_fraction, kept_of_saved) for the ranks' agreement (inf where not measured)."""
+        return tuple(math.inf if m is None else m for m in (self.kept_fraction, self.kept_of_saved))
 
     def agree(self, largest) -> None:
         """Each measure's largest ``local_measure`` over the ranks, from the DP optimizer's all-reduce at each step."""
-        self.agreed = tuple(None if math.isinf(m) else m for m in largest[:2])
-        self.agreed_pass_two_differs = self.agreed_pass_two_differs or largest[2] > 0
+        self.agreed = tuple(None if math.isinf(m) else m for m in largest)
 
-    def pass_two_differed(self, differs, checkpointed: bool) -> None:
-        """A checked step's pass 2 received other output grads than its pass 1 (pass_two.PassTwoDiffers): where
-        none of its sums was written and book-keeping can run without a checkpoint, warns that the batch was dropped
-        and takes book-keeping from the next step on (several processes: once the ranks have agreed, at the next
-        optimizer step); else refuses (BOOKKEEPING_WHERE_PASS_TWO_DIFFERS)."""
-        if differs.held and not checkpointed and BOOKKEEPING_WHERE_PASS_TWO_DIFFERS:
-            self.pass_two_differs = True
-            warnings.warn(str(differs) + SWITCHED_WHERE_PASS_TWO_DIFFERS.format(fix=DETERMINISTIC_FIX),
-                          stacklevel=caller_stacklevel())
-            return
-        if checkpointed:  # book-keeping takes two passes under a checkpoint
-            bookkeeping = ("; clipping='bookkeeping' takes two passes under activation checkpointing too, so it "
-                           "helps only without checkpointing")
-        else:
-            bookkeeping = (", or clipping='bookkeeping' (its clipped sums read the output grads its norms read, "
-                           "at the memory of keeping them)")
-        written = "" if differs.held else " except FSDP2's, which FSDP reduce-scattered during the pass"
-        raise RuntimeError(str(differs) + REFUSED_WHERE_PASS_TWO_DIFFERS.format(
-            written=written, fix=DETERMINISTIC_FIX, bookkeeping=bookkeeping)) from differs
-
-    def _differs(self, several: bool) -> bool:
-        return self.agreed_pass_two_differs if several else self.pass_two_differs
-
-    _STATE = ("kept_fraction", "saved_per_element", "counted_footprint", "kept_of_saved", "agreed",
-              "pass_two_differs", "agreed_pass_two_differs")
+    _STATE = ("kept_fraction", "saved_per_element", "counted_footprint", "kept_of_saved", "agreed")
 
     def state_dict(self) -> dict:
         """The measures the next steps' modes follow: a resumed run takes the modes the saved one would have taken
@@ -427,8 +367,6 @@ class StepModes:
     def load_state_dict(self, state: dict) -> None:
         for name in self._STATE:
             setattr(self, name, state.get(name))
-        self.pass_two_differs = bool(self.pass_two_differs)  # (a state saved before they were kept)
-        self.agreed_pass_two_differs = bool(self.agreed_pass_two_differs)
 
     def _tell_once(self, message: str) -> None:
         if message not in self._told:

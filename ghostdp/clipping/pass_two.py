@@ -20,9 +20,10 @@ forms no weight gradient in either pass.
   backward's result keeps a backward of sum_i c_i L_i (``keep_for_fsdp``, GhostClipping.write_clipped_sums).
 - Bit for bit holds where the backward's kernels are deterministic. On the layout proof's steps each ruled call's
   G is compared between the two passes (CHECK_PASS_TWO), and the step's clipped sums are held until the comparison
-  is done: where they differ, none of them is written (PassTwoDiffers), and the controller takes book-keeping's one
-  backward from the next step on (modes.StepModes.pass_two_differed), which forms each norm and clipped sum from one
-  G. Only FSDP2's sums, which FSDP reduce-scatters during the pass, cannot be held: a difference there is refused.
+  is done: where they differ, the step is refused and none of them is written (FSDP2's excepted: FSDP
+  reduce-scatters them during the pass). Not dropped and stepped on instead: whether the passes differ depends on
+  the batch, and a batch dropped for one example's sake would take every other example's gradient with it (an
+  update that moves by up to B C).
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from .records import NormPass
 
 # On the layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every
 # REPROOF_EVERY-th; a new graph) every ruled call's output grads are compared between the two passes (each
-# example's sum of squares in float64, one reduction per call and pass); a difference drops the step's clipped sums
-# (PassTwoDiffers). False: not compared.
+# example's sum of squares in float64, one reduction per call and pass); a difference is refused, with none of the
+# step's clipped sums written (PASS_TWO_DIFFERS). False: not compared.
 CHECK_PASS_TWO = True
 
 PASS_TWO_DIFFERS = (
@@ -44,16 +45,15 @@ PASS_TWO_DIFFERS = (
     "its norm was formed from, but on this step module '{name}' received different ones in the two passes (an "
     "example's squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not "
     "deterministic (on a GPU: atomics in an attention backward or a scatter). An example's clipped gradient could "
-    "then exceed the clipping norm, by as much as its output grads differ.")
-
-
-class PassTwoDiffers(RuntimeError):
-    """Pass 2's output grads differed from pass 1's on a checked step (PASS_TWO_DIFFERS). ``held``: the step's clipped
-    sums were held, and none was written (every one but FSDP2's, which FSDP reduce-scatters during the pass)."""
-
-    def __init__(self, name: str, relative: float, held: bool):
-        super().__init__(PASS_TWO_DIFFERS.format(name=name, relative=relative))
-        self.name, self.relative, self.held = name, relative, held
+    "then exceed the clipping norm, by as much as its output grads differ. None of this step's clipped sums was "
+    "written{written}. Fix: torch.use_deterministic_algorithms(True) (on CUDA with "
+    "CUBLAS_WORKSPACE_CONFIG=:4096:8){bookkeeping}. ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the "
+    "difference.")
+# PASS_TWO_DIFFERS's book-keeping fix: without a checkpoint, and under one (where book-keeping takes two passes too).
+BOOKKEEPING_FIX = (", or clipping='bookkeeping' (its clipped sums read the output grads its norms read, at the "
+                   "memory of keeping them)")
+NO_BOOKKEEPING_FIX_UNDER_CHECKPOINTING = ("; clipping='bookkeeping' takes two passes under activation checkpointing "
+                                          "too, so it helps only without checkpointing")
 
 
 def squares(grad) -> torch.Tensor:
@@ -135,7 +135,8 @@ class PassTwo:
                                                         second_backward)
                         self._finish()
                 if passed.pass_two_pairs:
-                    _refuse_different_output_grads(passed.pass_two_pairs, held)
+                    _refuse_different_output_grads(passed.pass_two_pairs, held,
+                                                   passes.recorder.forward_was_checkpointed())
         finally:
             passes.current = None
             for call in captured:  # (controller._forget_captured_edges)
@@ -211,10 +212,10 @@ class PassTwo:
         call.layouts = twins[k].layouts
 
 
-def _refuse_different_output_grads(pairs, held: bool) -> None:
-    """Raises PassTwoDiffers where a call's output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs``
-    of (its name, pass 1's squares, pass 2's); ``held``: the step's sums are held. One host sync, on checked steps
-    only."""
+def _refuse_different_output_grads(pairs, held: bool, checkpointed: bool) -> None:
+    """Refuses a call whose output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs`` of (its
+    name, pass 1's squares, pass 2's); ``held``: the step's sums are held (none written); ``checkpointed``: the
+    forward ran a trained layer under a checkpoint. One host sync, on checked steps only."""
     first = torch.stack([a.to(pairs[0][1].device) for _, a, _ in pairs])
     second = torch.stack([b.to(pairs[0][1].device) for _, _, b in pairs])
     # An example whose squares are not finite in pass 1 has a non-finite norm: refused or given c_i = 0 already.
@@ -224,4 +225,7 @@ def _refuse_different_output_grads(pairs, held: bool) -> None:
     tiny = torch.finfo(torch.float64).tiny
     relative = torch.where(differs, (second - first).abs() / first.abs().clamp(min=tiny), 0.0).amax(1)
     k = int(relative.argmax())
-    raise PassTwoDiffers(pairs[k][0], float(relative[k]), held)
+    raise RuntimeError(PASS_TWO_DIFFERS.format(
+        name=pairs[k][0], relative=float(relative[k]),
+        written="" if held else " except FSDP2's, which FSDP reduce-scattered during the pass",
+        bookkeeping=NO_BOOKKEEPING_FIX_UNDER_CHECKPOINTING if checkpointed else BOOKKEEPING_FIX))

@@ -413,12 +413,12 @@ def test_several_processes_decide_by_the_fraction_the_ranks_agreed_on(monkeypatc
     monkeypatch.setattr(controller_module, "distributed_rank_and_size", lambda: (0, 2))
     controller.step_modes.agree(controller.step_modes.local_measure())
     assert controller.mode_for_loss().name == "bookkeeping"
-    controller.step_modes.agree((0.75, 1.5, 0.0))  # another rank keeps much
+    controller.step_modes.agree((0.75, 1.5))  # another rank keeps much
     assert controller.mode_for_loss().name == "ghost"
-    controller.step_modes.agree((0.75, 0.9, 0.0))  # ... but less than its graph saved
+    controller.step_modes.agree((0.75, 0.9))  # ... but less than its graph saved
     assert controller.mode_for_loss().name == "bookkeeping"
     inf = float("inf")
-    controller.step_modes.agree((inf, inf, 0.0))  # another rank has measured nothing yet
+    controller.step_modes.agree((inf, inf))  # another rank has measured nothing yet
     assert controller.mode_for_loss().name == "ghost" and controller.step_modes.agreed == (None, None)
     controller.detach()
 
