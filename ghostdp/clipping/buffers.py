@@ -22,13 +22,12 @@ sampled for them.
 from __future__ import annotations
 
 import operator
-import os
-import sys
 import warnings
 
 import torch
 from torch.nn.utils.parametrize import ParametrizationList
 
+from ..callers import caller_stacklevel
 from ..sharding import is_sharded
 
 CHANGED_BUFFER = (
@@ -153,17 +152,8 @@ class BufferWatch:
     def _warn(self, name):
         if name not in self._warned:
             self._warned.add(name)
-            warnings.warn(CHANGED_BUFFER.format(name=name), stacklevel=_first_frame_outside_torch())
+            warnings.warn(CHANGED_BUFFER.format(name=name), stacklevel=caller_stacklevel())
 
 
 _GET = dict.get
 _VERSION = operator.attrgetter("_version")
-
-
-def _first_frame_outside_torch() -> int:
-    """The stack level of the code that called the model (the hooks run a few frames down in torch.nn)."""
-    torch_dir = os.path.dirname(torch.__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__):
-        frame, level = frame.f_back, level + 1
-    return level

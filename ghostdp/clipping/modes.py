@@ -92,6 +92,18 @@ class ClippedSums:
         finally:
             self._collected = None
 
+    def scaled(self, scales: dict) -> "ClippedSums":
+        """These sums with each parameter's weights w_i multiplied by its own (B,) scale (``scales``: parameter ->
+        scale; pass_two.py), collected where these are."""
+        if self.group_of is not None:
+            raise ValueError("per-parameter scales take the place of clipping groups; these sums have groups")
+        sums = ClippedSums.__new__(ClippedSums)
+        rows = torch.stack([s.to(self.all_weights.dtype) for s in scales.values()])
+        sums.all_weights = rows * self.all_weights
+        sums.group_of = {id(p): k for k, p in enumerate(scales)}
+        sums._in_dtype, sums._collected = {}, self._collected
+        return sums
+
     def _put(self, param, clipped):
         if self._collected is None:
             self._write(param, clipped)
@@ -271,6 +283,9 @@ class StepModes:
         # Several processes: (kept_fraction, kept_of_saved), each the largest of the ranks', agreed at the last
         # optimizer step (``agree``).
         self.agreed = None
+        # Pass 2 of two passes received other output grads than pass 1 on a checked step: each later pass 2 scales
+        # its clipped sums (pass_two.py).
+        self.pass_two_rescaled = False
         self._told = set()
 
     def for_loss(self, checkpointed, several: bool, sharded):
@@ -357,7 +372,7 @@ class StepModes:
         """Each measure's largest ``local_measure`` over the ranks, from the DP optimizer's all-reduce at each step."""
         self.agreed = tuple(None if math.isinf(m) else m for m in largest)
 
-    _STATE = ("kept_fraction", "saved_per_element", "counted_footprint", "kept_of_saved", "agreed")
+    _STATE = ("kept_fraction", "saved_per_element", "counted_footprint", "kept_of_saved", "agreed", "pass_two_rescaled")
 
     def state_dict(self) -> dict:
         """The measures the next steps' modes follow: a resumed run takes the modes the saved one would have taken
@@ -367,6 +382,7 @@ class StepModes:
     def load_state_dict(self, state: dict) -> None:
         for name in self._STATE:
             setattr(self, name, state.get(name))
+        self.pass_two_rescaled = bool(self.pass_two_rescaled)  # (a state saved before it was kept)
 
     def _tell_once(self, message: str) -> None:
         if message not in self._told:

@@ -151,6 +151,9 @@ class PassOne:
         passed.replayed = pass_two and mode.continues_backward
         if passed.replayed and pass_two_module.CHECK_PASS_TWO and self._reprove:
             passed.pass_two_check = {}
+        if (passed.replayed and self.pass_two.scales(checked=self._reprove)
+                and not self.controller._has_sharded_parameters()):
+            passed.param_sq = {}  # each parameter's norms, which pass 2 scales its sums by (pass_two.py)
         passed.kept_storages.alive_anyway = self.recorder.input_storages
         request = self.controller._sample_request
         if request is not None:
@@ -163,7 +166,7 @@ class PassOne:
                     if passed.replayed:  # pass 2's recomputed region calls take the layouts of these, in order
                         # (no FSDP here: the step's audit refuses reentrant regions with it, REENTRANT_DISTRIBUTED)
                         self.pass_two.keep(probes, [(c, ()) for c in captured], False, passed.region_calls,
-                                           passed.pass_two_check)
+                                           passed.pass_two_check, passed.param_sq)
                 else:
                     # The edges the step's audit gave the captured calls (pass 1 drops each once it is received),
                     # which pass 2 names again.
@@ -177,7 +180,8 @@ class PassOne:
                                                   torch.ones_like(per_example_losses), retain)
                     self._finish()
                     if passed.replayed:
-                        self.pass_two.keep(probes, edges, passed.second_backward, None, passed.pass_two_check)
+                        self.pass_two.keep(probes, edges, passed.second_backward, None, passed.pass_two_check,
+                                           passed.param_sq)
                         if self.controller._has_sharded_parameters():
                             self.pass_two.keep_for_fsdp(probes, captured, passed.second_backward)
             if mode.continues_backward:
@@ -482,7 +486,9 @@ class PassOne:
                 passed.kept[param].append(f)
             elif missing is not None and n in missing:  # two passes: see precision.exact_sums
                 passed.exact[param].append(f)
-            if call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
+            if call.eager[n] and passed.param_sq is not None:  # its own norm, kept for pass 2 (pass_two.py)
+                passed.param_sq[param] = passed.reduce_alone(f, self.controller._group(param))
+            elif call.eager[n]:  # its norm and mass, reduced with other layers' (norms/batched.py)
                 passed.queue.push(f, self.controller._group(param))
             else:
                 passed.add_mass(f)
@@ -507,7 +513,10 @@ class PassOne:
 
     def _finish_shared(self):
         for param, factors in self.current.pending.items():
-            self.current.add(combined_sq_norm(factors), self.controller._group(param))
+            sq = combined_sq_norm(factors)
+            self.current.add(sq, self.controller._group(param))
+            if self.current.param_sq is not None:
+                self.current.param_sq[param] = sq
         for param in self.current.exact:
             if param in self.current.pending:  # also used by a ruled module: every call's factor
                 self.current.exact[param] = list(self.current.pending[param])

@@ -18,42 +18,55 @@ forms no weight gradient in either pass.
 - FSDP2: FSDP reduce-scatters each unit's gradients in its post-backward hook, during pass 2's backward, so each
   call's sums are written as its G arrives (``synchronous``); a step in which some call's G comes only from the
   backward's result keeps a backward of sum_i c_i L_i (``keep_for_fsdp``, GhostClipping.write_clipped_sums).
-- Bit for bit holds where the backward's kernels are deterministic. On the layout proof's steps each ruled call's
-  G is compared between the two passes (CHECK_PASS_TWO), and the step's clipped sums are held until the comparison
-  is done: where they differ, the step is refused and none of them is written (FSDP2's excepted: FSDP
-  reduce-scatters them during the pass). Not dropped and stepped on instead: whether the passes differ depends on
-  the batch, and a batch dropped for one example's sake would take every other example's gradient with it (an
-  update that moves by up to B C).
+- Bit for bit holds where the backward's kernels are deterministic; where they are not (a GPU's atomics in an
+  attention backward or a scatter), pass 2's G differs from pass 1's by their rounding, or by as much as G itself
+  where G is mostly rounding. So on the layout proof's steps, and on every step once such a difference has been
+  seen, each parameter's clipped sum is scaled so that no example can exceed C whatever G pass 2 received: pass 1
+  keeps each parameter's per-example squared norm n1_p (formed layer by layer), pass 2 forms it again from its own
+  factors (n2_p), and writes sum_i c_i s_pi g2_pi with s_pi = min(1, n1_pi / n2_pi). Each example's contribution
+  then has squared norm sum_p c_i^2 s_pi^2 n2_pi^2 <= c_i^2 sum_p n1_pi^2 <= C^2; where the passes agree,
+  s = 1. On those steps each ruled call's G is also compared between the passes (CHECK_PASS_TWO), and a difference
+  turns the scaling on for every later step (warned once, StepModes.pass_two_rescaled). Not refused, and not
+  dropped: whether the passes differ depends on the batch, and a batch dropped for one example's sake would take
+  every other example's gradient with it (an update that moves by up to B C). FSDP2's sums, which FSDP
+  reduce-scatters as they are written, are not scaled: a difference there is refused (PASS_TWO_DIFFERS).
 """
 from __future__ import annotations
 
-import contextlib
+import warnings
 
 import torch
 
+from ..callers import caller_stacklevel
 from ..norms import batched
+from ..norms.factors import combined_sq_norm
 from .records import NormPass
 
 # On the layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every
 # REPROOF_EVERY-th; a new graph) every ruled call's output grads are compared between the two passes (each
-# example's sum of squares in float64, one reduction per call and pass); a difference is refused, with none of the
-# step's clipped sums written (PASS_TWO_DIFFERS). False: not compared.
+# example's sum of squares in float64, one reduction per call and pass), and their clipped sums are scaled (see
+# the module doc); a difference scales every later step's sums too (PASS_TWO_RESCALED). False: neither.
 CHECK_PASS_TWO = True
+
+PASS_TWO_RESCALED = (
+    "clipping='ghost': pass 2 repeats pass 1's backward so that each layer's clipped sum reads the output grads its "
+    "norm was formed from, but on this step module '{name}' received different ones in the two passes (an example's "
+    "squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not deterministic (on a "
+    "GPU: atomics in an attention backward or a scatter). From now on pass 2 forms each parameter's per-example "
+    "norms again and scales its clipped sums so that no example's clipped gradient exceeds the clipping norm (this "
+    "step's were scaled so already): the same memory, more time per step. clipping='bookkeeping' (one backward, "
+    "more memory) or torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8) avoid "
+    "that cost.")
 
 PASS_TWO_DIFFERS = (
     "pass 2 of clipping='ghost' repeats pass 1's backward so that each layer's clipped sum reads the output grads "
     "its norm was formed from, but on this step module '{name}' received different ones in the two passes (an "
     "example's squared norm there differs by {relative:.3g} of itself): a kernel of this backward is not "
     "deterministic (on a GPU: atomics in an attention backward or a scatter). An example's clipped gradient could "
-    "then exceed the clipping norm, by as much as its output grads differ. None of this step's clipped sums was "
-    "written{written}. Fix: torch.use_deterministic_algorithms(True) (on CUDA with "
-    "CUBLAS_WORKSPACE_CONFIG=:4096:8){bookkeeping}. ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the "
-    "difference.")
-# PASS_TWO_DIFFERS's book-keeping fix: without a checkpoint, and under one (where book-keeping takes two passes too).
-BOOKKEEPING_FIX = (", or clipping='bookkeeping' (its clipped sums read the output grads its norms read, at the "
-                   "memory of keeping them)")
-NO_BOOKKEEPING_FIX_UNDER_CHECKPOINTING = ("; clipping='bookkeeping' takes two passes under activation checkpointing "
-                                          "too, so it helps only without checkpointing")
+    "then exceed the clipping norm, by as much as its output grads differ; with FSDP2-sharded parameters, whose "
+    "sums FSDP reduce-scatters as pass 2 writes them, ghostdp cannot scale them to prevent that. Fix: "
+    "torch.use_deterministic_algorithms(True) (on CUDA with CUBLAS_WORKSPACE_CONFIG=:4096:8). "
+    "ghostdp.clipping.pass_two.CHECK_PASS_TWO = False accepts the difference.")
 
 
 def squares(grad) -> torch.Tensor:
@@ -67,13 +80,20 @@ class PassTwo:
 
     def __init__(self, passes):
         self.passes = passes
-        self.replay = None     # (probes, [(captured call, its edges)], second backward, region calls, pass 1's squares)
+        # (probes, [(captured call, its edges)], second backward, region calls, pass 1's squares, pass 1's
+        # per-parameter squared norms where pass 2 scales its sums)
+        self.replay = None
         self.by_fsdp = False   # FSDP2 reduce-scatters the sums (keep_for_fsdp)
 
     # ----------------------------------------------------------------- what pass 1 keeps
-    def keep(self, probes, edges, second_backward, region_calls, squares_of_pass_one) -> None:
+    def keep(self, probes, edges, second_backward, region_calls, squares_of_pass_one, param_sq=None) -> None:
         """Pass 1 is done: what pass 2 repeats (see the class doc)."""
-        self.replay = (probes, edges, second_backward, region_calls, squares_of_pass_one)
+        self.replay = (probes, edges, second_backward, region_calls, squares_of_pass_one, param_sq)
+
+    def scales(self, checked: bool) -> bool:
+        """Whether the pass 2 of a pass 1 starting now scales its clipped sums (the module doc): a ``checked`` step, or
+        any once the passes have differed; not with FSDP2-sharded parameters (keep_for_fsdp drops the norms)."""
+        return CHECK_PASS_TWO and (checked or self.passes.controller.step_modes.pass_two_rescaled)
 
     def keep_for_fsdp(self, probes, captured, second_backward) -> None:
         """With FSDP2-sharded parameters: each call's sums are written as its G arrives. A call whose G comes from the
@@ -85,6 +105,7 @@ class PassTwo:
             self.forget()
         else:
             self.by_fsdp = True
+            self.replay = self.replay[:5] + (None,)  # FSDP reduce-scatters each sum as it is written: not scaled
 
     def forget(self) -> None:
         """Drops what pass 2 would have repeated (a step stopped between the passes: refused examples)."""
@@ -105,15 +126,13 @@ class PassTwo:
     # ----------------------------------------------------------------- the pass
     def run(self, losses, sums, kept) -> None:
         """Pass 2: ``sums`` (modes.ClippedSums) receives each ruled call's factors, and first ``kept``'s (parameter ->
-        the fallback's factors, from pass 1's per-example gradients; emptied). The sums are held and written once the
-        pass is done where a backward that sets p.grad aside runs (reentrant regions) or where pass 2's output grads
-        are compared with pass 1's (a checked step: none is written if they differ, PassTwoDiffers)."""
+        the fallback's factors, from pass 1's per-example gradients, which need no scaling; emptied). Where a backward
+        that sets p.grad aside runs (reentrant regions), the sums are held and written once the pass is done."""
         passes = self.passes
-        probes, captured_edges, second_backward, region_calls, expected = self.replay
+        probes, captured_edges, second_backward, region_calls, expected, param_sq = self.replay
         passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
         passed.sums, passed.sums_skipped, passed.twins = sums, set(kept), region_calls
-        passed.synchronous, passed.pass_two_check = self.by_fsdp, expected
-        held = region_calls is not None or (expected is not None and not self.by_fsdp)
+        passed.synchronous, passed.pass_two_check, passed.first_sq = self.by_fsdp, expected, param_sq
         self.replay, self.by_fsdp = None, False
         captured = []
         for call, edges in captured_edges:
@@ -121,22 +140,20 @@ class PassTwo:
             captured.append(call)
         passes.current = passed
         try:
-            with sums.collected() if held else contextlib.nullcontext():
-                with passes.controller._region("ghostdp.clipped_sum"):
-                    sums.write(kept)
-                with passes.controller._region("ghostdp.pass2"):
-                    if region_calls is not None:
-                        with passes._grads_set_aside(losses):
-                            torch.autograd.backward(losses, torch.ones_like(losses))
-                            self._finish()
-                    else:
-                        if probes or captured:
-                            passes._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
-                                                        second_backward)
+            with passes.controller._region("ghostdp.clipped_sum"):
+                sums.write(kept)
+            with passes.controller._region("ghostdp.pass2"):
+                if region_calls is not None:
+                    with sums.collected(), passes._grads_set_aside(losses):
+                        torch.autograd.backward(losses, torch.ones_like(losses))
                         self._finish()
-                if passed.pass_two_pairs:
-                    _refuse_different_output_grads(passed.pass_two_pairs, held,
-                                                   passes.recorder.forward_was_checkpointed())
+                else:
+                    if probes or captured:
+                        passes._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
+                                                    second_backward)
+                    self._finish()
+            if passed.pass_two_pairs:
+                self._compare(passed.pass_two_pairs, scaled=param_sq is not None)
         finally:
             passes.current = None
             for call in captured:  # (controller._forget_captured_edges)
@@ -172,8 +189,11 @@ class PassTwo:
         factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
         for n, f in factors.items():
             param = call.params[n]
-            if param not in passed.sums_skipped:
-                passed.sum_factors[param].append(f)
+            if param in passed.sums_skipped:
+                continue
+            if passed.first_sq is not None and call.eager is not None and call.eager.get(n):  # its only use
+                passed.sum_scales[param] = _scale(passed.first_sq, param, f.sq_norm())
+            passed.sum_factors[param].append(f)
         passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
         passed.sum_elements += sum([x.numel() for x in call.inputs])
         call.grads, call.inputs, call.done = (), (), True
@@ -186,15 +206,47 @@ class PassTwo:
         for call in passed.summing.values():
             if not call.done:
                 self.write(call)
-        self._flush()
+        self._flush(final=True)
 
-    def _flush(self) -> None:
-        """The clipped sums of the factors waiting, written in batches of equal shapes (modes.ClippedSums)."""
+    def _flush(self, final: bool = False) -> None:
+        """The clipped sums of the factors waiting, written in batches of equal shapes (modes.ClippedSums). Where
+        the sums are scaled, a parameter with several uses waits for all of them (``final``: the pass is done), its
+        norm being that of their sum (cross terms), and each parameter's weights are scaled by its own s_p."""
         passed = self.passes.current
-        if passed.sum_factors:
+        if passed.first_sq is not None:
+            self._flush_scaled(final)
+        elif passed.sum_factors:
             with self.passes.controller._region("ghostdp.clipped_sum"):
                 passed.sums.write(passed.sum_factors)
         passed.sum_elements = 0
+
+    def _flush_scaled(self, final: bool) -> None:
+        passed = self.passes.current
+        if final:
+            for param, factors in passed.sum_factors.items():
+                if param not in passed.sum_scales:
+                    passed.sum_scales[param] = _scale(passed.first_sq, param, combined_sq_norm(factors))
+        ready = {p: factors for p, factors in passed.sum_factors.items() if p in passed.sum_scales}
+        if not ready:
+            return
+        for param in ready:
+            del passed.sum_factors[param]
+        with self.passes.controller._region("ghostdp.clipped_sum"):
+            passed.sums.scaled({p: passed.sum_scales.pop(p) for p in ready}).write(ready)
+
+    def _compare(self, pairs, scaled: bool) -> None:
+        """The calls' output grads in the two passes (CHECK_PASS_TWO): where they differ, every later step's sums are
+        scaled (warned once), or, where this step's could not be (FSDP2), the step is refused."""
+        differs = _first_difference(pairs)
+        if differs is None:
+            return
+        name, relative = differs
+        if not scaled:
+            raise RuntimeError(PASS_TWO_DIFFERS.format(name=name, relative=relative))
+        modes = self.passes.controller.step_modes
+        if not modes.pass_two_rescaled:
+            modes.pass_two_rescaled = True
+            warnings.warn(PASS_TWO_RESCALED.format(name=name, relative=relative), stacklevel=caller_stacklevel())
 
     def key(self, call):
         """What names a call in both passes: itself, or a reentrant region's call by its place in the order."""
@@ -209,23 +261,31 @@ class PassTwo:
         twins = passed.twins
         if k >= len(twins) or twins[k].module is not call.module or list(twins[k].shapes) != list(call.shapes):
             raise RuntimeError(DIFFERENT_REGION_CALLS)
-        call.layouts = twins[k].layouts
+        call.layouts, call.eager = twins[k].layouts, twins[k].eager  # (eager: a scaled pass 2's single uses)
 
 
-def _refuse_different_output_grads(pairs, held: bool, checkpointed: bool) -> None:
-    """Refuses a call whose output grads differed between pass 1 and pass 2 (CHECK_PASS_TWO): ``pairs`` of (its
-    name, pass 1's squares, pass 2's); ``held``: the step's sums are held (none written); ``checkpointed``: the
-    forward ran a trained layer under a checkpoint. One host sync, on checked steps only."""
+def _scale(first_sq: dict, param, sq) -> torch.Tensor:
+    """s_p = min(1, n1_p / n2_p) per example (the module doc), float64: 1 where pass 2's norm is 0, 0 where either is
+    not finite (such an example's c_i is 0 already)."""
+    if param not in first_sq:
+        raise RuntimeError("ghostdp internal error: pass 2 scales the clipped sum of a parameter whose norm pass 1 did "
+                           "not keep; please report this with the model")
+    first, second = first_sq[param].double(), sq.double()
+    ratio = torch.where(second > 0, first / second, torch.ones_like(second)).clamp(max=1.0).sqrt()
+    return torch.where(ratio.isfinite(), ratio, torch.zeros_like(ratio))
+
+
+def _first_difference(pairs):
+    """(name, relative difference) of the call whose output grads differed most between pass 1 and pass 2
+    (CHECK_PASS_TWO), or None: ``pairs`` of (its name, pass 1's squares, pass 2's). One host sync, on checked steps
+    only."""
     first = torch.stack([a.to(pairs[0][1].device) for _, a, _ in pairs])
     second = torch.stack([b.to(pairs[0][1].device) for _, _, b in pairs])
     # An example whose squares are not finite in pass 1 has a non-finite norm: refused or given c_i = 0 already.
     differs = (first != second) & first.isfinite()
     if not bool(differs.any()):
-        return
+        return None
     tiny = torch.finfo(torch.float64).tiny
     relative = torch.where(differs, (second - first).abs() / first.abs().clamp(min=tiny), 0.0).amax(1)
     k = int(relative.argmax())
-    raise RuntimeError(PASS_TWO_DIFFERS.format(
-        name=pairs[k][0], relative=float(relative[k]),
-        written="" if held else " except FSDP2's, which FSDP reduce-scattered during the pass",
-        bookkeeping=NO_BOOKKEEPING_FIX_UNDER_CHECKPOINTING if checkpointed else BOOKKEEPING_FIX))
+    return pairs[k][0], float(relative[k])

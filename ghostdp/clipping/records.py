@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..norms.batched import NormQueue, concatenated, mass_roots, reduced_mass
+from ..norms.batched import NormQueue, concatenated, mass_roots, reduce_factors, reduced_mass
 from ..norms.deferred import DeferredGrams
 from ..norms.factors import InputGrams, SqrtProduct
 from .capture import on_output_grads
@@ -173,6 +173,9 @@ class NormPass:
         self.synchronous = False          # pass 2 with FSDP2: each call's sums written as its G arrives
         self.pass_two_check = None        # a checked step: key -> (B,) squares of a call's G (pass_two.CHECK_PASS_TWO)
         self.pass_two_pairs = []          # pass 2: (name, pass 1's squares, pass 2's) of the calls compared
+        self.param_sq = None              # pass 1 whose pass 2 scales its sums: parameter -> (B,) squared norms
+        self.first_sq = None              # pass 2 that scales its sums: pass 1's param_sq (pass_two.py)
+        self.sum_scales = {}              # pass 2 that scales its sums: parameter -> (B,) s_p, until written
         self.summing = {}                 # id -> call reached in pass 2, in order
         self.sum_factors = new_factor_store()  # parameter -> factors of pass 2 waiting for their clipped sums
         self.sum_elements = 0             # what those factors hold (PassTwo.write)
@@ -183,6 +186,15 @@ class NormPass:
     def add(self, sq, group=0):
         """(B,) squared norms of one layer, or (k, B) of k layers, for clipping group ``group``."""
         self.sq_parts[group].append(sq if sq.dim() == 2 else sq.unsqueeze(0))
+
+    def reduce_alone(self, factor, group=0) -> torch.Tensor:
+        """One factor's (B,) squared norms, added with its token mass as the queue's reductions add them, and
+        returned (a pass whose norms are kept parameter by parameter: pass_two.py)."""
+        (done,) = reduce_factors([factor], self.grams)
+        self.add(done.sq, group)
+        if done.mass is not None:
+            self._add_mass_rows(done.mass, done.mass_dtype, done.rooted)
+        return done.sq[0]
 
     def reduce_queue(self, final: bool = False):
         """Reduce the queued factors into norms and masses (``final``: all of them, the pass is done)."""

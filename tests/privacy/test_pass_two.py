@@ -83,11 +83,12 @@ def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_
 
 
 class Unsteady(torch.autograd.Function):
-    """The identity, whose backward scales its gradient by 1 + ``wobble`` on every second run: a kernel that does not
-    give the same result twice (a GPU's atomics), between pass 1 (its second run: the layout proof is the first) and
-    pass 2 (its third)."""
+    """The identity, whose backward scales its gradient by 1 + ``wobble`` on every second run, or on the runs in
+    ``on_runs`` (counted from 1): a kernel that does not give the same result twice (a GPU's atomics). A step of two
+    passes runs it in the layout proof's backward (on checked steps), pass 1's and pass 2's."""
     runs = 0
     wobble = 1e-6
+    on_runs = None
 
     @staticmethod
     def forward(ctx, x):
@@ -96,24 +97,41 @@ class Unsteady(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         Unsteady.runs += 1
-        return grad * (1 + Unsteady.wobble * (Unsteady.runs % 2))
+        scaled = Unsteady.runs % 2 == 1 if Unsteady.on_runs is None else Unsteady.runs in Unsteady.on_runs
+        return grad * (1 + Unsteady.wobble * scaled)
 
 
-def _unsteady(wobble=1e-6, checkpointed=False):
-    """A model whose middle backward is Unsteady, and a function of its per-example losses on a batch."""
-    model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
-    Unsteady.runs, Unsteady.wobble = 0, wobble
+class _Wobbly(torch.nn.Module):
+    """Linear, Tanh, the Unsteady identity, Linear. ``shared``: the first Linear and the Tanh twice (a parameter with
+    two uses), and a PReLU (no norm rule: the fallback) after the Unsteady identity."""
 
-    def losses(x):
-        hidden = model[1](model[0](x))
-        if checkpointed:
-            hidden = checkpoint(lambda h: model[1](model[0](h)), x, use_reentrant=False)
-        return model[2](Unsteady.apply(hidden)).pow(2).sum(1)
-    return model, losses
+    def __init__(self, checkpointing=None, shared=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(D, D), "1": torch.nn.Tanh(), "2": torch.nn.Linear(D, D)})
+        if shared:
+            self.layers["3"] = torch.nn.PReLU()
+        self.checkpointing, self.shared = checkpointing, shared
+
+    def _layers(self, x):
+        h = self.layers["1"](self.layers["0"](x))
+        if self.shared:
+            h = self.layers["3"](self.layers["1"](self.layers["0"](h)) - 0.5)
+        return self.layers["2"](Unsteady.apply(h))
+
+    def forward(self, x):
+        if self.checkpointing is None:
+            return self._layers(x)
+        return checkpoint(self._layers, x.detach().requires_grad_(self.checkpointing == "reentrant"),
+                          use_reentrant=self.checkpointing == "reentrant")
 
 
-def _grads(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+def _unsteady(wobble=1e-6, checkpointing=None, on_runs=None, shared=False):
+    """A model whose middle backward is Unsteady (seeded), and its per-example losses on a batch. ``checkpointing``:
+    None, "non-reentrant" or "reentrant" (the whole model in one checkpoint); ``shared``: see _Wobbly."""
+    torch.manual_seed(0)
+    model = _Wobbly(checkpointing, shared)
+    Unsteady.runs, Unsteady.wobble, Unsteady.on_runs = 0, wobble, on_runs
+    return model, lambda x: model(x).pow(2).sum(1)
 
 
 def _clipped_sum_by_loop(model, losses, x, C):
@@ -127,66 +145,87 @@ def _clipped_sum_by_loop(model, losses, x, C):
     return total
 
 
-@pytest.mark.parametrize("check", [True, False])
-def test_a_backward_that_differs_between_the_passes_is_refused_on_checked_steps(check, monkeypatch):
-    """The refusal names the module, how far its output grads moved and the fixes, and none of the step's clipped sums
-    is written; the fix it names (book-keeping) then gives the per-example loop's clipped sums. With the check off the
-    step runs (the caller accepts the difference)."""
-    from ghostdp.clipping import pass_two
-    monkeypatch.setattr(pass_two, "CHECK_PASS_TWO", check)
-    model, losses = _unsteady()
+@pytest.mark.parametrize("checkpointing, shared", [(None, False), ("non-reentrant", False), ("reentrant", False),
+                                                   (None, True), ("non-reentrant", True)])
+def test_a_pass_two_whose_output_grads_differ_still_writes_each_examples_clipped_gradient(checkpointing, shared):
+    """Pass 2 receives twice pass 1's output grads below the Unsteady identity (a kernel that rounds differently,
+    exaggerated): each parameter's sums are scaled by min(1, n1/n2), which here undoes the doubling exactly, so the
+    step writes the per-example loop's clipped sums (float64); the difference is warned of (naming the module) and
+    scales every later step. Before, two passes wrote the doubled gradients (up to 2 C an example) and then, on such a
+    checked step, refused it after writing. ``shared``: a parameter with two uses (its norm over both, cross terms
+    included) and one without a rule (its sums from pass 1's per-example gradients, not scaled)."""
+    C = 1.0
     x = torch.randn(B, D)
-    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
-    if check:
-        with pytest.raises(RuntimeError, match=r"module '0' received different ones.*differs by 2e-06 of itself.*"
-                                               r"None of this step's clipped sums was written\. Fix: "
-                                               r"torch.use_deterministic_algorithms.*clipping='bookkeeping'"):
-            controller.loss(losses(x), reduction="sum").backward()
-        assert all(p.grad is None for p in model.parameters())
-    else:
+    model, losses = _unsteady(wobble=0.0, checkpointing=checkpointing, shared=shared)  # the step's backward runs
+    controller = ghostdp.GhostClipping(model, C, clipping="ghost")
+    controller.loss(losses(x), reduction="sum").backward()
+    controller.detach()
+    last = Unsteady.runs  # pass 2's
+    model, losses = _unsteady(wobble=1.0, checkpointing=checkpointing, on_runs={last}, shared=shared)
+    controller = ghostdp.GhostClipping(model, C, clipping="ghost")
+    with pytest.warns(UserWarning, match=r"module 'layers.0' received different ones.*differs by 3 of itself.*"
+                                         r"scales its clipped sums") as caught:
         controller.loss(losses(x), reduction="sum").backward()
-        assert model[0].weight.grad is not None
-    assert Unsteady.runs == 3  # the layout proof, pass 1, pass 2
+    differed = [w for w in caught if "received different ones" in str(w.message)]
+    assert len(differed) == 1 and differed[0].filename == __file__  # the line that called backward()
+    assert controller.step_modes.pass_two_rescaled
     controller.detach()
-    if check:
-        controller = ghostdp.GhostClipping(model, 1.0, clipping="bookkeeping")
-        controller.loss(losses(x), reduction="sum").backward()  # Unsteady still differs between runs
+    model.checkpointing = None  # the loop's own backwards (Unsteady is the identity again)
+    Unsteady.on_runs = set()
+    expected = _clipped_sum_by_loop(model, lambda x: model(x).pow(2).sum(1), x, C)
+    assert max(float(g.norm()) for g in expected) > 0.5 * C  # clipped examples: the doubling would show
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_once_the_passes_differed_every_step_keeps_each_example_within_C(check, monkeypatch):
+    """Batches whose second example's loss weighs 0, so that the step's clipped sum is the first example's clipped
+    gradient (C long: C is small), and pass 2 receiving twice pass 1's output grads on every step. With the check (the
+    default) each step's stays within C, also on the steps between the layout proof's once a checked step has found
+    the difference. With CHECK_PASS_TWO = False nothing is compared or scaled (the caller accepts the difference),
+    and the steps exceed C: the adversary is real."""
+    from ghostdp.clipping import modes, pass_two
+    monkeypatch.setattr(pass_two, "CHECK_PASS_TWO", check)
+    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)  # two passes on every step
+    C, steps = 1e-3, 8  # checked: norm passes 1, 2, 4, 8
+    batches = [torch.randn(2, D) for _ in range(steps)]
+    first_only = torch.tensor([1.0, 0.0])
+
+    def run(on_runs):
+        model, losses = _unsteady(wobble=1.0, on_runs=on_runs)
+        controller = ghostdp.GhostClipping(model, C, clipping="ghost")
+        norms, last_runs = [], set()
+        for x in batches:
+            model.zero_grad(set_to_none=True)
+            controller.loss(losses(x) * first_only, reduction="sum").backward()
+            norms.append(float(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))))
+            last_runs.add(Unsteady.runs)  # pass 2's run
         controller.detach()
-        Unsteady.wobble = 0.0
-        for p, expected in zip(model.parameters(), _clipped_sum_by_loop(model, losses, x, 1.0)):
-            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-8)  # (book-keeping read G once)
+        return norms, last_runs, controller
+
+    _, pass_two_runs, _ = run(on_runs=set())
+    norms, _, controller = run(on_runs=pass_two_runs)
+    if check:
+        assert max(norms) <= C * (1 + 1e-9) and min(norms) > 0.99 * C, [n / C for n in norms]
+        assert controller.step_modes.pass_two_rescaled
+    else:
+        assert min(norms) > 1.3 * C and not controller.step_modes.pass_two_rescaled  # (layer 0 doubled, 2 not)
 
 
-def test_a_refused_step_leaves_the_gradients_of_earlier_backwards_as_they_were(monkeypatch):
-    """Gradient accumulation: the second backward (a checked step: norm passes 1, 2, 4, ...) differs; p.grad keeps the
-    first backward's clipped sums, bit for bit (pass 2's sums and the fallback's are held until the check: before,
-    the refusal came after they were written)."""
-    from ghostdp.clipping import modes
-    monkeypatch.setattr(modes, "ONE_BACKWARD_WHERE_KEEPING_LITTLE", False)  # two passes at the second step
-    model, losses = _unsteady(wobble=0.0)
-    model.append(torch.nn.PReLU())  # no norm rule: its clipped sum comes from the fallback, before pass 2 (on -L_i < 0)
-    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
-    controller.loss(model[3](-losses(torch.randn(B, D))), reduction="sum").backward()
-    first = _grads(model)
-    assert all(g is not None and g.any() for g in first)
-    Unsteady.wobble = 1e-6
-    with pytest.raises(RuntimeError, match="None of this step's clipped sums was written"):
-        controller.loss(model[3](-losses(torch.randn(B, D))), reduction="sum").backward()
-    assert all(torch.equal(g, p.grad) for g, p in zip(first, model.parameters()))
-    controller.detach()
-
-
-def test_a_checkpointed_step_whose_passes_differ_is_refused_with_the_fix_that_works_there():
-    """Under activation checkpointing book-keeping takes two passes too: the refusal names deterministic kernels as
-    the fix, not clipping='bookkeeping'; nothing was written."""
-    model, losses = _unsteady(checkpointed=True)
-    controller = ghostdp.GhostClipping(model, 1.0, clipping="ghost")
-    with pytest.raises(RuntimeError, match=r"module '.*' received different ones.*None of this step's clipped sums "
-                                           r"was written\. Fix: torch.use_deterministic_algorithms.*; "
-                                           r"clipping='bookkeeping' takes two passes under activation checkpointing"):
-        controller.loss(losses(torch.randn(B, D)), reduction="sum").backward()
-    assert all(p.grad is None for p in model.parameters())
-    controller.detach()
+def test_the_scaling_is_kept_in_the_saved_state():
+    """A resumed run scales its steps as the saved one did (engine.state_dict carries StepModes'); a state saved
+    before the scaling existed loads without it."""
+    from ghostdp.clipping.modes import CLIPPING_MODES, StepModes
+    modes = StepModes(CLIPPING_MODES["ghost"], per_group=False)
+    modes.pass_two_rescaled = True
+    restored = StepModes(CLIPPING_MODES["ghost"], per_group=False)
+    restored.load_state_dict(modes.state_dict())
+    assert restored.pass_two_rescaled is True
+    old = modes.state_dict()
+    del old["pass_two_rescaled"]
+    restored.load_state_dict(old)
+    assert restored.pass_two_rescaled is False
 
 
 def test_a_pass_one_whose_pass_two_never_came_is_not_repeated_by_the_next_backward():
