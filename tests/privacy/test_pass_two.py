@@ -107,7 +107,8 @@ class _Wobbly(torch.nn.Module):
 
     def __init__(self, checkpointing=None, shared=False):
         super().__init__()
-        self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(D, D), "1": torch.nn.Tanh(), "2": torch.nn.Linear(D, D)})
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(D, D), "1": torch.nn.Tanh(),
+                                           "2": torch.nn.Linear(D, D)})
         if shared:
             self.layers["3"] = torch.nn.PReLU()
         self.checkpointing, self.shared = checkpointing, shared
