@@ -14,9 +14,9 @@
 #   JSON rewritten after every row. 238 s on an H200 with Opacus (2026-11-26).
 # - forward_check (60 s): the forward check's margins in float32, bfloat16 and float16. 21 s there.
 # - pass_two (60 s): tests/privacy/test_pass_two.py on the GPU: whether pass 2 of two passes receives the output
-#   grads pass 1 received, bit for bit (its clipped sums are consistent with the norms only then; a difference is
-#   refused on the layout proof's steps, pass_two.CHECK_PASS_TWO), and the float32 bound on raw-input attention.
-#   Not yet run on a device; its answer decides whether two passes are sound on GPUs as they are.
+#   grads pass 1 received, bit for bit (where not, the layout proof's steps find it and every later step scales its
+#   clipped sums to stay within C, at a cost in time: pass_two.py), and the float32 bound on raw-input attention.
+#   Not yet run on a device; its answer says whether ghost's steps on GPUs take the scaled pass 2 from the start.
 # - compiled (300 s): torch.compile against eager at BERT-base, bf16, B=32, each setting in its own process.
 #   288 s there, so it is not in the default: the default's 420 s and a machine's start (about 30 s) leave a
 #   15-minute session room for a rerun.
