@@ -79,9 +79,8 @@ class ClippedSums:
 
     @contextlib.contextmanager
     def collected(self):
-        """Inside, the sums are collected instead of written; on leaving, written into p.grad, and on an exception
-        dropped (pass_two.py: a backward that sets p.grad aside runs inside, through reentrant checkpoints; a checked
-        step's sums wait for the check)."""
+        """Inside, the sums are collected instead of written; on leaving, written into p.grad (a backward that drops
+        what autograd accumulates into the parameters runs inside: pass_two.py, reentrant checkpoints)."""
         self._collected = {}
         try:
             yield
@@ -93,10 +92,8 @@ class ClippedSums:
             self._collected = None
 
     def scaled(self, scales: dict) -> "ClippedSums":
-        """These sums with each parameter's weights w_i multiplied by its own (B,) scale (``scales``: parameter ->
-        scale; pass_two.py), collected where these are."""
-        if self.group_of is not None:
-            raise ValueError("per-parameter scales take the place of clipping groups; these sums have groups")
+        """These sums (two passes': no clipping groups) with each parameter's weights w_i multiplied by its own (B,)
+        scale (``scales``: parameter -> scale; pass_two.py), collected where these are."""
         sums = ClippedSums.__new__(ClippedSums)
         rows = torch.stack([s.to(self.all_weights.dtype) for s in scales.values()])
         sums.all_weights = rows * self.all_weights
