@@ -478,14 +478,14 @@ class GhostClipping:
                     alive = storage_keys(self._model_tree.parameters + list(self.module.buffers()))
                     alive |= self.recorder.input_storages
                     saved = saved_bytes(audited, alive)
-            measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes)
+            measures_kept = saved is not None or self.step_modes.measures(mode, checkpointed, passes, calls)
             groups = 1 if self.group_norms is None else len(self.group_norms)
             passed = self.pass_one.run(per_example_losses, mode, calls, regions, audited, groups, measures_kept, graph,
                                        pass_two)
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
-        self.step_modes.measured(passed, mode, checkpointed, saved, footprint)
+        self.step_modes.measured(passed, mode, checkpointed, saved, footprint, calls)
         self._kept = passed.kept if mode.keeps_factors else passed.exact
         self._mass = (passed.total_mass(), passed.mass_dtype)
         sq = passed.total_sq()

@@ -280,6 +280,7 @@ class StepModes:
         # Several processes: (kept_fraction, kept_of_saved), each the largest of the ranks', agreed at the last
         # optimizer step (``agree``).
         self.agreed = None
+        self.measured_calls = None  # calls_signature of the step last measured (not saved: it names modules by id)
         # Pass 2 of two passes received other output grads than pass 1 on a checked step: each later pass 2 scales
         # its clipped sums (pass_two.py).
         self.pass_two_rescaled = False
@@ -318,16 +319,19 @@ class StepModes:
             return mode
         return mode_of_step(configured, checkpointed(), self.per_group, kept_fraction)
 
-    def measures(self, mode, checkpointed, passes: int) -> bool:
-        """Whether the norm pass of a step in ``mode`` measures what book-keeping keeps (~1.5 us a factor, ~0.3 ms a
+    def measures(self, mode, checkpointed, passes: int, calls=()) -> bool:
+        """Whether the norm pass of a step in ``mode`` measures what book-keeping keeps (~1.5 us a factor, ~1 ms a
         step on the CPU stand-in). Book-keeping: where ``checkpointed()`` (its first such step takes two passes).
-        Two passes: each step that took one backward (to go back as soon as it keeps much), else the first and
-        then on the layout proofs' schedule (norm pass ``passes``): not every step of a model that never keeps
-        little."""
+        Two passes: the first, then on the layout proofs' schedule (norm pass ``passes``), and a step that took one
+        backward whose recorded ``calls`` differ from the last measured step's (``calls_signature``: to go back as
+        soon as it keeps much; the same calls keep the same bytes): not every step."""
         if self.configured.keeps_factors:
             return checkpointed()
-        return ONE_BACKWARD_WHERE_KEEPING_LITTLE and (
-            mode.keeps_factors or self.kept_fraction is None or proof_scheduled(passes, REPROOF_EVERY))
+        if not ONE_BACKWARD_WHERE_KEEPING_LITTLE:
+            return False
+        if self.kept_fraction is None or proof_scheduled(passes, REPROOF_EVERY):
+            return True
+        return mode.keeps_factors and calls_signature(calls) != self.measured_calls
 
     def weighs_saved(self) -> bool:
         """Whether this controller weighs what book-keeping keeps against the bytes the graph saved: two passes
@@ -344,13 +348,15 @@ class StepModes:
         return (counted is None or proof_scheduled(passes, REPROOF_EVERY)
                 or not 2 * counted <= 3 * footprint <= 9 * counted / 2)
 
-    def measured(self, passed, mode, checkpointed, saved: int | None = None, footprint: int | None = None) -> None:
+    def measured(self, passed, mode, checkpointed, saved: int | None = None, footprint: int | None = None,
+                 calls=()) -> None:
         """Takes the measure of norm pass ``passed`` (records.NormPass), if it made one, with the bytes ``saved``
         that its graph saved where they were counted, and its ``footprint`` (``counts_saved``). Per-group clipping
         under checkpointing (``checkpointed()``), which keeps book-keeping, is warned of once where it keeps much."""
         if not passed.held_bytes:
             return
         self.kept_fraction = passed.kept_bytes / passed.held_bytes
+        self.measured_calls = calls_signature(calls)
         if saved is not None and footprint:
             self.saved_per_element, self.counted_footprint = saved / footprint, footprint
         estimate = self.saved_per_element * footprint if self.saved_per_element and footprint else None
@@ -385,6 +391,12 @@ class StepModes:
         if message not in self._told:
             self._told.add(message)
             log.info(message)
+
+
+def calls_signature(calls) -> tuple:
+    """What sets the bytes book-keeping keeps for a step's recorded calls: each call's module, output shapes and
+    number of trained parameters (StepModes.measures)."""
+    return tuple([(id(call.module), call.shapes, len(call.params)) for call in calls])
 
 
 def new_factor_store():
