@@ -24,8 +24,8 @@ forms no weight gradient in either pass.
   seen, each parameter's clipped sum is scaled so that no example can exceed C whatever G pass 2 received: pass 1
   keeps each parameter's per-example squared norm n1_p (formed layer by layer), pass 2 forms it again from its own
   factors (n2_p), and writes sum_i c_i s_pi g2_pi with s_pi = min(1, n1_pi / n2_pi). Each example's contribution
-  then has squared norm sum_p c_i^2 s_pi^2 n2_pi^2 <= c_i^2 sum_p n1_pi^2 <= C^2; where the passes agree,
-  s = 1. On those steps each ruled call's G is also compared between the passes (CHECK_PASS_TWO), and a difference
+  then has squared norm sum_p c_i^2 s_pi^2 n2_pi^2 <= c_i^2 sum_p n1_pi^2 <= C^2; where the passes agree, s is 1
+  up to the rounding of two ways of forming one norm. On those steps each ruled call's G is also compared between the passes (CHECK_PASS_TWO), and a difference
   turns the scaling on for every later step (warned once, StepModes.pass_two_rescaled). Not refused, and not
   dropped: whether the passes differ depends on the batch, and a batch dropped for one example's sake would take
   every other example's gradient with it (an update that moves by up to B C). FSDP2's sums, which FSDP
