@@ -468,6 +468,48 @@ def fsdp_fallback_error():
                for p, q in zip(model.parameters(), reference.parameters()))
 
 
+class DoublingFromThirdRun(torch.autograd.Function):
+    """The identity, whose backward doubles its gradient from its third run on: a first step's pass 2 (after the
+    layout proof's backward and pass 1's) receives twice pass 1's output grads below it."""
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        DoublingFromThirdRun.runs += 1
+        return grad * (2.0 if DoublingFromThirdRun.runs >= 3 else 1.0)
+
+
+class Doubled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = torch.nn.Linear(5, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.last(DoublingFromThirdRun.apply(torch.tanh(self.first(x))))
+
+
+def fsdp_pass_two_differs():
+    """FSDP2 reduce-scatters each sum as pass 2 writes it, so a pass 2 whose output grads differ from pass 1's cannot
+    be scaled to keep each example within C (pass_two.py): the step is refused; its message."""
+    DoublingFromThirdRun.runs = 0
+    model = fully_sharded(Doubled())
+    controller = ghostdp.GhostClipping(model, C)
+    x, y = data()[:8][:2]
+    mine = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    try:
+        controller.loss(torch.nn.functional.cross_entropy(model(x[mine]), y[mine], reduction="none"), "sum").backward()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        controller.detach()
+    return ""
+
+
 def accelerate_sharded(model):
     """accelerate's own FSDP2 preparation (what Accelerator.prepare runs under an FSDP plugin with
     fsdp_version=2: each BertLayer, the input embedding, a tail group, the root), called directly: on a
@@ -566,6 +608,7 @@ def fsdp(out):
             "bookkeeping": refusal(lambda: private(fully_sharded(mlp()), seed=1, clipping="bookkeeping")),
             "automatic_physical_batch": refusal(lambda: private(fully_sharded(mlp()), seed=1, physical="auto")),
             "fallback_error": fsdp_fallback_error(), "accelerate_errors": accelerate_fsdp_errors(),
+            "pass_two_differs": fsdp_pass_two_differs(),
             "stray_read": {also: fsdp_stray_read(also) for also in (True, False)}}
 
 

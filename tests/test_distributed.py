@@ -313,6 +313,14 @@ def test_fsdp_bookkeeping_and_the_automatic_physical_batch_are_refused_with_the_
         assert error == "ValueError" and "give max_physical_batch_size as a number" in message
 
 
+def test_fsdp_refuses_a_pass_two_whose_output_grads_differ_from_pass_ones(fsdp_runs):
+    """FSDP2's sums are reduce-scattered as pass 2 writes them: they cannot be scaled to keep each example within C
+    where the backward is not deterministic (pass_two.py), so every rank refuses the step, naming the fix."""
+    for rank in fsdp_runs:
+        assert re.search(r"module 'first' received different ones.*FSDP2-sharded parameters.*cannot scale them.*"
+                         r"use_deterministic_algorithms", rank["pass_two_differs"]), rank["pass_two_differs"]
+
+
 def test_fsdp_unit_without_a_norm_rule_goes_through_the_fallback_exactly(fsdp_runs):
     for rank in fsdp_runs:
         assert rank["fallback_error"] < 1e-10
