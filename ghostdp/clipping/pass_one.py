@@ -263,7 +263,7 @@ class PassOne:
                     "or a named layer lies below it; please report this with the model")
             passed.captured_only = True  # the second backward runs probed nodes again: they stay quiet
             passed.second_backward = True  # (pass 2 repeats it: pass_two.py)
-            self._receive_named(losses, [], missed, cotangent, retain and passed.sums is None)
+            self._receive_named(losses, [], missed, cotangent, retain and passed.sums_pass is None)
 
     def _proof_sinks(self, captured):
         """The layout proof's split of the captured calls: (named, delivered by their nodes' pre-hooks). The proof
@@ -319,7 +319,7 @@ class PassOne:
             if call.projections is not None:
                 call.projections[slot] = self.layouts.project(grad)
             return
-        if passed.sums is not None:
+        if passed.sums_pass is not None:
             self.pass_two.receive(call, slot, grad)
             return
         call.grads[slot] = grad
@@ -432,7 +432,7 @@ class PassOne:
     # ----------------------------------------------------------------- norms
     def _compute(self, call):
         B = self.current.batch_size
-        if self.current.sums is not None:
+        if self.current.sums_pass is not None:
             self.pass_two.write(call)
             return
         # A captured call keeps its inputs as they came (not batch-first) where pass 2 forms its clipped sums from

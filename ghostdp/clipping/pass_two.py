@@ -24,12 +24,13 @@ forms no weight gradient in either pass.
   seen, each parameter's clipped sum is scaled so that no example can exceed C whatever G pass 2 received: pass 1
   keeps each parameter's per-example squared norm n1_p (formed layer by layer), pass 2 forms it again from its own
   factors (n2_p), and writes sum_i c_i s_pi g2_pi with s_pi = min(1, n1_pi / n2_pi). Each example's contribution
-  then has squared norm sum_p c_i^2 s_pi^2 n2_pi^2 <= c_i^2 sum_p n1_pi^2 <= C^2; where the passes agree, s is 1
-  up to the rounding of two ways of forming one norm. On those steps each ruled call's G is also compared between the passes (CHECK_PASS_TWO), and a difference
-  turns the scaling on for every later step (warned once, StepModes.pass_two_rescaled). Not refused, and not
-  dropped: whether the passes differ depends on the batch, and a batch dropped for one example's sake would take
-  every other example's gradient with it (an update that moves by up to B C). FSDP2's sums, which FSDP
-  reduce-scatters as they are written, are not scaled: a difference there is refused (PASS_TWO_DIFFERS).
+  then has squared norm sum_p c_i^2 s_pi^2 n2_pi^2 <= c_i^2 sum_p n1_pi^2 <= C^2; where the passes agree, s is 1 up
+  to the rounding of two ways of forming one norm. On those steps each ruled call's G is also compared between the
+  passes (CHECK_PASS_TWO), and a difference turns the scaling on for every later step (warned once,
+  StepModes.pass_two_rescaled). Not refused, and not dropped: whether the passes differ depends on the batch, and a
+  batch dropped for one example's sake would take every other example's gradient with it (an update that moves by up
+  to B C). FSDP2's sums, which FSDP reduce-scatters as they are written, are not scaled: a difference there is
+  refused (PASS_TWO_DIFFERS).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import torch
 from ..callers import caller_stacklevel
 from ..norms import batched
 from ..norms.factors import combined_sq_norm
+from .modes import new_factor_store
 from .records import NormPass
 
 # On the layout proof's steps (layout.py: the first, then norm passes 2, 4, ..., REPROOF_EVERY and every
@@ -72,6 +74,22 @@ PASS_TWO_DIFFERS = (
 def squares(grad) -> torch.Tensor:
     """(B,) each example's sum of squares of a batch-first output grad, in float64 (PASS_TWO_DIFFERS)."""
     return grad.reshape(grad.shape[0], -1).double().pow(2).sum(1)
+
+
+class SumsPass:
+    """What pass 2 carries while it runs (NormPass.sums_pass): the sums it writes, and what it compares and scales."""
+
+    def __init__(self, sums, skipped, twins, expected, first_sq):
+        self.sums = sums            # the modes.ClippedSums it writes
+        self.skipped = skipped      # the parameters whose clipped sums are written already (the fallback's)
+        self.twins = twins          # through reentrant checkpoints: pass 1's region calls, in order
+        self.expected = expected    # a checked step: key -> (B,) squares of pass 1's G (CHECK_PASS_TWO)
+        self.pairs = []             # (name, pass 1's squares, pass 2's) of the calls compared
+        self.first_sq = first_sq    # a scaled pass: pass 1's parameter -> (B,) squared norms (the module doc)
+        self.scales = {}            # a scaled pass: parameter -> (B,) s_p, until its sum is written
+        self.calls = {}             # id -> call reached, in order
+        self.factors = new_factor_store()  # parameter -> factors waiting for their clipped sums
+        self.elements = 0           # what those factors hold (PassTwo.write)
 
 
 class PassTwo:
@@ -131,8 +149,8 @@ class PassTwo:
         passes = self.passes
         probes, captured_edges, second_backward, region_calls, expected, param_sq = self.replay
         passed = NormPass(losses.shape[0], reentrant=region_calls is not None)
-        passed.sums, passed.sums_skipped, passed.twins = sums, set(kept), region_calls
-        passed.synchronous, passed.pass_two_check, passed.first_sq = self.by_fsdp, expected, param_sq
+        passed.sums_pass = state = SumsPass(sums, set(kept), region_calls, expected, param_sq)
+        passed.synchronous = self.by_fsdp
         self.replay, self.by_fsdp = None, False
         captured = []
         for call, edges in captured_edges:
@@ -152,8 +170,8 @@ class PassTwo:
                         passes._backward_to_outputs(losses, probes, captured, torch.ones_like(losses),
                                                     second_backward)
                     self._finish()
-            if passed.pass_two_pairs:
-                self._compare(passed.pass_two_pairs, scaled=param_sq is not None)
+            if state.pairs:
+                self._compare(state.pairs, scaled=param_sq is not None)
         finally:
             passes.current = None
             for call in captured:  # (controller._forget_captured_edges)
@@ -167,9 +185,9 @@ class PassTwo:
         if call.rule is None:
             call.inputs = ()  # (a probe hands them over)
             return
-        passed = self.passes.current
-        if id(call) not in passed.summing:
-            passed.summing[id(call)] = call
+        state = self.passes.current.sums_pass
+        if id(call) not in state.calls:
+            state.calls[id(call)] = call
             call.grads, call.done = [None] * len(call.shapes), False
         call.grads[slot] = grad
         if len(call.grads) == 1:
@@ -179,31 +197,31 @@ class PassTwo:
         """The factors of one call, waiting with others for their clipped sums (_flush)."""
         passes = self.passes
         passed = passes.current
+        state = passed.sums_pass
         if call.in_region:  # a factor waiting for its sum would hold the region's graph (_fire_in_reentrant_step)
             call.inputs = tuple(x.detach() for x in call.inputs)
         passes.layouts.batch_first(call, passed.batch_size)
-        if passed.pass_two_check is not None and call.grads[0] is not None:
-            first = passed.pass_two_check.pop(self.key(call), None)
+        if state.expected is not None and call.grads[0] is not None:
+            first = state.expected.pop(self.key(call), None)
             if first is not None:
-                passed.pass_two_pairs.append((call.name, first, squares(call.grads[0])))
+                state.pairs.append((call.name, first, squares(call.grads[0])))
         factors = call.rule(call.module, call.inputs, call.grads[0], call.params.keys())
         for n, f in factors.items():
             param = call.params[n]
-            if param in passed.sums_skipped:
+            if param in state.skipped:
                 continue
-            if passed.first_sq is not None and call.eager is not None and call.eager.get(n):  # its only use
-                passed.sum_scales[param] = _scale(passed.first_sq, param, f.sq_norm())
-            passed.sum_factors[param].append(f)
-        passed.sum_elements += sum([g.numel() for g in call.grads if g is not None])
-        passed.sum_elements += sum([x.numel() for x in call.inputs])
+            if state.first_sq is not None and call.eager is not None and call.eager.get(n):  # its only use
+                state.scales[param] = _scale(state.first_sq, param, f.sq_norm())
+            state.factors[param].append(f)
+        state.elements += sum([g.numel() for g in call.grads if g is not None])
+        state.elements += sum([x.numel() for x in call.inputs])
         call.grads, call.inputs, call.done = (), (), True
-        if passed.synchronous or passed.sum_elements >= batched.waiting_elements():  # then summed in batches
+        if passed.synchronous or state.elements >= batched.waiting_elements():  # then summed in batches
             self._flush()
 
     def _finish(self) -> None:
         """The calls that wait for output grads that never came (several outputs), and the last sums."""
-        passed = self.passes.current
-        for call in passed.summing.values():
+        for call in self.passes.current.sums_pass.calls.values():
             if not call.done:
                 self.write(call)
         self._flush(final=True)
@@ -212,27 +230,26 @@ class PassTwo:
         """The clipped sums of the factors waiting, written in batches of equal shapes (modes.ClippedSums). Where
         the sums are scaled, a parameter with several uses waits for all of them (``final``: the pass is done), its
         norm being that of their sum (cross terms), and each parameter's weights are scaled by its own s_p."""
-        passed = self.passes.current
-        if passed.first_sq is not None:
-            self._flush_scaled(final)
-        elif passed.sum_factors:
+        state = self.passes.current.sums_pass
+        if state.first_sq is not None:
+            self._flush_scaled(state, final)
+        elif state.factors:
             with self.passes.controller._region("ghostdp.clipped_sum"):
-                passed.sums.write(passed.sum_factors)
-        passed.sum_elements = 0
+                state.sums.write(state.factors)
+        state.elements = 0
 
-    def _flush_scaled(self, final: bool) -> None:
-        passed = self.passes.current
+    def _flush_scaled(self, state, final: bool) -> None:
         if final:
-            for param, factors in passed.sum_factors.items():
-                if param not in passed.sum_scales:
-                    passed.sum_scales[param] = _scale(passed.first_sq, param, combined_sq_norm(factors))
-        ready = {p: factors for p, factors in passed.sum_factors.items() if p in passed.sum_scales}
+            for param, factors in state.factors.items():
+                if param not in state.scales:
+                    state.scales[param] = _scale(state.first_sq, param, combined_sq_norm(factors))
+        ready = {p: factors for p, factors in state.factors.items() if p in state.scales}
         if not ready:
             return
         for param in ready:
-            del passed.sum_factors[param]
+            del state.factors[param]
         with self.passes.controller._region("ghostdp.clipped_sum"):
-            passed.sums.scaled({p: passed.sum_scales.pop(p) for p in ready}).write(ready)
+            state.sums.scaled({p: state.scales.pop(p) for p in ready}).write(ready)
 
     def _compare(self, pairs, scaled: bool) -> None:
         """The calls' output grads in the two passes (CHECK_PASS_TWO): where they differ, every later step's sums are
@@ -258,7 +275,7 @@ class PassTwo:
         from .pass_one import DIFFERENT_REGION_CALLS
         passed = self.passes.current
         k = len(passed.region_calls) - 1
-        twins = passed.twins
+        twins = passed.sums_pass.twins
         if k >= len(twins) or twins[k].module is not call.module or list(twins[k].shapes) != list(call.shapes):
             raise RuntimeError(DIFFERENT_REGION_CALLS)
         call.layouts, call.eager = twins[k].layouts, twins[k].eager  # (eager: a scaled pass 2's single uses)

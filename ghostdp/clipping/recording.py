@@ -465,7 +465,7 @@ class ForwardRecorder:
             call.projections = [None] * len(call.shapes)
         else:
             call.in_region = True
-            if passed.sums is not None:  # pass 2 of two passes (pass_two.py)
+            if passed.sums_pass is not None:  # pass 2 of two passes (pass_two.py)
                 self.pass_one.pass_two.take_twin_layouts(call)
 
     def _record_ruled(self, name, entry, module, args, output, params):

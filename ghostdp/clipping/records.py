@@ -167,18 +167,10 @@ class NormPass:
         self.queue_held = False           # calls received without reducing the queue (PassOne._receive_named)
         self.replayed = False             # pass 2 repeats this pass's backward (pass_two.py)
         self.second_backward = False      # a second backward named calls the first missed (_backward_to_outputs)
-        self.sums = None                  # pass 2 of two passes: the modes.ClippedSums it writes (pass_two.py)
-        self.sums_skipped = ()            # the parameters whose clipped sums are written already
-        self.twins = None                 # pass 2 through reentrant checkpoints: pass 1's region calls, in order
-        self.synchronous = False          # pass 2 with FSDP2: each call's sums written as its G arrives
+        self.sums_pass = None             # pass 2 of two passes: what it writes, compares, scales (pass_two.py)
+        self.synchronous = False          # each captured call received as it arrives (pass 2 with FSDP2)
         self.pass_two_check = None        # a checked step: key -> (B,) squares of a call's G (pass_two.CHECK_PASS_TWO)
-        self.pass_two_pairs = []          # pass 2: (name, pass 1's squares, pass 2's) of the calls compared
         self.param_sq = None              # pass 1 whose pass 2 scales its sums: parameter -> (B,) squared norms
-        self.first_sq = None              # pass 2 that scales its sums: pass 1's param_sq (pass_two.py)
-        self.sum_scales = {}              # pass 2 that scales its sums: parameter -> (B,) s_p, until written
-        self.summing = {}                 # id -> call reached in pass 2, in order
-        self.sum_factors = new_factor_store()  # parameter -> factors of pass 2 waiting for their clipped sums
-        self.sum_elements = 0             # what those factors hold (PassTwo.write)
         self.grams = InputGrams()         # the last input's Gram, shared by layers reading it (Q, K, V)
         # Factors of single-use parameters, reduced in batches; what layers reduced alone leave, reduced together.
         self.queue = NormQueue(self.grams, DeferredGrams())
