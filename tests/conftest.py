@@ -105,6 +105,26 @@ class Scale(torch.nn.Module):
         return x * self.gain.exp()
 
 
+class Unsteady(torch.autograd.Function):
+    """The identity, whose backward scales its gradient by 1 + ``wobble`` on every second run, or on the runs in
+    ``on_runs`` (counted from 1; any container): a kernel that does not give the same result twice (a GPU's
+    atomics). A step of two passes runs it in the layout proof's backward (on checked steps), pass 1's and pass 2's
+    (tests/privacy/test_pass_two.py, the FSDP case in distributed_worker.py)."""
+    runs = 0
+    wobble = 1e-6
+    on_runs = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        Unsteady.runs += 1
+        scaled = Unsteady.runs % 2 == 1 if Unsteady.on_runs is None else Unsteady.runs in Unsteady.on_runs
+        return grad * (1 + Unsteady.wobble * scaled)
+
+
 def trainable(model):
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 

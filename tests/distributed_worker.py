@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ghostdp  # noqa: E402
+from conftest import Unsteady  # noqa: E402
 from ghostdp.optim import PrivacyStepError  # noqa: E402
 
 N, PER_RANK_BATCH, C, LR = 40, 5, 0.5, 0.5
@@ -468,35 +469,24 @@ def fsdp_fallback_error():
                for p, q in zip(model.parameters(), reference.parameters()))
 
 
-class DoublingFromThirdRun(torch.autograd.Function):
-    """The identity, whose backward doubles its gradient from its third run on: a first step's pass 2 (after the
-    layout proof's backward and pass 1's) receives twice pass 1's output grads below it."""
-    runs = 0
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        DoublingFromThirdRun.runs += 1
-        return grad * (2.0 if DoublingFromThirdRun.runs >= 3 else 1.0)
-
-
 class Doubled(torch.nn.Module):
+    """Linear, tanh, conftest.Unsteady (a backward that does not give the same result twice), Linear."""
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.first, self.last = torch.nn.Linear(5, 8), torch.nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.last(DoublingFromThirdRun.apply(torch.tanh(self.first(x))))
+        return self.last(Unsteady.apply(torch.tanh(self.first(x))))
 
 
 def fsdp_pass_two_differs():
     """FSDP2 reduce-scatters each sum as pass 2 writes it, so a pass 2 whose output grads differ from pass 1's cannot
-    be scaled to keep each example within C (pass_two.py): the step is refused; its message."""
-    DoublingFromThirdRun.runs = 0
+    be scaled to keep each example within C (pass_two.py): the step is refused; its message. The identity in the
+    model doubles its gradient from its third backward on: the first step's pass 2, after the layout proof's and
+    pass 1's."""
+    Unsteady.runs, Unsteady.wobble, Unsteady.on_runs = 0, 1.0, range(3, 2 ** 31)
     model = fully_sharded(Doubled())
     controller = ghostdp.GhostClipping(model, C)
     x, y = data()[:8][:2]

@@ -556,7 +556,11 @@ def test_one_backward_weighs_kept_against_saved_bytes_and_switches_only_where_th
     assert lm["mode"] == "bookkeeping" and lm["kept / saved"] < 0.9
     assert lm["ghost"] == lm["book-keeping"] <= lm["two passes"]
     assert stack["mode"] == "ghost" and stack["kept / saved"] > 1
-    assert stack["ghost"] == stack["two passes"] < stack["book-keeping"]
+    # One step's exact tensor bytes vary by process where malloc reuses addresses (bench.tensor_peak_mb): two passes'
+    # steps in two models read 0.0251 and 0.0212 MB in one CI-like run (2026-11-27), so the same mode is compared
+    # within a fifth, book-keeping's higher peak strictly.
+    assert stack["ghost"] == pytest.approx(stack["two passes"], rel=0.2)
+    assert max(stack["ghost"], stack["two passes"]) < stack["book-keeping"]
     assert "kept/saved" in capsys.readouterr().out
 
 

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ghostdp
 import test_sensitivity_audit as audit
+from conftest import Unsteady
 from test_sensitivity_audit import LinearAttentionEncoder
 
 B, T, D = 4, 4, 8
@@ -80,25 +81,6 @@ def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_
             assert moved <= C * (1 + 1e-6) + 1e-5 * float(without.norm() + with_it.norm()), moved / C
             worst = max(worst, moved / C)
     assert worst > 0.5  # the adversaries are clipped: each moves the sum by about C
-
-
-class Unsteady(torch.autograd.Function):
-    """The identity, whose backward scales its gradient by 1 + ``wobble`` on every second run, or on the runs in
-    ``on_runs`` (counted from 1): a kernel that does not give the same result twice (a GPU's atomics). A step of two
-    passes runs it in the layout proof's backward (on checked steps), pass 1's and pass 2's."""
-    runs = 0
-    wobble = 1e-6
-    on_runs = None
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        Unsteady.runs += 1
-        scaled = Unsteady.runs % 2 == 1 if Unsteady.on_runs is None else Unsteady.runs in Unsteady.on_runs
-        return grad * (1 + Unsteady.wobble * scaled)
 
 
 class _Wobbly(torch.nn.Module):
