@@ -110,7 +110,8 @@ class PassTwo:
 
     def scales(self, checked: bool) -> bool:
         """Whether the pass 2 of a pass 1 starting now scales its clipped sums (the module doc): a ``checked`` step, or
-        any once the passes have differed; not with FSDP2-sharded parameters (keep_for_fsdp drops the norms)."""
+        any once the passes have differed (PassOne.run leaves out FSDP2-sharded parameters: FSDP reduce-scatters
+        each sum as it is written)."""
         return CHECK_PASS_TWO and (checked or self.passes.controller.step_modes.pass_two_rescaled)
 
     def keep_for_fsdp(self, probes, captured, second_backward) -> None:
@@ -123,7 +124,6 @@ class PassTwo:
             self.forget()
         else:
             self.by_fsdp = True
-            self.replay = self.replay[:5] + (None,)  # FSDP reduce-scatters each sum as it is written: not scaled
 
     def forget(self) -> None:
         """Drops what pass 2 would have repeated (a step stopped between the passes: refused examples)."""

@@ -183,9 +183,7 @@ class NormPass:
         """One factor's (B,) squared norms, added with its token mass as the queue's reductions add them, and
         returned (a pass whose norms are kept parameter by parameter: pass_two.py)."""
         (done,) = reduce_factors([factor], self.grams)
-        self.add(done.sq, group)
-        if done.mass is not None:
-            self._add_mass_rows(done.mass, done.mass_dtype, done.rooted)
+        self._add_reduced(done, [group])
         return done.sq[0]
 
     def reduce_queue(self, final: bool = False):
@@ -194,14 +192,18 @@ class NormPass:
             return
         reductions, groups = self.queue.reduce(final)
         for done in reductions:
-            row_groups = {groups[r] for r in done.rows}
-            if len(row_groups) == 1:
-                self.add(done.sq, row_groups.pop())
-            else:  # per-group clipping with the rows of several groups
-                for k, r in enumerate(done.rows):
-                    self.add(done.sq[k], groups[r])
-            if done.mass is not None:
-                self._add_mass_rows(done.mass, done.mass_dtype, done.rooted)
+            self._add_reduced(done, groups)
+
+    def _add_reduced(self, done, groups):
+        """A batched.Reduced's squared norms and token masses; ``groups``: the clipping group of each queue row."""
+        row_groups = {groups[r] for r in done.rows}
+        if len(row_groups) == 1:
+            self.add(done.sq, row_groups.pop())
+        else:  # per-group clipping with the rows of several groups
+            for k, r in enumerate(done.rows):
+                self.add(done.sq[k], groups[r])
+        if done.mass is not None:
+            self._add_mass_rows(done.mass, done.mass_dtype, done.rooted)
 
     def add_mass(self, factor):
         """The token mass of one factor that is not queued (a parameter with several uses)."""
