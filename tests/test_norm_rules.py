@@ -102,6 +102,56 @@ def test_embedding_bag(layout, mode, padding_idx, weighted):
     assert_exact(model, lambda: losses(examples), lambda i: losses([examples[i]]).sum(), len(examples))
 
 
+def test_a_1d_embedding_bag_used_twice_and_tied_to_a_head_is_exact():
+    """Cross terms of a table read by two 1-D nn.EmbeddingBag calls (their positions merged) and by a tied output
+    layer (a product through materialised gradients)."""
+    torch.manual_seed(0)
+    bag, head = nn.EmbeddingBag(9, 4), nn.Linear(4, 9, bias=False)
+    head.weight = bag.weight
+    model = nn.ModuleDict({"bag": bag, "head": head})
+    examples = [([1, 2, 1, 5], [3, 3]), ([4], [8, 0, 2]), ([8, 0, 3], [7]), ([2, 6, 2], [2, 2, 2, 2])]
+
+    def losses(chosen):
+        first = bags_of([(a, [1.0] * len(a)) for a, _ in chosen], "offsets")
+        second = bags_of([(b, [1.0] * len(b)) for _, b in chosen], "offsets")
+        out = bag(first[0], first[1]) + 0.5 * bag(second[0], second[1])
+        return head(out.tanh()).pow(2).sum(1)
+
+    assert_exact(model, lambda: losses(examples), lambda i: losses([examples[i]]).sum(), len(examples))
+
+
+def test_a_1d_embedding_bag_is_recorded_without_waiting_for_the_device_and_keeps_its_positions():
+    """A training forward of a 1-D nn.EmbeddingBag, its rule and its factor's norm dispatch no op whose output size
+    depends on the values (the longest bag read back to pad every bag to it: a host sync in each forward on a GPU,
+    before 2026-11-28), and the factor holds a row of G per position, not bags x the longest bag."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ghostdp.norms.embedding import bag_members, embedding_bag_rule
+    from norms.test_embedding_factor import VALUE_SIZED
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(9, 4, mode="mean", padding_idx=0)
+    ids, offsets = torch.randint(0, 9, (53,)), torch.tensor([0, 50, 51, 52])  # one long bag, three of one
+    controller = ghostdp.GhostClipping(bag, 1.0)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with Ops():
+            out = bag(ids, offsets)
+            inputs = bag_members(bag, (ids, offsets), {})
+            factor = embedding_bag_rule(bag, inputs, torch.randn(4, 4), {"weight"})["weight"]
+            factor.sq_norm(), factor.token_mass()
+        controller.loss(out.pow(2).sum(1), "sum").backward()
+    finally:
+        controller.detach()
+    assert "embedding_bag" in "".join(seen) and not [op for op in seen if op in VALUE_SIZED], seen
+    assert factor.grads.shape == (53, 4)
+
+
 def test_embedding_bag_with_several_bags_per_example_is_refused_with_the_fix():
     bag, head = nn.EmbeddingBag(9, 4), nn.Linear(8, 1)
     model = nn.ModuleDict({"bag": bag, "head": head})
@@ -129,7 +179,9 @@ def test_embedding_bag_empty_and_all_padding_bags_have_no_gradient(mode):
         expected.append(grad.norm())
     assert norms[1] == 0 and norms[2] == 0
     torch.testing.assert_close(norms, torch.stack(expected), rtol=1e-12, atol=0)
-    assert set(ghostdp.norms.embedding.bag_members(bag, (ids, offsets), {})[1][1].tolist()) == {0.0}
+    _, scales, bag_of = ghostdp.norms.embedding.bag_members(bag, (ids, offsets), {})
+    assert bag_of.tolist() == [0, 0, 0, 2, 2, 3, 3, 3]  # the empty bag 1 has no position
+    assert scales[bag_of == 2].tolist() == [0.0, 0.0]  # bag 2 is all padding
 
 
 @pytest.mark.parametrize("kwargs", [

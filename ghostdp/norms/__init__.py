@@ -1,7 +1,8 @@
 """Per-layer norm rules: one file per layer family, one registry."""
 from . import conv, elementwise, embedding, linear, normalization, vit_embeddings  # noqa: F401  (registers rules)
-from .factors import PerExampleGrad, Instantiated, OuterProduct, EmbeddingGather, combined_sq_norm
+from .factors import (PerExampleGrad, Instantiated, OuterProduct, EmbeddingGather, RaggedEmbeddingGather,
+                      combined_sq_norm)
 from .registry import find_norm_rule, register_norm_rule
 
 __all__ = ["register_norm_rule", "find_norm_rule", "PerExampleGrad", "Instantiated", "OuterProduct",
-           "EmbeddingGather", "combined_sq_norm"]
+           "EmbeddingGather", "RaggedEmbeddingGather", "combined_sq_norm"]

@@ -10,13 +10,14 @@ Before 2026-11-27 they took the exact fallback, whose batched VJP instantiates e
 whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output grads of B^2 T d elements.
 torch.nn.EmbeddingBag in modes "sum" and "mean": each output row (a bag) is a weighted sum of rows, so an
 EmbeddingGather of the bag's ids with the bag's output grad scaled per member (since 2026-11-27; the fallback's
-before); mode "max" takes the exact fallback.
+before); a 1-D input's positions, each with its bag, in a RaggedEmbeddingGather; mode "max" takes the exact
+fallback.
 """
 from __future__ import annotations
 
 import torch
 
-from .factors import EmbeddingGather
+from .factors import EmbeddingGather, RaggedEmbeddingGather
 from .registry import call_arguments, register_forward_rule, register_norm_rule
 
 
@@ -96,32 +97,39 @@ for _body, _positions in ((ARANGE_POSITIONS_BODY, arange_positions), (MASK_POSIT
 
 
 def bag_members(module, args, kwargs, output=None) -> tuple:
-    """(ids, scales), each (bags, longest bag): the rows an nn.EmbeddingBag call reduces into each output row and
-    the factor each row enters with (its per_sample_weight in mode "sum", 1 / the bag's size in "mean"; 0 where the
-    row is the padding_idx, which torch leaves out of the reduction and its count, and after a bag's end).
-    A 2-D input is one bag per row; a 1-D input is cut into bags at ``offsets``."""
+    """The rows an nn.EmbeddingBag call reduces into each output row (a bag) and the factor each row enters with (its
+    per_sample_weight in mode "sum", 1 / the bag's size in "mean"; 0 where the row is the padding_idx, which torch
+    leaves out of the reduction and its count). A 2-D input, one bag per row: (ids, scales), each (bags, length).
+    A 1-D input cut into bags at ``offsets``: (ids, scales, bag), each (n,), ``bag`` each position's bag (the number
+    of bags for a position after the last bag's end, which torch leaves out with include_last_offset), found by a
+    search of the offsets: no shape depends on the bags' sizes, so nothing waits for the device (until 2026-11-28
+    the bags were padded to the longest, which was read back: a host sync in each forward on a GPU)."""
     arguments = call_arguments(module, args, kwargs)
     ids, offsets, weights = arguments["input"], arguments["offsets"], arguments["per_sample_weights"]
+    bag = None
     if ids.dim() == 2:
         scales = torch.ones(ids.shape, device=ids.device) if weights is None else weights
     else:
-        ends = offsets[1:] if module.include_last_offset else torch.cat([offsets[1:], offsets.new_tensor([len(ids)])])
-        starts = offsets[:len(ends)]
-        lengths = ends - starts
-        bag = torch.repeat_interleave(torch.arange(len(ends), device=ids.device), lengths)
-        position = torch.arange(len(bag), device=ids.device) - starts[bag]
-        longest = int(lengths.max()) if len(lengths) else 0
-        flat_ids, flat_scales = ids[:len(bag)], (torch.ones(len(bag), device=ids.device) if weights is None
-                                                 else weights[:len(bag)])
-        padded = torch.zeros(len(ends), longest, dtype=ids.dtype, device=ids.device)
-        ids = padded.index_put((bag, position), flat_ids)
-        scales = torch.zeros(len(ends), longest, dtype=flat_scales.dtype, device=ids.device).index_put(
-            (bag, position), flat_scales)  # 0 past each bag's end
+        bags = offsets.shape[0] - 1 if module.include_last_offset else offsets.shape[0]
+        position = torch.arange(ids.shape[0], device=ids.device)
+        bag = torch.searchsorted(offsets[:bags], position, right=True) - 1  # the last bag starting at or before it
+        inside = bag >= 0
+        if module.include_last_offset:
+            inside = inside & (position < offsets[-1])
+        bag = torch.where(inside, bag, bags)
+        scales = torch.ones(ids.shape, device=ids.device) if weights is None else weights
+        scales = torch.where(inside, scales, 0)
     if module.padding_idx is not None:
         scales = scales * (ids != module.padding_idx)
-    if module.mode == "mean":
-        scales = scales / (scales != 0).sum(1, keepdim=True).clamp(min=1)  # (no per_sample_weights in "mean")
-    return ids, scales.to(module.weight.dtype)
+    if module.mode == "mean":  # (no per_sample_weights in "mean")
+        if bag is None:
+            scales = scales / (scales != 0).sum(1, keepdim=True).clamp(min=1)
+        else:
+            counts = torch.zeros(bags + 1, dtype=scales.dtype, device=ids.device).index_add_(
+                0, bag, (scales != 0).to(scales.dtype))
+            scales = scales / counts.clamp(min=1)[bag]
+    scales = scales.to(module.weight.dtype)
+    return (ids, scales) if bag is None else (ids, scales, bag)
 
 
 def _sums_or_means(module, args, kwargs) -> bool:
@@ -132,12 +140,20 @@ def _sums_or_means(module, args, kwargs) -> bool:
 def embedding_bag_rule(module: torch.nn.EmbeddingBag, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                        trainable: set[str]) -> dict:
     """Output row b = sum_t s_bt E[x_bt] (bag_members), so g_b = sum_t e_{x_bt} (s_bt G_b)^T: an EmbeddingGather of
-    the bag's rows, each with its scaled output grad."""
+    the bag's rows, each with its scaled output grad (a 1-D input's: a RaggedEmbeddingGather of its positions)."""
     if "weight" not in trainable:
         return {}
-    ids, scales = inputs
-    grads = output_grad.unsqueeze(1) * scales.unsqueeze(-1).to(output_grad.dtype)
-    return {"weight": EmbeddingGather(ids, grads, module.num_embeddings)}
+    if len(inputs) == 2:
+        ids, scales = inputs
+        grads = output_grad.unsqueeze(1) * scales.unsqueeze(-1).to(output_grad.dtype)
+        return {"weight": EmbeddingGather(ids, grads, module.num_embeddings)}
+    ids, scales, bag = inputs
+    bags = output_grad.shape[0]
+    inside = (bag < bags).unsqueeze(-1)
+    rows = output_grad[bag.clamp(max=max(bags - 1, 0))] if bags else output_grad.new_zeros(ids.shape[0], 0)
+    # where, not a product: a position of no bag reads another bag's row, which may hold inf
+    grads = torch.where(inside, rows * scales.unsqueeze(-1).to(output_grad.dtype), 0)
+    return {"weight": RaggedEmbeddingGather(ids, grads, bag, bags, module.num_embeddings)}
 
 
 # Its arguments read by name (offsets and per_sample_weights may come by keyword).

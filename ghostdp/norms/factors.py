@@ -616,19 +616,23 @@ class EmbeddingGather(PerExampleGrad):
     def sum_dtype(self):
         return acc_dtype(self.grads)
 
-    def sq_norm(self, grams=None):
-        # |g_i|^2 = sum over the (example, id) groups of |sum of their rows of G|^2, the groups of the keys
-        # example * V + id (_groups_of: no host sync). Padding positions get a key past every example's and land
-        # in row B of the result, dropped.
-        B, T, H = self.grads.shape
-        V, n, device = self.num_embeddings, B * T, self.ids.device
-        keys = torch.arange(B, device=device).unsqueeze(1) * V + self.ids  # (B, T)
+    def _keys(self) -> torch.Tensor:
+        """(n,) each position's key example * V + id; a padding position's is past every example's (B V)."""
+        B, V = self.batch_size, self.num_embeddings
+        keys = torch.arange(B, device=self.ids.device).unsqueeze(1) * V + self.ids  # (B, T)
         if self.padding_idx is not None:
             keys = torch.where(self._valid(), keys, B * V)
-        slot, group_key = _groups_of(keys.reshape(n))
+        return keys.reshape(-1)
+
+    def sq_norm(self, grams=None):
+        # |g_i|^2 = sum over the (example, id) groups of |sum of their rows of G|^2, the groups of the keys
+        # example * V + id (_groups_of: no host sync). A position of no example (padding) has a key past every
+        # example's and lands in row B of the result, dropped.
+        B, V, H = self.batch_size, self.num_embeddings, self.grads.shape[-1]
+        slot, group_key = _groups_of(self._keys())
         dt = acc_dtype(self.grads)
-        rows = self.grads.reshape(n, H)
-        summed = torch.zeros(n, H, dtype=dt, device=rows.device).index_add_(0, slot, rows.to(dt))
+        rows = self.grads.reshape(-1, H)
+        summed = torch.zeros(rows.shape, dtype=dt, device=rows.device).index_add_(0, slot, rows.to(dt))
         out = torch.zeros(B + 1, dtype=dt, device=rows.device)
         return out.index_add_(0, group_key // V, summed.pow(2).sum(1))[:B]
 
@@ -652,6 +656,8 @@ class EmbeddingGather(PerExampleGrad):
         return out.index_add_(0, group_id, summed.to(out_dtype))
 
     def merge(self, other):
+        if isinstance(other, RaggedEmbeddingGather):
+            return other.merge(self)
         if (isinstance(other, EmbeddingGather) and other.num_embeddings == self.num_embeddings
                 and other.padding_idx == self.padding_idx):
             dt = torch.promote_types(self.grads.dtype, other.grads.dtype)
@@ -676,6 +682,88 @@ class EmbeddingGather(PerExampleGrad):
                 parts.append((picked * inner).sum((1, 2)))
             return torch.cat(parts)
         return super().dot(other)
+
+
+class RaggedEmbeddingGather(EmbeddingGather):
+    """g_i = sum_{t: e_t = i} e_{x_t} G_t^T over positions t whose number differs between examples: ``ids`` (n,),
+    ``grads`` (n, H) and ``examples`` (n,), each position's example (``batch_size`` for a position of none, whose
+    row of G must be 0). An nn.EmbeddingBag's 1-D input cut into bags at offsets: no shape depends on the bags'
+    sizes, where padding every bag to the longest (EmbeddingGather's (B, T) layout) read the longest back, a host
+    sync in each forward on a GPU, and held B x longest rows of G however short the other bags were."""
+
+    def __init__(self, ids: torch.Tensor, grads: torch.Tensor, examples: torch.Tensor, batch_size: int,
+                 num_embeddings: int):
+        self.ids, self.grads, self.examples = ids, grads, examples
+        self.num_embeddings, self.padding_idx = num_embeddings, None
+        self.batch_size = batch_size
+        self.param_shape = torch.Size((num_embeddings, grads.shape[-1]))
+
+    @staticmethod
+    def of(factor: EmbeddingGather) -> "RaggedEmbeddingGather":
+        """An EmbeddingGather in this form: its positions flattened, each with its example; padding positions of
+        none, their G rows 0 (where, not a product: they may hold inf)."""
+        if isinstance(factor, RaggedEmbeddingGather):
+            return factor
+        B, T, H = factor.grads.shape
+        examples = torch.arange(B, device=factor.ids.device).unsqueeze(1).expand(B, T)
+        grads = factor.grads
+        if factor.padding_idx is not None:
+            valid = factor._valid()
+            examples, grads = torch.where(valid, examples, B), torch.where(valid.unsqueeze(-1), grads, 0)
+        return RaggedEmbeddingGather(factor.ids.reshape(-1), grads.reshape(-1, H), examples.reshape(-1), B,
+                                     factor.num_embeddings)
+
+    def held_bytes(self):
+        return super().held_bytes() + _nbytes(self.examples)
+
+    def note_kept(self, kept) -> None:
+        kept.note(self.ids, self.grads, self.examples)
+
+    def _keys(self):
+        return self.examples * self.num_embeddings + self.ids
+
+    def _per_example(self, values: torch.Tensor) -> torch.Tensor:
+        """(B,) the sums of (n,) ``values`` over each example's positions."""
+        out = torch.zeros(self.batch_size + 1, dtype=values.dtype, device=values.device)
+        return out.index_add_(0, self.examples, values)[:self.batch_size]
+
+    def token_mass(self, grams=None):
+        # sum_t |G_t| <= sqrt(n_i) |G_i|_F over the n_i positions of example i.
+        dt = acc_dtype(self.grads)
+        squares = self._per_example(torch.linalg.vector_norm(self.grads, dim=-1, dtype=dt).pow(2))
+        counts = self._per_example(torch.ones(self.examples.shape, dtype=dt, device=self.examples.device))
+        return (squares * counts).sqrt()
+
+    def _grads(self, lo=0, hi=None, weights=None):
+        """Every position's row of G in the accumulation dtype, times weights_i of its example if given (the
+        whole batch only: materialize and dot do not read this)."""
+        dt = acc_dtype(self.grads)
+        grads = self.grads.to(dt)
+        if weights is not None:
+            per_position = torch.cat([weights.to(dt), weights.new_zeros(1, dtype=dt)])[self.examples]
+            grads = grads * per_position.unsqueeze(-1)
+        return grads
+
+    def materialize(self, lo, hi):
+        dt = acc_dtype(self.grads)
+        local = self.examples - lo
+        local = torch.where((local >= 0) & (local < hi - lo), local, hi - lo)  # others: a row dropped below
+        out = torch.zeros(hi - lo + 1, *self.param_shape, dtype=dt, device=self.grads.device)
+        return out.index_put_((local, self.ids), self.grads.to(dt), accumulate=True)[:hi - lo]
+
+    def merge(self, other):
+        if (isinstance(other, EmbeddingGather) and other.num_embeddings == self.num_embeddings
+                and other.batch_size == self.batch_size):
+            other = RaggedEmbeddingGather.of(other)
+            dt = torch.promote_types(self.grads.dtype, other.grads.dtype)
+            return RaggedEmbeddingGather(torch.cat([self.ids, other.ids]),
+                                         torch.cat([self.grads.to(dt), other.grads.to(dt)]),
+                                         torch.cat([self.examples, other.examples]), self.batch_size,
+                                         self.num_embeddings)
+        return None
+
+    def dot(self, other):
+        return PerExampleGrad.dot(self, other)  # EmbeddingGather's reads a (B, T) layout
 
 
 class Blocks(PerExampleGrad):

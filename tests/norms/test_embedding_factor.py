@@ -1,16 +1,18 @@
 """EmbeddingGather (norms/factors.py), the factor of the embedding rule: its squared norm and token mass against
 the materialised per-example gradients, in float64 and from 16-bit output grads, with repeats, padding that holds
-inf, and ids at the table's ends; and no op whose output size depends on the values (a host sync on a GPU)."""
+inf, and ids at the table's ends; and no op whose output size depends on the values (a host sync on a GPU).
+RaggedEmbeddingGather (a 1-D nn.EmbeddingBag's positions, each with its bag) likewise, and its merges and products
+with the other factors."""
 import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ghostdp.norms.factors import EmbeddingGather
+from ghostdp.norms.factors import EmbeddingGather, OuterProduct, RaggedEmbeddingGather, combined_sq_norm
 
 VALUE_SIZED = ("_unique", "_unique2", "unique_consecutive", "unique_dim", "nonzero", "masked_select",
-               "_local_scalar_dense")
+               "_local_scalar_dense", "repeat_interleave")
 
 
 def _ids_with_repeats_and_padding(B, T, V, pad):
@@ -78,3 +80,82 @@ def test_a_16_bit_tables_clipped_sum_rounds_each_rows_float32_sum_once_with_repe
     compact = factor.weighted_sum(weights, out_dtype=torch.bfloat16)
     assert dense.dtype == torch.float32 and compact.dtype == torch.bfloat16
     assert torch.equal(compact, dense.to(torch.bfloat16)) and not compact[0].any()  # the padding row gets 0
+
+
+def _ragged(B=4, n=13, H=3, V=7, dtype=torch.float64):
+    """Positions of B examples in runs of different lengths (example 2 has none), a repeated id within and across
+    examples, and two positions of no example (index B) whose rows of G are 0."""
+    torch.manual_seed(2)
+    examples = torch.tensor([0, 0, 0, 0, 1, 3, 3, 3, 3, 3, 3, 4, 4])
+    ids = torch.randint(0, V, (n,))
+    ids[1], ids[3], ids[5] = V - 1, V - 1, V - 1
+    grads = torch.randn(n, H, dtype=torch.float64)
+    grads[examples == B] = 0
+    return RaggedEmbeddingGather(ids, grads.to(dtype), examples, B, V)
+
+
+def _dense(factor):
+    """(B, V, H) float64 per-example gradients and sum_t |G_t| bounds (sqrt(n_i) |G_i|_F), by a loop."""
+    B, (V, H) = factor.batch_size, factor.param_shape
+    dense = torch.zeros(B, V, H, dtype=torch.float64)
+    bounds = []
+    for i in range(B):
+        rows = factor.grads[factor.examples == i].double()
+        dense[i].index_add_(0, factor.ids[factor.examples == i], rows)
+        bounds.append(rows.norm() * math.sqrt(rows.shape[0]))
+    return dense, torch.stack(bounds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_ragged_factors_norm_mass_sums_and_gradients_equal_a_loop_over_examples(dtype):
+    factor = _ragged(dtype=dtype)
+    dense, bounds = _dense(factor)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(factor.sq_norm().double(), dense.pow(2).sum((1, 2)), rtol=rtol, atol=0)
+    torch.testing.assert_close(factor.token_mass().double(), bounds, rtol=rtol, atol=0)
+    assert float(factor.sq_norm()[2]) == 0.0 and float(factor.token_mass()[2]) == 0.0  # an example of no position
+    weights = torch.rand(4, dtype=torch.float64)
+    torch.testing.assert_close(factor.weighted_sum(weights).double(), torch.einsum("b,bvh->vh", weights, dense),
+                               rtol=rtol, atol=1e-12)
+    torch.testing.assert_close(factor.materialize(1, 4).double(), dense[1:4], rtol=rtol, atol=0)
+    compact = factor.weighted_sum(weights, out_dtype=torch.bfloat16)
+    assert compact.dtype == torch.bfloat16 and torch.equal(compact, factor.weighted_sum(weights).to(torch.bfloat16))
+
+
+def test_the_ragged_factor_merges_with_a_padded_one_and_forms_cross_terms_with_a_weight():
+    """A table used by a 1-D nn.EmbeddingBag and an nn.Embedding (with padding that holds inf) in one step: the merged
+    factor's norm is that of the summed gradients, from either side; with a tied output layer's OuterProduct the
+    cross terms come from materialised gradients."""
+    ragged = _ragged()
+    ids = torch.tensor([[1, 0, 6], [6, 6, 2], [0, 0, 0], [3, 5, 0]])
+    grads = torch.randn(4, 3, 3, dtype=torch.float64)
+    grads[ids == 0] = float("inf")
+    padded = EmbeddingGather(ids, grads, 7, padding_idx=0)
+    G = torch.where((ids != 0).unsqueeze(-1), grads, 0)
+    dense = _dense(ragged)[0] + torch.zeros(4, 7, 3, dtype=torch.float64).scatter_add_(
+        1, ids.unsqueeze(-1).expand(4, 3, 3), G)
+    for merged in (ragged.merge(padded), padded.merge(ragged)):
+        assert isinstance(merged, RaggedEmbeddingGather)
+        torch.testing.assert_close(merged.sq_norm(), dense.pow(2).sum((1, 2)), rtol=1e-12, atol=0)
+    head = OuterProduct(torch.randn(4, 5, 7, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64),
+                        (7, 3), input_side="right")
+    total = dense + head.materialize(0, 4)
+    torch.testing.assert_close(combined_sq_norm([ragged, padded, head]), total.pow(2).sum((1, 2)), rtol=1e-12,
+                               atol=0)
+
+
+def test_the_ragged_factors_norm_mass_and_sums_dispatch_no_op_sized_by_the_values():
+    factor = _ragged(dtype=torch.float32)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        factor.sq_norm()
+        factor.token_mass()
+        factor.weighted_sum(torch.rand(4))
+        factor.weighted_sum(torch.rand(4), out_dtype=torch.bfloat16)
+    assert seen and not [op for op in seen if op.split(".")[0] in VALUE_SIZED], seen
