@@ -22,9 +22,9 @@
 #   15-minute session room for a rerun.
 # - layers (120 s): profiling.layers at BERT-base, bf16, B=256, all trainable: a step split into regions by CUDA
 #   events (forward, pass 1's norm rules by module type and its backward, pass 2 or the clipped sums, optimizer),
-#   and the LayerNorm and Linear rules against their floors. Trainable: on the H200 (2026-11-26) trainable
-#   embeddings added 14-16 ms to a private step at B=256 against plain's 1.8 ms, which no CPU reading explains.
-#   Not yet timed on a device.
+#   and the LayerNorm and Linear rules against their floors, back to back and by their kernels' durations.
+#   Trainable: on the H200 (2026-11-26) trainable embeddings added 14-16 ms to a private step at B=256 against
+#   plain's 1.8 ms, which no CPU reading explains. Not yet timed on a device.
 # - knobs (150 s): profiling.knobs at BERT-base, bf16, B=32, frozen: DeferredGrams' budget x2 and x4 and the
 #   queue bound x4 against the shipped settings, time, working set and ATen ops. Not yet timed on a device.
 # - one_backward (150 s): profiling.one_backward at BERT-base (bf16, T=128, B=32) and GPT-2 small with its LM head

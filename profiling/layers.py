@@ -14,7 +14,9 @@ Gram <A_i A_i^T, G_i G_i^T>, O(T^2 (d + p)), and instantiation ||G_i^T A_i||^2, 
 reports which one the rule's cost model picks and which one was faster.
 
 Part 3 times the LayerNorm and Linear rules against their floors (the layer's own backward; a
-bare Gram and instantiation) at BERT-base shapes, in the model's dtype.
+bare Gram and instantiation) at BERT-base shapes, in the model's dtype: back to back, and by their ops
+alone (on a GPU the kernels' durations: a rule of a dozen small ops is host-bound back to back, so only
+the second line tells whether its kernels are at their floor).
 """
 from __future__ import annotations
 
@@ -191,16 +193,41 @@ def device_ms(fn, device: str, repeats: int = 20) -> float:
     return 1e3 * (time.perf_counter() - begin) / repeats
 
 
+def ops_ms(fn, device: str, repeats: int = 20) -> float:
+    """Mean ms per call of the work of ``fn``'s ops alone, without the host's Python between them (torch.profiler): on
+    a GPU the summed durations of its kernels, memory copies and sets (the device's clock, however host-bound the
+    calls), elsewhere the summed self times of its ATen ops (profiled, so a little above their unprofiled time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    if device == "cuda":
+        total_us = sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    else:
+        total_us = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::"))
+    return total_us / 1e3 / repeats
+
+
 RULE_POINTS = [(256, 128, 768), (32, 512, 768)]
 
 
 def rules_against_floors(args, points=RULE_POINTS) -> list:
-    """[(B, T, d, LayerNorm rule, its layer's backward, Linear rule, bare Gram, instantiation)] in ms.
+    """[(B, T, d, LayerNorm rule, its layer's backward, Linear rule, bare Gram, instantiation, and the same five
+    for their ops alone)] in ms.
 
     The LayerNorm rule (weight and bias norms and token masses) against the layer's own backward;
     the Linear rule (d x d, weight and bias, as pass 1 runs it: masses, then norms, sharing the
     pass's Gram cache) against a bare Gram (two batched products and one product-sum) and against
-    instantiation. In the model's dtype (--dtype)."""
+    instantiation. In the model's dtype (--dtype). Each is timed twice: back to back (device_ms: CUDA events
+    on a GPU, where a call of a dozen small ops is host-bound and reads the host's time) and by its ops alone
+    (ops_ms: on a GPU its kernels' durations, the GPU-speed issue's kernel floors)."""
     from ghostdp.norms.factors import InputGrams, wide_matmul
     from ghostdp.norms.linear import linear_rule
     from ghostdp.norms.normalization import layer_norm_rule
@@ -228,14 +255,15 @@ def rules_against_floors(args, points=RULE_POINTS) -> list:
             aa, gg = wide_matmul(A, A.transpose(1, 2), torch.float32), wide_matmul(G, G.transpose(1, 2), torch.float32)
             return (aa * gg).sum((1, 2))
 
-        row = (B, T, d,
-               device_ms(rule_of(layer_norm_rule, ln), args.device),
-               device_ms(lambda: torch.autograd.grad(y, [x, ln.weight, ln.bias], G, retain_graph=True), args.device),
-               device_ms(rule_of(linear_rule, lin), args.device),
-               device_ms(bare, args.device),
-               device_ms(lambda: wide_matmul(G.transpose(1, 2), A, torch.float32).pow(2).sum((1, 2)), args.device))
+        measured = (rule_of(layer_norm_rule, ln),
+                    lambda: torch.autograd.grad(y, [x, ln.weight, ln.bias], G, retain_graph=True),
+                    rule_of(linear_rule, lin), bare,
+                    lambda: wide_matmul(G.transpose(1, 2), A, torch.float32).pow(2).sum((1, 2)))
+        row = (B, T, d, *[device_ms(fn, args.device) for fn in measured], *[ops_ms(fn, args.device) for fn in measured])
         rows.append(row)
-        print(f"{B:>5}{T:>5}{d:>6}" + "".join(f"{v:>{w}.3f}" for v, w in zip(row[3:], (9, 8, 13, 11, 13))))
+        widths = (9, 8, 13, 11, 13)
+        print(f"{B:>5}{T:>5}{d:>6}" + "".join(f"{v:>{w}.3f}" for v, w in zip(row[3:8], widths)))
+        print(f"{'(their ops alone)':>16}" + "".join(f"{v:>{w}.3f}" for v, w in zip(row[8:], widths)))
     return rows
 
 

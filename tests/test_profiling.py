@@ -337,8 +337,9 @@ def test_region_timer_times_the_controllers_regions_without_a_profiler():
 def test_rules_against_their_floors_run_and_report_every_time(capsys):
     args = layers.argparse.Namespace(device="cpu", dtype="fp32")
     rows = layers.rules_against_floors(args, points=[(2, 8, 16), (2, 4, 8)])
-    assert len(rows) == 2 and all(len(r) == 8 and all(v > 0 for v in r[3:]) for r in rows)
-    assert "LN rule" in capsys.readouterr().out
+    assert len(rows) == 2 and all(len(r) == 13 and all(v > 0 for v in r[3:]) for r in rows)
+    out = capsys.readouterr().out
+    assert "LN rule" in out and out.count("(their ops alone)") == 2
 
 
 def test_overhead_per_layer_reduces_one_layer_at_a_time_and_restores_the_budgets():
