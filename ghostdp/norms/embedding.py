@@ -150,7 +150,7 @@ def embedding_bag_rule(module: torch.nn.EmbeddingBag, inputs: tuple[torch.Tensor
     ids, scales, bag = inputs
     bags = output_grad.shape[0]
     inside = (bag < bags).unsqueeze(-1)
-    rows = output_grad[bag.clamp(max=max(bags - 1, 0))] if bags else output_grad.new_zeros(ids.shape[0], 0)
+    rows = output_grad[bag.clamp(max=bags - 1)] if bags else output_grad.new_zeros(ids.shape[0], output_grad.shape[-1])
     # where, not a product: a position of no bag reads another bag's row, which may hold inf
     grads = torch.where(inside, rows * scales.unsqueeze(-1).to(output_grad.dtype), 0)
     return {"weight": RaggedEmbeddingGather(ids, grads, bag, bags, module.num_embeddings)}
