@@ -152,6 +152,16 @@ def test_a_1d_embedding_bag_is_recorded_without_waiting_for_the_device_and_keeps
     assert factor.grads.shape == (53, 4)
 
 
+def test_a_1d_embedding_bag_in_a_batch_of_no_bags_has_the_tables_shape_and_no_gradient():
+    """An empty batch (Poisson sampling): the rule's factor still has the table's shape, and sums to zeros."""
+    from ghostdp.norms.embedding import bag_members, embedding_bag_rule
+    bag = nn.EmbeddingBag(9, 4)
+    inputs = bag_members(bag, (torch.tensor([1, 2, 3]), torch.zeros(0, dtype=torch.long)), {})
+    factor = embedding_bag_rule(bag, inputs, torch.zeros(0, 4), {"weight"})["weight"]
+    assert factor.param_shape == bag.weight.shape and factor.sq_norm().shape == (0,)
+    assert torch.equal(factor.weighted_sum(torch.zeros(0)), torch.zeros(9, 4))
+
+
 def test_embedding_bag_with_several_bags_per_example_is_refused_with_the_fix():
     bag, head = nn.EmbeddingBag(9, 4), nn.Linear(8, 1)
     model = nn.ModuleDict({"bag": bag, "head": head})
