@@ -397,6 +397,40 @@ def _tokens(n, g, d, seq_first=False):
     return dict(x=x, labels=torch.randint(0, 3, (n,), generator=g))
 
 
+class BagsOfIds(nn.Module):
+    """nn.EmbeddingBag on a 1-D input cut at offsets (a RaggedEmbeddingGather): each example's bag the first
+    ``lengths`` of its ids with their per_sample_weights ``x``, read twice (the same bags, then each bag without its
+    first id), and the table tied to the output layer (its rows the classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, 8, mode="sum")
+        self.out = nn.Linear(8, V, bias=False)
+        self.out.weight = self.bag.weight
+
+    def forward(self, x, ids, lengths):
+        kept = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]
+        first = self.bag(ids[kept], _starts(lengths), per_sample_weights=x[kept])
+        later = kept.clone()
+        later[:, 0] = False
+        second = self.bag(ids[later], _starts(lengths - 1), per_sample_weights=x[later])
+        return self.out(torch.tanh(first + second))[:, :3]
+
+
+def _starts(lengths):
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+
+
+def _bags(n, g):
+    lengths = torch.randint(2, T + 1, (n,), generator=g)
+    return dict(x=torch.randn(n, T, generator=g), ids=torch.randint(0, V, (n, T), generator=g), lengths=lengths,
+                labels=torch.randint(0, 3, (n,), generator=g))
+
+
+def _bag_logits(model, b):
+    return ghostdp.per_example_loss(CE, model(b["x"], b["ids"], b["lengths"]), b["labels"])
+
+
 SEQ_FIRST = dict(x=1)
 
 ZOO = [
@@ -465,6 +499,7 @@ ZOO = [
     Arch("lstm-cell-unrolled", UnrolledLSTMCell, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
+    Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
 ]
 
 
