@@ -124,32 +124,27 @@ def test_a_1d_embedding_bag_is_recorded_without_waiting_for_the_device_and_keeps
     """A training forward of a 1-D nn.EmbeddingBag, its rule and its factor's norm dispatch no op whose output size
     depends on the values (the longest bag read back to pad every bag to it: a host sync in each forward on a GPU,
     before 2026-11-28), and the factor holds a row of G per position, not bags x the longest bag."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ghostdp.norms.embedding import bag_members, embedding_bag_rule
-    from norms.test_embedding_factor import VALUE_SIZED
+    from norms.test_embedding_factor import VALUE_SIZED, dispatched_ops
     torch.manual_seed(0)
     bag = nn.EmbeddingBag(9, 4, mode="mean", padding_idx=0)
     ids, offsets = torch.randint(0, 9, (53,)), torch.tensor([0, 50, 51, 52])  # one long bag, three of one
     controller = ghostdp.GhostClipping(bag, 1.0)
-    seen = []
+    made = {}
 
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
+    def forward_rule_and_norm():
+        made["out"] = bag(ids, offsets)
+        made["factor"] = embedding_bag_rule(bag, bag_members(bag, (ids, offsets), {}), torch.randn(4, 4),
+                                            {"weight"})["weight"]
+        made["factor"].sq_norm(), made["factor"].token_mass()
 
     try:
-        with Ops():
-            out = bag(ids, offsets)
-            inputs = bag_members(bag, (ids, offsets), {})
-            factor = embedding_bag_rule(bag, inputs, torch.randn(4, 4), {"weight"})["weight"]
-            factor.sq_norm(), factor.token_mass()
-        controller.loss(out.pow(2).sum(1), "sum").backward()
+        seen = dispatched_ops(forward_rule_and_norm)
+        controller.loss(made["out"].pow(2).sum(1), "sum").backward()
     finally:
         controller.detach()
     assert "embedding_bag" in "".join(seen) and not [op for op in seen if op in VALUE_SIZED], seen
-    assert factor.grads.shape == (53, 4)
+    assert made["factor"].grads.shape == (53, 4)
 
 
 def test_a_1d_embedding_bag_in_a_batch_of_no_bags_has_the_tables_shape_and_no_gradient():

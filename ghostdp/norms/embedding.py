@@ -100,10 +100,12 @@ def bag_members(module, args, kwargs, output=None) -> tuple:
     """The rows an nn.EmbeddingBag call reduces into each output row (a bag) and the factor each row enters with (its
     per_sample_weight in mode "sum", 1 / the bag's size in "mean"; 0 where the row is the padding_idx, which torch
     leaves out of the reduction and its count). A 2-D input, one bag per row: (ids, scales), each (bags, length).
-    A 1-D input cut into bags at ``offsets``: (ids, scales, bag), each (n,), ``bag`` each position's bag (the number
-    of bags for a position after the last bag's end, which torch leaves out with include_last_offset), found by a
-    search of the offsets: no shape depends on the bags' sizes, so nothing waits for the device (until 2026-11-28
-    the bags were padded to the longest, which was read back: a host sync in each forward on a GPU)."""
+    A 1-D input cut into bags at ``offsets``: (ids, scales, bag), each (n,), ``bag`` each position's bag, found by a
+    search of the offsets (the number of bags, scale 0, for a position at or after offsets[-1] with
+    include_last_offset, which torch requires to be the input's length; its float32 kernels leave such positions
+    out, its float64 ones add them to the last bag): no shape depends on the bags' sizes, so nothing waits for the
+    device (until 2026-11-28 the bags were padded to the longest, which was read back: a host sync in each forward
+    on a GPU)."""
     arguments = call_arguments(module, args, kwargs)
     ids, offsets, weights = arguments["input"], arguments["offsets"], arguments["per_sample_weights"]
     bag = None

@@ -53,22 +53,35 @@ def test_the_embedding_factors_norm_and_mass_equal_the_materialised_gradients(pa
     assert factor.sq_norm().dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
 
 
-def test_the_embedding_factors_norm_and_mass_dispatch_no_op_sized_by_the_values():
-    ids = _ids_with_repeats_and_padding(4, 6, 10, True)
-    factor = EmbeddingGather(ids, torch.randn(4, 6, 3), 10, padding_idx=0)
+def dispatched_ops(fn) -> list:
+    """The names of the ATen ops that ``fn()`` dispatches, in order (their overloads left off)."""
     seen = []
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.__name__)
+            seen.append(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
     with Ops():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_embedding_factors_norm_mass_and_sums_dispatch_no_op_sized_by_the_values(ragged):
+    if ragged:
+        factor = _ragged(dtype=torch.float32)
+    else:
+        factor = EmbeddingGather(_ids_with_repeats_and_padding(4, 6, 10, True), torch.randn(4, 6, 3), 10, padding_idx=0)
+
+    def norms_and_sums():
         factor.sq_norm()
         factor.token_mass()
         factor.weighted_sum(torch.rand(4))
         factor.weighted_sum(torch.rand(4), out_dtype=torch.bfloat16)  # a 16-bit table's rows summed first
-    assert seen and not [op for op in seen if op.split(".")[0] in VALUE_SIZED], seen
+
+    seen = dispatched_ops(norms_and_sums)
+    assert seen and not [op for op in seen if op in VALUE_SIZED], seen
 
 
 def test_a_16_bit_tables_clipped_sum_rounds_each_rows_float32_sum_once_with_repeats_and_padding():
@@ -142,20 +155,3 @@ def test_the_ragged_factor_merges_with_a_padded_one_and_forms_cross_terms_with_a
     total = dense + head.materialize(0, 4)
     torch.testing.assert_close(combined_sq_norm([ragged, padded, head]), total.pow(2).sum((1, 2)), rtol=1e-12,
                                atol=0)
-
-
-def test_the_ragged_factors_norm_mass_and_sums_dispatch_no_op_sized_by_the_values():
-    factor = _ragged(dtype=torch.float32)
-    seen = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops():
-        factor.sq_norm()
-        factor.token_mass()
-        factor.weighted_sum(torch.rand(4))
-        factor.weighted_sum(torch.rand(4), out_dtype=torch.bfloat16)
-    assert seen and not [op for op in seen if op.split(".")[0] in VALUE_SIZED], seen
