@@ -570,6 +570,9 @@ class EmbeddingGather(PerExampleGrad):
     ||g_i||^2 = sum_{t,s} [x_t = x_s] <G_t, G_s>, computed by summing the rows of
     G that share an (example, index) key, so the cost is O(T H) per example.
     Positions whose index is ``padding_idx`` get no gradient and are dropped.
+    A table of fewer rows than an example has positions (T5's 32 relative-position buckets looked up at q x k
+    positions, a token-type table) has explicit gradients smaller than its ids and G: they are formed instead
+    (``_keeps_explicit``), for the norm and for what book-keeping keeps.
     """
 
     def __init__(self, ids: torch.Tensor, grads: torch.Tensor, num_embeddings: int, padding_idx=None):
@@ -581,11 +584,34 @@ class EmbeddingGather(PerExampleGrad):
         self.batch_size = B
         self.param_shape = torch.Size((num_embeddings, self.grads.shape[-1]))
 
+    def _held(self) -> tuple:
+        return self.ids, self.grads
+
     def held_bytes(self):
-        return _nbytes(self.ids) + _nbytes(self.grads)
+        return sum(_nbytes(t) for t in self._held())
+
+    def _explicit_bytes(self):
+        return self.batch_size * math.prod(self.param_shape) * acc_dtype(self.grads).itemsize
+
+    def _keeps_explicit(self) -> bool:
+        """Whether the explicit (B, V, H) gradients take fewer bytes than the ids and rows of G (the class doc; an
+        empty batch has none)."""
+        return 0 < self._explicit_bytes() < self.held_bytes()
+
+    def kept_bytes(self):
+        return self._explicit_bytes() if self._keeps_explicit() else self.held_bytes()
 
     def note_kept(self, kept) -> None:
-        kept.note(self.ids, self.grads)
+        if self._keeps_explicit():
+            kept.formed(self._explicit_bytes())
+        else:
+            kept.note(*self._held())
+
+    def kept(self, with_mass: bool = True):
+        """The explicit gradients where they hold less (``_keeps_explicit``; see OuterProduct.kept for ``with_mass``)."""
+        if not self._keeps_explicit():
+            return self
+        return Instantiated(self.materialize(0, self.batch_size), self.token_mass() if with_mass else None)
 
     def _valid(self):
         if self.padding_idx is None:
@@ -625,6 +651,8 @@ class EmbeddingGather(PerExampleGrad):
         return keys.reshape(-1)
 
     def sq_norm(self, grams=None):
+        if self._keeps_explicit():  # a small table: its explicit gradients, in chunks (no sort of every key)
+            return super().sq_norm()
         # |g_i|^2 = sum over the (example, id) groups of |sum of their rows of G|^2, the groups of the keys
         # example * V + id (_groups_of: no host sync). A position of no example (padding) has a key past every
         # example's and lands in row B of the result, dropped.
@@ -713,11 +741,8 @@ class RaggedEmbeddingGather(EmbeddingGather):
         return RaggedEmbeddingGather(factor.ids.reshape(-1), grads.reshape(-1, H), examples.reshape(-1), B,
                                      factor.num_embeddings)
 
-    def held_bytes(self):
-        return super().held_bytes() + _nbytes(self.examples)
-
-    def note_kept(self, kept) -> None:
-        kept.note(self.ids, self.grads, self.examples)
+    def _held(self):
+        return self.ids, self.grads, self.examples
 
     def _keys(self):
         return self.examples * self.num_embeddings + self.ids

@@ -263,18 +263,12 @@ def test_a_bert_keeping_about_what_its_graph_saves_takes_one_backward_and_stays_
 
 
 def test_a_model_keeping_more_than_its_graph_saves_keeps_two_passes():
-    """A BERT classifier on sequences long enough that its Linear layers keep explicit per-example gradients (T (d +
-    p) > d p), which no saved tensor shares (1.28-1.32 measured, book-keeping's peak 14-23% above two passes'), and a
-    stack of Linear layers (1.78) keep two passes."""
+    """A stack of Linear layers whose explicit per-example gradients, which no saved tensor shares, are what
+    book-keeping keeps (1.78 the bytes its graph saved) keeps two passes. (The tiny BERT classifier at T=16 that
+    stood for BERT at T=160-512 here, 1.28-1.32 measured there, fell to 1.099 on 2026-11-28, when its token-type and
+    position tables started to keep their explicit gradients, smaller than their ids and G: it takes one backward
+    now.)"""
     torch.manual_seed(0)
-    ids, mask = padded_text(30, T=16)
-    model = tiny_bert()
-    loss_of = classification_loss(torch.randint(0, 3, (B,)))
-    controller = ghostdp.GhostClipping(model, 1.0)
-    wrote = [dp_step(controller, model, lambda: loss_of(model(input_ids=ids, attention_mask=mask), slice(None)))
-             for _ in range(3)]
-    assert wrote == [False, False, False] and controller.step_modes.kept_of_saved > modes.KEPT_OF_SAVED
-    controller.detach()
     width = 32  # on 4 tokens its inputs and output grads are smaller than its explicit gradients: kept whole
     stack = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                           nn.Linear(width, 3)).double()

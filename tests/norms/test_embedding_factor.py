@@ -34,16 +34,20 @@ def _reference(ids, grads, V, pad):
     return dense.pow(2).sum((1, 2)), G.norm(dim=(1, 2)) * math.sqrt(T)
 
 
+@pytest.mark.parametrize("V", [64, 11])
 @pytest.mark.parametrize("pad", [None, 0])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_the_embedding_factors_norm_and_mass_equal_the_materialised_gradients(pad, dtype):
+def test_the_embedding_factors_norm_and_mass_equal_the_materialised_gradients(pad, dtype, V):
+    """A table of 64 rows by the gather (a sort of the keys); of 11 rows in float64 by its explicit gradients, which
+    then take fewer bytes than the ids and G (EmbeddingGather._keeps_explicit)."""
     torch.manual_seed(0)
-    B, T, H, V = 5, 9, 4, 11
+    B, T, H = 5, 9, 4
     ids = _ids_with_repeats_and_padding(B, T, V, pad is not None)
     grads = torch.randn(B, T, H, dtype=torch.float64).to(dtype)
     if pad is not None:
         grads[ids == pad] = float("inf")  # a padding position's G is never read
     factor = EmbeddingGather(ids, grads, V, padding_idx=pad)
+    assert factor._keeps_explicit() == (V == 11 and dtype == torch.float64)
     ref_sq, ref_mass = _reference(ids, grads, V, pad)
     rtol = 1e-12 if dtype == torch.float64 else 1e-5  # float32 sums of bf16 values
     torch.testing.assert_close(factor.sq_norm().double(), ref_sq, rtol=rtol, atol=0)
@@ -67,12 +71,14 @@ def dispatched_ops(fn) -> list:
     return seen
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_the_embedding_factors_norm_mass_and_sums_dispatch_no_op_sized_by_the_values(ragged):
-    if ragged:
-        factor = _ragged(dtype=torch.float32)
+@pytest.mark.parametrize("form", ["gather", "explicit", "ragged"])
+def test_the_embedding_factors_norm_mass_and_sums_dispatch_no_op_sized_by_the_values(form):
+    if form == "ragged":
+        factor = _ragged(V=40, dtype=torch.float32)
     else:
-        factor = EmbeddingGather(_ids_with_repeats_and_padding(4, 6, 10, True), torch.randn(4, 6, 3), 10, padding_idx=0)
+        V = 64 if form == "gather" else 3
+        factor = EmbeddingGather(_ids_with_repeats_and_padding(4, 6, V, True), torch.randn(4, 6, 3), V, padding_idx=0)
+    assert factor._keeps_explicit() == (form == "explicit")
 
     def norms_and_sums():
         factor.sq_norm()
@@ -155,3 +161,20 @@ def test_the_ragged_factor_merges_with_a_padded_one_and_forms_cross_terms_with_a
     total = dense + head.materialize(0, 4)
     torch.testing.assert_close(combined_sq_norm([ragged, padded, head]), total.pow(2).sum((1, 2)), rtol=1e-12,
                                atol=0)
+
+
+@pytest.mark.parametrize("V", [3, 64])
+def test_book_keeping_keeps_a_small_tables_explicit_gradients_and_a_large_ones_gather(V):
+    """What book-keeping keeps (kept) and what it says it keeps (kept_bytes) for a table of 3 rows, smaller explicit,
+    and of 64 rows: the same clipped sums and norms either way."""
+    torch.manual_seed(3)
+    ids = _ids_with_repeats_and_padding(4, 6, V, True)
+    factor = EmbeddingGather(ids, torch.randn(4, 6, 5, dtype=torch.float64), V, padding_idx=0)
+    kept = factor.kept()
+    assert isinstance(kept, EmbeddingGather) == (V == 64)
+    assert factor.kept_bytes() == (4 * V * 5 * 8 if V == 3 else factor.held_bytes())
+    weights = torch.rand(4, dtype=torch.float64)
+    torch.testing.assert_close(kept.weighted_sum(weights), factor.weighted_sum(weights), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kept.sq_norm(), _reference(ids, factor.grads, V, 0)[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(kept.token_mass(), factor.token_mass(), rtol=1e-12, atol=0)
+    assert factor.kept(with_mass=False).token_mass() is None or V == 64
