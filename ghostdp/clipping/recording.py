@@ -28,11 +28,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import collector
 from ..norms.fallback import attached_rule, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import replaced_method
+from ..norms.relative_bias import POSITION_BIAS_ARGUMENT, looks_up_per_example, per_example_position_bias
 from ..sharding import is_sharded, sharded_units
 from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
-from .reentrant import USE_NON_REENTRANT
+from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT
 from .saved_bytes import storage_keys
 
 # torch's global forward hooks (register_module_forward_hook): they run before every module's own forward hooks.
@@ -208,9 +209,29 @@ class ForwardRecorder:
                                                            with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(id(m))
+        for m in module.modules():
+            if getattr(m, "has_relative_attention_bias", False) and looks_up_per_example(type(m)):
+                handles.append(m.register_forward_pre_hook(self.on_relative_bias_forward, with_kwargs=True))
         for unit in sharded_units(module):
             handles.append(unit.register_forward_pre_hook(self.on_unit_forward))
         return handles
+
+    def on_relative_bias_forward(self, module, args, kwargs):
+        """A recorded forward of an attention with T5's code: its position bias is passed in, looked up per example
+        (norms/relative_bias.py), where its table trains."""
+        if not self._recording(module) or not module.relative_attention_bias.weight.requires_grad:
+            return None
+        if self.regions.depth:  # recomputed by pass 1: its forward ran without gradient, so with the shared lookup
+            raise NotImplementedError(
+                f"the relative attention bias of {type(module).__name__} is trained inside a reentrant activation "
+                "checkpoint: ghostdp looks it up per example as the forward runs, and a reentrant checkpoint's "
+                "forward runs without gradient, so its recomputation would not match it. " + NON_REENTRANT_FIX)
+        bias = per_example_position_bias(module, args, kwargs)
+        if bias is None:
+            return None
+        if len(args) > POSITION_BIAS_ARGUMENT:  # passed by position (as None)
+            return args[:POSITION_BIAS_ARGUMENT] + (bias,) + args[POSITION_BIAS_ARGUMENT + 1:], kwargs
+        return args, {**kwargs, "position_bias": bias}
 
     def forward_was_checkpointed(self) -> bool:
         """The last forward ran a trained layer under a checkpoint (see on_forward), or the

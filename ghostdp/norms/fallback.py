@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 
 from .factors import ELEMENT_BUDGET, Instantiated
 from .registry import lookup_rule, qualified_name
+from .relative_bias import looks_up_per_example
 
 # Classes whose fallback covers every parameter below them, because their
 # forward uses children's parameters without calling the children.
@@ -35,8 +36,10 @@ OPAQUE_MODULES: tuple = (torch.nn.MultiheadAttention,)
 # relative attention bias is one lookup of a (q, k) table of buckets for all examples, with no batch dim, added to
 # every example's attention scores, so no call of the child holds an example's gradient (its layout proof refused
 # it: frozen only before 2026-11-27). Its parameters are the parent's, which takes the exact fallback: the VJP from
-# the attention's outputs, per example, reaches them through the scores. The child is not hooked. MPNet's bias
-# belongs to its whole encoder (a VJP through every layer per example): left refused, with the freeze as its fix.
+# the attention's outputs, per example, reaches them through the scores. The child is not hooked. Since 2026-11-28
+# a parent with T5's own code looks its bias up per example instead (relative_bias.py) and owns nothing; the others
+# here (UMT5's and Pix2Struct's compute_bias, LongT5's local attentions) keep the fallback. MPNet's bias belongs to
+# its whole encoder (a VJP through every layer per example): left refused, with the freeze as its fix.
 _T5_ATTENTIONS = ("t5.modeling_t5.T5Attention", "mt5.modeling_mt5.MT5Attention", "umt5.modeling_umt5.UMT5Attention",
                   "longt5.modeling_longt5.LongT5Attention", "longt5.modeling_longt5.LongT5LocalAttention",
                   "longt5.modeling_longt5.LongT5TransientGlobalAttention",
@@ -47,7 +50,11 @@ ABSORBED_CHILDREN: dict = {f"transformers.models.{name}": ("relative_attention_b
 
 
 def absorbed_children(module: torch.nn.Module) -> list:
-    """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN), through its MRO."""
+    """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN), through its MRO; none
+    where the bias is looked up per example instead (relative_bias.py: the table is then an Embedding call of its
+    own)."""
+    if looks_up_per_example(type(module)):
+        return []
     for cls in type(module).__mro__:
         names = ABSORBED_CHILDREN.get(qualified_name(cls))
         if names:

@@ -269,10 +269,11 @@ def test_a_module_without_a_norm_rule_inside_a_region_is_refused_with_the_fix():
         controller.loss(model(torch.randint(0, 20, (B, 6))).pow(2).sum(1)).backward()
 
 
-def test_t5s_attention_owning_its_relative_bias_inside_a_region_is_refused_with_the_fix():
-    """The layout proof's recomputation comes before pass 1's: there the attention's (1, heads, q, k) bias output was
-    broadcast to the batch, unlike in the forward (no recording inside a reentrant checkpoint), and torch's
-    checkpoint failed on the shapes before the refusal (a size mismatch, no note)."""
+def test_t5s_relative_bias_trained_inside_a_region_is_refused_with_the_fix():
+    """Its bias is looked up per example as a recorded forward runs (norms/relative_bias.py); a reentrant checkpoint's
+    forward runs without gradient, so its recomputation would take another shape: refused there. (Before 2026-11-28
+    the attention owned the bias and took the fallback, refused in a region too; before that, torch's checkpoint
+    failed on the shapes first, with no note.)"""
     import transformers
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=20, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
@@ -282,8 +283,8 @@ def test_t5s_attention_owning_its_relative_bias_inside_a_region_is_refused_with_
     controller = ghostdp.GhostClipping(model, 1.0)
     ids = torch.randint(3, 20, (B, 6))
     out = model(input_ids=ids, decoder_input_ids=ids.flip(1))
-    with pytest.raises(NotImplementedError, match="SelfAttention' \\(T5Attention\\) has trainable parameters but no "
-                                                  "norm rule, inside a reentrant activation checkpoint"):
+    with pytest.raises(NotImplementedError, match="relative attention bias of T5Attention is trained inside a "
+                                                  "reentrant activation checkpoint.*use_reentrant': False"):
         controller.loss(out.logits.pow(2).flatten(1).sum(1)).backward()
 
 

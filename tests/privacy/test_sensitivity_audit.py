@@ -136,9 +136,18 @@ def _bart():
 
 
 def _t5():
-    # The relative position bias, one lookup for the whole batch, trains through its attention's exact fallback
-    # (norms/fallback.py, ABSORBED_CHILDREN; refused before 2026-11-27, when it had to be frozen).
+    # The relative position bias, one lookup for the whole batch in T5's code, is looked up per example (since
+    # 2026-11-28: norms/relative_bias.py; through its attention's exact fallback before, refused before 2026-11-27);
+    # the second layer of each stack adds the first one's.
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
+        dropout_rate=0.0))
+
+
+def _umt5():
+    # A bias in each attention, in code other than T5's: it trains through its attention's exact fallback
+    # (norms/fallback.py, ABSORBED_CHILDREN).
+    return transformers.UMT5ForConditionalGeneration(transformers.UMT5Config(
         vocab_size=V, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
         dropout_rate=0.0))
 
@@ -445,6 +454,7 @@ ZOO = [
     Arch("opt", _opt, lambda n, g: _text(n, g, False), _lm),
     Arch("bart", _bart, lambda n, g: _text(n, g, False), _seq2seq),
     Arch("t5", _t5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
+    Arch("umt5", _umt5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
     Arch("albert-shared-layers", _albert, _text, _classify),
     Arch("convbert-separable-convolution", _convbert, _text, _classify),
     Arch("bloom-alibi", _bloom, lambda n, g: _text(n, g, False), _lm),
@@ -601,12 +611,13 @@ def test_the_clipped_sum_equals_the_per_example_loop(arch):
                  lambda i: arch.losses(model, _take(arch, D, [i])).sum(), B, rtol=arch.rtol)
 
 
-def test_t5s_relative_position_bias_is_its_attentions_own_and_mpnets_is_refused_with_the_fix():
-    """T5's bias is owned by the attention that adds it to every example's scores (its Embedding is not hooked: its
-    (q, k, heads) output holds no example); MPNet's belongs to its whole encoder and stays refused, naming the freeze."""
+def test_t5s_relative_position_bias_is_looked_up_per_example_umt5s_is_its_attentions_own_and_mpnets_is_refused():
+    """T5's bias takes no fallback (looked up per example: norms/relative_bias.py); UMT5's, in other code, is owned by
+    the attention that adds it to every example's scores (its Embedding is not hooked: its (q, k, heads) output holds
+    no example); MPNet's belongs to its whole encoder and stays refused, naming the freeze."""
     from ghostdp.validate import fallback_modules
-    t5 = _t5()
-    owners = fallback_modules(t5)
+    assert fallback_modules(_t5()) == {}
+    owners = fallback_modules(_umt5())
     for stack in ("encoder", "decoder"):
         attention = f"{stack}.block.0.layer.0.SelfAttention"
         assert owners[attention] == ["relative_attention_bias.weight"]
