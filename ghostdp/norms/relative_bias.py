@@ -27,8 +27,8 @@ import torch
 
 from .registry import body_text, forward_body
 
-# T5Attention.compute_bias's body (registry.forward_body), which the per-example lookup below repeats with the
-# buckets broadcast to the batch (tests/norms/test_relative_bias.py checks that transformers' T5 has it).
+# T5Attention.compute_bias's body (registry.forward_body), which per_example_position_bias repeats as a batch of one
+# (tests/norms/test_relative_bias.py checks that transformers' T5 has it).
 T5_COMPUTE_BIAS_BODY = (
     "if device is None:\n    device = self.relative_attention_bias.weight.device ; context_position = "
     "torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_seen_tokens ; memory_position = "
@@ -85,8 +85,9 @@ def looks_up_per_example(cls) -> bool:
 
 
 def per_example_position_bias(module, args, kwargs) -> torch.Tensor | None:
-    """The (B, heads, q, k) position bias that ``module``'s forward (a self-attention with T5's code, called with
-    ``args`` and ``kwargs``) would compute, its table looked up once per example; None where the call is not a
+    """The position bias that ``module``'s forward (a self-attention with T5's code, called with ``args`` and
+    ``kwargs``) would compute, its table looked up as a batch of one: (B, heads, q, k) in a recorded forward, where
+    the table's hook broadcasts its output to the batch, else (1, heads, q, k). None where the call is not a
     self-attention with its own bias (the forward then does as it does)."""
     names = ("hidden_states", "mask", "key_value_states", "position_bias", "cache")  # (POSITION_BIAS_ARGUMENT)
     arguments = dict(zip(names, args))
