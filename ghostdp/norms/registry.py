@@ -132,14 +132,20 @@ def forward_body(fn) -> str | None:
     function is decorated (a wrapper's source is the function it wraps: the body would not be what runs)."""
     if hasattr(fn, "__wrapped__"):
         return None
+    function = parsed_function(fn)
+    if function is None or function.decorator_list:
+        return None
+    return body_text(function)
+
+
+def parsed_function(fn) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The parsed definition of a function, decorators included, from its source; None where that cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return None
     function = tree.body[0] if tree.body else None
-    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
-        return None
-    return body_text(function)
+    return function if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
 def body_text(function: ast.FunctionDef) -> str:

@@ -18,14 +18,11 @@ gradients (EmbeddingGather._keeps_explicit). The values are compute_bias's, row 
 """
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
-import textwrap
 
 import torch
 
-from .registry import body_text, forward_body
+from .registry import body_text, forward_body, parsed_function
 
 # T5Attention.compute_bias's body (registry.forward_body), which per_example_position_bias repeats as a batch of one
 # (tests/norms/test_relative_bias.py checks that transformers' T5 has it).
@@ -53,11 +50,8 @@ def _code(fn) -> tuple | None:
         return None if body is None else (body,)
     if getattr(fn, "__code__", None) is None or hasattr(wrapped, "__wrapped__"):
         return None
-    try:
-        function = ast.parse(textwrap.dedent(inspect.getsource(wrapped))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    if not isinstance(function, ast.FunctionDef) or len(function.decorator_list) != 1:
+    function = parsed_function(wrapped)
+    if function is None or len(function.decorator_list) != 1:
         return None
     arguments = tuple(repr(cell.cell_contents) for cell in fn.__closure__ or () if not callable(cell.cell_contents))
     return fn.__code__, arguments, body_text(function)
@@ -98,7 +92,7 @@ def per_example_position_bias(module, args, kwargs) -> torch.Tensor | None:
         return None
     cache = arguments.get("cache", kwargs.get("past_key_values"))
     past = cache.get_seq_length(module.layer_idx) if cache is not None else 0  # as the forward reads it
-    B, query_length = hidden.shape[0], hidden.shape[1]
+    query_length = hidden.shape[1]
     context = torch.arange(query_length, dtype=torch.long, device=hidden.device)[:, None] + past
     memory = torch.arange(past + query_length, dtype=torch.long, device=hidden.device)[None, :]
     buckets = module._relative_position_bucket(memory - context, bidirectional=not module.is_decoder,
