@@ -21,8 +21,10 @@ attention bias through the fallback (the first attention of each stack). Opacus'
 2026-11-27, against 9c51384 (20 rounds): "embedding-bag" (nn.EmbeddingBag, mean) book-keeping 5.01x -> 4.49x, ghost
 5.53x -> 5.31x; "instance-norm" (two InstanceNorm2d) 3.97x -> 3.02x and 3.73x -> 3.26x; at B=2 the fallback is cheap:
 at B=64 (one thread, a scratch run) the EmbeddingBag classifier (5000 x 64 table) took 294x plain through the
-fallback and 7.2x by its rule (ghost), the InstanceNorm CNN (32 x 32 images) 13.1x and 2.3x. Timings are the shared machine's: compare
-the ratios of one run.
+fallback and 7.2x by its rule (ghost), the InstanceNorm CNN (32 x 32 images) 13.1x and 2.3x.
+"conv-transpose" against fed6f04 (20 rounds), its transposed convolutions by a rule since (the fallback's before):
+book-keeping 3.23x -> 2.75x, ghost 3.82x -> 3.41x (at B=64, a scratch run: 12.6x -> 2.3x). Timings are the shared
+machine's: compare the ratios of one run.
 """
 from __future__ import annotations
 
@@ -62,8 +64,9 @@ def _text_model(config_name, model_name, eos_token_id=None, **config):
 
 
 def _torch_model(name):
-    """A torch.nn model of Opacus's layer set, called as model(input=...).logits: "embedding-bag", a mean of
-    nn.EmbeddingBag rows and a head; "instance-norm", two convolutions with InstanceNorm2d(affine=True)."""
+    """A torch.nn model called as model(input=...).logits: "embedding-bag", a mean of nn.EmbeddingBag rows and a head;
+    "instance-norm", two convolutions with InstanceNorm2d(affine=True); "conv-transpose", an image encoder-decoder
+    whose upsampling path is three ConvTranspose2d (a generator's, or a segmentation net's)."""
     import types
 
     import torch
@@ -81,6 +84,12 @@ def _torch_model(name):
         if name == "embedding-bag":
             return Logits(nn.Sequential(nn.EmbeddingBag(100, 64, mode="mean"), nn.Linear(64, 3))), {
                 "input": torch.randint(0, 100, (2, 8))}
+        if name == "conv-transpose":
+            return Logits(nn.Sequential(
+                nn.Conv2d(3, 16, 4, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 4, stride=2, padding=1),
+                nn.ReLU(), nn.ConvTranspose2d(32, 32, 4, stride=2, padding=1), nn.ReLU(),
+                nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), nn.ReLU(), nn.ConvTranspose2d(16, 3, 3, padding=1),
+                nn.AdaptiveAvgPool2d(1), nn.Flatten())), {"input": torch.randn(2, 3, 16, 16)}
         return Logits(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.InstanceNorm2d(16, affine=True), nn.ReLU(),
                                     nn.Conv2d(16, 16, 3, padding=1), nn.InstanceNorm2d(16, affine=True), nn.ReLU(),
                                     nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3))), {
@@ -116,6 +125,7 @@ FAMILIES = {
                         classifier_dropout=0.0),
     "embedding-bag": _torch_model("embedding-bag"),
     "instance-norm": _torch_model("instance-norm"),
+    "conv-transpose": _torch_model("conv-transpose"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Conv1d / Conv2d / Conv3d.
+"""Conv1d / Conv2d / Conv3d (and, through their adjoint, the transposed ones: conv_transpose.py).
 
 The output at location l is W_g @ patch_l (per group g), so the per-example weight gradient of group g
 is G_g^T U_g with G_g (L, C_out/g) and U_g (L, C_in/g * prod(k)) the unfolded input patches: the Linear
@@ -160,9 +160,14 @@ def conv_rule(module, inputs, output_grad, trainable):
         short = module.groups == 1 and math.prod(module.weight.shape[1:]) <= SHORT_PATCH
         out["weight"] = (unfolded_factor if short else ConvWeight)(module, inputs[0], output_grad)
     if "bias" in trainable:
-        G = output_grad.reshape(*output_grad.shape[:2], -1)  # (B, C_out, L)
-        out["bias"] = Instantiated(G.sum(2), mass=summed_positions_mass(G.transpose(1, 2), G.shape[2], acc_dtype(G)))
+        out["bias"] = bias_factor(output_grad)
     return out
+
+
+def bias_factor(output_grad: torch.Tensor) -> Instantiated:
+    """A convolution's bias gradient: G_i summed over the output's positions, with its token mass."""
+    G = output_grad.reshape(*output_grad.shape[:2], -1)  # (B, C_out, L)
+    return Instantiated(G.sum(2), mass=summed_positions_mass(G.transpose(1, 2), G.shape[2], acc_dtype(G)))
 
 
 for _cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):

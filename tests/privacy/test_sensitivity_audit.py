@@ -273,6 +273,17 @@ def _cnn():
                          nn.Linear(8, 3))
 
 
+def _conv_transpose():
+    """Images down and up again through transposed convolutions (norms/conv_transpose.py): a grouped one with
+    output_padding past its stride along one dim (its adjoint convolution has more positions than its input), then a
+    short-patch one."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.Tanh(),
+                         nn.ConvTranspose2d(8, 16, 3, stride=(2, 1), dilation=2, padding=1, output_padding=1,
+                                            groups=2), nn.Tanh(),
+                         nn.ConvTranspose2d(16, 4, 2, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 3))
+
+
 class Recurrent(nn.Module):
     def __init__(self, cell, batch_first, **settings):
         super().__init__()
@@ -470,6 +481,7 @@ ZOO = [
     Arch("convnext-v2-grn", _convnext_v2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("segformer", _segformer, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("cnn-groupnorm", _cnn, _images, _logits_of, continuous="x"),
+    Arch("conv-transpose", _conv_transpose, _images, _logits_of, continuous="x"),
     Arch("lstm", lambda: Recurrent(nn.LSTM, True), lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("lstm-seq-first", lambda: Recurrent(nn.LSTM, False), lambda n, g: _tokens(n, g, 5, True), _logits_of,
