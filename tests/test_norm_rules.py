@@ -79,9 +79,10 @@ def bags_of(examples, layout):
 
 @pytest.mark.parametrize("layout", ["2d", "offsets", "offsets-with-last"])
 @pytest.mark.parametrize("mode,padding_idx,weighted", [("sum", None, False), ("sum", 2, True), ("mean", None, False),
-                                                       ("mean", 2, False), ("max", None, False)])
+                                                       ("mean", 2, False), ("max", None, False), ("max", 2, False)])
 def test_embedding_bag(layout, mode, padding_idx, weighted):
-    """Modes sum (with per_sample_weights) and mean by the rule, max by the fallback; padding_idx left out."""
+    """Modes sum (with per_sample_weights), mean and max (since 2026-11-28; the fallback's before) by the rule;
+    padding_idx left out."""
     torch.manual_seed(0)
     bag = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=padding_idx, include_last_offset=layout == "offsets-with-last")
     if layout == "2d":
@@ -120,14 +121,15 @@ def test_a_1d_embedding_bag_used_twice_and_tied_to_a_head_is_exact():
     assert_exact(model, lambda: losses(examples), lambda i: losses([examples[i]]).sum(), len(examples))
 
 
-def test_a_1d_embedding_bag_is_recorded_without_waiting_for_the_device_and_keeps_its_positions():
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_a_1d_embedding_bag_is_recorded_without_waiting_for_the_device_and_keeps_its_positions(mode):
     """A training forward of a 1-D nn.EmbeddingBag, its rule and its factor's norm dispatch no op whose output size
     depends on the values (the longest bag read back to pad every bag to it: a host sync in each forward on a GPU,
     before 2026-11-28), and the factor holds a row of G per position, not bags x the longest bag."""
     from ghostdp.norms.embedding import bag_members, embedding_bag_rule
     from norms.test_embedding_factor import VALUE_SIZED, dispatched_ops
     torch.manual_seed(0)
-    bag = nn.EmbeddingBag(9, 4, mode="mean", padding_idx=0)
+    bag = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=0)
     ids, offsets = torch.randint(0, 9, (53,)), torch.tensor([0, 50, 51, 52])  # one long bag, three of one
     controller = ghostdp.GhostClipping(bag, 1.0)
     made = {}
@@ -167,7 +169,40 @@ def test_embedding_bag_with_several_bags_per_example_is_refused_with_the_fix():
     controller.detach()
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("layout", ["2d", "offsets", "offsets-with-last"])
+def test_embedding_bag_max_factor_is_each_examples_gradient(layout):
+    """Mode "max": the rule's factor equals each bag's own autograd gradient, where a bag repeats a row, where two
+    rows tie (torch's backward gives G to the row its forward picked) and with padding_idx 0 (a bag of padding alone is
+    empty, and torch's CPU kernel names row 0 as its pick); its norm and clipped sum too. (Before 2026-11-28 mode
+    "max" took the fallback, and bag_members read it as a sum.)"""
+    from ghostdp.norms.embedding import bag_members, embedding_bag_rule
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(9, 4, mode="max", padding_idx=0, include_last_offset=layout == "offsets-with-last").double()
+    with torch.no_grad():
+        bag.weight[5] = bag.weight[3]  # a tie in every feature: torch picks one of the two rows
+    if layout == "2d":
+        examples = [[1, 2, 1], [3, 5, 7], [0, 0, 0], [8, 8, 2]]
+    else:
+        examples = [[1, 2, 1, 5], [5, 3], [0, 0], [8, 2, 3, 8, 6]]
+    ids, offsets, _ = bags_of([(e, [1.0] * len(e)) for e in examples], layout)
+    out = bag(ids, offsets)
+    G = torch.randn_like(out)
+    factor = embedding_bag_rule(bag, bag_members(bag, (ids, offsets), {}), G, {"weight"})["weight"]
+    reference = []
+    for i, e in enumerate(examples):
+        one_ids, one_offsets, _ = bags_of([(e, [1.0] * len(e))], layout)
+        grad, = torch.autograd.grad(bag(one_ids, one_offsets), bag.weight, G[i:i + 1])
+        reference.append(grad)
+    reference = torch.stack(reference)
+    assert reference[2].abs().sum() == 0  # an all-padding bag
+    torch.testing.assert_close(factor.materialize(0, len(examples)), reference, rtol=1e-12, atol=0)
+    torch.testing.assert_close(factor.sq_norm(), reference.flatten(1).pow(2).sum(1), rtol=1e-12, atol=0)
+    weights = torch.randn(len(examples), dtype=torch.float64)
+    torch.testing.assert_close(factor.weighted_sum(weights), torch.tensordot(weights, reference, dims=1),
+                               rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_embedding_bag_empty_and_all_padding_bags_have_no_gradient(mode):
     """torch leaves padding_idx out of a bag's reduction (and of its mean's count): such a bag's output is zeros."""
     torch.manual_seed(0)
@@ -186,7 +221,7 @@ def test_embedding_bag_empty_and_all_padding_bags_have_no_gradient(mode):
     torch.testing.assert_close(norms, torch.stack(expected), rtol=1e-12, atol=0)
     _, scales, bag_of = ghostdp.norms.embedding.bag_members(bag, (ids, offsets), {})
     assert bag_of.tolist() == [0, 0, 0, 2, 2, 3, 3, 3]  # the empty bag 1 has no position
-    assert scales[bag_of == 2].tolist() == [0.0, 0.0]  # bag 2 is all padding
+    assert scales[bag_of == 2].abs().sum() == 0 and (scales[bag_of == 3] != 0).any()  # bag 2 is all padding
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -10,8 +10,10 @@ Before 2026-11-27 they took the exact fallback, whose batched VJP instantiates e
 whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output grads of B^2 T d elements.
 torch.nn.EmbeddingBag in modes "sum" and "mean": each output row (a bag) is a weighted sum of rows, so an
 EmbeddingGather of the bag's ids with the bag's output grad scaled per member (since 2026-11-27; the fallback's
-before); a 1-D input's positions, each with its bag, in a RaggedEmbeddingGather; mode "max" takes the exact
-fallback.
+before); a 1-D input's positions, each with its bag, in a RaggedEmbeddingGather. Mode "max" (since 2026-11-28;
+the fallback's before): feature d of bag b is row m_bd's, the one torch's forward picked (its max_indices, which
+its backward reads), so g_b = sum_d e_{m_bd} (G_bd e_d)^T: the same factors, each member's output grad masked to
+the features its row won (at the member that first holds that row, so that a row repeated in a bag counts once).
 """
 from __future__ import annotations
 
@@ -99,7 +101,8 @@ for _body, _positions in ((ARANGE_POSITIONS_BODY, arange_positions), (MASK_POSIT
 def bag_members(module, args, kwargs, output=None) -> tuple:
     """The rows an nn.EmbeddingBag call reduces into each output row (a bag) and the factor each row enters with (its
     per_sample_weight in mode "sum", 1 / the bag's size in "mean"; 0 where the row is the padding_idx, which torch
-    leaves out of the reduction and its count). A 2-D input, one bag per row: (ids, scales), each (bags, length).
+    leaves out of the reduction and its count; in mode "max", per feature: ``max_winners``). A 2-D input, one bag per
+    row: (ids, scales), each (bags, length), scales (bags, length, features) in mode "max".
     A 1-D input cut into bags at ``offsets``: (ids, scales, bag), each (n,), ``bag`` each position's bag, found by a
     search of the offsets (the number of bags, scale 0, for a position at or after offsets[-1] with
     include_last_offset, which torch requires to be the input's length; its float32 kernels leave such positions
@@ -130,34 +133,61 @@ def bag_members(module, args, kwargs, output=None) -> tuple:
             counts = torch.zeros(bags + 1, dtype=scales.dtype, device=ids.device).index_add_(
                 0, bag, (scales != 0).to(scales.dtype))
             scales = scales / counts.clamp(min=1)[bag]
+    if module.mode == "max":
+        scales = max_winners(module, ids, offsets, bag, scales != 0)
     scales = scales.to(module.weight.dtype)
     return (ids, scales) if bag is None else (ids, scales, bag)
 
 
-def _sums_or_means(module, args, kwargs) -> bool:
-    """mode "max" picks one row per feature: not a weighted sum of rows (the exact fallback takes it)."""
-    return module.mode in ("sum", "mean")
+def max_winners(module, ids, offsets, bag, counted) -> torch.Tensor:
+    """(*ids.shape, features) bool: whether feature d of a member's bag is the member's row's, the row that torch's
+    forward picked (the max_indices of torch.embedding_bag, run again without gradient: the rows its backward adds
+    G to; empty bags add nothing), at the first member of the bag holding that row (a repeated row counts once).
+    ``counted``: the members in the reduction (not the padding_idx, inside a bag); ``bag``: a 1-D input's bag of
+    each position (bag_members), None for a 2-D input's rows."""
+    flat = ids.reshape(-1)
+    if bag is None:  # 2-D: one bag per row, starting every `length` positions
+        bags, length = ids.shape
+        member_of = torch.arange(bags, device=ids.device).unsqueeze(1).expand(bags, length).reshape(-1)
+        starts, last = torch.arange(0, bags * length, max(length, 1), device=ids.device), False
+    else:
+        member_of, starts, last = bag, offsets, module.include_last_offset
+    with torch.no_grad():
+        picked = torch.embedding_bag(module.weight, flat, starts, False, 2, False, None, last, module.padding_idx)[3]
+    if picked.shape[0] == 0:
+        return torch.zeros(*ids.shape, module.embedding_dim, dtype=torch.bool, device=ids.device)
+    # First member of each (bag, row): sorted stably by that key, a member is first where its key differs from the
+    # one before it (no op whose size depends on the values).
+    key = member_of * module.num_embeddings + flat
+    sorted_key, order = torch.sort(key, stable=True)
+    first_sorted = torch.ones_like(sorted_key, dtype=torch.bool)
+    first_sorted[1:] = sorted_key[1:] != sorted_key[:-1]
+    first = torch.empty_like(first_sorted).scatter_(0, order, first_sorted)
+    won = flat.unsqueeze(-1) == picked[member_of.clamp(max=picked.shape[0] - 1)]  # (positions, features)
+    return (won & (first & counted.reshape(-1)).unsqueeze(-1)).reshape(*ids.shape, -1)
 
 
 def embedding_bag_rule(module: torch.nn.EmbeddingBag, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                        trainable: set[str]) -> dict:
     """Output row b = sum_t s_bt E[x_bt] (bag_members), so g_b = sum_t e_{x_bt} (s_bt G_b)^T: an EmbeddingGather of
-    the bag's rows, each with its scaled output grad (a 1-D input's: a RaggedEmbeddingGather of its positions)."""
+    the bag's rows, each with its scaled output grad (a 1-D input's: a RaggedEmbeddingGather of its positions). In
+    mode "max" s_bt is per feature (max_winners): g_b = sum_t e_{x_bt} (s_bt ⊙ G_b)^T."""
     if "weight" not in trainable:
         return {}
     if len(inputs) == 2:
         ids, scales = inputs
-        grads = output_grad.unsqueeze(1) * scales.unsqueeze(-1).to(output_grad.dtype)
+        scales = scales if scales.dim() > ids.dim() else scales.unsqueeze(-1)  # (bags, length, 1 or features)
+        grads = output_grad.unsqueeze(1) * scales.to(output_grad.dtype)
         return {"weight": EmbeddingGather(ids, grads, module.num_embeddings)}
     ids, scales, bag = inputs
+    scales = scales if scales.dim() > ids.dim() else scales.unsqueeze(-1)
     bags = output_grad.shape[0]
     inside = (bag < bags).unsqueeze(-1)
     rows = output_grad[bag.clamp(max=bags - 1)] if bags else output_grad.new_zeros(ids.shape[0], output_grad.shape[-1])
     # where, not a product: a position of no bag reads another bag's row, which may hold inf
-    grads = torch.where(inside, rows * scales.unsqueeze(-1).to(output_grad.dtype), 0)
+    grads = torch.where(inside, rows * scales.to(output_grad.dtype), 0)
     return {"weight": RaggedEmbeddingGather(ids, grads, bag, bags, module.num_embeddings)}
 
 
 # Its arguments read by name (offsets and per_sample_weights may come by keyword).
-register_norm_rule(torch.nn.EmbeddingBag, embedding_bag_rule, params=("weight",), accepts=_sums_or_means,
-                   rule_inputs=bag_members)
+register_norm_rule(torch.nn.EmbeddingBag, embedding_bag_rule, params=("weight",), rule_inputs=bag_members)

@@ -437,6 +437,25 @@ class BagsOfIds(nn.Module):
         return self.out(torch.tanh(first + second))[:, :3]
 
 
+class MaxBags(nn.Module):
+    """nn.EmbeddingBag in mode "max" (each feature from the row the forward picked), padding_idx 0: a 2-D input whose
+    ids past each example's length are padding and whose last id repeats its first (a row twice in every bag), and a
+    1-D input of the same bags; the table tied to the output layer, the bags' features scaled by the example's first
+    ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, 8, mode="max", padding_idx=0)
+        self.out = nn.Linear(8, V, bias=False)
+        self.out.weight = self.bag.weight
+
+    def forward(self, x, ids, lengths):
+        kept = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]
+        padded = self.bag(torch.cat([torch.where(kept, ids, 0), ids[:, :1]], 1))
+        ragged = self.bag(ids[kept], _starts(lengths))
+        return self.out(torch.tanh((padded + ragged) * x[:, :1]))[:, :3]
+
+
 def _starts(lengths):
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
 
@@ -522,6 +541,7 @@ ZOO = [
          sequence=True),
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
+    Arch("embedding-bag-max-tied", MaxBags, _bags, _bag_logits, continuous="x"),
 ]
 
 
