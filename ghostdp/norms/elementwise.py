@@ -1,5 +1,6 @@
 """Elementwise scales and shifts: y = x * s (+ b), s and b parameters that broadcast over the batch (a LayerScale:
-s of shape (d,); ConvNextV2's GRN: s and b of shape (1, 1, 1, C) on a scaled input).
+s of shape (d,); ConvNextV2's GRN: s and b of shape (1, 1, 1, C) on a scaled input; torch.nn.PReLU: s of shape (C,)
+on min(0, x) along the channel dim 1).
 
 Example i's gradient is g_i = sum over the broadcast positions of G_i * x_i (the shape of s), and of G_i for b,
 formed as the LayerNorm's weight and bias are (normalization._affine_grads, with x for xhat): (B, *s.shape)
@@ -13,7 +14,7 @@ import torch
 
 from .factors import Instantiated
 from .normalization import _affine_grads, _working
-from .registry import register_forward_rule
+from .registry import register_forward_rule, register_norm_rule
 
 
 def _broadcast_dims(x: torch.Tensor, param: torch.Tensor) -> tuple:
@@ -54,6 +55,20 @@ def scale_is_tokenwise(scale: torch.Tensor) -> bool:
     sequence-first (T, B, d) input's batch dim: there each example has its own row of it, which the rule, reading
     the input made batch-first, would not know (the clipped sum was not the gradient before 2026-11-27)."""
     return scale.numel() == (scale.shape[-1] if scale.dim() else 1)
+
+
+@register_norm_rule(torch.nn.PReLU, params=("weight",))
+def prelu_rule(module: torch.nn.PReLU, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+               trainable) -> dict:
+    """y = max(0, x) + a * min(0, x), a of shape (C,) along x's channel dim 1 (or (1,): one for every channel), so
+    g_i = sum over the positions a broadcasts over of G_i * min(0, x_i): the scale of min(0, x) (torch's backward
+    takes x where x <= 0, and 0 elsewhere)."""
+    if "weight" not in trainable:
+        return {}
+    x, a = inputs[0], module.weight
+    aligned = a.view(a.shape[0], *[1] * (x.dim() - 2)) if x.dim() > 1 else a  # (C, 1, ...): beside x's dims 1...
+    g = scale_grads(x.clamp(max=0), output_grad, aligned)
+    return {"weight": Instantiated(g.grads.reshape(x.shape[0], *a.shape), g.mass)}
 
 
 def layer_scale_rule(module, inputs, output_grad, trainable):

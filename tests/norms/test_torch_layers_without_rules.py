@@ -11,8 +11,6 @@ B = 5
 
 CASES = {
     "Bilinear": (lambda: nn.Bilinear(4, 3, 2), lambda: (torch.randn(B, 4), torch.randn(B, 3))),
-    "PReLU per channel": (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6)), lambda: (torch.randn(B, 4),)),
-    "PReLU shared": (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU()), lambda: (torch.randn(B, 4),)),
     "InstanceNorm1d, affine": (lambda: nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, affine=True)),
                                lambda: (torch.randn(B, 2, 9),)),
     "InstanceNorm2d, affine, running stats": (

@@ -273,6 +273,12 @@ def _cnn():
                          nn.Linear(8, 3))
 
 
+def _cnn_prelu():
+    """PReLU slopes (norms/elementwise.py): one per channel after a convolution, one shared, one per class."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.PReLU(8), nn.Conv2d(8, 8, 3, stride=2), nn.PReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3), nn.PReLU(3))
+
+
 def _conv_transpose():
     """Images down and up again through transposed convolutions (norms/conv_transpose.py): a grouped one with
     output_padding past its stride along one dim (its adjoint convolution has more positions than its input), then a
@@ -501,6 +507,7 @@ ZOO = [
     Arch("segformer", _segformer, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("cnn-groupnorm", _cnn, _images, _logits_of, continuous="x"),
     Arch("conv-transpose", _conv_transpose, _images, _logits_of, continuous="x"),
+    Arch("cnn-prelu", _cnn_prelu, _images, _logits_of, continuous="x"),
     Arch("lstm", lambda: Recurrent(nn.LSTM, True), lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("lstm-seq-first", lambda: Recurrent(nn.LSTM, False), lambda n, g: _tokens(n, g, 5, True), _logits_of,
