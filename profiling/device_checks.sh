@@ -4,9 +4,9 @@
 #
 #     bash profiling/device_checks.sh                        # on the device machine: suite, forward_check, pass_two
 #     bash profiling/device_checks.sh layers knobs           # any steps by name: suite forward_check pass_two
-#                                                            # compiled layers knobs one_backward
+#                                                            # compiled layers knobs one_backward audit
 #     SUITE_ARGS="--against REF" bash profiling/device_checks.sh suite   # extra arguments for the suite
-#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers knobs one_backward  # dry run
+#     DEVICE=cpu bash profiling/device_checks.sh suite forward_check compiled layers knobs one_backward audit  # dry run
 #
 # Steps, each with its output and exit status in $OUT/NAME.txt (the device tool's folder that comes back;
 # profiling_output/device elsewhere) and its own time limit, so that one that hangs leaves the others their time:
@@ -30,6 +30,10 @@
 # - one_backward (150 s): profiling.one_backward at BERT-base (bf16, T=128, B=32) and GPT-2 small with its LM head
 #   (bf16, T=256, B=8): what book-keeping keeps against what the graph saved, the mode two passes then take
 #   (modes.KEPT_OF_SAVED), and the working set of two passes, book-keeping and ghost. Not yet run on a device.
+# - audit (300 s): the sensitivity audit's bound on the GPU (tests/privacy/test_sensitivity_audit.py, one example moves
+#   the clipped sum by at most C, float64 and float32 without TF32, both modes, every architecture): its cuDNN and
+#   cuBLAS kernels, and the rules that have not met a GPU yet (transposed convolutions, PReLU, EmbeddingBag's mode
+#   "max": 2026-11-28). Not yet timed on a device; about a minute on two CPU cores.
 # The device image has torch, transformers, peft and accelerate but no opacus: the suite skips the opacus-ghost
 # column (and says so) unless its wheel is carried and installed first (pip install --no-deps opacus-*.whl).
 set -u
@@ -80,8 +84,12 @@ for name in "${steps[@]}"; do
             --seq 256 --batch 8 --dtype bf16" ;;
         one_backward:*) step one_backward 300 "$python" -m profiling.one_backward --device "$device" --model linear \
             --layers 1 --hidden 16 --seq 4 --batch 4 ;;
-        *) echo "unknown step '$name': the steps are suite, forward_check, pass_two, compiled, layers, knobs and" \
-                "one_backward" >&2
+        audit:cuda) step audit 300 "$python" -m pytest -q -p no:cacheprovider tests/privacy/test_sensitivity_audit.py \
+            -k one_example --device cuda ;;
+        audit:*) step audit 300 "$python" -m pytest -q -p no:cacheprovider tests/privacy/test_sensitivity_audit.py \
+            -k "one_example and cnn-prelu" --device "$device" ;;
+        *) echo "unknown step '$name': the steps are suite, forward_check, pass_two, compiled, layers, knobs," \
+                "one_backward and audit" >&2
            exit 2 ;;
     esac
 done

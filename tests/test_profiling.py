@@ -517,7 +517,7 @@ def test_the_device_checks_script_dry_run_writes_each_steps_output_and_status(tm
     import os
     import sys
     env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable, SUITE_ARGS="--rows 0")
-    steps = ("suite", "forward_check", "pass_two", "compiled", "layers", "knobs", "one_backward")
+    steps = ("suite", "forward_check", "pass_two", "compiled", "layers", "knobs", "one_backward", "audit")
     subprocess.run(["bash", "profiling/device_checks.sh", *steps], env=env, check=True, timeout=600)
     for name in steps:
         assert f"[{name}: exit 0 after" in (tmp_path / f"{name}.txt").read_text()
