@@ -12,19 +12,20 @@ step, the median step, and the modules that take the fallback in this checkout (
 
 Measured 2026-11-27 against 3de8fb7 (15 rounds; ConvBERT 20): book-keeping ConvNext 5.98x -> 3.05x (a depthwise
 convolution was one factor per channel; its LayerNorm took the fallback), ConvNextV2 5.07x -> 2.38x (its GRN too),
-ConvBERT 3.65x -> 2.05x (depthwise Conv1d, its separable convolution's bias); the others within noise. OPT and BART against 4b409cc (20 rounds), their learned positional
-embeddings by a rule since then (they took the fallback): book-keeping 2.10x -> 1.98x and 2.05x -> 1.94x, ghost
-2.40x -> 2.25x and 2.32x -> 2.00x; at B=32, T=64 (OPT, 2 layers, d=64, two threads, a scratch run) book-keeping
-2.13x -> 1.56x. ConvNext's blocks' layer scales by a rule against 4b20105 (15 rounds): book-keeping 2.85x -> 2.59x,
-ghost 3.07x -> 2.69x (at B=32 on 64x64 images, two threads, a scratch run: 3.39x -> 2.18x). T5 trains its relative
-attention bias through the fallback (the first attention of each stack). Opacus's layers that took the fallback until
-2026-11-27, against 9c51384 (20 rounds): "embedding-bag" (nn.EmbeddingBag, mean) book-keeping 5.01x -> 4.49x, ghost
-5.53x -> 5.31x; "instance-norm" (two InstanceNorm2d) 3.97x -> 3.02x and 3.73x -> 3.26x; at B=2 the fallback is cheap:
-at B=64 (one thread, a scratch run) the EmbeddingBag classifier (5000 x 64 table) took 294x plain through the
-fallback and 7.2x by its rule (ghost), the InstanceNorm CNN (32 x 32 images) 13.1x and 2.3x.
-"conv-transpose" against fed6f04 (20 rounds), its transposed convolutions by a rule since (the fallback's before):
-book-keeping 3.23x -> 2.75x, ghost 3.82x -> 3.41x (at B=64, a scratch run: 12.6x -> 2.3x). Timings are the shared
-machine's: compare the ratios of one run.
+ConvBERT 3.65x -> 2.05x (depthwise Conv1d, its separable convolution's bias); the others within noise. OPT and BART
+against 4b409cc (20 rounds), their learned positional embeddings by a rule since then (they took the fallback):
+book-keeping 2.10x -> 1.98x and 2.05x -> 1.94x, ghost 2.40x -> 2.25x and 2.32x -> 2.00x; at B=32, T=64 (OPT, 2 layers,
+d=64, two threads, a scratch run) book-keeping 2.13x -> 1.56x. ConvNext's blocks' layer scales by a rule against
+4b20105 (15 rounds): book-keeping 2.85x -> 2.59x, ghost 3.07x -> 2.69x (at B=32 on 64x64 images, two threads, a
+scratch run: 3.39x -> 2.18x). T5 trained its relative attention bias through the fallback (the first attention of each
+stack) until 2026-11-28 (looked up per example since: norms/relative_bias.py). Opacus's layers that took the fallback
+until 2026-11-27, against 9c51384 (20 rounds): "embedding-bag" (nn.EmbeddingBag, mean) book-keeping 5.01x -> 4.49x,
+ghost 5.53x -> 5.31x; "instance-norm" (two InstanceNorm2d) 3.97x -> 3.02x and 3.73x -> 3.26x; at B=2 the fallback is
+cheap: at B=64 (one thread, a scratch run) the EmbeddingBag classifier (5000 x 64 table) took 294x plain through the
+fallback and 7.2x by its rule (ghost), the InstanceNorm CNN (32 x 32 images) 13.1x and 2.3x. "conv-transpose" against
+fed6f04 (20 rounds), its transposed convolutions by a rule since (the fallback's before): book-keeping 3.23x -> 2.75x,
+ghost 3.82x -> 3.41x (at B=64, a scratch run: 12.6x -> 2.3x). Timings are the shared machine's: compare the ratios of
+one run.
 """
 from __future__ import annotations
 
