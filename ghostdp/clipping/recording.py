@@ -29,6 +29,7 @@ from .. import collector
 from ..norms.fallback import attached_rule, hooked_modules, output_batch_dims, owned_parameters
 from ..norms.registry import replaced_method
 from ..norms.relative_bias import POSITION_BIAS_ARGUMENT, looks_up_per_example, per_example_position_bias
+from ..norms.window_bias import adds_window_bias
 from ..sharding import is_sharded, sharded_units
 from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
@@ -139,7 +140,7 @@ def leading_dim(flat):
 SHARED_BY_THE_BATCH = (
     "Known cases: DeBERTa-v2/v3 with relative attention: freeze encoder.rel_embeddings, encoder.LayerNorm and every "
     "layer's attention.self.query_proj and key_proj (with share_att_key, as DeBERTa-v3 has: they also project the "
-    "tokens) or pos_query_proj and pos_key_proj (without); Swin: freeze every relative_position_bias table.")
+    "tokens) or pos_query_proj and pos_key_proj (without).")
 
 
 class ForwardRecorder:
@@ -188,6 +189,9 @@ class ForwardRecorder:
         self.compiled_forward = False  # a forward ran under torch.compile (set while dynamo traces the root hook)
         self._collector_pauses = []  # per root forward running: whether on_root_forward paused the collector
         self._warned_of_compiling = False
+        # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
+        # (on_window_attention_forward; norms/window_bias.py)
+        self.window_rows = {}
 
     def attach(self, module) -> list:
         """Hooks ``module`` and its hooked submodules; the handles."""
@@ -212,6 +216,8 @@ class ForwardRecorder:
         for m in module.modules():
             if getattr(m, "has_relative_attention_bias", False) and looks_up_per_example(type(m)):
                 handles.append(m.register_forward_pre_hook(self.on_relative_bias_forward, with_kwargs=True))
+            if adds_window_bias(type(m)) and isinstance(getattr(m, "relative_position_bias", None), torch.nn.Module):
+                handles.append(m.register_forward_pre_hook(self.on_window_attention_forward, with_kwargs=True))
         for unit in sharded_units(module):
             handles.append(unit.register_forward_pre_hook(self.on_unit_forward))
         return handles
@@ -232,6 +238,13 @@ class ForwardRecorder:
         if len(args) > POSITION_BIAS_ARGUMENT:  # passed by position (as None)
             return args[:POSITION_BIAS_ARGUMENT] + (bias,) + args[POSITION_BIAS_ARGUMENT + 1:], kwargs
         return args, {**kwargs, "position_bias": bias}
+
+    def on_window_attention_forward(self, module, args, kwargs):
+        """A forward of Swin's attention (norms/window_bias.py): the rows it runs on, B * windows, which the output of
+        its relative position bias, called next, is broadcast to (_record_ruled)."""
+        if self._recording(module):
+            hidden_states = args[0] if args else kwargs["hidden_states"]
+            self.window_rows[id(module.relative_position_bias)] = hidden_states.shape[0]
 
     def forward_was_checkpointed(self) -> bool:
         """The last forward ran a trained layer under a checkpoint (see on_forward), or the
@@ -293,11 +306,12 @@ class ForwardRecorder:
             f"ghostdp: this forward broadcast the output of module '{name}', of shape {tuple(shape)}, to the batch "
             f"of {self._batch_hint} examples (an output of batch size 1 is taken as shared by the batch, like "
             "BERT's position embeddings, so that its gradient stays per example), and the model's forward then "
-            "failed. If the model broadcasts that output itself (DeBERTa's relative embeddings, Swin's relative "
-            "position bias, peft's prompt tuning) or its dim 0 is not a batch dim (a sequence-first layer on a "
-            "sequence of length 1: Longformer's global attention), ghostdp cannot split its gradient by "
-            "example. Fix: freeze that module's parameters (requires_grad_(False)) before making the model "
-            "private (prompt tuning trains nothing else: use another adapter, e.g. LoRA). " + SHARED_BY_THE_BATCH)
+            "failed. If the model broadcasts that output itself (DeBERTa's relative embeddings, a windowed "
+            "attention's relative position bias other than Swin's own, peft's prompt tuning) or its dim 0 is not a "
+            "batch dim (a sequence-first layer on a sequence of length 1: Longformer's global attention), ghostdp "
+            "cannot split its gradient by example. Fix: freeze that module's parameters (requires_grad_(False)) "
+            "before making the model private (prompt tuning trains nothing else: use another adapter, e.g. LoRA). "
+            + SHARED_BY_THE_BATCH)
         if _ADDS_NOTES:
             error.add_note(explanation)
         else:  # Python 3.10: shown before the model's error
@@ -495,10 +509,15 @@ class ForwardRecorder:
         call = ModuleCall(self, name, module, entry, params)
         B = self._batch_hint
         t, saved = output, args
+        # Swin's bias, shared by the rows (B * windows) of the attention calling it (norms/window_bias.py)
+        rows = self.window_rows.pop(id(module), None) if self.window_rows else None
         if (B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1  # shared by the batch: see on_forward
                 and not _batch_on_dim_one(args, B)):
             self.broadcast_in_forward.append((name, t.shape))
-            t = t.expand(B, *t.shape[1:])
+            if rows is not None and rows % B == 0:  # each example's windows together: (B, windows, ...)
+                t = t.unsqueeze(1).expand(B, rows // B, *t.shape[1:])
+            else:
+                t, rows = t.expand(B, *t.shape[1:]), None
             saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
             call.expanded = _EXPANDED
         else:
@@ -527,7 +546,8 @@ class ForwardRecorder:
             self._note_region_call(call, kind)
         else:  # a non-reentrant checkpoint's recomputation, or pass 2's of a reentrant one (see on_forward)
             call.fired = True
-        return add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
+        probed = add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
+        return probed if rows is None or call.expanded is _NOT_EXPANDED else probed.reshape(rows, *t.shape[2:])
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after

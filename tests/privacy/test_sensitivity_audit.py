@@ -273,6 +273,19 @@ def _cnn():
                          nn.Linear(8, 3))
 
 
+def _swin():
+    """Attention on B x windows rows, shifted windows in the second block, and the relative position bias tables
+    trained (norms/window_bias.py; drawn away from their zeros)."""
+    model = transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=8, depths=[2, 1], num_heads=[2, 2], window_size=4, num_labels=3,
+        drop_path_rate=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "relative_position_bias_table" in name:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
 def _cnn_prelu():
     """PReLU slopes (norms/elementwise.py): one per channel after a convolution, one shared, one per class."""
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.PReLU(8), nn.Conv2d(8, 8, 3, stride=2), nn.PReLU(),
@@ -508,6 +521,7 @@ ZOO = [
     Arch("cnn-groupnorm", _cnn, _images, _logits_of, continuous="x"),
     Arch("conv-transpose", _conv_transpose, _images, _logits_of, continuous="x"),
     Arch("cnn-prelu", _cnn_prelu, _images, _logits_of, continuous="x"),
+    Arch("swin-relative-position-bias", _swin, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("lstm", lambda: Recurrent(nn.LSTM, True), lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("lstm-seq-first", lambda: Recurrent(nn.LSTM, False), lambda n, g: _tokens(n, g, 5, True), _logits_of,
