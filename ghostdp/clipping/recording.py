@@ -419,6 +419,8 @@ class ForwardRecorder:
         new_flat = list(flat)
         for slot, (i, dim) in enumerate(zip(slots, call.batch_dims)):
             t = flat[i]
+            if rule is not None and entry.unbatched_output and t.dim() == 2:  # (positions, d), shared by the batch:
+                t = t.unsqueeze(0)  # given a batch dim of 1 (RuleEntry.unbatched_output: LED's learned positions)
             # Output shared by the whole batch (BERT's position embeddings): broadcast it to the
             # batch here so that its output grad stays per example.
             expanded = (B is not None and B > 1 and t.dim() > dim and t.shape[dim] == 1

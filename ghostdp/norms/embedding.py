@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .factors import EmbeddingGather, RaggedEmbeddingGather
-from .registry import call_arguments, register_forward_rule, register_norm_rule
+from .registry import call_arguments, qualified_name, register_forward_rule, register_norm_rule
 
 
 def _holds_output_grad(module, inputs, output, trainable) -> bool:
@@ -96,6 +96,47 @@ MASK_POSITIONS_BODY = (
 for _body, _positions in ((ARANGE_POSITIONS_BODY, arange_positions), (MASK_POSITIONS_BODY, mask_positions)):
     register_forward_rule(_body, embedding_rule, params=("weight",), tokenwise=True, base=torch.nn.Embedding,
                           rule_inputs=_positions)
+
+
+def shape_positions(module, args, kwargs, output=None) -> tuple:
+    """The ids LED's and Blenderbot's positional embeddings look up, formed as their forwards (UNBATCHED_POSITIONS_BODY,
+    GIVEN_OR_UNBATCHED_POSITIONS_BODY) form them: an arange over the input's shape, (1, positions) here, where
+    their output (positions, d) has no batch dim (the recorder gives it one: RuleEntry.unbatched_output); the ids
+    given, where a caller passes them."""
+    arguments = call_arguments(module, args, kwargs)
+    position_ids = arguments.get("position_ids")
+    if position_ids is None:
+        seq_len, start = arguments["input_ids_shape"][1], arguments["cache_length"]
+        position_ids = torch.arange(start, start + seq_len, dtype=torch.long, device=module.weight.device)
+    return (position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids,)
+
+
+# LED's learned positions, and Blenderbot's and BlenderbotSmall's (which take ids too): an arange over the input's
+# shape, looked up with no batch dim, an output (positions, d) that their encoders and decoders add to the
+# (B, positions, d) embeddings. Until 2026-11-28 the layout proof refused a trained table (no dim of the output
+# holds the examples). Pegasus', Marian's, RoFormer's and the time-series models' sinusoidal tables have the second
+# body too, but RoFormer reads its output as 2-D: only the classes whose callers add it to the embeddings take the
+# rule (``adds_positions_to_embeddings``); the others keep the fallback (their tables are frozen by default).
+UNBATCHED_POSITIONS_BODY = (
+    "bsz, seq_len = input_ids_shape[:2] ; positions = torch.arange(cache_length, cache_length + seq_len, "
+    "dtype=torch.long, device=self.weight.device) ; return super().forward(positions)")
+GIVEN_OR_UNBATCHED_POSITIONS_BODY = (
+    "if position_ids is None:\n    bsz, seq_len = input_ids_shape[:2]\n    position_ids = torch.arange(cache_length, "
+    "cache_length + seq_len, dtype=torch.long, device=self.weight.device) ; return super().forward(position_ids)")
+POSITIONS_ADDED_TO_EMBEDDINGS = frozenset(f"transformers.models.{name}" for name in (
+    "led.modeling_led.LEDLearnedPositionalEmbedding",
+    "blenderbot.modeling_blenderbot.BlenderbotLearnedPositionalEmbedding",
+    "blenderbot_small.modeling_blenderbot_small.BlenderbotSmallLearnedPositionalEmbedding"))
+
+
+def adds_positions_to_embeddings(module, args, kwargs) -> bool:
+    """Whether the module is one of the classes whose callers add its output to the (B, positions, d) embeddings."""
+    return qualified_name(type(module)) in POSITIONS_ADDED_TO_EMBEDDINGS
+
+
+for _body in (UNBATCHED_POSITIONS_BODY, GIVEN_OR_UNBATCHED_POSITIONS_BODY):
+    register_forward_rule(_body, embedding_rule, params=("weight",), tokenwise=True, base=torch.nn.Embedding,
+                          accepts=adds_positions_to_embeddings, rule_inputs=shape_positions, unbatched_output=True)
 
 
 def bag_members(module, args, kwargs, output=None) -> tuple:

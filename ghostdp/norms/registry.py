@@ -57,6 +57,10 @@ class RuleEntry:
     # forms them; the tensor a ConvNext block's layer scale multiplied, read from the output's graph), or None where
     # this call computed something the rule does not know (it takes the exact fallback). None: the call's tensors.
     rule_inputs: Callable[..., tuple] | None = None
+    # The module's output, (positions, features), has no batch dim and is shared by the batch (a learned positional
+    # embedding that the model adds to the (B, positions, features) embeddings): the recorder gives it one, broadcast
+    # to the batch as any output of batch size 1, so that its output grad is per example.
+    unbatched_output: bool = False
 
 
 _RULES: dict[type | str, RuleEntry] = {}
@@ -106,7 +110,7 @@ def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
                           tokenwise: bool | Callable[[torch.nn.Module], bool] = False,
                           holds_output_grad: Callable[..., bool] | None = None, methods: dict | None = None,
                           base: type | None = None, accepts: Callable[..., bool] | None = None,
-                          rule_inputs: Callable[..., tuple] | None = None) -> None:
+                          rule_inputs: Callable[..., tuple] | None = None, unbatched_output: bool = False) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
     ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
     names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body} of the methods
@@ -120,9 +124,11 @@ def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
     formed as the body forms them, or finds them in the output's graph (ConvNext's scaled features); None where
     the call computed something else (it takes the exact fallback); by default the call's positional tensors. A
     class registered by itself, or one derived from a registered class whose forward it keeps, takes that
-    registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for ``register_norm_rule``."""
+    registration instead. ``params``, ``tokenwise`` and ``holds_output_grad`` as for ``register_norm_rule``.
+    ``unbatched_output``: see RuleEntry (LED's and Blenderbot's learned positions)."""
     _FORWARD_RULES[body] = RuleEntry(rule, frozenset(params), tokenwise, body, holds_output_grad,
-                                     tuple(sorted((methods or {}).items())), base, accepts, rule_inputs)
+                                     tuple(sorted((methods or {}).items())), base, accepts, rule_inputs,
+                                     unbatched_output)
     _BY_CLASS.clear()
 
 

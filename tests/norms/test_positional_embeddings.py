@@ -12,9 +12,10 @@ from torch import nn
 
 import ghostdp
 from ghostdp.norms import registry
-from ghostdp.norms.embedding import (ARANGE_POSITIONS_BODY, CAST_SCALED_EMBEDDING_BODY, MASK_POSITIONS_BODY,
-                                     SCALED_EMBEDDING_BODY, arange_positions, cast_scaled_embedding_rule,
-                                     embedding_rule, mask_positions, scaled_embedding_rule)
+from ghostdp.norms.embedding import (ARANGE_POSITIONS_BODY, CAST_SCALED_EMBEDDING_BODY,
+                                     GIVEN_OR_UNBATCHED_POSITIONS_BODY, MASK_POSITIONS_BODY, SCALED_EMBEDDING_BODY,
+                                     UNBATCHED_POSITIONS_BODY, arange_positions, cast_scaled_embedding_rule,
+                                     embedding_rule, mask_positions, scaled_embedding_rule, shape_positions)
 from ghostdp.norms.normalization import GEMMA4_RMS_NORM_BODY, transformers_rms_norm_rule
 from ghostdp.validate import fallback_modules
 from conftest import assert_exact, count_forward_rule_calls
@@ -74,6 +75,53 @@ def test_opt_positions_follow_each_examples_padding_by_their_rule_and_are_exact(
     mask[2, :1] = 0
     _assert_lm_exact(model, torch.randint(3, V, (B, T)), mask)
     assert rule_calls.get("mask") and not rule_calls.get("arange")
+
+
+def _seq2seq(name, **config):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name + "Config")(
+        vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, dropout=0.0, attention_dropout=0.0,
+        pad_token_id=1, **config)
+    return getattr(transformers, name + "ForConditionalGeneration")(cfg)
+
+
+@pytest.mark.parametrize("name,body", [("Blenderbot", GIVEN_OR_UNBATCHED_POSITIONS_BODY),
+                                       ("BlenderbotSmall", GIVEN_OR_UNBATCHED_POSITIONS_BODY),
+                                       ("LED", UNBATCHED_POSITIONS_BODY)])
+@pytest.mark.parametrize("length", [T, B], ids=["T=6", "T=B"])
+def test_positions_looked_up_without_a_batch_dim_are_exact(name, body, length):
+    """LED's and Blenderbot's learned positions: (T, d) with no batch dim, added by the encoder and the decoder to the
+    (B, T, d) embeddings (RuleEntry.unbatched_output). Before 2026-11-28 the layout proof refused them trained (no
+    dim of their output held the examples; with T == B, one that mixed them)."""
+    config = {"attention_window": 4, "max_encoder_position_embeddings": 16, "max_decoder_position_embeddings": 16} \
+        if name == "LED" else {"max_position_embeddings": 16}
+    model = _seq2seq(name, **config)
+    stacks = model.led if name == "LED" else model.model
+    for embed in (stacks.encoder.embed_positions, stacks.decoder.embed_positions):
+        assert registry.lookup_rule(embed) is registry._FORWARD_RULES[body]
+    assert not fallback_modules(model)
+    _assert_lm_exact(model, torch.randint(3, V, (B, length)))
+
+
+@pytest.mark.parametrize("arguments", [((torch.Size([3, 5]),), {}), ((torch.Size([3, 5]), 2), {}),
+                                       ((torch.Size([1, 3]),), {"position_ids": torch.tensor([[2, 0, 1]])})])
+def test_shape_positions_are_the_ids_blenderbots_forward_looks_up(arguments):
+    embed = transformers.models.blenderbot.modeling_blenderbot.BlenderbotLearnedPositionalEmbedding(16, 4)
+    args, kwargs = arguments
+    ids, = shape_positions(embed, args, kwargs)
+    assert ids.dim() == 2 and ids.shape[0] == 1
+    torch.testing.assert_close(embed(*args, **kwargs), nn.functional.embedding(ids, embed.weight).reshape(
+        embed(*args, **kwargs).shape), rtol=0, atol=0)
+
+
+def test_a_sinusoidal_table_with_blenderbots_forward_keeps_the_fallback():
+    """Pegasus' sinusoidal positions have Blenderbot's forward but are not among the classes whose callers add the
+    output to the embeddings (RoFormer's, of the same body, reads it as 2-D): declined, the exact fallback."""
+    embed = transformers.models.pegasus.modeling_pegasus.PegasusSinusoidalPositionalEmbedding(16, 4)
+    entry = registry.lookup_rule(embed)
+    assert entry is registry._FORWARD_RULES[GIVEN_OR_UNBATCHED_POSITIONS_BODY]
+    assert not entry.accepts(embed, (torch.Size([2, 3]),), {})
 
 
 class PositionsAndHead(nn.Module):

@@ -135,6 +135,14 @@ def _bart():
         scale_embedding=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
 
 
+def _blenderbot():
+    """Learned positions looked up with no batch dim, (T, d), added to the embeddings (RuleEntry.unbatched_output)."""
+    return transformers.BlenderbotForConditionalGeneration(transformers.BlenderbotConfig(
+        vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=16,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+
+
 def _t5():
     # The relative position bias, one lookup for the whole batch in T5's code, is looked up per example (since
     # 2026-11-28: norms/relative_bias.py; through its attention's exact fallback before, refused before 2026-11-27);
@@ -502,6 +510,7 @@ ZOO = [
     Arch("gemma", _gemma, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("opt", _opt, lambda n, g: _text(n, g, False), _lm),
     Arch("bart", _bart, lambda n, g: _text(n, g, False), _seq2seq),
+    Arch("blenderbot-unbatched-positions", _blenderbot, lambda n, g: _text(n, g, False), _seq2seq),
     Arch("t5", _t5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
     Arch("umt5", _umt5, lambda n, g: _text(n, g, False), _seq2seq, rtol=1e-6),
     Arch("albert-shared-layers", _albert, _text, _classify),
