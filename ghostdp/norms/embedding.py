@@ -7,7 +7,9 @@ transformers' learned positional embeddings (BART, mBART, PLBart, MVP, TrOCR; OP
 lookup of position ids that the forward forms from its arguments (an arange, or the attention mask's cumulative
 sum) plus an offset; the rule reads those ids, formed as the forward forms them (``RuleEntry.rule_inputs``).
 Before 2026-11-27 they took the exact fallback, whose batched VJP instantiates every example's gradient of the
-whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output grads of B^2 T d elements.
+whole table (B x 1026 x d for BART, B x 2050 x d for OPT) from masked output grads of B^2 T d elements. LED's and
+Blenderbot's look an arange up with no batch dim, (T, d), added to the (B, T, d) embeddings: the recorder gives that
+output a batch dim (RuleEntry.unbatched_output), and the same rule reads it (since 2026-11-28; refused before).
 torch.nn.EmbeddingBag in modes "sum" and "mean": each output row (a bag) is a weighted sum of rows, so an
 EmbeddingGather of the bag's ids with the bag's output grad scaled per member (since 2026-11-27; the fallback's
 before); a 1-D input's positions, each with its bag, in a RaggedEmbeddingGather. Mode "max" (since 2026-11-28;
