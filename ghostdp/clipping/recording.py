@@ -241,8 +241,9 @@ class ForwardRecorder:
 
     def on_window_attention_forward(self, module, args, kwargs):
         """A forward of Swin's attention (norms/window_bias.py): the rows it runs on, B * windows, which the output of
-        its relative position bias, called next, is broadcast to (_record_ruled)."""
-        if self._recording(module):
+        its relative position bias, called next, is broadcast to (_record_ruled), where its table trains (a frozen
+        one's call is not recorded, and would leave the count behind)."""
+        if self._recording(module) and module.relative_position_bias.relative_position_bias_table.requires_grad:
             hidden_states = args[0] if args else kwargs["hidden_states"]
             self.window_rows[id(module.relative_position_bias)] = hidden_states.shape[0]
 
