@@ -37,6 +37,32 @@ def _wide_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum().double()
 
 
+class GradientNorm:
+    """The 2-norm of the clipped gradients the DP optimizer checks (DPOptimizer._check_finite): ``params``, those
+    holding a gradient; ``grads``, their local parts (an FSDP2 shard's own) and ``sharded``, which are shards (or
+    None); ``total``, the 0-dim float64 norm on the device, not yet read (None without gradients); ``value``, the
+    host's float of it, once read."""
+
+    __slots__ = ("params", "grads", "sharded", "total", "value")
+
+    def __init__(self, params, grads, sharded, total):
+        self.params, self.grads, self.sharded, self.total, self.value = params, grads, sharded, total, None
+
+
+def gradient_norm(params) -> GradientNorm:
+    """The norm of ``params``' gradients, not read back (no host sync). A NaN or inf anywhere makes a tensor's
+    2-norm, and the norm of all of them, non-finite: one foreach reduction over all gradients. A finite gradient
+    above ~1e19 (float32) overflows its norm, so _check_finite confirms a non-finite total element by element."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return GradientNorm(params, [], None, None)
+    grads, sharded = local_parts([p.grad for p in params])
+    norms = torch._foreach_norm(grads)
+    if len({n.device for n in norms}) > 1:
+        norms = [n.to(params[0].device) for n in norms]
+    return GradientNorm(params, grads, sharded, torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float64))
+
+
 BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket size
 
 
@@ -289,9 +315,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._expect_fresh_grads = True
         self._mid_logical_batch = False
 
-    def _examples_of_this_step(self):
+    def _examples_of_this_step(self, params):
         """(examples clipped, backward calls, unclipped examples or None, the largest C they clipped with or
-        None) of this step's DP-loss backwards."""
+        None) of this step's DP-loss backwards, and the norm of ``params``' gradients (GradientNorm, or None
+        without a backward of a DP loss), which _check_finite reads: the step's one host sync reads both."""
         passes = self.controller.ledger.take()
         clipped_with = max((record.max_grad_norm for record in passes), default=None)
         written = {record.wrote_sums for record in passes}
@@ -303,12 +330,18 @@ class DPOptimizer(torch.optim.Optimizer):
                 "logical batch. Change it only between optimizer steps.")
         self._sums_written_by_mode = written.pop() if written else None
         # One host sync for all of the step's backward calls, at the step rather than inside each backward:
-        # their loss scales and, for adaptive clipping, their counts of unclipped examples.
+        # their loss scales, for adaptive clipping their counts of unclipped examples, and the gradients' norm
+        # (on a GPU a second read, after the first, found the device idle and waited for it again).
+        norm = gradient_norm(params) if passes else None
         values = [record.loss_scale.reshape(()).double() for record in passes]
         values += [record.unclipped.reshape(()).double() for record in passes if record.unclipped is not None]
+        if norm is not None and norm.total is not None:
+            values.append(norm.total)
         if len({v.device for v in values}) > 1:
             values = [v.cpu() for v in values]
         values = torch.stack(values).tolist() if values else []
+        if norm is not None and norm.total is not None:
+            norm.value = values.pop()
         scales, counts = values[:len(passes)], values[len(passes):]
         bad_scales = sorted({s for s in scales if s != 1.0})
         if bad_scales:
@@ -318,7 +351,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "The noise is calibrated to the unscaled clipped sum, so call backward() on the loss itself; "
                 "split large batches with max_physical_batch_size instead of scaling.")
         unclipped = sum(counts) if self.adaptive_clipping is not None else None
-        return sum(record.examples for record in passes), len(passes), unclipped, clipped_with
+        return sum(record.examples for record in passes), len(passes), unclipped, clipped_with, norm
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
         # The examples this step must have clipped: given by the caller (DPTrainer runs the logical
@@ -490,20 +523,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 "would not be one draw. Give every rank the same seed / generator state.")
         return tuple(spread[12:].tolist())
 
-    def _check_finite(self, params, examples: int | None = None, clipped_with: float | None = None):
-        """Refuse a NaN or infinite clipped gradient of ``params`` and, in one process, a clipped sum larger than
-        this step's ``examples`` gradients clipped with C = ``clipped_with`` can add up to (``_sum_bound``)."""
-        params = [p for p in params if p.grad is not None]
+    def _check_finite(self, norm: "GradientNorm", examples: int | None = None, clipped_with: float | None = None):
+        """Refuse a NaN or infinite clipped gradient of the parameters ``norm`` was taken of and, in one process, a
+        clipped sum larger than this step's ``examples`` gradients clipped with C = ``clipped_with`` can add up to
+        (``_sum_bound``). ``norm``: gradient_norm's, its value read (_examples_of_this_step)."""
+        params, grads, sharded = norm.params, norm.grads, norm.sharded
         if not params:
             return
-        # A NaN or inf anywhere makes a tensor's 2-norm, and the norm of all of them, non-finite: one foreach
-        # reduction over all gradients, one host sync. A finite gradient above ~1e19 (float32) overflows its
-        # norm, so a non-finite total is confirmed element by element before it is reported.
-        grads, sharded = local_parts([p.grad for p in params])
-        norms = torch._foreach_norm(grads)
-        if len({n.device for n in norms}) > 1:
-            norms = [n.to(params[0].device) for n in norms]
-        total = float(torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float64))
+        total = norm.value
         bound = self._sum_bound(examples, clipped_with, grads)
         finite = math.isfinite(total)
         bad = [] if finite else [p for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
@@ -552,13 +579,13 @@ class DPOptimizer(torch.optim.Optimizer):
             self._mid_logical_batch = True
             return False
         self._check_params_belong_to_model()
-        examples, backward_calls, unclipped, clipped_with = self._examples_of_this_step()
+        params = self.params
+        examples, backward_calls, unclipped, clipped_with, norm = self._examples_of_this_step(params)
         self._check_batch(chunks, examples, backward_calls, logical_batch_size)
         if self.tracker is not None:
             self.tracker.take_yielded()
-        params = self.params
         if backward_calls:
-            self._check_finite(params, examples, clipped_with)
+            self._check_finite(norm, examples, clipped_with)
         # The rate this batch was drawn with (a batch-size schedule gives each epoch its own).
         drawn = chunks[-1] if chunks and chunks[-1].sample_rate is not None else None
         sample_rate = drawn.sample_rate if drawn is not None else self.sample_rate
