@@ -95,6 +95,33 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     return type(node)
 
 
+def capture_use(call, node, two_passes: bool, captured_types) -> None:
+    """Captures a parameter's elementwise use (norms/parameter_uses.py) at its op's ``node``, as ``capture`` captures a
+    ruled call whose factors do not hold G (the recorder has recorded it, set its inputs and checked
+    ``may_capture_use``): book-keeping names its edge unless a probe or captured call lies below its op, where the
+    op's pre-hook hands G over as the node runs; two passes take it so always."""
+    if two_passes:
+        call.named, call.by_hook, call.sink_unknown = False, True, True
+    elif call.input_nodes and sink_below(call.input_nodes, captured_types):
+        call.named, call.by_hook = False, True
+    else:
+        call.named, call.by_hook = True, False
+    call.input_versions = tuple([a._version for a in call.inputs])
+    call.captured = 0  # the op's one output
+    node.metadata[CAPTURED_CALL] = call
+    node.register_prehook(call.on_output_grads)
+    captured_types.add(type(node))
+
+
+def may_capture_use(below, two_passes: bool) -> bool:
+    """Whether an elementwise use whose op has the input nodes ``below`` may be captured now: no saved-tensor hooks,
+    recomputation or tracing (as for ``capture``), and with two passes a node below it to sink pass 1 towards (a
+    lowest call keeps a probe, which an op inside a forward cannot have)."""
+    if saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1 or tracing_or_transforming():
+        return False
+    return bool(below) or not two_passes
+
+
 def narrow_output(args, output) -> bool:
     """Whether the output (so its grad G) has at most 1/NARROW_OUTPUT of the elements of the call's largest
     input: book-keeping may then hold G to the end of pass 1 (name its edge), as it holds far more for the

@@ -31,7 +31,8 @@ from ..norms.registry import replaced_method
 from ..norms.relative_bias import POSITION_BIAS_ARGUMENT, looks_up_per_example, per_example_position_bias
 from ..norms.window_bias import adds_window_bias
 from ..sharding import is_sharded, sharded_units
-from .capture import capture, saved_tensor_hooks as _saved_tensor_hooks
+from ..norms.parameter_uses import ENTRIES as USE_ENTRIES, find_uses, use_of
+from .capture import capture, capture_use, may_capture_use, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT
@@ -192,6 +193,9 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
+        # (id(module), parameter name, kind) -> its norms.parameter_uses.ElementwiseUse, the "module" of the calls that
+        # capture it: one object across steps, so that the layouts proven for it stay its own
+        self._uses = {}
 
     def attach(self, module) -> list:
         """Hooks ``module`` and its hooked submodules; the handles."""
@@ -401,10 +405,13 @@ class ForwardRecorder:
         read = inputs if rule is None or entry.rule_inputs is None else entry.rule_inputs(module, args, kwargs, output)
         if read is None:  # the call computed something the rule does not know (RuleEntry.rule_inputs)
             entry, rule, read = None, None, inputs
+        kind = self._call_kind()
+        if (rule is None and kind is _RECORDED and self._capturing and (self.two_passes or not self.forward_checkpointed)
+                and self._record_uses(name, module, params, [flat[i] for i in slots], inputs)):
+            return None  # every trained parameter of its own is an elementwise use, captured (norms/parameter_uses.py)
         call = ModuleCall(self, name, module, entry, params,
                           (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
         call.edges, call.expanded, call.shapes = [], [], []
-        kind = self._call_kind()
         recording = kind is _RECORDED or kind is _IN_REGION
         if (kind is _IN_REGION or kind is _IN_PROOF) and rule is None:  # the proof's recomputation comes first
             raise NotImplementedError(
@@ -453,6 +460,28 @@ class ForwardRecorder:
         if kind is _IN_REGION or kind is _IN_PROOF:
             self._note_region_call(call, kind)
         return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+
+    def _record_uses(self, name, module, params, outputs, inputs) -> bool:
+        """A call of a module without a rule whose own trained parameters are each the operand of one elementwise op
+        of its forward (norms/parameter_uses.py): each such use recorded and captured at its op as a ruled call, and
+        True; False (nothing recorded) where any of them is not, and the call takes the exact fallback."""
+        if any(n not in module._parameters for n in params):  # a parametrization's or a container's parameters
+            return False
+        found = find_uses(params, outputs, _grad_fns(inputs), self._batch_hint)
+        if found is None or not all(may_capture_use(f.below, self.two_passes) for f in found):
+            return False
+        for f in found:
+            key = (id(module), f.name, f.kind)
+            use = self._uses.get(key)
+            if use is None or use.owner is not module:
+                use = self._uses[key] = use_of(module, f.name, f.kind)
+            param = params[f.name]
+            call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], {f.name: param})
+            call.shapes, call.grads, call.expanded = (torch.Size(f.shape),), [None], _NOT_EXPANDED
+            call.input_nodes, call.inputs = f.below, (f.operand,)
+            self.live[id(param)] += 1
+            capture_use(call, f.node, self.two_passes, self.captured_types)
+        return True
 
     def _changed_since_attaching(self, module) -> tuple[str, str] | None:
         """What keeps a ruled module's rule from reading its call: a forward hook that runs before on_forward (a

@@ -5,7 +5,7 @@ from torch import nn
 
 import ghostdp
 from ghostdp.clipping import recording
-from conftest import (CLIPPING_MODES, Gain, assert_exact, assert_norms_as_forms_alternate, clipped_sum,
+from conftest import (CLIPPING_MODES, Gain, assert_exact, assert_norms_as_forms_alternate, clipped_sum, fallback_gain,
                       reference_per_example_grads, without_scheduled_proofs)
 
 
@@ -405,7 +405,7 @@ def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T)
             self.w = nn.Parameter(torch.randn(4))
 
         def forward(self, x):  # (T, B, 4): the fallback assumes dim 0
-            return x * self.w
+            return fallback_gain(x, self.w)
 
     model = SeqFirstCustom()
     controller = ghostdp.GhostClipping(model, 1.0)
@@ -421,7 +421,7 @@ class BatchCentring(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x):
-        return (x - x.mean(0)) * self.weight
+        return fallback_gain(x - x.mean(0), self.weight)
 
 
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
@@ -465,7 +465,7 @@ class MixesSecondInput(nn.Module):
         self.mixes = mixes
 
     def forward(self, x, y):
-        return x * self.weight + (y.mean(0, keepdim=True) if self.mixes else y) * self.shift
+        return fallback_gain(x, self.weight) + fallback_gain(y.mean(0, keepdim=True) if self.mixes else y, self.shift)
 
 
 class TwoInputs(nn.Module):
@@ -546,7 +546,7 @@ class ScalarGain(nn.Module):
         self.centre = centre
 
     def forward(self, t):
-        return ((t - t.mean()) if self.centre else t) * self.weight
+        return fallback_gain((t - t.mean()) if self.centre else t, self.weight)
 
 
 def test_a_module_without_a_rule_with_one_number_per_example_is_proven_and_exact():

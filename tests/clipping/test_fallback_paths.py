@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import CLIPPING_MODES, Gain, HandsStateBack, assert_exact
+from conftest import CLIPPING_MODES, Gain, HandsStateBack, assert_exact, fallback_gain
 
 SEED = 1295  # an example whose two parts nearly cancel (a search over seeds)
 UNCOUNTED = "does not go through the outputs its forward returned"
@@ -20,7 +20,7 @@ class KeepsLast(Gain):
     """A gain that keeps its last output on itself (``self.last``)."""
 
     def forward(self, x):
-        self.last = x * self.weight
+        self.last = fallback_gain(x, self.weight)
         return self.last
 
 
@@ -38,7 +38,7 @@ class ReadsOwnState(nn.Module):
 
 class OwnStateGain(Gain):
     def forward(self, x):
-        y = x * self.weight
+        y = fallback_gain(x, self.weight)
         if getattr(self, "previous", None) is not None:
             y = y + self.previous
         self.previous = y
@@ -123,7 +123,7 @@ class KeepsInterior(nn.Module):
         self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, d))
 
     def forward(self, x):
-        self.interior = x * self.weight
+        self.interior = fallback_gain(x, self.weight)
         return torch.tanh(self.interior)
 
 
@@ -137,7 +137,7 @@ class ParentWithoutRuleReadsChild(nn.Module):
         self.child = KeepsInterior(d)
 
     def forward(self, x):
-        return self.child(x) * self.scale + self.child.interior
+        return fallback_gain(self.child(x), self.scale) + self.child.interior
 
 
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)

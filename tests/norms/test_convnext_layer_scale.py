@@ -123,10 +123,11 @@ class _BatchCentring(nn.Module):
 
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
 def test_a_block_that_mixes_examples_where_its_rule_declines_is_refused(clipping):
-    """A drop path that is a batch mean: the graph reader declines (a node it does not know) and the block takes the
-    fallback, whose proof of its input's gradient must see the mixing. With only the layer scale trained and an
-    input without gradient, nothing below shows it, and the forward check is off here: the input had no sink (one
-    is set before the forward, where the rule cannot yet know it will decline) and the step went through."""
+    """A drop path that is a batch mean: the graph reader declines (a node it does not know), and the layer scale is
+    then an elementwise use (norms/parameter_uses.py), whose output grad mixes the examples: refused by the layout
+    proof. With only the layer scale trained and an input without gradient, nothing below shows it, and the forward
+    check is off here; before the uses the block took the fallback, and before its input had a sink (one is set
+    before the forward, where the rule cannot yet know it will decline) the step went through."""
     block = _spread_scales(transformers.models.convnext.modeling_convnext.ConvNextLayer(
         transformers.ConvNextConfig(), dim=4))
     block.drop_path = _BatchCentring()
@@ -135,7 +136,7 @@ def test_a_block_that_mixes_examples_where_its_rule_declines_is_refused(clipping
     controller = ghostdp.GhostClipping(block, 1e-3, clipping=clipping)
     controller.independence.every = 0
     try:
-        with pytest.raises(RuntimeError, match=r"\(ConvNextLayer\) has no norm rule and mixes examples"):
+        with pytest.raises(RuntimeError, match=r"\(ConvNextLayer\) produced an output .* mixes several examples"):
             controller.loss(block(torch.randn(5, 4, 3, 3)).flatten(1).sum(1), reduction="sum").backward()
     finally:
         controller.detach()

@@ -435,6 +435,43 @@ def _wav2vec2():
         mask_time_prob=0.0, final_dropout=0.0, num_labels=3, classifier_proj_size=8))
 
 
+class MaskedSpeech(nn.Module):
+    """wav2vec2 with SpecAugment's time mask drawn from each example's own audio (a time step is masked where the
+    audio at its start is above 0.3), so that the masked_spec_embed written into the masked steps of the feature
+    projection's output (a view: autograd's CopySlices) is an elementwise use (norms/parameter_uses.py); the
+    positional convolution frozen (its weight norm takes the fallback: wav2vec2-weight-norm), and the feature encoder, as
+    fine-tuning recipes freeze it."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, conv_dim=(8, 8),
+            conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+            hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+            mask_time_prob=0.05))
+        self.encoder.encoder.pos_conv_embed.requires_grad_(False)
+        self.encoder.freeze_feature_encoder()  # as fine-tuning recipes do
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        steps = int(self.encoder._get_feat_extract_output_lengths(torch.tensor(x.shape[1])))
+        mask = x[:, :10 * steps:10] > 0.3
+        return self.head(self.encoder(x, mask_time_indices=mask).last_hidden_state.mean(1))
+
+
+def _beit():
+    """Layer scales (lambda_1, lambda_2) that the layers own and apply by one multiply each (norms/parameter_uses.py),
+    a class token that the embeddings own (the fallback)."""
+    model = transformers.BeitForImageClassification(transformers.BeitConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, layer_scale_init_value=0.5, **QUIET))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lambda" in name:
+                p.uniform_(-1, 1)
+    return model
+
+
 def _audio(n, g):
     return dict(x=torch.randn(n, 120, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
 
@@ -570,6 +607,8 @@ ZOO = [
     Arch("lstm-cell-unrolled", UnrolledLSTMCell, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
+    Arch("wav2vec2-masked-spec-embed", MaskedSpeech, _audio, _logits_of, continuous="x"),
+    Arch("beit-layer-scale", _beit, _images, _logits_of, continuous="x"),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
     Arch("embedding-bag-max-tied", MaxBags, _bags, _bag_logits, continuous="x"),
 ]

@@ -1,0 +1,283 @@
+"""A module's own parameter used by one elementwise op of its forward (norms/parameter_uses.py): BEiT's and
+Data2Vec-vision's layer scales, a value written at masked positions. Each use is captured at its op, exact against
+the per-example loop in float64 in both modes with nothing of it on the fallback; a parameter used otherwise takes
+the exact fallback as before, and a use whose G mixes examples is refused."""
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import ghostdp
+from ghostdp.norms import parameter_uses
+from conftest import CLIPPING_MODES, assert_exact
+
+B = 3
+
+
+@pytest.fixture
+def use_calls(monkeypatch):
+    """{kind: the factors the uses' rules have formed since the test began}."""
+    counts = {parameter_uses.SCALED: 0, parameter_uses.WRITTEN: 0}
+    for kind, entry in parameter_uses.ENTRIES.items():
+        def counted(*args, _rule=entry.rule, _kind=kind):
+            counts[_kind] += 1
+            return _rule(*args)
+        monkeypatch.setitem(parameter_uses.ENTRIES, kind, type(entry)(**{**entry.__dict__, "rule": counted}))
+    return counts
+
+
+def _spread(model, suffixes):
+    with torch.no_grad():  # layer scales start at one constant: spread, so that a wrong channel or example shows
+        for name, p in model.named_parameters():
+            if name.endswith(suffixes):
+                p.uniform_(-1, 1)
+    return model
+
+
+def _vision(family):
+    config = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, image_size=8,
+                  patch_size=4, num_labels=3, layer_scale_init_value=0.1, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    if family == "beit":
+        model = transformers.BeitForImageClassification(transformers.BeitConfig(**config))
+    else:
+        model = transformers.Data2VecVisionForImageClassification(transformers.Data2VecVisionConfig(**config))
+    model.base_model.embeddings.cls_token.requires_grad_(False)  # the embeddings' own: the fallback (not tested here)
+    return _spread(model, ("lambda_1", "lambda_2"))
+
+
+@pytest.mark.parametrize("family", ["beit", "data2vec-vision"])
+def test_the_layer_scales_of_beit_and_data2vec_vision_are_exact_as_uses(family, use_calls):
+    model = _vision(family)
+    layers = [name for name, m in model.named_modules() if type(m).__name__.endswith("Layer")]
+    assert sorted(ghostdp.validate.fallback_modules(model)) == sorted(layers)  # no rule: the layers own their scales
+    pixels, labels = torch.randn(B, 3, 8, 8), torch.tensor([0, 2, 1])
+
+    def losses(sl=slice(None)):
+        return nn.functional.cross_entropy(model(pixel_values=pixels[sl]).logits, labels[sl], reduction="none")
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    # two scales in each of two layers, two values of C, pass 1 of both modes and ghost's pass 2
+    assert use_calls[parameter_uses.SCALED] == 4 * 2 * 3
+
+
+class ScaledAndWritten(nn.Module):
+    """gamma scales a Linear's (B, T, d) output; token_embed replaces the positions whose input's first feature is
+    positive (a mask of each example's own data, as SpecAugment's is its own draw), written into a tensor that is not
+    a view; beta, when used twice, is no single use."""
+
+    def __init__(self, d=4, beta_twice=False):
+        super().__init__()
+        self.inner, self.head = nn.Linear(d, d), nn.Linear(d, 2)
+        self.gamma = nn.Parameter(torch.linspace(-1.0, 1.5, d))
+        self.token_embed = nn.Parameter(torch.linspace(0.5, -0.7, d))
+        self.beta = nn.Parameter(torch.full((d,), 0.3)) if beta_twice else None
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x)) + 1.0  # a tensor nothing saved, not a view: written in place
+        h[x[..., 0] > 0] = self.token_embed
+        h = self.gamma * h
+        if self.beta is not None:
+            h = h * self.beta + self.beta
+        return self.head(h).sum(1)
+
+
+def _tokens():
+    torch.manual_seed(1)
+    x = torch.randn(B, 5, 4)
+    x[0, :, 0] = -1.0  # one example with no written position: its token_embed gradient is 0
+    return x
+
+
+def test_a_scale_and_a_value_written_at_masked_positions_are_exact_as_uses(use_calls):
+    model = ScaledAndWritten()
+    x, labels = _tokens(), torch.tensor([0, 1, 1])
+
+    def losses(sl=slice(None)):
+        return nn.functional.cross_entropy(model(x[sl]), labels[sl], reduction="none")
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert use_calls == {parameter_uses.SCALED: 2 * 3, parameter_uses.WRITTEN: 2 * 3}
+
+
+def test_a_parameter_used_twice_takes_the_exact_fallback_with_its_module(use_calls):
+    model = ScaledAndWritten(beta_twice=True)
+    x, labels = _tokens(), torch.tensor([0, 1, 1])
+
+    def losses(sl=slice(None)):
+        return nn.functional.cross_entropy(model(x[sl]), labels[sl], reduction="none")
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert use_calls == {parameter_uses.SCALED: 0, parameter_uses.WRITTEN: 0}  # the whole module: one fallback
+
+
+class ScaledThenMixed(nn.Module):
+    """A scale whose output the forward then centres over the batch: its G mixes the examples."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.gamma = nn.Parameter(torch.linspace(-1.0, 1.5, d))
+
+    def forward(self, x):
+        h = self.gamma * torch.tanh(self.inner(x))
+        return (h - h.mean(0)).sum(1)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_use_whose_output_grad_mixes_examples_is_refused(clipping):
+    model = ScaledThenMixed()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match="mixes several examples"):
+            controller.loss(model(torch.randn(B, 5, 4)).pow(2).sum(1), "sum").backward()
+    finally:
+        controller.detach()
+
+
+class SpeechEncoder(nn.Module):
+    """A wav2vec2-family model (its feature encoder frozen, as fine-tuning recipes do) under a head, given SpecAugment's
+    time mask: the model writes masked_spec_embed into the masked steps of its feature projection's output, a view of
+    that Linear's matmul (autograd's CopySlices)."""
+
+    def __init__(self, family):
+        super().__init__()
+        config = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                      conv_dim=(4, 4), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+                      num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
+                      activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.05)
+        if family == "wav2vec2":
+            self.encoder = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(**config))
+        else:
+            self.encoder = transformers.HubertModel(transformers.HubertConfig(**config))
+        self.encoder.feature_extractor._freeze_parameters()
+        self.encoder.encoder.pos_conv_embed.requires_grad_(False)  # weight norm: the fallback (not tested here)
+        with torch.no_grad():
+            self.encoder.masked_spec_embed.uniform_(-1, 1)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_values, mask_time_indices):
+        hidden = self.encoder(input_values, mask_time_indices=mask_time_indices).last_hidden_state
+        return self.head(hidden).pow(2).mean((1, 2))
+
+
+@pytest.mark.parametrize("family", ["wav2vec2", "hubert"])
+def test_masked_spec_embed_written_into_a_view_is_exact_as_a_use(family, use_calls):
+    torch.manual_seed(0)
+    model = SpeechEncoder(family)
+    audio = torch.randn(B, 160)  # 15 time steps
+    steps = model.encoder._get_feat_extract_output_lengths(torch.tensor(160)).item()
+    mask = torch.zeros(B, steps, dtype=torch.bool)
+    mask[0, 2:5], mask[1, [0, 7, 8, 14]] = True, True  # the third example has no masked step
+
+    def losses(sl=slice(None)):
+        return model(audio[sl], mask[sl])
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert use_calls == {parameter_uses.SCALED: 0, parameter_uses.WRITTEN: 2 * 3}
+
+
+class ScaledInPlace(nn.Module):
+    """A scale applied in place to a Linear's (B, T, d) output, a view of its matmul: autograd's CopySlices hides the
+    op, whose gradient for gamma is no gather of G's rows, so the module takes the exact fallback."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.gamma = nn.Parameter(torch.linspace(-1.0, 1.5, d))
+
+    def forward(self, x):
+        h = self.inner(x)
+        h.mul_(self.gamma)
+        return h.pow(2).sum((1, 2))
+
+
+def test_an_in_place_scale_of_a_view_takes_the_exact_fallback(use_calls):
+    model = ScaledInPlace()
+    x = _tokens()
+    assert_exact(model, lambda: model(x), lambda i: model(x[i:i + 1]).sum(), B)
+    assert use_calls == {parameter_uses.SCALED: 0, parameter_uses.WRITTEN: 0}
+
+
+class KeepsProduct(nn.Module):
+    """A scale that keeps its product on itself (``self.last``), which the parent reads besides the output."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x):
+        self.last = x * self.weight
+        return torch.tanh(self.last)
+
+
+class ParentReadsKeptProduct(nn.Module):
+    """Paths from the product past the module's output (the fallback's VJP from its outputs would miss them, so the
+    fallback refuses them: tests/clipping/test_fallback_paths.py): the use's G, taken at the product itself, sums
+    every path."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.gain = KeepsProduct(d)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        h = self.gain(x) * self.scale + self.gain.last
+        return self.head(h + self.gain.last ** 2)
+
+
+def test_paths_from_a_scaled_product_past_its_modules_output_are_exact_as_a_use(use_calls):
+    torch.manual_seed(0)
+    model = ParentReadsKeptProduct()
+    x = torch.randn(B, 4, 3)
+    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert use_calls[parameter_uses.SCALED] == 2 * 2 * 3  # the gain's and the parent's scale
+
+
+class SequenceFirstScale(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.5, d))
+
+    def forward(self, x):  # (T, B, d)
+        return self.weight * torch.tanh(self.inner(x))
+
+
+def test_a_scale_of_a_sequence_first_tensor_is_exact_as_a_use_its_examples_proven_on_dim_1(use_calls):
+    """The scale is the same at every position, so the layout proof may find the examples on any leading dim (as a
+    Linear's): here dim 1, where the model's first argument made the batch size look like T (dim 0 of the input)."""
+    torch.manual_seed(0)
+    model = SequenceFirstScale()
+    x = torch.randn(B, 5, 4)  # batch first: the reference slices examples on dim 0
+
+    def losses(sl=slice(None)):
+        return model(x[sl].transpose(0, 1)).pow(2).sum((0, 2))
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert use_calls[parameter_uses.SCALED] == 2 * 3
+
+
+class CentredThenScaled(nn.Module):
+    """A scale of the batch-centred data: each example's scaled operand depends on every example."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.5, d))
+
+    def forward(self, x):
+        return self.weight * (x - x.mean(0))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_use_whose_operand_mixes_examples_is_refused_by_the_forward_check(clipping):
+    """No gradient shows the mixing (the data has none, nothing trained lies below): the forward check's reruns do,
+    as they do for a ruled layer's mixed input."""
+    model = CentredThenScaled()
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match="the model's forward mixes examples"):
+            controller.loss(model(torch.randn(8, 4)).pow(2).sum(1), "sum").backward()
+    finally:
+        controller.detach()
