@@ -98,11 +98,12 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
 def capture_use(call, node, two_passes: bool, captured_types) -> None:
     """Captures a parameter's elementwise use (norms/parameter_uses.py) at its op's ``node``, as ``capture`` captures a
     ruled call whose factors do not hold G (the recorder has recorded it, set its inputs and checked
-    ``may_capture_use``): book-keeping names its edge unless a probe or captured call lies below its op, where the
-    op's pre-hook hands G over as the node runs; two passes take it so always."""
-    if two_passes:
+    ``may_capture_use``): its op's pre-hook hands G over as the node runs, where two passes capture so (a node below
+    it), or book-keeping finds a probe or captured call below; else pass 1 names its edge, as for a lowest call, which
+    two passes give a probe and an op inside a forward cannot have (a class token's expand: G is small)."""
+    if two_passes and call.input_nodes:
         call.named, call.by_hook, call.sink_unknown = False, True, True
-    elif call.input_nodes and sink_below(call.input_nodes, captured_types):
+    elif not two_passes and call.input_nodes and sink_below(call.input_nodes, captured_types):
         call.named, call.by_hook = False, True
     else:
         call.named, call.by_hook = True, False
@@ -113,13 +114,11 @@ def capture_use(call, node, two_passes: bool, captured_types) -> None:
     captured_types.add(type(node))
 
 
-def may_capture_use(below, two_passes: bool) -> bool:
-    """Whether an elementwise use whose op has the input nodes ``below`` may be captured now: no saved-tensor hooks,
-    recomputation or tracing (as for ``capture``), and with two passes a node below it to sink pass 1 towards (a
-    lowest call keeps a probe, which an op inside a forward cannot have)."""
-    if saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1 or tracing_or_transforming():
-        return False
-    return bool(below) or not two_passes
+def may_capture_use() -> bool:
+    """Whether an elementwise use may be captured now: no saved-tensor hooks, recomputation or tracing (as for
+    ``capture``)."""
+    return not (saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1
+                or tracing_or_transforming())
 
 
 def narrow_output(args, output) -> bool:

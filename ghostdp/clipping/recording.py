@@ -468,7 +468,7 @@ class ForwardRecorder:
         if any(n not in module._parameters for n in params):  # a parametrization's or a container's parameters
             return False
         found = find_uses(params, outputs, _grad_fns(inputs), self._batch_hint)
-        if found is None or not all(may_capture_use(f.below, self.two_passes) for f in found):
+        if found is None or not may_capture_use():
             return False
         for f in found:
             key = (id(module), f.name, f.kind)
@@ -478,7 +478,7 @@ class ForwardRecorder:
             param = params[f.name]
             call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], {f.name: param})
             call.shapes, call.grads, call.expanded = (torch.Size(f.shape),), [None], _NOT_EXPANDED
-            call.input_nodes, call.inputs = f.below, (f.operand,)
+            call.input_nodes, call.inputs = f.below, (f.operand,) if f.operand is not None else ()
             self.live[id(param)] += 1
             capture_use(call, f.node, self.two_passes, self.captured_types)
         return True

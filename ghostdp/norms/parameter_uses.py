@@ -3,23 +3,27 @@ gradient, so the module needs no fallback.
 
 Some modules own a parameter beside their children and apply it in their forward by one elementwise op, then go on
 to compute much more: BEiT's, Data2Vec-vision's and DiT's layers scale the attention's and the MLP's outputs
-(``self.lambda_1 * attention_output``) before their residuals. Such a module has no rule, and the exact fallback
-took one batched VJP of its whole forward per chunk of examples (a 4-layer BEiT, H=64, B=8, on a CPU: book-keeping
-3.9x plain, 2.5x with its scales as uses).
+(``self.lambda_1 * attention_output``) before their residuals, and their embeddings broadcast a class token to the
+batch; wav2vec2's model (and HuBERT's, Data2Vec-audio's, UniSpeech's, SEW's copies) writes ``masked_spec_embed``
+into the time steps that SpecAugment masks. Such a module has no rule, and the exact fallback took one batched VJP
+of its whole forward per chunk of examples: on one CPU thread at B=8 a 4-layer BEiT's book-keeping step took 3.8x
+plain (2.1x with its parameters as uses), a 4-layer wav2vec2 for CTC's 6.3x (1.7x).
 
 Where every trainable parameter of the module's own reaches its outputs through exactly one edge of its forward's
 graph, from a node ``op`` of one of these kinds (the parameter itself, or cast to another dtype, as that node's
 operand), each is a use (``ElementwiseUse``) that the recorder captures like a ruled call (capture.py): its G is the
-gradient of the op's output (B, ..., d), taken at the op's node, and
-- ``scaled``: ``op = p * x`` (or ``x * p``), p broadcast over x's leading dims: g_i = sum of G_i * x_i over the
-  positions p broadcasts over (elementwise.scale_grads), x as the op saved it;
-- ``written``: ``op = index_put(h, (mask,), p)`` (``h[mask] = p``), mask (B, ...) boolean over h's leading dims and p
-  the value written at each masked position: g_i = sum of G_i over example i's masked positions
-  (elementwise.shift_grads of G times the mask). Only where h is not a view: a write into a view is a CopySlices node
-  of autograd's, which hides the op and its mask, and takes the fallback (wav2vec2's ``hidden_states[mask] =
-  self.masked_spec_embed`` writes into its feature projection's output, a view of the Linear's matmul: a wav2vec2 for
-  CTC with its feature encoder frozen trains at 8.5x plain at B=8 on a CPU against 3.1x with the embedding frozen).
-The layout proof checks each use's G as it checks a call's output grad (its examples on dim 0), and the step's audit
+gradient of the op's output, taken at the op's node, and
+- ``scaled``: ``op = p * x`` (or ``x * p``), p of x's trailing shape: g_i = sum of G_i * x_i over the positions p
+  broadcasts over (elementwise.scale_grads), x as the op saved it;
+- ``written``: ``h[mask] = p``, mask boolean over h's leading dims and p the value written at each masked position:
+  g_i = sum of G_i over example i's written positions (elementwise.shift_grads of G times the mask or the count of
+  writes). Into a tensor that is not a view, the op's node is an index_put's, which keeps the mask; into a view
+  (wav2vec2's feature projection's output, a view of the Linear's matmul) it is autograd's CopySlices, which hides
+  both the op and its mask: the node is called once on a probe of distinct values, and the gradient it gives p must
+  be whole rows of the probe, each exactly, which names the rows written (``_written_rows``; one host read a step);
+- ``expanded``: ``op = p.expand(B, ...)``, p of size 1 (or absent) on dim 0, broadcast to the batch (a class token
+  or a mask token, ``self.cls_token.expand(batch_size, -1, -1)``): g_i = sum of G_i over the dims p broadcasts over.
+The layout proof checks each use's G as it checks a call's output grad (where its examples lie), and the step's audit
 attributes the parameter's edge to the use's region (the op down to its other operand), so a parameter used in any
 other way is still refused or takes the fallback (``find_uses`` returns None).
 """
@@ -30,7 +34,7 @@ import torch
 from .elementwise import scale_grads, scale_is_tokenwise, shift_grads
 from .registry import RuleEntry
 
-SCALED, WRITTEN = "scaled", "written"
+SCALED, WRITTEN, EXPANDED = "scaled", "written", "expanded"
 _CAST = "ToCopyBackward0"
 
 
@@ -67,6 +71,11 @@ def scaled_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, t
     return {use.name: scale_grads(inputs[0], output_grad, use.param)}
 
 
+def expanded_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
+    """op = p.expand(B, ...): g_i = sum of G_i over the dims p broadcasts over (no inputs)."""
+    return {use.name: shift_grads(output_grad, use.param)}
+
+
 def written_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
     """op = index_put(h, (mask,), p): g_i = sum of G_i over example i's masked positions (inputs: (mask,), batch
     first, of G's leading shape)."""
@@ -80,12 +89,14 @@ def written_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, 
 # makes batch first with G.
 ENTRIES = {SCALED: RuleEntry(rule=scaled_rule, params=frozenset(), owner=ElementwiseUse,
                              tokenwise=lambda use: scale_is_tokenwise(use.param)),
-           WRITTEN: RuleEntry(rule=written_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True)}
+           WRITTEN: RuleEntry(rule=written_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True),
+           EXPANDED: RuleEntry(rule=expanded_rule, params=frozenset(), owner=ElementwiseUse,
+                               tokenwise=lambda use: scale_is_tokenwise(use.param))}
 
 
 class Found:
     """A use found in the graph: ``node``, the op's autograd node (its output grad is the use's G, at output 0);
-    ``operand``, what the rule reads (x, or the mask); ``below``, the op's other input nodes (its region's bound);
+    ``operand``, what the rule reads (x, the mask, or None); ``below``, the op's other input nodes (its region's bound);
     ``shape``, the op's output shape."""
 
     __slots__ = ("name", "kind", "node", "operand", "below", "shape")
@@ -157,6 +168,11 @@ def _use_at(name, param, node, index, batch_size) -> Found | None:
                 or param.dim() == 0 or tuple(param.shape) != shape[len(shape) - param.dim():]):
             return None  # x broadcast, or p not of x's trailing shape (a per-position or per-example scale)
         return Found(name, SCALED, node, x, below, shape)
+    if kind == "ExpandBackward0" and len(node.next_functions) == 1:
+        aligned = (1,) * (len(shape) - param.dim()) + tuple(param.shape)  # p's sizes beside the output's dims
+        if len(aligned) != len(shape) or aligned[0] != 1 or any(a not in (1, n) for a, n in zip(aligned, shape)):
+            return None
+        return Found(name, EXPANDED, node, None, below, shape)
     if kind == "IndexPutBackward0" and index == 1 and not node._saved_accumulate:
         indices = node._saved_indices
         if len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.bool:

@@ -464,7 +464,7 @@ def _beit():
     a class token that the embeddings own (the fallback)."""
     model = transformers.BeitForImageClassification(transformers.BeitConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=24, num_labels=3, layer_scale_init_value=0.5, **QUIET))
+        intermediate_size=24, num_labels=3, layer_scale_init_value=0.5, drop_path_rate=0.0, **QUIET))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lambda" in name:
