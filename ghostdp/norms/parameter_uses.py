@@ -6,8 +6,8 @@ to compute much more: BEiT's, Data2Vec-vision's and DiT's layers scale the atten
 (``self.lambda_1 * attention_output``) before their residuals, and their embeddings broadcast a class token to the
 batch; wav2vec2's model (and HuBERT's, Data2Vec-audio's, UniSpeech's, SEW's copies) writes ``masked_spec_embed``
 into the time steps that SpecAugment masks. Such a module has no rule, and the exact fallback took one batched VJP
-of its whole forward per chunk of examples: on one CPU thread at B=8 a 4-layer BEiT's book-keeping step took 3.8x
-plain (2.1x with its parameters as uses), a 4-layer wav2vec2 for CTC's 6.3x (1.7x).
+of its whole forward per chunk of examples: on one CPU thread at B=8 a 4-layer BEiT's book-keeping step took 3.9x
+plain (2.0x with its parameters as uses), a 4-layer wav2vec2 for CTC's 6.3x (1.7x).
 
 Where every trainable parameter of the module's own reaches its outputs through exactly one edge of its forward's
 graph, from a node ``op`` of one of these kinds (the parameter itself, or cast to another dtype, as that node's
