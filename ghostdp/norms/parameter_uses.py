@@ -39,10 +39,10 @@ _CAST = "ToCopyBackward0"
 
 
 class ElementwiseUse:
-    """Parameter ``name`` of module ``owner`` as the operand of one elementwise op (``kind``: SCALED or WRITTEN); the
-    "module" of its captured call (records.ModuleCall), one per (owner, name, kind), kept across steps so that its
-    proven layouts are its own. Made by ``use_of``, of a subclass named as the owner's class: errors name a call's
-    module by its class."""
+    """Parameter ``name`` of module ``owner`` as the operand of one elementwise op (``kind``: SCALED, WRITTEN or
+    EXPANDED); the "module" of its captured call (records.ModuleCall), one per (owner, name, kind), kept across steps
+    so that its proven layouts are its own. Made by ``use_of``, of a subclass named as the owner's class: errors name
+    a call's module by its class."""
 
     __slots__ = ("owner", "name", "kind", "__weakref__")
 
@@ -205,7 +205,10 @@ def _written_rows(node, param, shape):
     with torch.no_grad():
         probe = torch.arange(1, rows_total * width + 1, dtype=metadata.dtype, device=metadata.device)
         probe = probe.view(rows_total, width)
-        got = node(probe)[1]  # p's gradient as the op forms it, before autograd sums it to p's shape: (written, d)
+        try:
+            got = node(probe)[1]  # p's gradient as the op forms it, before autograd sums it to p's shape: (written, d)
+        except RuntimeError:  # an op whose backward cannot run on the probe (another dtype it expects, ...)
+            return None
         if got is None or got.dim() != 2 or got.shape[1] != width:
             return None
         rows = torch.div(got[:, 0] - 1, width, rounding_mode="floor").long()
