@@ -406,7 +406,8 @@ class ForwardRecorder:
         if read is None:  # the call computed something the rule does not know (RuleEntry.rule_inputs)
             entry, rule, read = None, None, inputs
         kind = self._call_kind()
-        if (rule is None and kind is _RECORDED and self._capturing and (self.two_passes or not self.forward_checkpointed)
+        may_capture = self._capturing and (self.two_passes or not self.forward_checkpointed)  # as _record_ruled's
+        if (rule is None and kind is _RECORDED and may_capture
                 and self._record_uses(name, module, params, [flat[i] for i in slots], inputs)):
             return None  # every trained parameter of its own is an elementwise use, captured (norms/parameter_uses.py)
         call = ModuleCall(self, name, module, entry, params,
