@@ -64,8 +64,9 @@ def fallback_modules(model: torch.nn.Module) -> dict[str, list[str]]:
     ConvNext step took 6x plain with its norms there). Fix: freeze them (requires_grad_(False)) or register a
     rule (ghostdp.register_norm_rule, ghostdp.norms.registry.register_forward_rule). Calls that a rule declines
     (RuleEntry.accepts: ViT's embeddings with mask tokens, ...) are not listed. A module whose own parameters its
-    forward applies each by one elementwise op (BEiT's layer scales) is listed too: whether a call does so shows only in its graph, and where it does, the call
-    is captured op by op instead (norms/parameter_uses.py)."""
+    forward applies each by one elementwise op (BEiT's layer scales and class token, wav2vec2's masked_spec_embed) is
+    listed too: whether a call does so shows only in its graph, and where it does, the call is captured op by op
+    instead (norms/parameter_uses.py)."""
     found = {}
     for name, module in hooked_modules(model):
         trainable = [n for n, p in owned_parameters(module).items() if p.requires_grad]
