@@ -193,7 +193,7 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
-        # (id(module), parameter name, kind) -> its norms.parameter_uses.ElementwiseUse, the "module" of the calls that
+        # (id(module), parameter name, kind, its shape at the op) -> its norms.parameter_uses.ElementwiseUse, the "module" of the calls that
         # capture it: one object across steps, so that the layouts proven for it stay its own
         self._uses = {}
 
@@ -472,10 +472,10 @@ class ForwardRecorder:
         if found is None or not may_capture_use():
             return False
         for f in found:
-            key = (id(module), f.name, f.kind)
+            key = (id(module), f.name, f.kind, f.param_shape)
             use = self._uses.get(key)
             if use is None or use.owner is not module:
-                use = self._uses[key] = use_of(module, f.name, f.kind)
+                use = self._uses[key] = use_of(module, f.name, f.kind, f.param_shape)
             param = params[f.name]
             call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], {f.name: param})
             call.shapes, call.grads, call.expanded = (torch.Size(f.shape),), [None], _NOT_EXPANDED

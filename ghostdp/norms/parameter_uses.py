@@ -22,99 +22,124 @@ gradient of the op's output, taken at the op's node, and
   both the op and its mask: the node is called once on a probe of distinct values, and the gradient it gives p must
   be whole rows of the probe, each exactly, which names the rows written (``_written_rows``; one host read a step);
 - ``expanded``: ``op = p.expand(B, ...)``, p of size 1 (or absent) on dim 0, broadcast to the batch (a class token
-  or a mask token, ``self.cls_token.expand(batch_size, -1, -1)``): g_i = sum of G_i over the dims p broadcasts over.
+  or a mask token, ``self.cls_token.expand(batch_size, -1, -1)``): g_i = sum of G_i over the dims p broadcasts over;
+- ``added``: ``op = x + p``, p broadcast over the batch (DeBERTa's ``q_bias``, added to the queries per head):
+  g_i = sum of G_i over the dims p broadcasts over.
+p is the op's operand itself, or seen through a chain of casts and views that keep its elements in their order
+(``gamma.unsqueeze(-1).unsqueeze(-1) * x``, PoolFormer's layer scales; DeBERTa's bias viewed per head and permuted):
+its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it).
 The layout proof checks each use's G as it checks a call's output grad (where its examples lie), and the step's audit
 attributes the parameter's edge to the use's region (the op down to its other operand), so a parameter used in any
 other way is still refused or takes the fallback (``find_uses`` returns None).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .elementwise import scale_grads, scale_is_tokenwise, shift_grads
+from .factors import Instantiated
 from .registry import RuleEntry
 
-SCALED, WRITTEN, EXPANDED = "scaled", "written", "expanded"
-_CAST = "ToCopyBackward0"
+SCALED, WRITTEN, EXPANDED, ADDED = "scaled", "written", "expanded", "added"
+# The nodes that may lie between p and its op: a cast, and views that keep p's elements in their order (a permute or
+# a transpose only where it moves dims of size 1: _keeps_order), so that p's gradient is the operand's, reshaped.
+_CHAIN = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                    "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
+                    "SqueezeBackward2", "PermuteBackward0", "TransposeBackward0"})
 
 
 class ElementwiseUse:
-    """Parameter ``name`` of module ``owner`` as the operand of one elementwise op (``kind``: SCALED, WRITTEN or
-    EXPANDED); the "module" of its captured call (records.ModuleCall), one per (owner, name, kind), kept across steps
-    so that its proven layouts are its own. Made by ``use_of``, of a subclass named as the owner's class: errors name
-    a call's module by its class."""
+    """Parameter ``name`` of module ``owner`` as the operand of one elementwise op (``kind``: SCALED, WRITTEN,
+    EXPANDED or ADDED), read by the op in ``shape``; the "module" of its captured call (records.ModuleCall), one per
+    (owner, name, kind, shape), kept across steps so that its proven layouts are its own. Made by ``use_of``, of a
+    subclass named as the owner's class: errors name a call's module by its class."""
 
-    __slots__ = ("owner", "name", "kind", "__weakref__")
+    __slots__ = ("owner", "name", "kind", "shape", "__weakref__")
 
-    def __init__(self, owner: torch.nn.Module, name: str, kind: str):
-        self.owner, self.name, self.kind = owner, name, kind
+    def __init__(self, owner: torch.nn.Module, name: str, kind: str, shape: tuple):
+        self.owner, self.name, self.kind, self.shape = owner, name, kind, shape
 
     @property
     def param(self) -> torch.nn.Parameter:
         return self.owner._parameters[self.name]
 
+    def operand(self) -> torch.Tensor:
+        """The parameter as its op reads it: of ``shape``, its elements in their order."""
+        return self.param.view(self.shape)
+
+    def as_param(self, grads: Instantiated) -> Instantiated:
+        """Per-example gradients of the operand, (B, *shape), as the parameter's, (B, *param.shape)."""
+        return Instantiated(grads.grads.reshape(grads.grads.shape[0], *self.param.shape), grads.mass)
+
 
 _USE_TYPES = {}  # the owner's class -> the ElementwiseUse subclass of its name
 
 
-def use_of(owner: torch.nn.Module, name: str, kind: str) -> ElementwiseUse:
+def use_of(owner: torch.nn.Module, name: str, kind: str, shape: tuple) -> ElementwiseUse:
     """An ElementwiseUse of ``owner``'s parameter ``name``, of the subclass named as ``owner``'s class."""
     owner_type = type(owner)
     use_type = _USE_TYPES.get(owner_type)
     if use_type is None:
         use_type = _USE_TYPES[owner_type] = type(owner_type.__name__, (ElementwiseUse,), {"__slots__": ()})
-    return use_type(owner, name, kind)
+    return use_type(owner, name, kind, shape)
 
 
 def scaled_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
     """op = p * x: g_i = sum over the positions p broadcasts over of G_i * x_i (inputs: (x,), batch first)."""
-    return {use.name: scale_grads(inputs[0], output_grad, use.param)}
+    return {use.name: use.as_param(scale_grads(inputs[0], output_grad, use.operand()))}
 
 
-def expanded_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
-    """op = p.expand(B, ...): g_i = sum of G_i over the dims p broadcasts over (no inputs)."""
-    return {use.name: shift_grads(output_grad, use.param)}
+def broadcast_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
+    """op = p.expand(B, ...) or x + p: g_i = sum of G_i over the dims p broadcasts over (no inputs)."""
+    return {use.name: use.as_param(shift_grads(output_grad, use.operand()))}
 
 
 def written_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
-    """op = index_put(h, (mask,), p): g_i = sum of G_i over example i's masked positions (inputs: (mask,), batch
-    first, of G's leading shape)."""
+    """h[mask] = p: g_i = sum of G_i over example i's written positions (inputs: (the mask, or the count of writes at
+    each position,), batch first, of G's leading shape)."""
     mask = inputs[0]
     masked = output_grad * mask.reshape(*mask.shape, *[1] * (output_grad.dim() - mask.dim())).to(output_grad.dtype)
-    return {use.name: shift_grads(masked, use.param)}
+    return {use.name: use.as_param(shift_grads(masked, use.operand()))}
 
 
-# Tokenwise as the layout proof reads it (any leading dim may hold the examples): a scale that is the same at every
+def _tokenwise(use: ElementwiseUse) -> bool:
+    return scale_is_tokenwise(use.operand())
+
+
+# Tokenwise as the layout proof reads it (any leading dim may hold the examples): a parameter that is the same at every
 # leading position (elementwise.scale_is_tokenwise); a value written at each masked position, whose mask the layout
 # makes batch first with G.
-ENTRIES = {SCALED: RuleEntry(rule=scaled_rule, params=frozenset(), owner=ElementwiseUse,
-                             tokenwise=lambda use: scale_is_tokenwise(use.param)),
+ENTRIES = {SCALED: RuleEntry(rule=scaled_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
            WRITTEN: RuleEntry(rule=written_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True),
-           EXPANDED: RuleEntry(rule=expanded_rule, params=frozenset(), owner=ElementwiseUse,
-                               tokenwise=lambda use: scale_is_tokenwise(use.param))}
+           EXPANDED: RuleEntry(rule=broadcast_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
+           ADDED: RuleEntry(rule=broadcast_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise)}
 
 
 class Found:
     """A use found in the graph: ``node``, the op's autograd node (its output grad is the use's G, at output 0);
-    ``operand``, what the rule reads (x, the mask, or None); ``below``, the op's other input nodes (its region's bound);
-    ``shape``, the op's output shape."""
+    ``operand``, what the rule reads (x, the mask or the counts, or None); ``below``, the op's other input nodes (its
+    region's bound); ``shape``, the op's output shape; ``param_shape``, p's as the op reads it."""
 
-    __slots__ = ("name", "kind", "node", "operand", "below", "shape")
+    __slots__ = ("name", "kind", "node", "operand", "below", "shape", "param_shape")
 
-    def __init__(self, name, kind, node, operand, below, shape):
-        self.name, self.kind, self.node, self.operand, self.below, self.shape = name, kind, node, operand, below, shape
+    def __init__(self, name, kind, node, operand, below, shape, param_shape):
+        self.name, self.kind, self.node, self.operand, self.below = name, kind, node, operand, below
+        self.shape, self.param_shape = shape, param_shape
 
 
 def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> list[Found] | None:
     """The uses of ``params`` (name -> trainable parameter owned by the module) in the graph from the module's
     ``outputs`` down to (not into) ``input_nodes``, one per parameter, or None where any parameter has another
-    number of edges there, is reached other than as an op's operand of a kind above (or its cast), or the op's
-    output has not the batch on dim 0 (see the module doc). One walk of the module's graph."""
+    number of edges there, is reached other than as an op's operand of a kind above (directly, or through a chain
+    of _CHAIN nodes each with one consumer), or the op's output has not the batch on dim 0 (see the module doc). One
+    walk of the module's graph."""
     if batch_size is None or not params:
         return None
     by_id = {id(p): name for name, p in params.items()}
     edges = {name: [] for name in params}  # name -> [(node, input index)] into its accumulator
-    parents = {}  # a cast node -> [(node, input index)] reaching it
+    parents = {}  # a node of _CHAIN -> [(node, input index)] reaching it
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen = set()
     while stack:
@@ -131,7 +156,7 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
                 if name is not None:
                     edges[name].append((node, index))
                 continue
-            if type(below).__name__ == _CAST:
+            if type(below).__name__ in _CHAIN:
                 parents.setdefault(below, []).append((node, index))
             stack.append(below)
     found = []
@@ -139,49 +164,76 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
         if len(into) != 1:
             return None
         node, index = into[0]
-        if type(node).__name__ == _CAST:  # p cast to the op's dtype: the op is the cast's one consumer
-            if len(node.next_functions) != 1 or len(parents.get(node, ())) != 1:
+        param_shape = tuple(params[name].shape)
+        while type(node).__name__ in _CHAIN:  # up the chain from p to its op
+            if len(node.next_functions) != 1 or len(parents.get(node, ())) != 1 or not _keeps_order(node):
                 return None
+            param_shape = tuple(node._input_metadata[0].shape)
             node, index = parents[node][0]
-        use = _use_at(name, params[name], node, index, batch_size)
+        if math.prod(param_shape) != params[name].numel():
+            return None
+        use = _use_at(name, param_shape, node, index, batch_size)
         if use is None:
             return None
         found.append(use)
     return found
 
 
-def _use_at(name, param, node, index, batch_size) -> Found | None:
-    """The use of ``param`` as input ``index`` of ``node``, where the node is an op of a kind above, else None."""
+def _keeps_order(node) -> bool:
+    """Whether a node of _CHAIN keeps its input's elements in their order: all but a permute or a transpose do, and
+    those where only dims of size 1 move past the others (a bias viewed per head: (1, 1, H, d) -> (1, H, 1, d))."""
+    kind = type(node).__name__
+    if kind not in ("PermuteBackward0", "TransposeBackward0"):
+        return True
+    out = tuple(node._input_metadata[0].shape)
+    if kind == "PermuteBackward0":
+        order = [d % len(out) for d in node._saved_dims]
+    else:
+        order = list(range(len(out)))
+        a, b = node._saved_dim0 % len(out), node._saved_dim1 % len(out)
+        order[a], order[b] = order[b], order[a]
+    moved = [order[k] for k in range(len(out)) if out[k] != 1]  # the input dim that each output dim above 1 reads
+    return moved == sorted(moved)
+
+
+def _broadcasts_over_batch(param_shape: tuple, shape: tuple) -> bool:
+    """Whether p (of ``param_shape``) broadcasts to ``shape`` with dim 0, the batch's, of size 1 (or absent)."""
+    aligned = (1,) * (len(shape) - len(param_shape)) + param_shape
+    return len(aligned) == len(shape) and aligned[0] == 1 and all(a in (1, n) for a, n in zip(aligned, shape))
+
+
+def _use_at(name, param_shape, node, index, batch_size) -> Found | None:
+    """The use of a parameter, read in ``param_shape``, as input ``index`` of ``node``, where the node is an op of a
+    kind above, else None."""
     kind = type(node).__name__
     shape = tuple(node._input_metadata[0].shape)
     if batch_size <= 1 or not shape:
         return None  # a batch of one: dim 0 could hold anything of size 1 (the fallback's masked VJP is exact there)
     below = frozenset([n for k, (n, _) in enumerate(node.next_functions) if k != index and n is not None])
     if kind == "CopySlices" and index == 1 and len(node.next_functions) == 2 and shape[0] % batch_size == 0:
-        counts = _written_rows(node, param, shape)  # (a view's base: the layout proof finds its examples' rows)
-        return None if counts is None else Found(name, WRITTEN, node, counts, below, shape)
+        counts = _written_rows(node, param_shape, shape)  # (a view's base: the layout proof finds its examples' rows)
+        return None if counts is None else Found(name, WRITTEN, node, counts, below, shape, param_shape)
     if shape[0] != batch_size:
         return None
     if kind == "MulBackward0" and len(node.next_functions) == 2:
         x = node._saved_other if index == 0 else node._saved_self
-        if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or param.dim() >= len(shape)
-                or param.dim() == 0 or tuple(param.shape) != shape[len(shape) - param.dim():]):
-            return None  # x broadcast, or p not of x's trailing shape (a per-position or per-example scale)
-        return Found(name, SCALED, node, x, below, shape)
-    if kind == "ExpandBackward0" and len(node.next_functions) == 1:
-        aligned = (1,) * (len(shape) - param.dim()) + tuple(param.shape)  # p's sizes beside the output's dims
-        if len(aligned) != len(shape) or aligned[0] != 1 or any(a not in (1, n) for a, n in zip(aligned, shape)):
-            return None
-        return Found(name, EXPANDED, node, None, below, shape)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or not _broadcasts_over_batch(param_shape, shape):
+            return None  # x broadcast, or p spanning the batch dim (a per-example scale)
+        return Found(name, SCALED, node, x, below, shape, param_shape)
+    if kind == "ExpandBackward0" and len(node.next_functions) == 1 and _broadcasts_over_batch(param_shape, shape):
+        return Found(name, EXPANDED, node, None, below, shape, param_shape)
+    if (kind == "AddBackward0" and len(node.next_functions) == 2 and node._saved_alpha == 1
+            and _broadcasts_over_batch(param_shape, shape)):
+        return Found(name, ADDED, node, None, below, shape, param_shape)
     if kind == "IndexPutBackward0" and index == 1 and not node._saved_accumulate:
         indices = node._saved_indices
         if len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.bool:
             return None
         mask = indices[0]
         k = mask.dim()
-        if tuple(mask.shape) != shape[:k] or tuple(param.shape) != shape[k:]:
+        if tuple(mask.shape) != shape[:k] or param_shape != shape[k:]:
             return None  # one value of p at every masked position, written whole
-        return Found(name, WRITTEN, node, mask, below, shape)
+        return Found(name, WRITTEN, node, mask, below, shape, param_shape)
     return None
 
 
@@ -189,15 +241,15 @@ def _use_at(name, param, node, index, batch_size) -> Found | None:
 _EXACT_CODES = {torch.float32: 1 << 24, torch.float64: 1 << 53}
 
 
-def _written_rows(node, param, shape):
+def _written_rows(node, param_shape, shape):
     """For a CopySlices node (an in-place op on a view; its output is the view's base, ``shape`` (N, d)) whose second
-    input is a (d,) parameter p: how often each of the N rows was written with p ((N,), the base's dtype), where the
+    input is a parameter p read as (d,): how often each of the N rows was written with p ((N,), the base's dtype), where the
     op's gradient for p gathers whole rows of G (``h[mask] = p``, ``h[rows] = p``, ``h.copy_(p)`` into a view: g = the
     sum of G over the rows written); None for any other op (``h.mul_(p)``, ``h.add_(p)`` on a 3-D view, a per-element
     mask, ...). The node hides its op and the op's indices, so it is called once on a probe whose elements are
     1, 2, ..., N * d: the gradient it gives p must be whole rows of the probe, each row exactly. One host read."""
     metadata = node._input_metadata[0]
-    if len(shape) != 2 or param.dim() != 1 or shape[1] != param.shape[0] or metadata.dtype not in _EXACT_CODES:
+    if len(shape) != 2 or param_shape != shape[1:] or metadata.dtype not in _EXACT_CODES:
         return None
     rows_total, width = shape
     if rows_total * width >= _EXACT_CODES[metadata.dtype]:

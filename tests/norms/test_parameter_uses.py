@@ -26,6 +26,11 @@ def use_calls(monkeypatch):
     return counts
 
 
+def used(counts):
+    """The kinds of use that formed factors, with their counts."""
+    return {kind: n for kind, n in counts.items() if n}
+
+
 def _spread(model, suffixes):
     with torch.no_grad():  # layer scales start at one constant: spread, so that a wrong channel or example shows
         for name, p in model.named_parameters():
@@ -97,7 +102,7 @@ def test_a_scale_and_a_value_written_at_masked_positions_are_exact_as_uses(use_c
         return nn.functional.cross_entropy(model(x[sl]), labels[sl], reduction="none")
 
     assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
-    assert use_calls == {parameter_uses.SCALED: 2 * 3, parameter_uses.WRITTEN: 2 * 3, parameter_uses.EXPANDED: 0}
+    assert used(use_calls) == {parameter_uses.SCALED: 2 * 3, parameter_uses.WRITTEN: 2 * 3}
 
 
 def test_a_parameter_used_twice_takes_the_exact_fallback_with_its_module(use_calls):
@@ -174,7 +179,7 @@ def test_masked_spec_embed_written_into_a_view_is_exact_as_a_use(family, use_cal
         return model(audio[sl], mask[sl])
 
     assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
-    assert use_calls == {parameter_uses.SCALED: 0, parameter_uses.WRITTEN: 2 * 3, parameter_uses.EXPANDED: 0}
+    assert used(use_calls) == {parameter_uses.WRITTEN: 2 * 3}
 
 
 class ScaledInPlace(nn.Module):
@@ -281,3 +286,95 @@ def test_a_use_whose_operand_mixes_examples_is_refused_by_the_forward_check(clip
             controller.loss(model(torch.randn(8, 4)).pow(2).sum(1), "sum").backward()
     finally:
         controller.detach()
+
+
+class ChannelScaled(nn.Module):
+    """A per-channel scale viewed to (C, 1, 1) before it multiplies a (B, C, H, W) map (PoolFormer's layer scales), and
+    a per-channel bias seen through a permute that moves only dims of size 1."""
+
+    def __init__(self, c=3, moves_data=False):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.gamma = nn.Parameter(torch.linspace(-1.0, 1.5, c))
+        self.beta = nn.Parameter(torch.linspace(0.5, -0.5, c * 2).view(c, 2))
+        self.moves_data = moves_data
+
+    def forward(self, x):
+        h = self.gamma.unsqueeze(-1).unsqueeze(-1) * torch.tanh(self.conv(x))  # (B, C, H, W)
+        if self.moves_data:  # (C, 2) read as (2, C): the transpose moves its elements
+            return h.flatten(2)[..., :2].transpose(1, 2) + self.beta.transpose(0, 1)
+        return h.flatten(2)[..., :2] + self.beta[:, None].permute(1, 0, 2)  # (C, 1, 2) -> (1, C, 2)
+
+
+def test_parameters_seen_through_views_that_keep_their_order_are_exact_as_uses(use_calls):
+    torch.manual_seed(0)
+    model = ChannelScaled()
+    x = torch.randn(B, 3, 4, 4)
+    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert used(use_calls) == {parameter_uses.SCALED: 2 * 3, parameter_uses.ADDED: 2 * 3}
+
+
+def test_a_parameter_seen_through_a_transpose_of_its_data_takes_the_fallback(use_calls):
+    """beta.transpose(0, 1): a transpose that moves its elements, so its gradient is not the operand's reshaped."""
+    torch.manual_seed(0)
+    model = ChannelScaled(moves_data=True)
+    x = torch.randn(B, 3, 4, 4)
+    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert not any(use_calls.values())  # gamma is a use, beta not: the whole module takes the fallback
+
+
+def test_deberta_v1s_query_and_value_biases_are_exact_as_uses(use_calls):
+    """DeBERTa's attention adds q_bias and v_bias, viewed per head ((1, 1, H, d) permuted to (1, H, 1, d)), to its
+    queries and values; without relative attention it owns nothing else."""
+    torch.manual_seed(0)
+    model = transformers.DebertaForSequenceClassification(transformers.DebertaConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, num_labels=3,
+        relative_attention=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_bias", "v_bias")):
+                p.uniform_(-1, 1)
+    ids, labels = torch.randint(1, 30, (B, 5)), torch.tensor([0, 2, 1])
+
+    def losses(sl=slice(None)):
+        return nn.functional.cross_entropy(model(input_ids=ids[sl]).logits, labels[sl], reduction="none")
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert used(use_calls) == {parameter_uses.ADDED: 2 * 2 * 3}
+
+
+def test_poolformers_layer_scales_viewed_per_channel_are_exact_as_uses(use_calls):
+    """PoolFormer's blocks own their layer scales, (C,) viewed to (C, 1, 1) before they multiply each branch."""
+    torch.manual_seed(0)
+    model = _spread(transformers.PoolFormerForImageClassification(transformers.PoolFormerConfig(
+        hidden_sizes=[4, 8], depths=[1, 1], num_encoder_blocks=2, patch_sizes=[3, 3], strides=[2, 2],
+        padding=[1, 1], num_labels=3, pool_size=3, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+        layer_scale_init_value=0.5)), ("layer_scale_1", "layer_scale_2"))
+    pixels, labels = torch.randn(B, 3, 8, 8), torch.tensor([0, 2, 1])
+
+    def losses(sl=slice(None)):
+        return nn.functional.cross_entropy(model(pixel_values=pixels[sl]).logits, labels[sl], reduction="none")
+
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert used(use_calls) == {parameter_uses.SCALED: 2 * 2 * 2 * 3}  # two scales a block, two blocks
+
+
+class Slope(nn.Module):
+    """PReLU's arithmetic with one slope, a 0-dim parameter: x where x > 0, a x elsewhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.a = nn.Parameter(torch.tensor(0.25))
+
+    def forward(self, x):
+        h = self.inner(x)
+        return torch.where(h > 0, h, self.a * h)
+
+
+def test_a_scalar_scale_is_exact_as_a_use(use_calls):
+    torch.manual_seed(0)
+    model = Slope()
+    x = torch.randn(B, 5, 4)
+    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert used(use_calls) == {parameter_uses.SCALED: 2 * 3}

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ghostdp
 import test_sensitivity_audit as audit
-from conftest import Unsteady
+from conftest import Unsteady, fallback_gain
 from test_sensitivity_audit import LinearAttentionEncoder
 
 B, T, D = 4, 4, 8
@@ -85,14 +85,14 @@ def test_an_example_whose_gradient_is_mostly_rounding_moves_the_float32_clipped_
 
 class _Slope(torch.nn.Module):
     """x where x > 0, a x elsewhere: PReLU's arithmetic in a module of its own, which has no norm rule (the fallback;
-    nn.PReLU has one since 2026-11-28)."""
+    nn.PReLU has one since 2026-11-28; the product through conftest.fallback_gain, which no elementwise use takes)."""
 
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Parameter(torch.tensor(0.25))
 
     def forward(self, x):
-        return torch.where(x > 0, x, self.a * x)
+        return torch.where(x > 0, x, fallback_gain(x, self.a))
 
 
 class _Wobbly(torch.nn.Module):
