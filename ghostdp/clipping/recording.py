@@ -193,8 +193,8 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
-        # (id(module), parameter name, kind, its shape at the op) -> its norms.parameter_uses.ElementwiseUse, the "module" of the calls that
-        # capture it: one object across steps, so that the layouts proven for it stay its own
+        # (id(module), parameter name, kind, its shape at the op) -> its norms.parameter_uses.ElementwiseUse, the
+        # "module" of the calls that capture it: one object across steps, so that the layouts proven for it stay its own
         self._uses = {}
 
     def attach(self, module) -> list:

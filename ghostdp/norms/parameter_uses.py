@@ -243,11 +243,12 @@ _EXACT_CODES = {torch.float32: 1 << 24, torch.float64: 1 << 53}
 
 def _written_rows(node, param_shape, shape):
     """For a CopySlices node (an in-place op on a view; its output is the view's base, ``shape`` (N, d)) whose second
-    input is a parameter p read as (d,): how often each of the N rows was written with p ((N,), the base's dtype), where the
-    op's gradient for p gathers whole rows of G (``h[mask] = p``, ``h[rows] = p``, ``h.copy_(p)`` into a view: g = the
-    sum of G over the rows written); None for any other op (``h.mul_(p)``, ``h.add_(p)`` on a 3-D view, a per-element
-    mask, ...). The node hides its op and the op's indices, so it is called once on a probe whose elements are
-    1, 2, ..., N * d: the gradient it gives p must be whole rows of the probe, each row exactly. One host read."""
+    input is a parameter p read as (d,): how often each of the N rows was written with p ((N,), the base's dtype),
+    where the op's gradient for p gathers whole rows of G (``h[mask] = p``, ``h[rows] = p``, ``h.copy_(p)`` into a
+    view: g = the sum of G over the rows written); None for any other op (``h.mul_(p)``, ``h.add_(p)`` on a 3-D view,
+    a per-element mask, ...). The node hides its op and the op's indices, so it is called once on a probe whose
+    elements are 1, 2, ..., N * d: the gradient it gives p must be whole rows of the probe, each row exactly. One host
+    read."""
     metadata = node._input_metadata[0]
     if len(shape) != 2 or param_shape != shape[1:] or metadata.dtype not in _EXACT_CODES:
         return None
