@@ -378,3 +378,31 @@ def test_a_scalar_scale_is_exact_as_a_use(use_calls):
     x = torch.randn(B, 5, 4)
     assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 3}
+
+
+class Scale(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ScaleTwice(nn.Module):
+    """One scale called twice in a chain: two uses of one parameter, whose norm takes their cross terms."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.scale, self.mix, self.head = Scale(d), nn.Linear(d, d), nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.head(self.scale(torch.tanh(self.mix(self.scale(x)))))
+
+
+def test_a_module_whose_use_is_called_twice_is_exact_with_its_cross_terms(use_calls):
+    torch.manual_seed(0)
+    model = ScaleTwice()
+    x = torch.randn(B, 5, 4)
+    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert used(use_calls) == {parameter_uses.SCALED: 2 * 2 * 3}
