@@ -333,14 +333,14 @@ class DPOptimizer(torch.optim.Optimizer):
         # their loss scales, for adaptive clipping their counts of unclipped examples, and the gradients' norm
         # (on a GPU a second read, after the first, found the device idle and waited for it again).
         norm = gradient_norm(params) if passes else None
+        reads_norm = norm is not None and norm.total is not None
         values = [record.loss_scale.reshape(()).double() for record in passes]
         values += [record.unclipped.reshape(()).double() for record in passes if record.unclipped is not None]
-        if norm is not None and norm.total is not None:
-            values.append(norm.total)
+        values += [norm.total] if reads_norm else []
         if len({v.device for v in values}) > 1:
             values = [v.cpu() for v in values]
         values = torch.stack(values).tolist() if values else []
-        if norm is not None and norm.total is not None:
+        if reads_norm:
             norm.value = values.pop()
         scales, counts = values[:len(passes)], values[len(passes):]
         bad_scales = sorted({s for s in scales if s != 1.0})

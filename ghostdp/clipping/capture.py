@@ -69,7 +69,7 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     the step's conditions and recorded the call): the type of its node, or None (it needs a probe).
     ``two_passes``: the controller's mode is two passes (else book-keeping).
     ``captured_types``: the node types of the calls captured so far."""
-    if saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1 or tracing_or_transforming():
+    if not capturable_now():
         return None
     if two_passes:
         if not call.input_nodes:  # a lowest call: its probe is a sink of pass 1 (see the module doc)
@@ -87,38 +87,40 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     if edge is None:
         return None
     node, output_nr = edge
-    call.inputs = args
-    call.input_versions = tuple([a._version for a in args])
-    call.captured = output_nr
-    node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
-    node.register_prehook(call.on_output_grads)  # a bound method: fewer objects per call than a partial
+    _hold_at(call, node, output_nr, args)
     return type(node)
 
 
-def capture_use(call, node, two_passes: bool, captured_types) -> None:
-    """Captures a parameter's elementwise use (norms/parameter_uses.py) at its op's ``node``, as ``capture`` captures a
-    ruled call whose factors do not hold G (the recorder has recorded it, set its inputs and checked
-    ``may_capture_use``): its op's pre-hook hands G over as the node runs, where two passes capture so (a node below
-    it), or book-keeping finds a probe or captured call below; else pass 1 names its edge, as for a lowest call, which
-    two passes give a probe and an op inside a forward cannot have (a class token's expand: G is small)."""
+def capture_use(call, node, inputs, two_passes: bool, captured_types) -> None:
+    """Captures a parameter's elementwise use (norms/parameter_uses.py) at its op's ``node``, holding what its rule
+    reads, ``inputs``, as ``capture`` captures a ruled call whose factors do not hold G (the recorder has recorded it
+    and checked ``capturable_now``): its op's pre-hook hands G over as the node runs, where two passes capture so (a
+    node below it), or book-keeping finds a probe or captured call below; else pass 1 names its edge, as for a lowest
+    call, which two passes give a probe and an op inside a forward cannot have (a class token's expand: G is small)."""
     if two_passes and call.input_nodes:
         call.named, call.by_hook, call.sink_unknown = False, True, True
     elif not two_passes and call.input_nodes and sink_below(call.input_nodes, captured_types):
         call.named, call.by_hook = False, True
     else:
         call.named, call.by_hook = True, False
-    call.input_versions = tuple([a._version for a in call.inputs])
-    call.captured = 0  # the op's one output
-    node.metadata[CAPTURED_CALL] = call
-    node.register_prehook(call.on_output_grads)
+    _hold_at(call, node, 0, inputs)  # the op's one output
     captured_types.add(type(node))
 
 
-def may_capture_use() -> bool:
-    """Whether an elementwise use may be captured now: no saved-tensor hooks, recomputation or tracing (as for
-    ``capture``)."""
-    return not (saved_tensor_hooks(False) is not None or torch._C._current_graph_task_id() != -1
-                or tracing_or_transforming())
+def capturable_now() -> bool:
+    """Whether a call may be captured now (see the module doc): no saved-tensor hooks, no recomputation (a backward
+    running), no functorch transform or torch.compile tracing."""
+    return (saved_tensor_hooks(False) is None and torch._C._current_graph_task_id() == -1
+            and not tracing_or_transforming())
+
+
+def _hold_at(call, node, output_nr, inputs) -> None:
+    """The call captured at output ``output_nr`` of ``node``, holding ``inputs`` (and their versions) to its norm."""
+    call.inputs = inputs
+    call.input_versions = tuple([a._version for a in inputs])
+    call.captured = output_nr
+    node.metadata[CAPTURED_CALL] = call  # the call lives as long as the node; the audit finds it there
+    node.register_prehook(call.on_output_grads)  # a bound method: fewer objects per call than a partial
 
 
 def narrow_output(args, output) -> bool:

@@ -32,7 +32,7 @@ from ..norms.relative_bias import POSITION_BIAS_ARGUMENT, looks_up_per_example, 
 from ..norms.window_bias import adds_window_bias
 from ..sharding import is_sharded, sharded_units
 from ..norms.parameter_uses import ENTRIES as USE_ENTRIES, find_uses, use_of
-from .capture import capture, capture_use, may_capture_use, saved_tensor_hooks as _saved_tensor_hooks
+from .capture import capturable_now, capture, capture_use, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT
@@ -469,7 +469,7 @@ class ForwardRecorder:
         if any(n not in module._parameters for n in params):  # a parametrization's or a container's parameters
             return False
         found = find_uses(params, outputs, _grad_fns(inputs), self._batch_hint)
-        if found is None or not may_capture_use():
+        if found is None or not capturable_now():
             return False
         for f in found:
             key = (id(module), f.name, f.kind, f.param_shape)
@@ -479,9 +479,10 @@ class ForwardRecorder:
             param = params[f.name]
             call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], {f.name: param})
             call.shapes, call.grads, call.expanded = (torch.Size(f.shape),), [None], _NOT_EXPANDED
-            call.input_nodes, call.inputs = f.below, (f.operand,) if f.operand is not None else ()
+            call.input_nodes = f.below
             self.live[id(param)] += 1
-            capture_use(call, f.node, self.two_passes, self.captured_types)
+            capture_use(call, f.node, (f.operand,) if f.operand is not None else (), self.two_passes,
+                        self.captured_types)
         return True
 
     def _changed_since_attaching(self, module) -> tuple[str, str] | None:

@@ -9,7 +9,7 @@ from torch import nn
 
 import ghostdp
 from ghostdp.norms import parameter_uses
-from conftest import CLIPPING_MODES, assert_exact
+from conftest import CLIPPING_MODES, assert_exact, assert_exact_model
 
 B = 3
 
@@ -24,6 +24,16 @@ def use_calls(monkeypatch):
             return _rule(*args)
         monkeypatch.setitem(parameter_uses.ENTRIES, kind, type(entry)(**{**entry.__dict__, "rule": counted}))
     return counts
+
+
+def exact_by_slices(model, losses):
+    """assert_exact for ``losses(sl)``: the (n,) per-example losses of the batch's examples ``sl``."""
+    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+
+
+def squares(output, sl):
+    """Each example's sum of its squared (B, T, d) outputs."""
+    return output.pow(2).sum((1, 2))
 
 
 def used(counts):
@@ -61,7 +71,7 @@ def test_the_layer_scales_of_beit_and_data2vec_vision_are_exact_as_uses(family, 
     def losses(sl=slice(None)):
         return nn.functional.cross_entropy(model(pixel_values=pixels[sl]).logits, labels[sl], reduction="none")
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     # two scales in each of two layers, two values of C, pass 1 of both modes and ghost's pass 2; the class token
     assert use_calls[parameter_uses.SCALED] == 4 * 2 * 3 and use_calls[parameter_uses.EXPANDED] == 2 * 3
 
@@ -101,7 +111,7 @@ def test_a_scale_and_a_value_written_at_masked_positions_are_exact_as_uses(use_c
     def losses(sl=slice(None)):
         return nn.functional.cross_entropy(model(x[sl]), labels[sl], reduction="none")
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 3, parameter_uses.WRITTEN: 2 * 3}
 
 
@@ -112,7 +122,7 @@ def test_a_parameter_used_twice_takes_the_exact_fallback_with_its_module(use_cal
     def losses(sl=slice(None)):
         return nn.functional.cross_entropy(model(x[sl]), labels[sl], reduction="none")
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     assert not any(use_calls.values())  # the whole module: one fallback
 
 
@@ -178,7 +188,7 @@ def test_masked_spec_embed_written_into_a_view_is_exact_as_a_use(family, use_cal
     def losses(sl=slice(None)):
         return model(audio[sl], mask[sl])
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     assert used(use_calls) == {parameter_uses.WRITTEN: 2 * 3}
 
 
@@ -200,7 +210,7 @@ class ScaledInPlace(nn.Module):
 def test_an_in_place_scale_of_a_view_takes_the_exact_fallback(use_calls):
     model = ScaledInPlace()
     x = _tokens()
-    assert_exact(model, lambda: model(x), lambda i: model(x[i:i + 1]).sum(), B)
+    assert_exact_model(model, x, lambda out, sl: out, B)
     assert not any(use_calls.values())
 
 
@@ -236,7 +246,7 @@ def test_paths_from_a_scaled_product_past_its_modules_output_are_exact_as_a_use(
     torch.manual_seed(0)
     model = ParentReadsKeptProduct()
     x = torch.randn(B, 4, 3)
-    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert_exact_model(model, x, squares, B)
     assert use_calls[parameter_uses.SCALED] == 2 * 2 * 3  # the gain's and the parent's scale
 
 
@@ -260,7 +270,7 @@ def test_a_scale_of_a_sequence_first_tensor_is_exact_as_a_use_its_examples_prove
     def losses(sl=slice(None)):
         return model(x[sl].transpose(0, 1)).pow(2).sum((0, 2))
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     assert use_calls[parameter_uses.SCALED] == 2 * 3
 
 
@@ -310,7 +320,7 @@ def test_parameters_seen_through_views_that_keep_their_order_are_exact_as_uses(u
     torch.manual_seed(0)
     model = ChannelScaled()
     x = torch.randn(B, 3, 4, 4)
-    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert_exact_model(model, x, squares, B)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 3, parameter_uses.ADDED: 2 * 3}
 
 
@@ -319,7 +329,7 @@ def test_a_parameter_seen_through_a_transpose_of_its_data_takes_the_fallback(use
     torch.manual_seed(0)
     model = ChannelScaled(moves_data=True)
     x = torch.randn(B, 3, 4, 4)
-    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert_exact_model(model, x, squares, B)
     assert not any(use_calls.values())  # gamma is a use, beta not: the whole module takes the fallback
 
 
@@ -339,7 +349,7 @@ def test_deberta_v1s_query_and_value_biases_are_exact_as_uses(use_calls):
     def losses(sl=slice(None)):
         return nn.functional.cross_entropy(model(input_ids=ids[sl]).logits, labels[sl], reduction="none")
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     assert used(use_calls) == {parameter_uses.ADDED: 2 * 2 * 3}
 
 
@@ -355,7 +365,7 @@ def test_poolformers_layer_scales_viewed_per_channel_are_exact_as_uses(use_calls
     def losses(sl=slice(None)):
         return nn.functional.cross_entropy(model(pixel_values=pixels[sl]).logits, labels[sl], reduction="none")
 
-    assert_exact(model, losses, lambda i: losses(slice(i, i + 1)).sum(), B)
+    exact_by_slices(model, losses)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 2 * 2 * 3}  # two scales a block, two blocks
 
 
@@ -376,11 +386,13 @@ def test_a_scalar_scale_is_exact_as_a_use(use_calls):
     torch.manual_seed(0)
     model = Slope()
     x = torch.randn(B, 5, 4)
-    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert_exact_model(model, x, squares, B)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 3}
 
 
-class Scale(nn.Module):
+class PlainGain(nn.Module):
+    """x * weight: an elementwise use (conftest's Gain takes the fallback)."""
+
     def __init__(self, d=4):
         super().__init__()
         self.weight = nn.Parameter(torch.linspace(-1.5, 1.5, d))
@@ -394,7 +406,7 @@ class ScaleTwice(nn.Module):
 
     def __init__(self, d=4):
         super().__init__()
-        self.scale, self.mix, self.head = Scale(d), nn.Linear(d, d), nn.Linear(d, 2)
+        self.scale, self.mix, self.head = PlainGain(d), nn.Linear(d, d), nn.Linear(d, 2)
 
     def forward(self, x):
         return self.head(self.scale(torch.tanh(self.mix(self.scale(x)))))
@@ -404,5 +416,5 @@ def test_a_module_whose_use_is_called_twice_is_exact_with_its_cross_terms(use_ca
     torch.manual_seed(0)
     model = ScaleTwice()
     x = torch.randn(B, 5, 4)
-    assert_exact(model, lambda: model(x).pow(2).sum((1, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
+    assert_exact_model(model, x, squares, B)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 2 * 3}
