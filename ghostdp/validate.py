@@ -6,6 +6,7 @@ import warnings
 import torch
 
 from . import layers
+from .layers import wavlm
 from .norms.fallback import attached_rule, hooked_modules, owned_parameters
 
 # torch.nn modules that ghostdp.layers has twins of, whose weights the Linear rule covers (``fix``)
@@ -93,6 +94,11 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
       weights, state_dict keys and outputs, whose projections the Linear norm rule covers (torch.nn's go to the
       per-example fallback: a VJP per example through the attention). Subclasses that override ``forward`` stay,
       with a warning.
+    - Every transformers WavLMAttention becomes ``ghostdp.layers.wavlm.WavLMAttention``, which takes over its
+      children and parameters and computes the same outputs with its projections called as Linear layers
+      (transformers' hands their weights to ``F.multi_head_attention_forward``, which ghostdp refuses: gradient
+      reaches them outside their modules). One whose code is not the one ghostdp knows (a subclass with methods of
+      its own, another transformers version) stays, with a warning.
     """
     if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
         raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
@@ -103,7 +109,7 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                 setattr(m, child_name, _group_norm_for(child))
-            elif isinstance(child, _TWINNED):
+            elif isinstance(child, _TWINNED) or wavlm.is_transformers_wavlm_attention(child):
                 replacement = _twin_for(child, f"{name}.{child_name}" if name else child_name)
                 if replacement is not None:
                     setattr(m, child_name, replacement)
@@ -121,16 +127,20 @@ def _group_norm_for(batch_norm) -> torch.nn.GroupNorm:
 
 
 def swappable_modules(model: torch.nn.Module) -> list:
-    """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules with trainable parameters that
-    ``fix`` would swap for their ghostdp.layers twins (which the Linear rule covers; torch.nn's take the fallback).
-    The model itself is not listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one module)."""
+    """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules and transformers WavLMAttention
+    modules with trainable parameters that ``fix`` would swap for their ghostdp.layers twins (which the Linear rule
+    covers; torch.nn's take the fallback, transformers' WavLM attention is refused). The model itself is not
+    listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one torch.nn module)."""
     return [name for name, m in model.named_modules()
-            if name and isinstance(m, _TWINNED) and _why_kept(m) is None
-            and any(p.requires_grad for p in m.parameters())]
+            if name and (isinstance(m, _TWINNED) or wavlm.is_transformers_wavlm_attention(m))
+            and _why_kept(m) is None and any(p.requires_grad for p in m.parameters())]
 
 
 def _why_kept(module) -> str | None:
-    """Why ``fix`` leaves a torch.nn recurrent layer or MultiheadAttention in place, or None: it swaps it."""
+    """Why ``fix`` leaves a torch.nn recurrent layer or MultiheadAttention, or a transformers WavLMAttention, in
+    place, or None: it swaps it."""
+    if wavlm.is_transformers_wavlm_attention(module):
+        return None if wavlm.has_known_code(type(module)) else "its code is not the WavLM attention ghostdp knows"
     if type(module).forward not in [cls.forward for cls in _TWINNED]:
         return "its class overrides forward"
     if getattr(module, "proj_size", 0):
@@ -139,10 +149,15 @@ def _why_kept(module) -> str | None:
 
 
 def _twin_for(module, name):
-    """The ghostdp.layers twin of a torch.nn recurrent layer or MultiheadAttention, or None (warned)."""
+    """The ghostdp.layers twin of a torch.nn recurrent layer or MultiheadAttention, or of a transformers
+    WavLMAttention, or None (warned)."""
     reason = _why_kept(module)
     if reason is None:
-        return layers.from_torch(module)
-    warnings.warn(f"ghostdp.validate.fix left '{name}' ({type(module).__name__}) in place because {reason}: it "
-                  "trains through the exact per-example fallback, O(batch) in time and memory", stacklevel=3)
+        return wavlm.from_transformers(module) if wavlm.is_transformers_wavlm_attention(module) else \
+            layers.from_torch(module)
+    consequence = ("its projections' weights are read outside their modules, which ghostdp refuses: freeze them "
+                   "or give the class WavLM's code" if wavlm.is_transformers_wavlm_attention(module) else
+                   "it trains through the exact per-example fallback, O(batch) in time and memory")
+    warnings.warn(f"ghostdp.validate.fix left '{name}' ({type(module).__name__}) in place because {reason}: "
+                  f"{consequence}", stacklevel=3)
     return None

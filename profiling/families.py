@@ -64,6 +64,22 @@ def _text_model(config_name, model_name, eos_token_id=None, **config):
     return build
 
 
+def _speech_model(config_name, model_name, fix=False, **config):
+    """A speech classifier on 2 x 1600 samples of noise, its feature encoder frozen as fine-tuning recipes freeze it;
+    ``fix``: ghostdp.validate.fix first (WavLM's attention: ghostdp.layers.wavlm)."""
+    import torch
+    import transformers
+
+    def build():
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(num_labels=3, **config))
+        model.freeze_feature_encoder()
+        if fix:
+            import ghostdp
+            ghostdp.validate.fix(model)
+        return model, {"input_values": torch.randn(2, 1600)}
+    return build
+
+
 def _torch_model(name):
     """A torch.nn model called as model(input=...).logits: "embedding-bag", a mean of nn.EmbeddingBag rows and a head;
     "instance-norm", two convolutions with InstanceNorm2d(affine=True); "conv-transpose", an image encoder-decoder
@@ -104,6 +120,11 @@ _VIT = {"image_size": 16, "patch_size": 4, "hidden_size": 64, "num_hidden_layers
 _CONVNEXT = {"num_channels": 3, "num_stages": 4, "hidden_sizes": [16, 32, 64, 128], "depths": [2, 2, 4, 2],
              "image_size": 32}
 _DECODER = {"hidden_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4, "intermediate_size": 256}
+_SPEECH = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 256,
+           "conv_dim": (32, 32, 32), "conv_stride": (5, 2, 2), "conv_kernel": (10, 3, 3), "num_conv_pos_embeddings": 16,
+           "num_conv_pos_embedding_groups": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+           "activation_dropout": 0.0, "feat_proj_dropout": 0.0, "layerdrop": 0.0, "final_dropout": 0.0,
+           "mask_time_prob": 0.0, "classifier_proj_size": 32}
 FAMILIES = {
     "convnext": _image_model("ConvNextConfig", "ConvNextForImageClassification", **_CONVNEXT),
     "convnextv2": _image_model("ConvNextV2Config", "ConvNextV2ForImageClassification", **_CONVNEXT),
@@ -124,6 +145,8 @@ FAMILIES = {
                         decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
                         decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                         classifier_dropout=0.0),
+    "wav2vec2": _speech_model("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", **_SPEECH),
+    "wavlm": _speech_model("WavLMConfig", "WavLMForSequenceClassification", fix=True, **_SPEECH),
     "embedding-bag": _torch_model("embedding-bag"),
     "instance-norm": _torch_model("instance-norm"),
     "conv-transpose": _torch_model("conv-transpose"),

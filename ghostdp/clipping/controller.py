@@ -28,6 +28,7 @@ from ..data import distributed_rank_and_size
 from ..model_tree import current_tree
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
+from ..layers.wavlm import is_transformers_wavlm_attention
 from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
@@ -65,6 +66,13 @@ SWAPPABLE_MODULES = (
     "inside one functional call that no norm rule sees: {names} ({kinds}). Fix: ghostdp.validate.fix(model) "
     "before making it private swaps them for their ghostdp.layers twins (same weights, state_dict keys and "
     "outputs), whose projections the Linear rule covers.")
+
+WAVLM_ATTENTIONS = (
+    "ghostdp: transformers' WavLMAttention hands the weights of its q_proj, k_proj, v_proj and out_proj to "
+    "F.multi_head_attention_forward, so gradient reaches them outside their Linear modules, which ghostdp refuses "
+    "at the step (it cannot bound a per-example norm it never sees): {names}. Fix: ghostdp.validate.fix(model) "
+    "before making it private swaps each for ghostdp.layers.wavlm.WavLMAttention (the same children, parameters, "
+    "state_dict keys and outputs), whose projections are Linear calls that the Linear rule covers.")
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -121,6 +129,11 @@ def _forget_captured_edges(calls) -> None:
         if call.captured is not None:
             call.edges = ()
         call.fallback_stops = None
+
+
+def _listed(names, shown=5) -> str:
+    """The first ``shown`` names, quoted, and how many there are where there are more."""
+    return ", ".join(f"'{n}'" for n in names[:shown]) + (f", ... ({len(names)})" if len(names) > shown else "")
 
 
 def _attached_controller(module):
@@ -211,11 +224,14 @@ class GhostClipping:
         self._handles += self.independence.attach(module)
         _ATTACHED[module] = self
         slow = validate.fallback_modules(module)
-        swappable = validate.swappable_modules(module) if slow else []
+        swappable = validate.swappable_modules(module)
+        self._wavlm_attentions = [n for n in swappable if is_transformers_wavlm_attention(module.get_submodule(n))]
+        if self._wavlm_attentions:  # a step would be refused: the one-line fix, said where the user sees it
+            warnings.warn(WAVLM_ATTENTIONS.format(names=_listed(self._wavlm_attentions)), stacklevel=3)
+        swappable = [n for n in swappable if n not in self._wavlm_attentions] if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
-            warnings.warn(SWAPPABLE_MODULES.format(names=", ".join(f"'{n}'" for n in swappable[:5]) + (
-                f", ... ({len(swappable)})" if len(swappable) > 5 else ""), kinds=", ".join(kinds)), stacklevel=3)
+            warnings.warn(SWAPPABLE_MODULES.format(names=_listed(swappable), kinds=", ".join(kinds)), stacklevel=3)
         if slow:  # logged, not warned: the fallback is exact, only slower (T5's relative bias, raw parameters)
             names = list(slow)
             log.info(FALLBACK_MODULES.format(count=len(names), names=", ".join(names[:5]) + (
@@ -395,13 +411,17 @@ class GhostClipping:
                 "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
                 "Fix: call model.train() before the forward of a training step." + compiled_code_note())
         described = self._described(stray)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        in_wavlm = sorted({w for p in stray for w in self._wavlm_attentions
+                           if names.get(id(p), "").startswith(w + ".")})
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
             "it (e.g. a parent reads child.weight directly, on every step or only for some inputs, or the loss "
             "adds a penalty on the weights), so ghostdp cannot bound its per-example norm. Fix: call the owning "
             "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
-            "weights and not on the data." + compiled_code_note())
+            "weights and not on the data."
+            + (" " + WAVLM_ATTENTIONS.format(names=_listed(in_wavlm)) if in_wavlm else "") + compiled_code_note())
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

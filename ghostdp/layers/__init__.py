@@ -1,8 +1,8 @@
 """Drop-in modules whose parameters the norm rules cover: recurrent layers and multi-head attention built from
-Linear projections."""
+Linear projections, and WavLM's attention with its projections called (``wavlm``, swapped in by validate.fix)."""
 from torch import nn
 
-from . import attention, recurrent
+from . import attention, recurrent, wavlm
 from .attention import MultiheadAttention
 from .recurrent import GRU, LSTM, RNN
 

@@ -459,6 +459,22 @@ class MaskedSpeech(nn.Module):
         return self.head(self.encoder(x, mask_time_indices=mask).last_hidden_state.mean(1))
 
 
+def _wavlm():
+    """WavLM with its attentions swapped by validate.fix for ghostdp.layers.wavlm's, whose projections are Linear
+    calls: the first one's relative position bias table looked up as a batch of one, the gates' constants (uses)."""
+    model = transformers.WavLMForSequenceClassification(transformers.WavLMConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+        mask_time_prob=0.0, final_dropout=0.0, num_labels=3, classifier_proj_size=8, num_buckets=16,
+        max_bucket_distance=40))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gru_rel_pos_const", "rel_attn_embed.weight")):
+                p.uniform_(-1, 1)
+    return ghostdp.validate.fix(model)
+
+
 def _beit():
     """Layer scales (lambda_1, lambda_2) that the layers own and apply by one multiply each (norms/parameter_uses.py),
     a class token that the embeddings own (the fallback)."""
@@ -609,6 +625,7 @@ ZOO = [
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
     Arch("wav2vec2-masked-spec-embed", MaskedSpeech, _audio, _logits_of, continuous="x"),
     Arch("beit-layer-scale", _beit, _images, _logits_of, continuous="x"),
+    Arch("wavlm-fixed", _wavlm, _audio, _logits_of, continuous="x"),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
     Arch("embedding-bag-max-tied", MaxBags, _bags, _bag_logits, continuous="x"),
 ]
