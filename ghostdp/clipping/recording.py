@@ -135,6 +135,8 @@ def leading_dim(flat):
     return None
 
 
+# torch's message where a forward sets requires_grad on a non-leaf (an InputSink's output, a view of it)
+LEAF_FLAGS_ERROR = "you can only change requires_grad flags of leaf variables"
 # What to freeze where a model broadcasts a computation shared by the batch itself, checked on each (the rest of the
 # model then trains exactly: tests/test_models.py). A module that also runs on the batch's own inputs (DeBERTa-v3's
 # query and key projections) is frozen for those too: ghostdp cannot yet split such a gradient by example.
@@ -158,6 +160,7 @@ class ForwardRecorder:
         self.sinks = {}               # device -> the leaf of the InputSinks (probe.py) of modules without a rule
         self._batch_hint = None
         self.broadcast_in_forward = []  # (name, shape) of the outputs of batch size 1 broadcast in this forward
+        self.sunk_in_forward = []  # the names of the modules whose inputs went through an InputSink in this forward
         # A call without a rule and with several outputs: its fallback runs after pass 1 has gone below it.
         self.graph_needed_after_pass1 = False
         # The forward ran a trained layer under a checkpoint (saved-tensor hooks, or with grad off in training: a
@@ -213,7 +216,7 @@ class ForwardRecorder:
             self._attached[id(m)] = (handle.id, type(m).forward)
             if entry is None or entry.accepts is not None or entry.rule_inputs is not None:  # its inputs'
                 # gradients are proven too, where it takes the fallback (PassOne._prove_fallback_inputs)
-                handles.append(m.register_forward_pre_hook(functools.partial(self.on_fallback_forward, entry),
+                handles.append(m.register_forward_pre_hook(functools.partial(self.on_fallback_forward, name, entry),
                                                            with_kwargs=True))
             if set(owned_parameters(m)) == {n for n, p in m._parameters.items() if p is not None}:
                 self._plain_owners.add(id(m))
@@ -285,6 +288,7 @@ class ForwardRecorder:
             flat = tree_flatten((args, kwargs))[0]
             self._batch_hint = leading_dim(flat)
             self.broadcast_in_forward.clear()
+            self.sunk_in_forward.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
                 self.forward_checkpointed = _saved_tensor_hooks(False) is not None
@@ -298,16 +302,36 @@ class ForwardRecorder:
                 self._capturing = self.two_passes or not checkpointing
 
     def on_root_forward_end(self, module, args, output):
-        """Runs also when the model's forward raised (always_call): if a module's output of batch size 1 was
-        broadcast to the batch before, the error most likely comes from that (the model broadcasts it itself,
-        or its dim 0 was not a batch dim), which the model's own message cannot say."""
+        """Runs also when the model's forward raised (always_call): where it set requires_grad on a tensor that is
+        not a leaf after a module's inputs went through an InputSink, the sink made that input a non-leaf; else, if
+        a module's output of batch size 1 was broadcast to the batch before, the error most likely comes from that
+        (the model broadcasts it itself, or its dim 0 was not a batch dim). The model's own message cannot say
+        either."""
         if self._collector_pauses:  # empty only where a hook before on_root_forward raised
             collector.resume(self._collector_pauses.pop())
         error = sys.exc_info()[1]  # output is None: the forward raised (not a forward inside an except block)
-        if output is not None or error is None or not self.broadcast_in_forward:
+        if output is not None or error is None:
             return
-        name, shape = self.broadcast_in_forward[-1]  # the last before the error
-        explanation = (
+        if self.sunk_in_forward and isinstance(error, RuntimeError) and LEAF_FLAGS_ERROR in str(error):
+            self._add_note(error, self._sunk_input_explanation(self.sunk_in_forward[-1]))
+        elif self.broadcast_in_forward:
+            self._add_note(error, self._broadcast_explanation(*self.broadcast_in_forward[-1]))
+
+    def _sunk_input_explanation(self, name) -> str:
+        module = self.root.get_submodule(name)
+        params = ", ".join(f"'{n}'" for n, p in owned_parameters(module).items() if p.requires_grad)
+        return (
+            f"ghostdp: module '{name or '<root>'}' ({type(module).__name__}) has trainable parameters of its own that "
+            f"no norm rule covers ({params}), so ghostdp passed its float inputs through an input sink, a tensor that "
+            "requires grad, to prove from their gradients that the module keeps the examples apart. The model's "
+            "forward then set requires_grad on such an input, which only a leaf allows (transformers' wav2vec2, "
+            "HuBERT, Data2Vec-audio, UniSpeech and SEW feature encoders do when they train, for gradient "
+            "checkpointing). Fix: freeze those parameters (requires_grad_(False); for the wav2vec2 family, "
+            "masked_spec_embed, which SpecAugment writes into the masked steps), or freeze the feature encoder "
+            "(model.freeze_feature_encoder(), as fine-tuning recipes do).")
+
+    def _broadcast_explanation(self, name, shape) -> str:
+        return (
             f"ghostdp: this forward broadcast the output of module '{name}', of shape {tuple(shape)}, to the batch "
             f"of {self._batch_hint} examples (an output of batch size 1 is taken as shared by the batch, like "
             "BERT's position embeddings, so that its gradient stays per example), and the model's forward then "
@@ -317,6 +341,9 @@ class ForwardRecorder:
             "cannot split its gradient by example. Fix: freeze that module's parameters (requires_grad_(False)) "
             "before making the model private (prompt tuning trains nothing else: use another adapter, e.g. LoRA). "
             + SHARED_BY_THE_BATCH)
+
+    @staticmethod
+    def _add_note(error, explanation) -> None:
         if _ADDS_NOTES:
             error.add_note(explanation)
         else:  # Python 3.10: shown before the model's error
@@ -337,7 +364,7 @@ class ForwardRecorder:
     def _probe(self, device):
         return zero_size_leaf(self.probes, device)
 
-    def on_fallback_forward(self, entry, module, args, kwargs):
+    def on_fallback_forward(self, name, entry, module, args, kwargs):
         """A module without a rule (``entry`` None), a call its rule declines (RuleEntry.accepts), or one whose rule
         may decline it once its forward has run (RuleEntry.rule_inputs: ConvNext's block, whose graph the rule reads):
         each of its float tensor arguments without grad (positional or keyword) through an InputSink, so that the
@@ -361,7 +388,10 @@ class ForwardRecorder:
 
         new_args = tuple([through_sink(a) for a in args])
         new_kwargs = {k: through_sink(v) for k, v in kwargs.items()}
-        return (new_args, new_kwargs) if sunk else None
+        if not sunk:
+            return None
+        self.sunk_in_forward.append(name)
+        return new_args, new_kwargs
 
     def on_forward(self, name, entry, module, args, kwargs, output):
         if entry is not None and ("forward" in module.__dict__ or (entry.methods and replaced_method(module, entry))):

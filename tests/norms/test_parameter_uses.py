@@ -155,7 +155,7 @@ class SpeechEncoder(nn.Module):
     time mask: the model writes masked_spec_embed into the masked steps of its feature projection's output, a view of
     that Linear's matmul (autograd's CopySlices)."""
 
-    def __init__(self, family):
+    def __init__(self, family, feature_encoder_frozen=True):
         super().__init__()
         config = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                       conv_dim=(4, 4), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
@@ -165,7 +165,8 @@ class SpeechEncoder(nn.Module):
             self.encoder = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(**config))
         else:
             self.encoder = transformers.HubertModel(transformers.HubertConfig(**config))
-        self.encoder.feature_extractor._freeze_parameters()
+        if feature_encoder_frozen:
+            self.encoder.feature_extractor._freeze_parameters()
         self.encoder.encoder.pos_conv_embed.requires_grad_(False)  # weight norm: the fallback (not tested here)
         with torch.no_grad():
             self.encoder.masked_spec_embed.uniform_(-1, 1)
@@ -190,6 +191,37 @@ def test_masked_spec_embed_written_into_a_view_is_exact_as_a_use(family, use_cal
 
     exact_by_slices(model, losses)
     assert used(use_calls) == {parameter_uses.WRITTEN: 2 * 3}
+
+
+def test_a_trained_feature_encoder_fails_with_a_note_naming_the_freezes_and_is_exact_with_the_embed_frozen():
+    """A feature encoder that trains sets requires_grad on a view of the audio (for gradient checkpointing). The
+    audio had gone through the input sink of Wav2Vec2Model, whose own masked_spec_embed shows itself a use only once
+    the forward has run: a non-leaf, so the model's forward failed with torch's bare message before 2026-12-02; it
+    now carries ghostdp's note, naming the module, its parameter and both freezes. With masked_spec_embed frozen
+    the module owns nothing trained, no sink is placed, and the model, feature encoder trained, is exact."""
+    torch.manual_seed(0)
+    model = SpeechEncoder("wav2vec2", feature_encoder_frozen=False).train()
+    audio = torch.randn(B, 160)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match="requires_grad flags of leaf variables") as caught:
+            model(audio, None)
+    finally:
+        controller.detach()
+    note = "".join(getattr(caught.value, "__notes__", []))
+    assert "module 'encoder' (Wav2Vec2Model)" in note and "('masked_spec_embed')" in note, note
+    assert "freeze_feature_encoder()" in note and "requires_grad_(False)" in note, note
+    model.encoder.masked_spec_embed.requires_grad_(False)
+    model.double()
+    audio = audio.double()
+    mask = torch.zeros(B, 15, dtype=torch.bool)
+    mask[0, 2:5] = True
+
+    def losses(sl=slice(None)):
+        return model(audio[sl], mask[sl])
+
+    assert model.encoder.feature_extractor.conv_layers[0].conv.weight.requires_grad
+    exact_by_slices(model, losses)
 
 
 class ScaledInPlace(nn.Module):
