@@ -5,7 +5,7 @@ from torch import nn
 
 import ghostdp
 from ghostdp.validate import ModelNotPrivatizable
-from conftest import assert_exact_model
+from conftest import assert_exact_model, fallback_gain
 from ghostdp import per_example_loss
 
 
@@ -156,3 +156,31 @@ def test_attaching_logs_the_modules_that_take_the_fallback_once_and_names_them(c
     with caplog.at_level(logging.INFO, logger="ghostdp"):
         ghostdp.GhostClipping(model, 1.0).detach()
     assert not [r for r in caplog.records if "take the exact fallback" in r.getMessage()]
+
+
+class _Gained(nn.Module):
+    """A raw parameter applied by addcmul: not an elementwise use ghostdp knows, so the fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return fallback_gain(x, self.gain)
+
+
+def test_the_first_norm_pass_logs_which_listed_modules_took_the_fallback_and_which_were_uses(caplog):
+    """_Scaled's scale is a use (norms/parameter_uses.py), found only in its call's graph: listed when attaching,
+    not among the modules the first norm pass names; _Gained's gain took the fallback. Logged once."""
+    import logging
+    model = nn.Sequential(_Scaled(), _Gained(), nn.Linear(4, 2))
+    with caplog.at_level(logging.INFO, logger="ghostdp"):
+        controller = ghostdp.GhostClipping(model, 1.0)
+        for _ in range(2):
+            controller.loss(model(torch.randn(3, 4)).pow(2).sum(1)).backward()
+    controller.detach()
+    attached = [r.getMessage() for r in caplog.records if "take the exact fallback" in r.getMessage()]
+    assert len(attached) == 1 and "2 module(s)" in attached[0] and ": 0, 1." in attached[0], attached
+    taken = [r.getMessage() for r in caplog.records if "in the first norm pass" in r.getMessage()]
+    assert taken == ["ghostdp: in the first norm pass, 1 module(s) took the exact fallback: '1'; the other 1 listed "
+                     "when attaching ('0') were captured at their parameters' elementwise uses or not called."], taken

@@ -58,7 +58,11 @@ FALLBACK_MODULES = (
     "ghostdp: {count} module(s) have trainable parameters that no norm rule covers and take the exact fallback, one "
     "batched backward of the module per chunk of examples (O(B^2) elements a step; several times a ruled layer's "
     "cost at large batches): {names}. ghostdp.validate.fallback_modules(model) lists them with their parameters; "
-    "where speed matters, freeze them (requires_grad_(False)) or register a norm rule.")
+    "where speed matters, freeze them (requires_grad_(False)) or register a norm rule. A module whose forward "
+    "applies each of its own parameters by one elementwise op (a layer scale, a class token) is captured at those "
+    "ops instead, which only its first call shows: the first norm pass logs which modules took the fallback.")
+FALLBACK_TAKEN = (
+    "ghostdp: in the first norm pass, {count} module(s) took the exact fallback: {names}{uses}.")
 
 SWAPPABLE_MODULES = (
     "ghostdp: these torch.nn modules take the exact per-example fallback, O(batch) in time and memory (a 4-layer "
@@ -232,6 +236,7 @@ class GhostClipping:
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
             warnings.warn(SWAPPABLE_MODULES.format(names=_listed(swappable), kinds=", ".join(kinds)), stacklevel=3)
+        self._fallback_listed = list(slow)  # logged again after the first norm pass, as it went (_log_fallback)
         if slow:  # logged, not warned: the fallback is exact, only slower (T5's relative bias, raw parameters)
             names = list(slow)
             log.info(FALLBACK_MODULES.format(count=len(names), names=", ".join(names[:5]) + (
@@ -505,6 +510,8 @@ class GhostClipping:
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
+        if self._fallback_listed:
+            self._log_fallback()
         self.step_modes.measured(passed, mode, checkpointed, saved, footprint, calls)
         self._kept = passed.kept if mode.keeps_factors else passed.exact
         self._mass = (passed.total_mass(), passed.mass_dtype)
@@ -516,6 +523,16 @@ class GhostClipping:
             return group_norms[0]
         self.last_group_norms = group_norms
         return sq.sum(0).clamp(min=0).sqrt()
+
+    def _log_fallback(self) -> None:
+        """Once, after the first norm pass: which of the modules listed when attaching took the fallback in it; the
+        others were captured at their parameters' elementwise uses (or were not called)."""
+        listed, self._fallback_listed = self._fallback_listed, []
+        taken = sorted({n or "<root>" for n in self.pass_one.took_fallback})
+        others = [n for n in listed if n not in taken]
+        uses = (f"; the other {len(others)} listed when attaching ({_listed(others, 3)}) were captured at their "
+                "parameters' elementwise uses or not called" if others else "")
+        log.info(FALLBACK_TAKEN.format(count=len(taken), names=_listed(taken) if taken else "none", uses=uses))
 
     def clip_coefficients(self, per_example_losses: torch.Tensor, mode=None, pass_two: bool = False) -> torch.Tensor:
         """Pass 1 and c_i = min(1, C / (n_i + 1e-6)) (per-group clipping: c_ki = min(1, C_k / (n_ki + 1e-6)),

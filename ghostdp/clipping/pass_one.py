@@ -102,6 +102,7 @@ class PassOne:
         self.recorder = recorder
         self.current = None
         self.in_fallback = False         # a fallback's own backward is running (its probes stay quiet)
+        self.took_fallback = set()       # the names of the modules whose calls took the exact fallback, ever
         self.in_pass_two = 0             # pass 2 of a DP loss is running (running_pass_two), nested that deep
         self._reprove = False            # this pass proves every call's layout again (run)
         self._random_before = None       # the global generators' states at the start of the pass (run)
@@ -464,6 +465,7 @@ class PassOne:
         missing = None  # the parameters the rule has no factor for (most calls: none, and no dict built)
         if len(factors) < len(call.params):
             missing = {n: p for n, p in call.params.items() if n not in factors}
+            self.took_fallback.add(call.name)
             self.in_fallback = True
             try:
                 factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B,
