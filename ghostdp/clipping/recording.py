@@ -196,8 +196,9 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
-        # (id(module), parameter name, kind, its shape at the op) -> its norms.parameter_uses.ElementwiseUse, the
-        # "module" of the calls that capture it: one object across steps, so that the layouts proven for it stay its own
+        # (id(module), parameter name, kind, its shape at the op, the functions of it the op reads) -> its
+        # norms.parameter_uses.ElementwiseUse, the "module" of the calls that capture it: one object across steps, so
+        # that the layouts proven for it stay its own
         self._uses = {}
 
     def attach(self, module) -> list:
@@ -502,10 +503,11 @@ class ForwardRecorder:
         if found is None or not capturable_now():
             return False
         for f in found:
-            key = (id(module), f.name, f.kind, f.param_shape)
+            key = (id(module), f.name, f.kind, f.param_shape, f.functions)
             use = self._uses.get(key)
             if use is None or use.owner is not module:
                 use = self._uses[key] = use_of(module, f.name, f.kind, f.param_shape)
+            use.derivative = f.derivative  # f'(p) of this forward's p (the same for every call of this key)
             param = params[f.name]
             call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], {f.name: param})
             call.shapes, call.grads, call.expanded = (torch.Size(f.shape),), [None], _NOT_EXPANDED

@@ -27,7 +27,12 @@ gradient of the op's output, taken at the op's node, and
   g_i = sum of G_i over the dims p broadcasts over.
 p is the op's operand itself, or seen through a chain of casts and views that keep its elements in their order
 (``gamma.unsqueeze(-1).unsqueeze(-1) * x``, PoolFormer's layer scales; DeBERTa's bias viewed per head and permuted):
-its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it).
+its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it). The chain may
+also hold elementwise functions of one argument (_FUNCTIONS: a gate's ``tanh()`` in gated cross-attention, Swin v2's
+``clamp(logit_scale, max=...).exp()``, a sigmoid): the operand is then f(p), whose Jacobian is diagonal, so
+g_i(p) = f'(p) * g_i(f(p)), f'(p) formed when the forward has run by the chain's own nodes applied to ones
+(``ElementwiseUse.derivative``; autograd's formulas, clamp's mask at its bounds included). Since 2026-12-02; such a
+module took the exact fallback before.
 The layout proof checks each use's G as it checks a call's output grad (where its examples lie), and the step's audit
 attributes the parameter's edge to the use's region (the op down to its other operand), so a parameter used in any
 other way is still refused or takes the fallback (``find_uses`` returns None).
@@ -45,9 +50,13 @@ from .registry import RuleEntry
 SCALED, WRITTEN, EXPANDED, ADDED = "scaled", "written", "expanded", "added"
 # The nodes that may lie between p and its op: a cast, and views that keep p's elements in their order (a permute or
 # a transpose only where it moves dims of size 1: _keeps_order), so that p's gradient is the operand's, reshaped.
-_CHAIN = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+_VIEWS = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
                     "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
                     "SqueezeBackward2", "PermuteBackward0", "TransposeBackward0"})
+# Elementwise functions of one tensor (a diagonal Jacobian), which may lie between p and its op too.
+_FUNCTIONS = frozenset({"TanhBackward0", "SigmoidBackward0", "ExpBackward0", "ClampBackward1", "ClampMinBackward0",
+                        "ClampMaxBackward0", "NegBackward0", "SoftplusBackward0"})
+_CHAIN = _VIEWS | _FUNCTIONS
 
 
 class ElementwiseUse:
@@ -56,10 +65,11 @@ class ElementwiseUse:
     (owner, name, kind, shape), kept across steps so that its proven layouts are its own. Made by ``use_of``, of a
     subclass named as the owner's class: errors name a call's module by its class."""
 
-    __slots__ = ("owner", "name", "kind", "shape", "__weakref__")
+    __slots__ = ("owner", "name", "kind", "shape", "derivative", "__weakref__")
 
     def __init__(self, owner: torch.nn.Module, name: str, kind: str, shape: tuple):
         self.owner, self.name, self.kind, self.shape = owner, name, kind, shape
+        self.derivative = None  # f'(p) where the op reads f(p) (module doc), of p's shape: set at each forward
 
     @property
     def param(self) -> torch.nn.Parameter:
@@ -70,8 +80,13 @@ class ElementwiseUse:
         return self.param.view(self.shape)
 
     def as_param(self, grads: Instantiated) -> Instantiated:
-        """Per-example gradients of the operand, (B, *shape), as the parameter's, (B, *param.shape)."""
-        return Instantiated(grads.grads.reshape(grads.grads.shape[0], *self.param.shape), grads.mass)
+        """Per-example gradients of the operand, (B, *shape), as the parameter's, (B, *param.shape): times f'(p)
+        where the operand is f(p), its token mass bounded by max |f'(p)| times the operand's."""
+        g = grads.grads.reshape(grads.grads.shape[0], *self.param.shape)
+        if self.derivative is None:
+            return Instantiated(g, grads.mass)
+        mass = None if grads.mass is None else grads.mass * self.derivative.abs().amax().to(grads.mass.dtype)
+        return Instantiated(g * self.derivative.to(g.dtype), mass)
 
 
 _USE_TYPES = {}  # the owner's class -> the ElementwiseUse subclass of its name
@@ -122,11 +137,12 @@ class Found:
     ``operand``, what the rule reads (x, the mask or the counts, or None); ``below``, the op's other input nodes (its
     region's bound); ``shape``, the op's output shape; ``param_shape``, p's as the op reads it."""
 
-    __slots__ = ("name", "kind", "node", "operand", "below", "shape", "param_shape")
+    __slots__ = ("name", "kind", "node", "operand", "below", "shape", "param_shape", "functions", "derivative")
 
     def __init__(self, name, kind, node, operand, below, shape, param_shape):
         self.name, self.kind, self.node, self.operand, self.below = name, kind, node, operand, below
         self.shape, self.param_shape = shape, param_shape
+        self.functions, self.derivative = (), None  # the chain's functions (their kinds and bounds) and f'(p)
 
 
 def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> list[Found] | None:
@@ -165,18 +181,43 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
             return None
         node, index = into[0]
         param_shape = tuple(params[name].shape)
+        chain = []  # from p up to the op
         while type(node).__name__ in _CHAIN:  # up the chain from p to its op
             if len(node.next_functions) != 1 or len(parents.get(node, ())) != 1 or not _keeps_order(node):
                 return None
+            if type(node).__name__ in _FUNCTIONS and tuple(node._input_metadata[0].shape) != param_shape:
+                return None  # an elementwise function of p must keep its shape (no broadcast inside the chain)
             param_shape = tuple(node._input_metadata[0].shape)
+            chain.append(node)
             node, index = parents[node][0]
         if math.prod(param_shape) != params[name].numel():
             return None
         use = _use_at(name, param_shape, node, index, batch_size)
         if use is None:
             return None
+        if any(type(n).__name__ in _FUNCTIONS for n in chain):
+            use.functions = tuple([_function_key(n) for n in chain if type(n).__name__ in _FUNCTIONS])
+            use.derivative = _derivative(chain, params[name], param_shape)
         found.append(use)
     return found
+
+
+def _function_key(node) -> tuple:
+    """A function of the chain by its kind and its constants (clamp's bounds), so that two uses of one parameter
+    through other functions are told apart."""
+    bounds = tuple(getattr(node, a, None) for a in ("_saved_min", "_saved_max") if hasattr(node, a))
+    return (type(node).__name__,) + tuple(float(b) if isinstance(b, (int, float)) else None for b in bounds)
+
+
+def _derivative(chain, param, shape) -> torch.Tensor:
+    """f'(p), of p's shape, for the chain from p (``chain[0]``) up to the op, which reads it in ``shape``: the
+    chain's nodes applied to ones from the op down, each an elementwise function or a view (a diagonal Jacobian)."""
+    with torch.no_grad():
+        grad = torch.ones(shape, dtype=chain[-1]._input_metadata[0].dtype, device=param.device)
+        for node in reversed(chain):
+            grad = node(grad)
+            grad = grad[0] if isinstance(grad, tuple) else grad
+        return grad.reshape(param.shape)
 
 
 def _keeps_order(node) -> bool:

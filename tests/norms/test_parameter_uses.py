@@ -2,6 +2,8 @@
 Data2Vec-vision's layer scales, a value written at masked positions. Each use is captured at its op, exact against
 the per-example loop in float64 in both modes with nothing of it on the fallback; a parameter used otherwise takes
 the exact fallback as before, and a use whose G mixes examples is refused."""
+import math
+
 import pytest
 import torch
 import transformers
@@ -450,3 +452,87 @@ def test_a_module_whose_use_is_called_twice_is_exact_with_its_cross_terms(use_ca
     x = torch.randn(B, 5, 4)
     assert_exact_model(model, x, squares, B)
     assert used(use_calls) == {parameter_uses.SCALED: 2 * 2 * 3}
+
+
+class ThroughFunctions(nn.Module):
+    """Its own parameters applied through elementwise functions: a gate's tanh (gated cross-attention), Swin v2's
+    clamp(logit_scale, max=log 100).exp() with one head's scale above the clamp (f' = 0 there), a sigmoid shift added;
+    ``swap``: the gate through a sigmoid instead (another function of the same parameter, of the same kind and shape)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+        self.logit_scale = nn.Parameter(torch.tensor([[1.0], [5.0]]))  # exp(5) > 100: clamped
+        self.shift = nn.Parameter(torch.linspace(-2.0, 2.0, d))
+        self.swap = False
+
+    def forward(self, x):
+        h = self.inner(x) * (torch.sigmoid(self.gate) if self.swap else self.gate.tanh())
+        h = (h.view(*h.shape[:-1], 2, -1) * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()).flatten(-2)
+        return h + torch.sigmoid(self.shift)
+
+
+def test_parameters_through_elementwise_functions_are_exact_as_uses(use_calls):
+    torch.manual_seed(0)
+    model = nn.Sequential(ThroughFunctions(), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+
+    def losses(sl=slice(None)):
+        return squares(model(x[sl]), sl)
+
+    exact_by_slices(model, losses)
+    calls = used(use_calls)
+    assert set(calls) == {parameter_uses.SCALED, parameter_uses.ADDED} and calls[parameter_uses.SCALED] == \
+        2 * calls[parameter_uses.ADDED], calls  # the gate and the scale, the shift: none on the fallback
+
+
+class CalledWithEach(nn.Module):
+    """The same module twice in a chain, its gate through tanh, then through a sigmoid: two uses of one parameter
+    of one kind and shape, each with its own f'."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = ThroughFunctions()
+
+    def forward(self, x):
+        self.block.swap = False
+        h = torch.tanh(self.block(x))
+        self.block.swap = True
+        return self.block(h)
+
+
+def test_one_parameter_through_two_functions_in_two_calls_takes_each_its_derivative(use_calls):
+    torch.manual_seed(0)
+    model = CalledWithEach().double()
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+
+    def losses(sl=slice(None)):
+        return squares(model(x[sl]), sl)
+
+    exact_by_slices(model, losses)
+    assert used(use_calls)[parameter_uses.SCALED] > 0
+
+
+class SoftmaxWeights(nn.Module):
+    """softmax(p) * x: a function of p whose Jacobian is not diagonal, so not a use."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.logits = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x):
+        return self.inner(x) * torch.softmax(self.logits, dim=0)
+
+
+def test_a_function_of_a_parameter_that_mixes_its_elements_takes_the_exact_fallback(use_calls):
+    torch.manual_seed(0)
+    model = nn.Sequential(SoftmaxWeights(), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+
+    def losses(sl=slice(None)):
+        return squares(model(x[sl]), sl)
+
+    exact_by_slices(model, losses)
+    assert not any(use_calls.values())

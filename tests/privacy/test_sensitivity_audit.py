@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -323,6 +325,24 @@ class Recurrent(nn.Module):
         return self.head(out[:, -1] if self.batch_first else out[-1])
 
 
+class GatedFunctions(nn.Module):
+    """Its own parameters applied through elementwise functions (norms/parameter_uses.py): a gated cross-attention's
+    ``tanh()`` gate, Swin v2's ``clamp(logit_scale, max=...).exp()`` (one head above the clamp), a sigmoid shift."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 6)
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+        self.logit_scale = nn.Parameter(torch.tensor([[1.0], [5.0]]))
+        self.shift = nn.Parameter(torch.linspace(-2.0, 2.0, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.inner(x) * self.gate.tanh()
+        h = (h.view(*h.shape[:-1], 2, 3) * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()).flatten(-2)
+        return self.head(torch.tanh(h + torch.sigmoid(self.shift)).mean(1))
+
+
 class Encoder(nn.Module):
     def __init__(self, batch_first):
         super().__init__()
@@ -626,6 +646,8 @@ ZOO = [
     Arch("wav2vec2-masked-spec-embed", MaskedSpeech, _audio, _logits_of, continuous="x"),
     Arch("beit-layer-scale", _beit, _images, _logits_of, continuous="x"),
     Arch("wavlm-fixed", _wavlm, _audio, _logits_of, continuous="x"),
+    Arch("uses-through-functions", GatedFunctions, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
+         sequence=True),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
     Arch("embedding-bag-max-tied", MaxBags, _bags, _bag_logits, continuous="x"),
 ]
