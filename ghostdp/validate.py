@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from . import layers
-from .layers import wavlm
+from .layers.twins import twin_of
 from .norms.fallback import attached_rule, hooked_modules, owned_parameters
 
 # torch.nn modules that ghostdp.layers has twins of, whose weights the Linear rule covers (``fix``)
@@ -97,8 +97,10 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
     - Every transformers WavLMAttention becomes ``ghostdp.layers.wavlm.WavLMAttention``, which takes over its
       children and parameters and computes the same outputs with its projections called as Linear layers
       (transformers' hands their weights to ``F.multi_head_attention_forward``, which ghostdp refuses: gradient
-      reaches them outside their modules). One whose code is not the one ghostdp knows (a subclass with methods of
-      its own, another transformers version) stays, with a warning.
+      reaches them outside their modules); every Swinv2SelfAttention becomes ``ghostdp.layers.swinv2``'s, whose
+      continuous position bias has a row per example (transformers' merges ghostdp's per-example copies, which
+      ghostdp refuses). One whose code is not the one ghostdp knows (a subclass with methods of its own, another
+      transformers version) stays, with a warning (layers/twins.py).
     """
     if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
         raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")
@@ -109,7 +111,7 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                 setattr(m, child_name, _group_norm_for(child))
-            elif isinstance(child, _TWINNED) or wavlm.is_transformers_wavlm_attention(child):
+            elif isinstance(child, _TWINNED) or twin_of(child) is not None:
                 replacement = _twin_for(child, f"{name}.{child_name}" if name else child_name)
                 if replacement is not None:
                     setattr(m, child_name, replacement)
@@ -127,20 +129,21 @@ def _group_norm_for(batch_norm) -> torch.nn.GroupNorm:
 
 
 def swappable_modules(model: torch.nn.Module) -> list:
-    """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules and transformers WavLMAttention
-    modules with trainable parameters that ``fix`` would swap for their ghostdp.layers twins (which the Linear rule
-    covers; torch.nn's take the fallback, transformers' WavLM attention is refused). The model itself is not
-    listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one torch.nn module)."""
+    """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules and the transformers modules of
+    layers/twins.py (WavLM's attention, Swin v2's self-attention) with trainable parameters that ``fix`` would swap
+    for their ghostdp.layers twins (torch.nn's take the fallback, the transformers ones are refused). The model
+    itself is not listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one torch.nn module)."""
     return [name for name, m in model.named_modules()
-            if name and (isinstance(m, _TWINNED) or wavlm.is_transformers_wavlm_attention(m))
+            if name and (isinstance(m, _TWINNED) or twin_of(m) is not None)
             and _why_kept(m) is None and any(p.requires_grad for p in m.parameters())]
 
 
 def _why_kept(module) -> str | None:
-    """Why ``fix`` leaves a torch.nn recurrent layer or MultiheadAttention, or a transformers WavLMAttention, in
-    place, or None: it swaps it."""
-    if wavlm.is_transformers_wavlm_attention(module):
-        return None if wavlm.has_known_code(type(module)) else "its code is not the WavLM attention ghostdp knows"
+    """Why ``fix`` leaves a torch.nn recurrent layer or MultiheadAttention, or a transformers module of
+    layers/twins.py, in place, or None: it swaps it."""
+    twin = twin_of(module)
+    if twin is not None:
+        return None if twin.has_known_code(module) else f"its code is not the code {twin.__name__} computes again"
     if type(module).forward not in [cls.forward for cls in _TWINNED]:
         return "its class overrides forward"
     if getattr(module, "proj_size", 0):
@@ -149,15 +152,13 @@ def _why_kept(module) -> str | None:
 
 
 def _twin_for(module, name):
-    """The ghostdp.layers twin of a torch.nn recurrent layer or MultiheadAttention, or of a transformers
-    WavLMAttention, or None (warned)."""
-    reason = _why_kept(module)
+    """The ghostdp.layers twin of a torch.nn recurrent layer or MultiheadAttention, or of a transformers module of
+    layers/twins.py, or None (warned)."""
+    reason, twin = _why_kept(module), twin_of(module)
     if reason is None:
-        return wavlm.from_transformers(module) if wavlm.is_transformers_wavlm_attention(module) else \
-            layers.from_torch(module)
-    consequence = ("its projections' weights are read outside their modules, which ghostdp refuses: freeze them "
-                   "or give the class WavLM's code" if wavlm.is_transformers_wavlm_attention(module) else
-                   "it trains through the exact per-example fallback, O(batch) in time and memory")
+        return layers.from_torch(module) if twin is None else twin.from_transformers(module)
+    consequence = ("it trains through the exact per-example fallback, O(batch) in time and memory" if twin is None
+                   else f"it {twin.WHY}: freeze its parameters or give it the code ghostdp knows")
     warnings.warn(f"ghostdp.validate.fix left '{name}' ({type(module).__name__}) in place because {reason}: "
                   f"{consequence}", stacklevel=3)
     return None

@@ -38,14 +38,19 @@ from profiling.step_ratio import ratios, run_rounds
 MODES = ("bookkeeping", "ghost")
 
 
-def _image_model(config_name, model_name, **config):
+def _image_model(config_name, model_name, fix=False, **config):
+    """``fix``: ghostdp.validate.fix first (Swin v2's self-attention: ghostdp.layers.swinv2)."""
     import torch
     import transformers
 
     def build():
         cfg = getattr(transformers, config_name)(num_labels=3, **config)
         size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
-        return getattr(transformers, model_name)(cfg), {"pixel_values": torch.randn(2, 3, size, size)}
+        model = getattr(transformers, model_name)(cfg)
+        if fix:
+            import ghostdp
+            ghostdp.validate.fix(model)
+        return model, {"pixel_values": torch.randn(2, 3, size, size)}
     return build
 
 
@@ -131,6 +136,8 @@ FAMILIES = {
     "vit": _image_model("ViTConfig", "ViTForImageClassification", intermediate_size=256, **_VIT),
     "deit": _image_model("DeiTConfig", "DeiTForImageClassification", intermediate_size=256, **_VIT),
     "dinov2": _image_model("Dinov2Config", "Dinov2ForImageClassification", mlp_ratio=4, **_VIT),
+    "swinv2": _image_model("Swinv2Config", "Swinv2ForImageClassification", fix=True, image_size=32, patch_size=2,
+                           embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.0),
     "convbert": _text_model("ConvBertConfig", "ConvBertForSequenceClassification", **_DECODER, **_NO_DROPOUT),
     "falcon": _text_model("FalconConfig", "FalconForSequenceClassification", hidden_size=64, num_hidden_layers=12,
                           num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0),

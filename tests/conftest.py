@@ -38,6 +38,16 @@ def float64_and_seed():
     torch.set_default_dtype(previous)
 
 
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """Fails a test in which any module call takes the exact fallback."""
+    from ghostdp.clipping import pass_one
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a call took the exact fallback")
+    monkeypatch.setattr(pass_one, "fallback_grads", refused)
+
+
 def without_scheduled_proofs(controller):
     """Switches off the layout proofs that a schedule repeats (layout.REPROOF_EVERY), and the forward checks on
     the same schedule (independence.py), for tests of what a step between proofs does (its forwards, its

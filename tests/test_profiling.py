@@ -581,6 +581,8 @@ def test_the_families_benchmark_interleaves_each_familys_modes_and_lists_its_fal
                                   "--warmup", "0"])
     # by their rules since 2026-11-27 (transposed convolutions: 2026-11-28)
     assert all(result["fallback"] == [] for result in torch_layers.values())
-    # WavLM trains once validate.fix has swapped its attentions (ghostdp.layers.wavlm; refused before 2026-12-02)
-    speech = families.main(["--families", "wavlm", "--rounds", "1", "--warmup", "0"])["wavlm"]
-    assert all(math.isfinite(ratio) and ratio > 0 for _, ratio in speech["rows"].values())
+    # WavLM and Swin v2 train once validate.fix has swapped in their twins (ghostdp.layers.twins; refused before
+    # 2026-12-02)
+    twinned = families.main(["--families", "wavlm", "swinv2", "--rounds", "1", "--warmup", "0"])
+    ratios = [ratio for result in twinned.values() for _, ratio in result["rows"].values()]
+    assert len(ratios) == 6 and all(math.isfinite(ratio) and ratio > 0 for ratio in ratios)

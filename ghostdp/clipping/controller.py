@@ -28,7 +28,7 @@ from ..data import distributed_rank_and_size
 from ..model_tree import current_tree
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
-from ..layers.wavlm import is_transformers_wavlm_attention
+from ..layers.twins import twin_of
 from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
@@ -71,12 +71,10 @@ SWAPPABLE_MODULES = (
     "before making it private swaps them for their ghostdp.layers twins (same weights, state_dict keys and "
     "outputs), whose projections the Linear rule covers.")
 
-WAVLM_ATTENTIONS = (
-    "ghostdp: transformers' WavLMAttention hands the weights of its q_proj, k_proj, v_proj and out_proj to "
-    "F.multi_head_attention_forward, so gradient reaches them outside their Linear modules, which ghostdp refuses "
-    "at the step (it cannot bound a per-example norm it never sees): {names}. Fix: ghostdp.validate.fix(model) "
-    "before making it private swaps each for ghostdp.layers.wavlm.WavLMAttention (the same children, parameters, "
-    "state_dict keys and outputs), whose projections are Linear calls that the Linear rule covers.")
+TRANSFORMERS_TWINS = (
+    "ghostdp: these transformers modules cannot train privately as they are, and a step is refused: {names} "
+    "({why}). Fix: ghostdp.validate.fix(model) before making it private swaps each for its ghostdp.layers twin "
+    "(ghostdp.layers.twins: the same children, parameters, state_dict keys and outputs), which the norm rules cover.")
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -229,10 +227,10 @@ class GhostClipping:
         _ATTACHED[module] = self
         slow = validate.fallback_modules(module)
         swappable = validate.swappable_modules(module)
-        self._wavlm_attentions = [n for n in swappable if is_transformers_wavlm_attention(module.get_submodule(n))]
-        if self._wavlm_attentions:  # a step would be refused: the one-line fix, said where the user sees it
-            warnings.warn(WAVLM_ATTENTIONS.format(names=_listed(self._wavlm_attentions)), stacklevel=3)
-        swappable = [n for n in swappable if n not in self._wavlm_attentions] if slow else []
+        self._refused_twins = [n for n in swappable if twin_of(module.get_submodule(n)) is not None]
+        if self._refused_twins:  # a step would be refused: the one-line fix, said where the user sees it
+            warnings.warn(self._twins_fix(self._refused_twins), stacklevel=3)
+        swappable = [n for n in swappable if n not in self._refused_twins] if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
             warnings.warn(SWAPPABLE_MODULES.format(names=_listed(swappable), kinds=", ".join(kinds)), stacklevel=3)
@@ -417,8 +415,7 @@ class GhostClipping:
                 "Fix: call model.train() before the forward of a training step." + compiled_code_note())
         described = self._described(stray)
         names = {id(p): n for n, p in self.module.named_parameters()}
-        in_wavlm = sorted({w for p in stray for w in self._wavlm_attentions
-                           if names.get(id(p), "").startswith(w + ".")})
+        in_twins = sorted({w for p in stray for w in self._refused_twins if names.get(id(p), "").startswith(w + ".")})
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
             "it (e.g. a parent reads child.weight directly, on every step or only for some inputs, or the loss "
@@ -426,7 +423,13 @@ class GhostClipping:
             "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
             "weights and not on the data."
-            + (" " + WAVLM_ATTENTIONS.format(names=_listed(in_wavlm)) if in_wavlm else "") + compiled_code_note())
+            + (" " + self._twins_fix(in_twins) if in_twins else "") + compiled_code_note())
+
+    def _twins_fix(self, names) -> str:
+        """TRANSFORMERS_TWINS for these modules of the model (each a module that layers/twins.py has a twin of)."""
+        twins = {twin_of(self.module.get_submodule(n)) for n in names}
+        why = "; ".join(f"{t.TRANSFORMERS_CLASS.rsplit('.', 1)[1]} {t.WHY}" for t in sorted(twins, key=str))
+        return TRANSFORMERS_TWINS.format(names=_listed(names), why=why)
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

@@ -25,6 +25,7 @@ import contextlib
 import torch
 
 from ..norms.factors import acc_dtype
+from ..norms.registry import ROWS
 
 # Per example, |G_v - v_e G_1| <= TOLERANCE * |v_e G_1| (l2 over the example's rows). With power-of-two
 # cotangents only the order of non-deterministic GPU reductions (atomics in attention backward, split-K)
@@ -54,10 +55,15 @@ def signature(shapes, batch_size: int) -> tuple:
                  for s in shapes)
 
 
-def candidates(shape, batch_size: int, tokenwise: bool, declared_dim: int):
+def candidates(shape, batch_size: int, tokenwise, declared_dim: int):
     """Layouts to try, most usual first. ``tokenwise`` layers (Linear, Embedding, LayerNorm) act on each
-    leading position alone, so any leading dim or a flattened batch may hold the examples; other layers
-    only their declared batch dim."""
+    leading position alone, so any leading dim or a flattened batch may hold the examples; ``tokenwise`` ROWS (an
+    elementwise use whose parameter differs along later dims but not along dim 0: Swin v2's logit scale per head)
+    dim 0 or a batch flattened into dim 0 (a window batch), which leave the parameter's dims where they are; other
+    layers only their declared batch dim."""
+    if tokenwise == ROWS:
+        out = [BATCH_FIRST] if shape and shape[0] == batch_size else []
+        return out + ([("rows",)] if len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0 else [])
     if not tokenwise:
         return [("dim", declared_dim)] if len(shape) > declared_dim and shape[declared_dim] == batch_size else []
     out = [("dim", d) for d in range(len(shape) - 1) if shape[d] == batch_size]

@@ -1,8 +1,9 @@
 """Drop-in modules whose parameters the norm rules cover: recurrent layers and multi-head attention built from
-Linear projections, and WavLM's attention with its projections called (``wavlm``, swapped in by validate.fix)."""
+Linear projections; twins of transformers modules that cannot train privately as they are (``twins``: WavLM's
+attention, Swin v2's self-attention), which validate.fix swaps in."""
 from torch import nn
 
-from . import attention, recurrent, wavlm
+from . import attention, recurrent, swinv2, twins, wavlm
 from .attention import MultiheadAttention
 from .recurrent import GRU, LSTM, RNN
 

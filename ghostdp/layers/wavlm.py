@@ -17,8 +17,8 @@ objects, taken over as they are (frozen flags, device, dtype and any optimizer's
   over every layer's use (the later layers take the first one's position bias, as in transformers);
 - ``gru_rel_pos_const`` scales the gate elementwise, a use of the module's own parameter (norms/parameter_uses.py),
   and ``gru_rel_pos_linear`` stays a Linear call.
-``validate.fix`` swaps every WavLMAttention whose code is the one written here (``has_known_code``) for this module;
-state_dict keys are unchanged, so checkpoints load either way.
+``validate.fix`` swaps every WavLMAttention whose code is the one written here (``has_known_code``) for this module
+(layers/twins.py); state_dict keys are unchanged, so checkpoints load either way.
 """
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..norms.registry import forward_body, qualified_name
+from ..norms.registry import forward_body, is_instance_of
 
 TRANSFORMERS_CLASS = "transformers.models.wavlm.modeling_wavlm.WavLMAttention"
+WHY = ("hands the weights of its q_proj, k_proj, v_proj and out_proj to F.multi_head_attention_forward, so gradient "
+       "reaches them outside their Linear modules, which ghostdp refuses (it cannot bound what it never sees)")
 
 # The bodies (registry.forward_body) of transformers' WavLMAttention methods that this module computes again.
 FORWARD_BODY = (
@@ -75,14 +77,9 @@ _KNOWN_BODIES = {"forward": FORWARD_BODY, "torch_multi_head_self_attention": ATT
                  "compute_bias": COMPUTE_BIAS_BODY, "_relative_positions_bucket": BUCKET_BODY}
 
 
-def is_transformers_wavlm_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class is transformers' WavLMAttention or a subclass of it."""
-    return any(qualified_name(cls) == TRANSFORMERS_CLASS for cls in type(module).__mro__)
-
-
-def has_known_code(cls: type) -> bool:
-    """Whether the methods of ``cls`` that WavLMAttention computes again have the code written here."""
-    return all(forward_body(getattr(cls, name, None)) == body for name, body in _KNOWN_BODIES.items())
+def has_known_code(module: nn.Module) -> bool:
+    """Whether the methods of ``module``'s class that WavLMAttention computes again have the code written here."""
+    return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
 
 
 class WavLMAttention(nn.Module):
@@ -156,9 +153,9 @@ class WavLMAttention(nn.Module):
 def from_transformers(module: nn.Module) -> WavLMAttention:
     """The ghostdp module for a transformers WavLMAttention with the code written here (its children and parameters
     taken over as they are)."""
-    if not is_transformers_wavlm_attention(module):
+    if not is_instance_of(module, TRANSFORMERS_CLASS):
         raise TypeError(f"from_transformers takes transformers' WavLMAttention, got {type(module).__name__}")
-    if not has_known_code(type(module)):
+    if not has_known_code(module):
         raise ValueError(
             f"{type(module).__name__}'s code is not the WavLMAttention code ghostdp.layers.wavlm computes again (a "
             "subclass with methods of its own, or another transformers version): it keeps its own forward")

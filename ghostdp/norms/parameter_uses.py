@@ -45,7 +45,7 @@ import torch
 
 from .elementwise import scale_grads, scale_is_tokenwise, shift_grads
 from .factors import Instantiated
-from .registry import RuleEntry
+from .registry import ROWS, RuleEntry
 
 SCALED, WRITTEN, EXPANDED, ADDED = "scaled", "written", "expanded", "added"
 # The nodes that may lie between p and its op: a cast, and views that keep p's elements in their order (a permute or
@@ -119,13 +119,15 @@ def written_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, 
     return {use.name: use.as_param(shift_grads(masked, use.operand()))}
 
 
-def _tokenwise(use: ElementwiseUse) -> bool:
-    return scale_is_tokenwise(use.operand())
+def _tokenwise(use: ElementwiseUse) -> bool | str:
+    return True if scale_is_tokenwise(use.operand()) else ROWS
 
 
 # Tokenwise as the layout proof reads it (any leading dim may hold the examples): a parameter that is the same at every
 # leading position (elementwise.scale_is_tokenwise); a value written at each masked position, whose mask the layout
-# makes batch first with G.
+# makes batch first with G. Any other parameter of a use broadcasts over the op's dim 0 (_broadcasts_over_batch), so
+# the examples may lie on dim 0 or be flattened into it (layout.ROWS: Swin v2's logit scale per head, applied to a
+# batch of windows, each example's windows in a row).
 ENTRIES = {SCALED: RuleEntry(rule=scaled_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
            WRITTEN: RuleEntry(rule=written_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True),
            EXPANDED: RuleEntry(rule=broadcast_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
@@ -254,8 +256,8 @@ def _use_at(name, param_shape, node, index, batch_size) -> Found | None:
     if kind == "CopySlices" and index == 1 and len(node.next_functions) == 2 and shape[0] % batch_size == 0:
         counts = _written_rows(node, param_shape, shape)  # (a view's base: the layout proof finds its examples' rows)
         return None if counts is None else Found(name, WRITTEN, node, counts, below, shape, param_shape)
-    if shape[0] != batch_size:
-        return None
+    if shape[0] % batch_size:
+        return None  # dim 0 holds the examples, or rows of them (a window batch), which the layout proof checks
     if kind == "MulBackward0" and len(node.next_functions) == 2:
         x = node._saved_other if index == 0 else node._saved_self
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or not _broadcasts_over_batch(param_shape, shape):

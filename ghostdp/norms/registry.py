@@ -36,13 +36,19 @@ import torch
 Rule = Callable[..., Dict[str, "PerExampleGrad"]]
 
 
+# A value of RuleEntry.tokenwise between False (the examples on the declared batch dim) and True (on any leading dim,
+# or flattened into dim 0): on dim 0, whole or flattened into it (rows), where the layer does not act alike on every
+# leading position but does along dim 0 (an elementwise use of a parameter that differs per head: parameter_uses.py).
+ROWS = "rows"
+
+
 @dataclass(frozen=True)
 class RuleEntry:
     rule: Rule
     params: frozenset   # the parameters the rule covers
     # The module maps each position of (..., features) alone: any leading dim may be the batch. A callable: whether
     # this module does, read at each call (an elementwise scale does only where it is the same at every position).
-    tokenwise: bool | Callable[[torch.nn.Module], bool]
+    tokenwise: bool | str | Callable[[torch.nn.Module], bool | str]  # True, False or ROWS
     owner: type | str   # the registered class (or its qualified name) whose forward the rule knows
     # (module, inputs, output, trainable) -> whether book-keeping keeps this call's output grad whole until
     # the clipped sums: pass 1 may then capture it without a probe (clipping/capture.py). None: never.
@@ -71,6 +77,12 @@ _SIGNATURES: dict = {}  # a class -> its forward's signature (call_arguments)
 
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def is_instance_of(module, name: str) -> bool:
+    """Whether ``module``'s class, or a class it derives from, has the qualified name ``name`` (a class of a package
+    ghostdp does not import, transformers')."""
+    return any(qualified_name(cls) == name for cls in type(module).__mro__)
 
 
 def register_norm_rule(module_class: type | str, rule: Rule | None = None, params=("weight", "bias"),

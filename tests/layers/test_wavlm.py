@@ -8,8 +8,8 @@ import transformers
 from transformers.models.wavlm import modeling_wavlm
 
 import ghostdp
-from ghostdp.clipping import pass_one
 from ghostdp.layers import wavlm
+from ghostdp.layers.twins import twin_of
 from ghostdp.norms import parameter_uses
 from conftest import assert_exact
 
@@ -45,8 +45,8 @@ def _wavlm(stable_layer_norm=False):
 
 
 def test_transformers_wavlm_attention_has_the_code_the_twin_computes():
-    assert wavlm.has_known_code(modeling_wavlm.WavLMAttention)
-    assert wavlm.is_transformers_wavlm_attention(_attention())
+    assert wavlm.has_known_code(_attention())
+    assert twin_of(_attention()) is wavlm
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padded keys"])
@@ -97,14 +97,6 @@ def test_fix_swaps_every_wavlm_attention_keeping_its_parameters_state_dict_and_o
     assert ghostdp.validate.swappable_modules(model) == []
 
 
-@pytest.fixture
-def no_fallback(monkeypatch):
-    """Fails a test in which any module call takes the exact fallback."""
-    def refused(*args, **kwargs):
-        raise AssertionError("a call took the exact fallback")
-    monkeypatch.setattr(pass_one, "fallback_grads", refused)
-
-
 @pytest.mark.parametrize("stable_layer_norm", [False, True], ids=["post-norm", "stable layer norm"])
 def test_a_fixed_wavlm_is_exact_with_nothing_on_the_fallback(stable_layer_norm, no_fallback, monkeypatch):
     """Examples of three lengths (the attention mask pads the shorter ones' keys); the first attention's bias table
@@ -129,7 +121,7 @@ def test_a_fixed_wavlm_is_exact_with_nothing_on_the_fallback(stable_layer_norm, 
 
 def test_an_unfixed_wavlm_is_warned_of_at_attaching_and_refused_at_the_step_both_naming_the_fix():
     model = _wavlm().train()
-    with pytest.warns(UserWarning, match=r"WavLMAttention.*'wavlm.encoder.layers.0.attention'.*validate\.fix"):
+    with pytest.warns(UserWarning, match=r"'wavlm.encoder.layers.0.attention'.*WavLMAttention hands.*validate\.fix"):
         controller = ghostdp.GhostClipping(model, 1.0)
     try:
         logits = model(torch.randn(B, SAMPLES, dtype=torch.float64)).logits
@@ -150,7 +142,7 @@ def test_a_wavlm_attention_with_code_of_its_own_is_left_with_a_warning():
     model.wavlm.encoder.layers[0].attention = own
     assert ghostdp.validate.swappable_modules(model) == ["wavlm.encoder.layers.1.attention"]
     with pytest.warns(UserWarning, match=r"left 'wavlm.encoder.layers.0.attention' \(OwnForward\) in place because "
-                                         r"its code is not the WavLM attention ghostdp knows"):
+                                         r"its code is not the code ghostdp.layers.wavlm computes again"):
         ghostdp.validate.fix(model)
     assert model.wavlm.encoder.layers[0].attention is own
     assert type(model.wavlm.encoder.layers[1].attention) is wavlm.WavLMAttention

@@ -479,6 +479,21 @@ class MaskedSpeech(nn.Module):
         return self.head(self.encoder(x, mask_time_indices=mask).last_hidden_state.mean(1))
 
 
+def _swinv2():
+    """Swin v2 with its self-attentions swapped by validate.fix for ghostdp.layers.swinv2's: the continuous position
+    bias MLP formed for each example, the logit scales (one head above the clamp) elementwise uses through clamp and
+    exp on each example's windows, shifted windows in the second block."""
+    model = transformers.Swinv2ForImageClassification(transformers.Swinv2Config(
+        image_size=16, patch_size=2, embed_dim=8, depths=[2, 1], num_heads=[2, 2], window_size=4, num_labels=3,
+        drop_path_rate=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("logit_scale"):
+                p.uniform_(1.0, 4.0, generator=torch.Generator().manual_seed(len(name)))
+        model.swinv2.encoder.layers[0].blocks[0].attention.self.logit_scale[1] = 5.0
+    return ghostdp.validate.fix(model)
+
+
 def _wavlm():
     """WavLM with its attentions swapped by validate.fix for ghostdp.layers.wavlm's, whose projections are Linear
     calls: the first one's relative position bias table looked up as a batch of one, the gates' constants (uses)."""
@@ -646,6 +661,7 @@ ZOO = [
     Arch("wav2vec2-masked-spec-embed", MaskedSpeech, _audio, _logits_of, continuous="x"),
     Arch("beit-layer-scale", _beit, _images, _logits_of, continuous="x"),
     Arch("wavlm-fixed", _wavlm, _audio, _logits_of, continuous="x"),
+    Arch("swinv2-fixed", _swinv2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("uses-through-functions", GatedFunctions, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
