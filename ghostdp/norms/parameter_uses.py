@@ -28,8 +28,8 @@ gradient of the op's output, taken at the op's node, and
 p is the op's operand itself, or seen through a chain of casts and views that keep its elements in their order
 (``gamma.unsqueeze(-1).unsqueeze(-1) * x``, PoolFormer's layer scales; DeBERTa's bias viewed per head and permuted):
 its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it). The chain may
-also hold elementwise functions of one argument (_FUNCTIONS: a gate's ``tanh()`` in gated cross-attention, Swin v2's
-``clamp(logit_scale, max=...).exp()``, a sigmoid): the operand is then f(p), whose Jacobian is diagonal, so
+also hold elementwise functions of one argument (_FUNCTIONS: a gate's ``tanh()`` in gated cross-attention, Mllama's
+``1 - gate.tanh()``, Swin v2's ``clamp(logit_scale, max=...).exp()``, a sigmoid, a power): the operand is then f(p), whose Jacobian is diagonal, so
 g_i(p) = f'(p) * g_i(f(p)), f'(p) formed when the forward has run by the chain's own nodes applied to ones
 (``ElementwiseUse.derivative``; autograd's formulas, clamp's mask at its bounds included). Since 2026-12-02; such a
 module took the exact fallback before.
@@ -55,7 +55,7 @@ _VIEWS = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "
                     "SqueezeBackward2", "PermuteBackward0", "TransposeBackward0"})
 # Elementwise functions of one tensor (a diagonal Jacobian), which may lie between p and its op too.
 _FUNCTIONS = frozenset({"TanhBackward0", "SigmoidBackward0", "ExpBackward0", "ClampBackward1", "ClampMinBackward0",
-                        "ClampMaxBackward0", "NegBackward0", "SoftplusBackward0"})
+                        "ClampMaxBackward0", "NegBackward0", "SoftplusBackward0", "RsubBackward1", "PowBackward0"})
 _CHAIN = _VIEWS | _FUNCTIONS
 
 
@@ -205,10 +205,10 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
 
 
 def _function_key(node) -> tuple:
-    """A function of the chain by its kind and its constants (clamp's bounds), so that two uses of one parameter
-    through other functions are told apart."""
-    bounds = tuple(getattr(node, a, None) for a in ("_saved_min", "_saved_max") if hasattr(node, a))
-    return (type(node).__name__,) + tuple(float(b) if isinstance(b, (int, float)) else None for b in bounds)
+    """A function of the chain by its kind and its constants (clamp's bounds, a power's exponent, 1 - p's alpha), so
+    that two uses of one parameter through other functions are told apart."""
+    constants = [(a, getattr(node, a)) for a in dir(node) if a.startswith("_saved_")]
+    return (type(node).__name__,) + tuple((a, float(v)) for a, v in constants if isinstance(v, (int, float)))
 
 
 def _derivative(chain, param, shape) -> torch.Tensor:

@@ -487,6 +487,31 @@ def test_parameters_through_elementwise_functions_are_exact_as_uses(use_calls):
         2 * calls[parameter_uses.ADDED], calls  # the gate and the scale, the shift: none on the fallback
 
 
+class GatedEmbedding(nn.Module):
+    """Mllama's gated position embeddings: ``(1 - gate.tanh()) * x`` and a squared scale, ``scale.pow(2) * x``."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.tensor([0.4]))
+        self.scale = nn.Parameter(torch.linspace(-1.5, 1.5, d))
+
+    def forward(self, x):
+        return ((1 - self.gate.tanh()) * self.inner(x)) * self.scale.pow(2)
+
+
+def test_one_minus_a_function_and_a_power_of_a_parameter_are_exact_as_uses(use_calls):
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedEmbedding(), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+
+    def losses(sl=slice(None)):
+        return squares(model(x[sl]), sl)
+
+    exact_by_slices(model, losses)
+    assert set(used(use_calls)) == {parameter_uses.SCALED}
+
+
 class CalledWithEach(nn.Module):
     """The same module twice in a chain, its gate through tanh, then through a sigmoid: two uses of one parameter
     of one kind and shape, each with its own f'."""
@@ -536,3 +561,24 @@ def test_a_function_of_a_parameter_that_mixes_its_elements_takes_the_exact_fallb
 
     exact_by_slices(model, losses)
     assert not any(use_calls.values())
+
+
+def test_mllamas_tanh_gated_cross_attention_layer_is_exact_with_nothing_on_the_fallback(no_fallback):
+    """transformers' MllamaCrossAttentionDecoderLayer owns its gates, ``residual + gate.tanh() * h`` after its
+    attention and its MLP: uses through tanh, where the whole layer took the fallback before 2026-12-02."""
+    torch.manual_seed(0)
+    config = transformers.MllamaTextConfig(
+        vocab_size=64, pad_token_id=0, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1], max_position_embeddings=32)
+    model = transformers.MllamaForCausalLM(config).double()
+    with torch.no_grad():  # (zeros at initialisation: the gated paths would carry no gradient)
+        model.model.layers[1].cross_attn_attn_gate.fill_(0.3)
+        model.model.layers[1].cross_attn_mlp_gate.fill_(-0.6)
+    ids, states = torch.randint(1, 64, (B, 6)), torch.randn(B, 5, 16, dtype=torch.float64)
+    mask = torch.ones(B, 1, 6, 5)
+
+    def losses(sl=slice(None)):
+        logits = model(input_ids=ids[sl], cross_attention_states=states[sl], cross_attention_mask=mask[sl]).logits
+        return logits.pow(2).mean((1, 2))
+
+    exact_by_slices(model, losses)
