@@ -28,7 +28,7 @@ from ..data import distributed_rank_and_size
 from ..model_tree import current_tree
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
-from ..layers.twins import twin_of
+from ..layers.twins import refused_twins_fix, twin_of
 from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
@@ -70,11 +70,6 @@ SWAPPABLE_MODULES = (
     "inside one functional call that no norm rule sees: {names} ({kinds}). Fix: ghostdp.validate.fix(model) "
     "before making it private swaps them for their ghostdp.layers twins (same weights, state_dict keys and "
     "outputs), whose projections the Linear rule covers.")
-
-TRANSFORMERS_TWINS = (
-    "ghostdp: these transformers modules cannot train privately as they are, and a step is refused: {names} "
-    "({why}). Fix: ghostdp.validate.fix(model) before making it private swaps each for its ghostdp.layers twin "
-    "(ghostdp.layers.twins: the same children, parameters, state_dict keys and outputs), which the norm rules cover.")
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -229,7 +224,7 @@ class GhostClipping:
         swappable = validate.swappable_modules(module)
         self._refused_twins = [n for n in swappable if twin_of(module.get_submodule(n)) is not None]
         if self._refused_twins:  # a step would be refused: the one-line fix, said where the user sees it
-            warnings.warn(self._twins_fix(self._refused_twins), stacklevel=3)
+            warnings.warn(refused_twins_fix(module, self._refused_twins), stacklevel=3)
         swappable = [n for n in swappable if n not in self._refused_twins] if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
@@ -423,13 +418,7 @@ class GhostClipping:
             "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
             "weights and not on the data."
-            + (" " + self._twins_fix(in_twins) if in_twins else "") + compiled_code_note())
-
-    def _twins_fix(self, names) -> str:
-        """TRANSFORMERS_TWINS for these modules of the model (each a module that layers/twins.py has a twin of)."""
-        twins = {twin_of(self.module.get_submodule(n)) for n in names}
-        why = "; ".join(f"{t.TRANSFORMERS_CLASS.rsplit('.', 1)[1]} {t.WHY}" for t in sorted(twins, key=str))
-        return TRANSFORMERS_TWINS.format(names=_listed(names), why=why)
+            + (" " + refused_twins_fix(self.module, in_twins) if in_twins else "") + compiled_code_note())
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

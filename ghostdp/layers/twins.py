@@ -20,3 +20,17 @@ def twin_of(module: nn.Module):
         if is_instance_of(module, twin.TRANSFORMERS_CLASS):
             return twin
     return None
+
+
+REFUSED = (
+    "ghostdp: these transformers modules cannot train privately as they are, and a step is refused: {names} "
+    "({why}). Fix: ghostdp.validate.fix(model) before making it private swaps each for its ghostdp.layers twin "
+    "(ghostdp.layers.twins: the same children, parameters, state_dict keys and outputs), which the norm rules cover.")
+
+
+def refused_twins_fix(model: nn.Module, names: list) -> str:
+    """What attaching warns of, and a refusal adds, for these modules of ``model``, each of a class with a twin."""
+    twins = sorted({twin_of(model.get_submodule(n)) for n in names}, key=lambda t: t.__name__)
+    why = "; ".join(f"{t.TRANSFORMERS_CLASS.rsplit('.', 1)[1]} {t.WHY}" for t in twins)
+    shown = ", ".join(f"'{n}'" for n in names[:5]) + (f", ... ({len(names)})" if len(names) > 5 else "")
+    return REFUSED.format(names=shown, why=why)

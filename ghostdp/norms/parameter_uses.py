@@ -29,10 +29,10 @@ p is the op's operand itself, or seen through a chain of casts and views that ke
 (``gamma.unsqueeze(-1).unsqueeze(-1) * x``, PoolFormer's layer scales; DeBERTa's bias viewed per head and permuted):
 its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it). The chain may
 also hold elementwise functions of one argument (_FUNCTIONS: a gate's ``tanh()`` in gated cross-attention, Mllama's
-``1 - gate.tanh()``, Swin v2's ``clamp(logit_scale, max=...).exp()``, a sigmoid, a power): the operand is then f(p), whose Jacobian is diagonal, so
-g_i(p) = f'(p) * g_i(f(p)), f'(p) formed when the forward has run by the chain's own nodes applied to ones
-(``ElementwiseUse.derivative``; autograd's formulas, clamp's mask at its bounds included). Since 2026-12-02; such a
-module took the exact fallback before.
+``1 - gate.tanh()``, Swin v2's ``clamp(logit_scale, max=...).exp()``, a sigmoid, a power): the operand is then
+f(p), whose Jacobian is diagonal, so g_i(p) = f'(p) * g_i(f(p)), f'(p) formed when the forward has run by the
+chain's own nodes applied to ones (``ElementwiseUse.derivative``; autograd's formulas, clamp's mask at its bounds
+included). Since 2026-12-02; such a module took the exact fallback before.
 The layout proof checks each use's G as it checks a call's output grad (where its examples lie), and the step's audit
 attributes the parameter's edge to the use's region (the op down to its other operand), so a parameter used in any
 other way is still refused or takes the fallback (``find_uses`` returns None).

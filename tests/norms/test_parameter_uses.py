@@ -476,12 +476,7 @@ class ThroughFunctions(nn.Module):
 def test_parameters_through_elementwise_functions_are_exact_as_uses(use_calls):
     torch.manual_seed(0)
     model = nn.Sequential(ThroughFunctions(), nn.Tanh(), nn.Linear(4, 2)).double()
-    x = torch.randn(B, 5, 4, dtype=torch.float64)
-
-    def losses(sl=slice(None)):
-        return squares(model(x[sl]), sl)
-
-    exact_by_slices(model, losses)
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
     calls = used(use_calls)
     assert set(calls) == {parameter_uses.SCALED, parameter_uses.ADDED} and calls[parameter_uses.SCALED] == \
         2 * calls[parameter_uses.ADDED], calls  # the gate and the scale, the shift: none on the fallback
@@ -503,12 +498,7 @@ class GatedEmbedding(nn.Module):
 def test_one_minus_a_function_and_a_power_of_a_parameter_are_exact_as_uses(use_calls):
     torch.manual_seed(0)
     model = nn.Sequential(GatedEmbedding(), nn.Tanh(), nn.Linear(4, 2)).double()
-    x = torch.randn(B, 5, 4, dtype=torch.float64)
-
-    def losses(sl=slice(None)):
-        return squares(model(x[sl]), sl)
-
-    exact_by_slices(model, losses)
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
     assert set(used(use_calls)) == {parameter_uses.SCALED}
 
 
@@ -530,12 +520,7 @@ class CalledWithEach(nn.Module):
 def test_one_parameter_through_two_functions_in_two_calls_takes_each_its_derivative(use_calls):
     torch.manual_seed(0)
     model = CalledWithEach().double()
-    x = torch.randn(B, 5, 4, dtype=torch.float64)
-
-    def losses(sl=slice(None)):
-        return squares(model(x[sl]), sl)
-
-    exact_by_slices(model, losses)
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
     assert used(use_calls)[parameter_uses.SCALED] > 0
 
 
@@ -554,12 +539,7 @@ class SoftmaxWeights(nn.Module):
 def test_a_function_of_a_parameter_that_mixes_its_elements_takes_the_exact_fallback(use_calls):
     torch.manual_seed(0)
     model = nn.Sequential(SoftmaxWeights(), nn.Tanh(), nn.Linear(4, 2)).double()
-    x = torch.randn(B, 5, 4, dtype=torch.float64)
-
-    def losses(sl=slice(None)):
-        return squares(model(x[sl]), sl)
-
-    exact_by_slices(model, losses)
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
     assert not any(use_calls.values())
 
 
