@@ -99,8 +99,10 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
       (transformers' hands their weights to ``F.multi_head_attention_forward``, which ghostdp refuses: gradient
       reaches them outside their modules); every Swinv2SelfAttention becomes ``ghostdp.layers.swinv2``'s, whose
       continuous position bias has a row per example (transformers' merges ghostdp's per-example copies, which
-      ghostdp refuses). One whose code is not the one ghostdp knows (a subclass with methods of its own, another
-      transformers version) stays, with a warning (layers/twins.py).
+      ghostdp refuses); every DeBERTa-v2 DisentangledSelfAttention becomes ``ghostdp.layers.deberta``'s, which
+      repeats its relative position projections only where ghostdp has not broadcast them (transformers' repeats
+      ghostdp's per-example views again, and the forward fails). One whose code is not the one ghostdp knows (a
+      subclass with methods of its own, another transformers version) stays, with a warning (layers/twins.py).
     """
     if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):
         raise ModelNotPrivatizable("the model itself is a BatchNorm; wrap it in a parent module to fix it")

@@ -54,8 +54,10 @@ def _image_model(config_name, model_name, fix=False, **config):
     return build
 
 
-def _text_model(config_name, model_name, eos_token_id=None, **config):
-    """``eos_token_id``: each text ends in that token (BART's classification head reads it there)."""
+def _text_model(config_name, model_name, eos_token_id=None, fix=False, frozen=(), **config):
+    """``eos_token_id``: each text ends in that token (BART's classification head reads it there); ``fix``:
+    ghostdp.validate.fix first (DeBERTa's attention: ghostdp.layers.deberta); ``frozen``: the parameters whose names
+    start so are frozen."""
     import torch
     import transformers
 
@@ -65,7 +67,13 @@ def _text_model(config_name, model_name, eos_token_id=None, **config):
         ids = torch.randint(1 if eos_token_id is None else 3, 100, (2, 8))  # BART's: 0-2 are its special tokens
         if eos_token_id is not None:
             ids[:, -1] = eos_token_id
-        return getattr(transformers, model_name)(cfg), {"input_ids": ids}
+        model = getattr(transformers, model_name)(cfg)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.startswith(frozen))
+        if fix:
+            import ghostdp
+            ghostdp.validate.fix(model)
+        return model, {"input_ids": ids}
     return build
 
 
@@ -148,6 +156,10 @@ FAMILIES = {
     "t5": _text_model("T5Config", "T5ForSequenceClassification", eos_token_id=1, d_model=64, d_ff=256, d_kv=16,
                       num_layers=6, num_decoder_layers=6, num_heads=4, dropout_rate=0.0, classifier_dropout=0.0,
                       decoder_start_token_id=0),
+    "deberta-v3": _text_model("DebertaV2Config", "DebertaV2ForSequenceClassification", fix=True,
+                              frozen=("deberta.encoder.rel_embeddings.", "deberta.encoder.LayerNorm."),
+                              relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"],
+                              share_att_key=True, norm_rel_ebd="layer_norm", **_DECODER, **_NO_DROPOUT),
     "bart": _text_model("BartConfig", "BartForSequenceClassification", eos_token_id=2, d_model=64, encoder_layers=6,
                         decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
                         decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,

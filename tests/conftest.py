@@ -48,6 +48,23 @@ def no_fallback(monkeypatch):
     monkeypatch.setattr(pass_one, "fallback_grads", refused)
 
 
+def assert_twin_keeps_other_code(model, parent, attribute, subclass, twin, name):
+    """``parent.<attribute>`` (named ``name`` in ``model``) replaced by an instance of ``subclass``, a transformers
+    class with a method of its own sharing the original's state: validate.fix leaves it in place with its warning,
+    and the twin module's ``from_transformers`` refuses it, and a module of another class, by name."""
+    own = subclass.__new__(subclass)
+    own.__dict__.update(getattr(parent, attribute).__dict__)
+    setattr(parent, attribute, own)
+    with pytest.warns(UserWarning, match=rf"left '{name}' \({subclass.__name__}\) in place because its code is not "
+                                         rf"the code {twin.__name__} computes again"):
+        ghostdp.validate.fix(model)
+    assert getattr(parent, attribute) is own
+    with pytest.raises(ValueError, match="keeps its own forward"):
+        twin.from_transformers(own)
+    with pytest.raises(TypeError, match=r"from_transformers takes transformers' .*, got Linear"):
+        twin.from_transformers(torch.nn.Linear(2, 2))
+
+
 def without_scheduled_proofs(controller):
     """Switches off the layout proofs that a schedule repeats (layout.REPROOF_EVERY), and the forward checks on
     the same schedule (independence.py), for tests of what a step between proofs does (its forwards, its

@@ -102,9 +102,10 @@ def test_a_model_that_broadcasts_a_shared_output_itself_fails_naming_the_module_
 
 @pytest.mark.parametrize("share_att_key", [True, False], ids=["deberta-v3", "deberta-v2"])
 def test_deberta_with_relative_attention_trains_exactly_with_what_the_error_names_frozen(share_att_key):
-    """What SHARED_BY_THE_BATCH says to freeze, frozen (the projections of the shared relative embeddings, the
-    embeddings and their LayerNorm): the rest of the model, tokens' query and key projections too where they are
-    other modules, exact against the per-example loop."""
+    """Without validate.fix (tests/layers/test_deberta.py has it), what SHARED_BY_THE_BATCH said to freeze before
+    2026-12-02, frozen (the projections of the shared relative embeddings, the embeddings and their LayerNorm): the
+    rest of the model, tokens' query and key projections too where they are other modules, exact against the
+    per-example loop."""
     import transformers as tf
     model = tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pooler_dropout=0.0, relative_attention=True,

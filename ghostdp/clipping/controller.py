@@ -28,6 +28,7 @@ from ..data import distributed_rank_and_size
 from ..model_tree import current_tree
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
+from ..layers import deberta
 from ..layers.twins import refused_twins_fix, twin_of
 from .accumulation import AccumulationWatch
 from .audit import audit_graph
@@ -225,6 +226,9 @@ class GhostClipping:
         self._refused_twins = [n for n in swappable if twin_of(module.get_submodule(n)) is not None]
         if self._refused_twins:  # a step would be refused: the one-line fix, said where the user sees it
             warnings.warn(refused_twins_fix(module, self._refused_twins), stacklevel=3)
+        self._shared_by_the_batch = deberta.shared_by_the_batch(module)
+        if self._shared_by_the_batch:
+            warnings.warn(deberta.SHARED.format(names=_listed(self._shared_by_the_batch)), stacklevel=3)
         swappable = [n for n in swappable if n not in self._refused_twins] if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
@@ -411,6 +415,7 @@ class GhostClipping:
         described = self._described(stray)
         names = {id(p): n for n, p in self.module.named_parameters()}
         in_twins = sorted({w for p in stray for w in self._refused_twins if names.get(id(p), "").startswith(w + ".")})
+        shared = [n for n in self._shared_by_the_batch if n in {names.get(id(p)) for p in stray}]
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
             "it (e.g. a parent reads child.weight directly, on every step or only for some inputs, or the loss "
@@ -418,7 +423,8 @@ class GhostClipping:
             "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
             "weights and not on the data."
-            + (" " + refused_twins_fix(self.module, in_twins) if in_twins else "") + compiled_code_note())
+            + (" " + refused_twins_fix(self.module, in_twins) if in_twins else "")
+            + (" " + deberta.SHARED.format(names=_listed(shared)) if shared else "") + compiled_code_note())
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

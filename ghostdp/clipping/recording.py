@@ -141,9 +141,10 @@ LEAF_FLAGS_ERROR = "you can only change requires_grad flags of leaf variables"
 # model then trains exactly: tests/test_models.py). A module that also runs on the batch's own inputs (DeBERTa-v3's
 # query and key projections) is frozen for those too: ghostdp cannot yet split such a gradient by example.
 SHARED_BY_THE_BATCH = (
-    "Known cases: DeBERTa-v2/v3 with relative attention: freeze encoder.rel_embeddings, encoder.LayerNorm and every "
-    "layer's attention.self.query_proj and key_proj (with share_att_key, as DeBERTa-v3 has: they also project the "
-    "tokens) or pos_query_proj and pos_key_proj (without).")
+    "Known cases: DeBERTa-v2/v3 with relative attention: ghostdp.validate.fix(model) swaps its attentions for "
+    "ghostdp.layers.deberta's, whose query and key (or position) projections then train; freeze "
+    "encoder.rel_embeddings and encoder.LayerNorm, shared by the batch (before 2026-12-02 every layer's projections "
+    "had to be frozen too).")
 
 
 class ForwardRecorder:

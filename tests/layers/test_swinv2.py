@@ -12,7 +12,7 @@ import ghostdp
 from ghostdp.layers import swinv2
 from ghostdp.layers.twins import twin_of
 from ghostdp.norms import parameter_uses
-from conftest import assert_exact
+from conftest import assert_exact, assert_twin_keeps_other_code
 
 B = 3
 
@@ -109,15 +109,5 @@ def test_a_self_attention_with_code_of_its_own_is_left_with_a_warning():
             return super().forward(hidden_states, attention_mask, output_attentions)
 
     model = _swinv2(depths=(1,))
-    block = model.swinv2.encoder.layers[0].blocks[0].attention
-    own = OwnForward.__new__(OwnForward)
-    own.__dict__.update(block.self.__dict__)
-    block.self = own
-    with pytest.warns(UserWarning, match=r"left 'swinv2.encoder.layers.0.blocks.0.attention.self' \(OwnForward\) in "
-                                         r"place because its code is not the code ghostdp.layers.swinv2 computes"):
-        ghostdp.validate.fix(model)
-    assert block.self is own
-    with pytest.raises(ValueError, match="keeps its own forward"):
-        swinv2.from_transformers(own)
-    with pytest.raises(TypeError, match="takes transformers' Swinv2SelfAttention, got Linear"):
-        swinv2.from_transformers(torch.nn.Linear(2, 2))
+    assert_twin_keeps_other_code(model, model.swinv2.encoder.layers[0].blocks[0].attention, "self", OwnForward,
+                                 swinv2, "swinv2.encoder.layers.0.blocks.0.attention.self")

@@ -11,7 +11,7 @@ import ghostdp
 from ghostdp.layers import wavlm
 from ghostdp.layers.twins import twin_of
 from ghostdp.norms import parameter_uses
-from conftest import assert_exact
+from conftest import assert_exact, assert_twin_keeps_other_code
 
 B = 3
 SAMPLES = 400  # 39 frames after the tiny feature encoder
@@ -137,16 +137,6 @@ def test_a_wavlm_attention_with_code_of_its_own_is_left_with_a_warning():
             return super().forward(hidden_states, attention_mask, position_bias, index, **kwargs)
 
     model = _wavlm()
-    own = OwnForward.__new__(OwnForward)
-    own.__dict__.update(model.wavlm.encoder.layers[0].attention.__dict__)
-    model.wavlm.encoder.layers[0].attention = own
-    assert ghostdp.validate.swappable_modules(model) == ["wavlm.encoder.layers.1.attention"]
-    with pytest.warns(UserWarning, match=r"left 'wavlm.encoder.layers.0.attention' \(OwnForward\) in place because "
-                                         r"its code is not the code ghostdp.layers.wavlm computes again"):
-        ghostdp.validate.fix(model)
-    assert model.wavlm.encoder.layers[0].attention is own
-    assert type(model.wavlm.encoder.layers[1].attention) is wavlm.WavLMAttention
-    with pytest.raises(ValueError, match="keeps its own forward"):
-        wavlm.from_transformers(own)
-    with pytest.raises(TypeError, match="takes transformers' WavLMAttention, got Linear"):
-        wavlm.from_transformers(torch.nn.Linear(2, 2))
+    assert_twin_keeps_other_code(model, model.wavlm.encoder.layers[0], "attention", OwnForward, wavlm,
+                                 "wavlm.encoder.layers.0.attention")
+    assert type(model.wavlm.encoder.layers[1].attention) is wavlm.WavLMAttention  # the other layer's was swapped

@@ -494,6 +494,18 @@ def _swinv2():
     return ghostdp.validate.fix(model)
 
 
+def _deberta_v3():
+    """DeBERTa-v3's relative attention (shared query and key projections, c2p and p2c) after validate.fix: every
+    projection trained, the relative embeddings and their LayerNorm (shared by the batch) frozen."""
+    model = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=32, relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"],
+        share_att_key=True, norm_rel_ebd="layer_norm", pooler_dropout=0.0, num_labels=3, **QUIET))
+    model.deberta.encoder.rel_embeddings.requires_grad_(False)
+    model.deberta.encoder.LayerNorm.requires_grad_(False)
+    return ghostdp.validate.fix(model)
+
+
 def _wavlm():
     """WavLM with its attentions swapped by validate.fix for ghostdp.layers.wavlm's, whose projections are Linear
     calls: the first one's relative position bias table looked up as a batch of one, the gates' constants (uses)."""
@@ -662,6 +674,7 @@ ZOO = [
     Arch("beit-layer-scale", _beit, _images, _logits_of, continuous="x"),
     Arch("wavlm-fixed", _wavlm, _audio, _logits_of, continuous="x"),
     Arch("swinv2-fixed", _swinv2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
+    Arch("deberta-v3-fixed", _deberta_v3, _text, _classify),
     Arch("uses-through-functions", GatedFunctions, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
