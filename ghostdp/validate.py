@@ -101,7 +101,9 @@ def fix(model: torch.nn.Module) -> torch.nn.Module:
       continuous position bias has a row per example (transformers' merges ghostdp's per-example copies, which
       ghostdp refuses); every DeBERTa-v2 DisentangledSelfAttention becomes ``ghostdp.layers.deberta``'s, which
       repeats its relative position projections only where ghostdp has not broadcast them (transformers' repeats
-      ghostdp's per-example views again, and the forward fails). One whose code is not the one ghostdp knows (a
+      ghostdp's per-example views again, and the forward fails); every MPNetEncoder becomes
+      ``ghostdp.layers.mpnet``'s, which looks its relative attention bias up per example (transformers' looks it up
+      once for the batch, which ghostdp refuses). One whose code is not the one ghostdp knows (a
       subclass with methods of its own, another transformers version) stays, with a warning (layers/twins.py).
     """
     if isinstance(model, torch.nn.modules.batchnorm._BatchNorm):

@@ -160,6 +160,7 @@ FAMILIES = {
                               frozen=("deberta.encoder.rel_embeddings.", "deberta.encoder.LayerNorm."),
                               relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"],
                               share_att_key=True, norm_rel_ebd="layer_norm", **_DECODER, **_NO_DROPOUT),
+    "mpnet": _text_model("MPNetConfig", "MPNetForSequenceClassification", fix=True, **_DECODER, **_NO_DROPOUT),
     "bart": _text_model("BartConfig", "BartForSequenceClassification", eos_token_id=2, d_model=64, encoder_layers=6,
                         decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
                         decoder_ffn_dim=256, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,

@@ -581,8 +581,8 @@ def test_the_families_benchmark_interleaves_each_familys_modes_and_lists_its_fal
                                   "--warmup", "0"])
     # by their rules since 2026-11-27 (transposed convolutions: 2026-11-28)
     assert all(result["fallback"] == [] for result in torch_layers.values())
-    # WavLM, Swin v2 and DeBERTa-v3's attention train once validate.fix has swapped in their twins
+    # WavLM, Swin v2, DeBERTa-v3's attention and MPNet's bias train once validate.fix has swapped in their twins
     # (ghostdp.layers.twins; refused before 2026-12-02)
-    twinned = families.main(["--families", "wavlm", "swinv2", "deberta-v3", "--rounds", "1", "--warmup", "0"])
+    twinned = families.main(["--families", "wavlm", "swinv2", "deberta-v3", "mpnet", "--rounds", "1", "--warmup", "0"])
     ratios = [ratio for result in twinned.values() for _, ratio in result["rows"].values()]
-    assert len(ratios) == 9 and all(math.isfinite(ratio) and ratio > 0 for ratio in ratios)
+    assert len(ratios) == 12 and all(math.isfinite(ratio) and ratio > 0 for ratio in ratios)

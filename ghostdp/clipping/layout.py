@@ -300,8 +300,8 @@ def refuse(call, g, batch_size, options, broadcast=False):
         "Fixes: use batch-first layers (nn.TransformerEncoderLayer(..., batch_first=True), "
         "nn.MultiheadAttention(..., batch_first=True)); call the model itself (not a submodule) so that "
         "the batch is known; freeze parameters shared by the whole batch (requires_grad_(False): a table looked up "
-        "once for all examples, as MPNet's relative_attention_bias is; the rest of such a model then trains "
-        "exactly); or register a norm rule for this module."
+        "once for all examples, as MPNet's relative_attention_bias is, which ghostdp.validate.fix(model) looks up per "
+        "example instead; the rest of such a model then trains exactly); or register a norm rule for this module."
         + (BAGS_PER_EXAMPLE if isinstance(call.module, torch.nn.EmbeddingBag) else ""))
 
 

@@ -1,6 +1,6 @@
 """ghostdp's twins of transformers modules that cannot train privately as they are, which ``validate.fix`` swaps in.
 
-Each twin module (``wavlm``, ``swinv2``, ``deberta``) names the transformers class it replaces
+Each twin module (``wavlm``, ``swinv2``, ``deberta``, ``mpnet``) names the transformers class it replaces
 (``TRANSFORMERS_CLASS``), why that class cannot train (``WHY``), whether a module has the code the twin computes
 again (``has_known_code``), and builds the twin from the module (``from_transformers``: the same children,
 parameters and buffers, the same outputs).
@@ -10,14 +10,13 @@ from __future__ import annotations
 from torch import nn
 
 from ..norms.registry import is_instance_of
-from . import deberta, swinv2, wavlm
+from . import deberta, mpnet, swinv2, wavlm
 
-TWINS = (wavlm, swinv2, deberta)
+TWINS = (wavlm, swinv2, deberta, mpnet)
 
 
 def twin_of(module: nn.Module):
-    """The twin module (``wavlm``, ``swinv2``, ``deberta``) for a transformers module of the class it replaces, or
-    None."""
+    """The twin module (one of TWINS) for a transformers module of the class it replaces, or None."""
     for twin in TWINS:
         if is_instance_of(module, twin.TRANSFORMERS_CLASS):
             return twin

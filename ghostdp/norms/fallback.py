@@ -39,7 +39,8 @@ OPAQUE_MODULES: tuple = (torch.nn.MultiheadAttention,)
 # the attention's outputs, per example, reaches them through the scores. The child is not hooked. Since 2026-11-28
 # a parent with T5's own code looks its bias up per example instead (relative_bias.py) and owns nothing; the others
 # here (UMT5's and Pix2Struct's compute_bias, LongT5's local attentions) keep the fallback. MPNet's bias belongs to
-# its whole encoder (a VJP through every layer per example): left refused, with the freeze as its fix.
+# its whole encoder (a VJP through every layer per example): refused as it is, naming the freeze and validate.fix,
+# whose twin looks it up per example (layers/mpnet.py, since 2026-12-02).
 _T5_ATTENTIONS = ("t5.modeling_t5.T5Attention", "mt5.modeling_mt5.MT5Attention", "umt5.modeling_umt5.UMT5Attention",
                   "longt5.modeling_longt5.LongT5Attention", "longt5.modeling_longt5.LongT5LocalAttention",
                   "longt5.modeling_longt5.LongT5TransientGlobalAttention",

@@ -506,6 +506,17 @@ def _deberta_v3():
     return ghostdp.validate.fix(model)
 
 
+def _mpnet():
+    """MPNet after validate.fix: its encoder's relative attention bias looked up as a batch of one (ghostdp.layers
+    .mpnet), the table trained (drawn away from its initial values)."""
+    model = transformers.MPNetForSequenceClassification(transformers.MPNetConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        num_labels=3, **QUIET))
+    with torch.no_grad():
+        model.mpnet.encoder.relative_attention_bias.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
+    return ghostdp.validate.fix(model)
+
+
 def _wavlm():
     """WavLM with its attentions swapped by validate.fix for ghostdp.layers.wavlm's, whose projections are Linear
     calls: the first one's relative position bias table looked up as a batch of one, the gates' constants (uses)."""
@@ -675,6 +686,7 @@ ZOO = [
     Arch("wavlm-fixed", _wavlm, _audio, _logits_of, continuous="x"),
     Arch("swinv2-fixed", _swinv2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("deberta-v3-fixed", _deberta_v3, _text, _classify),
+    Arch("mpnet-fixed", _mpnet, _text, _classify),
     Arch("uses-through-functions", GatedFunctions, lambda n, g: _tokens(n, g, 5), _logits_of, continuous="x",
          sequence=True),
     Arch("embedding-bag-1d-tied", BagsOfIds, _bags, _bag_logits, continuous="x"),
@@ -783,7 +795,8 @@ def test_the_clipped_sum_equals_the_per_example_loop(arch):
 def test_t5s_relative_position_bias_is_looked_up_per_example_umt5s_is_its_attentions_own_and_mpnets_is_refused():
     """T5's bias takes no fallback (looked up per example: norms/relative_bias.py); UMT5's, in other code, is owned by
     the attention that adds it to every example's scores (its Embedding is not hooked: its (q, k, heads) output holds
-    no example); MPNet's belongs to its whole encoder and stays refused, naming the freeze."""
+    no example); MPNet's belongs to its whole encoder and stays refused, naming the freeze and validate.fix, whose
+    ghostdp.layers.mpnet looks it up per example instead (mpnet-fixed, since 2026-12-02)."""
     from ghostdp.validate import fallback_modules
     assert fallback_modules(_t5()) == {}
     owners = fallback_modules(_umt5())
