@@ -48,6 +48,23 @@ def no_fallback(monkeypatch):
     monkeypatch.setattr(pass_one, "fallback_grads", refused)
 
 
+def classified_as(labels):
+    """A loss_of_output for assert_exact_model: each example's cross entropy of its logits against its label."""
+    return lambda out, sl: torch.nn.functional.cross_entropy(out.logits, labels[sl], reduction="none")
+
+
+def assert_warned_and_refused(model, step_loss, warned: str, refused: str):
+    """Attaching to ``model`` warns (``warned``, a regex), and the step on ``step_loss(model)``, the (B,) losses of a
+    forward, is refused (``refused``)."""
+    with pytest.warns(UserWarning, match=warned):
+        controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match=refused):
+            controller.loss(step_loss(model)).backward()
+    finally:
+        controller.detach()
+
+
 def assert_twin_keeps_other_code(model, parent, attribute, subclass, twin, name):
     """``parent.<attribute>`` (named ``name`` in ``model``) replaced by an instance of ``subclass``, a transformers
     class with a method of its own sharing the original's state: validate.fix leaves it in place with its warning,

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..norms.registry import forward_body, is_instance_of
+from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.deberta_v2.modeling_deberta_v2.DisentangledSelfAttention"
 WHY = ("projects the relative position embeddings once for the batch and repeats the projections for every example "
@@ -116,22 +117,9 @@ def has_known_code(module: nn.Module) -> bool:
     return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
 
 
-class DisentangledSelfAttention(nn.Module):
+class DisentangledSelfAttention(TakenOver):
     """transformers' DeBERTa-v2 DisentangledSelfAttention (same outputs and state_dict keys) whose relative position
     projections keep ghostdp's per-example views (module doc). Build it with ``from_transformers``."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self._code = type(module)  # transformers' class, whose forward and transpose_for_scores run on this module
-        for name, value in vars(module).items():
-            if not name.startswith("_") and name != "training":
-                setattr(self, name, value)
-        for name, child in module._modules.items():  # in their order, so that state_dict's keys keep theirs
-            setattr(self, name, child)
-        self.train(module.training)
-
-    def forward(self, *args, **kwargs):
-        return self._code.forward(self, *args, **kwargs)
 
     def transpose_for_scores(self, x, attention_heads) -> torch.Tensor:
         return self._code.transpose_for_scores(self, x, attention_heads)
@@ -193,11 +181,5 @@ class DisentangledSelfAttention(nn.Module):
 
 def from_transformers(module: nn.Module) -> DisentangledSelfAttention:
     """The ghostdp module for a transformers DeBERTa-v2 DisentangledSelfAttention with the code written here."""
-    if not is_instance_of(module, TRANSFORMERS_CLASS):
-        raise TypeError(f"from_transformers takes transformers' DeBERTa-v2 DisentangledSelfAttention, got "
-                        f"{type(module).__name__}")
-    if not has_known_code(module):
-        raise ValueError(
-            f"{type(module).__name__}'s code is not the DisentangledSelfAttention code ghostdp.layers.deberta runs "
-            "(a subclass with methods of its own, another transformers version): it keeps its own forward")
-    return DisentangledSelfAttention(module)
+    return twin(DisentangledSelfAttention, module, TRANSFORMERS_CLASS, has_known_code,
+                "DeBERTa-v2 DisentangledSelfAttention")

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..norms.registry import forward_body, is_instance_of
+from ..norms.registry import forward_body
+from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.mpnet.modeling_mpnet.MPNetEncoder"
 WHY = ("looks its relative attention bias up once for the batch and expands it to every example itself, so no call "
@@ -53,22 +54,9 @@ def has_known_code(module: nn.Module) -> bool:
     return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
 
 
-class MPNetEncoder(nn.Module):
+class MPNetEncoder(TakenOver):
     """transformers' MPNetEncoder (same outputs and state_dict keys) whose relative attention bias is looked up as a
     batch of one (module doc). Build it with ``from_transformers``."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self._code = type(module)  # transformers' class, whose forward and relative_position_bucket run here
-        for name, value in vars(module).items():
-            if not name.startswith("_") and name != "training":
-                setattr(self, name, value)
-        for name, child in module._modules.items():  # in their order, so that state_dict's keys keep theirs
-            setattr(self, name, child)
-        self.train(module.training)
-
-    def forward(self, *args, **kwargs):
-        return self._code.forward(self, *args, **kwargs)
 
     def compute_position_bias(self, x, position_ids=None, num_buckets=32):
         """(B, heads, q, k): compute_position_bias's values, from one lookup of a batch of one (or of each example's
@@ -89,10 +77,4 @@ class MPNetEncoder(nn.Module):
 
 def from_transformers(module: nn.Module) -> MPNetEncoder:
     """The ghostdp module for a transformers MPNetEncoder with the code written here."""
-    if not is_instance_of(module, TRANSFORMERS_CLASS):
-        raise TypeError(f"from_transformers takes transformers' MPNetEncoder, got {type(module).__name__}")
-    if not has_known_code(module):
-        raise ValueError(
-            f"{type(module).__name__}'s code is not the MPNetEncoder code ghostdp.layers.mpnet runs (a subclass with "
-            "methods of its own, another transformers version): it keeps its own forward")
-    return MPNetEncoder(module)
+    return twin(MPNetEncoder, module, TRANSFORMERS_CLASS, has_known_code, "MPNetEncoder")

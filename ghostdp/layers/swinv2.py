@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..norms.registry import forward_body, is_instance_of
+from ..norms.registry import forward_body
+from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention"
 WHY = ("runs its position-bias MLP once for the batch and merges ghostdp's per-example copies of its output, which "
@@ -64,22 +65,9 @@ def has_known_code(module: nn.Module) -> bool:
             and isinstance(mlp[0], nn.Linear) and isinstance(mlp[1], nn.ReLU) and isinstance(mlp[2], nn.Linear))
 
 
-class Swinv2SelfAttention(nn.Module):
+class Swinv2SelfAttention(TakenOver):
     """transformers' Swinv2SelfAttention (same outputs and state_dict keys) whose continuous position bias has a row per
     example where ghostdp broadcasts its MLP's first output (module doc). Build it with ``from_transformers``."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        for name in ("num_attention_heads", "attention_head_size", "all_head_size", "window_size",
-                     "pretrained_window_size"):
-            setattr(self, name, getattr(module, name))
-        for name, p in module._parameters.items():  # in their order, so that state_dict's keys keep theirs
-            setattr(self, name, p)
-        for name, child in module._modules.items():
-            setattr(self, name, child)
-        for name, buffer in module._buffers.items():
-            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
-        self.train(module.training)
 
     def forward(self, hidden_states, attention_mask=None, output_attentions=False):
         rows, tokens, _ = hidden_states.shape  # rows: the windows of every example, example by example
@@ -121,11 +109,4 @@ class Swinv2SelfAttention(nn.Module):
 
 def from_transformers(module: nn.Module) -> Swinv2SelfAttention:
     """The ghostdp module for a transformers Swinv2SelfAttention with the code written here."""
-    if not is_instance_of(module, TRANSFORMERS_CLASS):
-        raise TypeError(f"from_transformers takes transformers' Swinv2SelfAttention, got {type(module).__name__}")
-    if not has_known_code(module):
-        raise ValueError(
-            f"{type(module).__name__}'s code is not the Swinv2SelfAttention code ghostdp.layers.swinv2 computes again "
-            "(a subclass with a forward of its own, another transformers version, another position-bias MLP): it "
-            "keeps its own forward")
-    return Swinv2SelfAttention(module)
+    return twin(Swinv2SelfAttention, module, TRANSFORMERS_CLASS, has_known_code, "Swinv2SelfAttention")

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..norms.registry import forward_body, is_instance_of
+from ..norms.registry import forward_body
+from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.wavlm.modeling_wavlm.WavLMAttention"
 WHY = ("hands the weights of its q_proj, k_proj, v_proj and out_proj to F.multi_head_attention_forward, so gradient "
@@ -82,20 +83,10 @@ def has_known_code(module: nn.Module) -> bool:
     return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
 
 
-class WavLMAttention(nn.Module):
+class WavLMAttention(TakenOver):
     """transformers' WavLMAttention (same outputs, state_dict keys and attention weights) whose projections are Linear
     calls and whose relative position bias is looked up as a batch of one (module doc). Build it with
     ``from_transformers``."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        for name in ("embed_dim", "num_heads", "dropout", "head_dim", "scaling", "num_buckets", "max_distance"):
-            setattr(self, name, getattr(module, name))
-        for name, child in module._modules.items():  # in their order, so that state_dict's keys keep theirs
-            setattr(self, name, child)
-        for name, p in module._parameters.items():
-            setattr(self, name, p)
-        self.train(module.training)
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None, index=0, **kwargs):
         bsz, tgt_len, _ = hidden_states.size()
@@ -151,12 +142,5 @@ class WavLMAttention(nn.Module):
 
 
 def from_transformers(module: nn.Module) -> WavLMAttention:
-    """The ghostdp module for a transformers WavLMAttention with the code written here (its children and parameters
-    taken over as they are)."""
-    if not is_instance_of(module, TRANSFORMERS_CLASS):
-        raise TypeError(f"from_transformers takes transformers' WavLMAttention, got {type(module).__name__}")
-    if not has_known_code(module):
-        raise ValueError(
-            f"{type(module).__name__}'s code is not the WavLMAttention code ghostdp.layers.wavlm computes again (a "
-            "subclass with methods of its own, or another transformers version): it keeps its own forward")
-    return WavLMAttention(module)
+    """The ghostdp module for a transformers WavLMAttention with the code written here."""
+    return twin(WavLMAttention, module, TRANSFORMERS_CLASS, has_known_code, "WavLMAttention")

@@ -10,7 +10,7 @@ from transformers.models.mpnet import modeling_mpnet
 import ghostdp
 from ghostdp.layers import mpnet
 from ghostdp.layers.twins import twin_of
-from conftest import assert_exact, assert_twin_keeps_other_code
+from conftest import assert_exact_model, assert_twin_keeps_other_code, assert_warned_and_refused, classified_as
 
 B = 3
 
@@ -60,26 +60,15 @@ def test_a_fixed_mpnet_with_its_bias_table_trained_is_exact_with_nothing_on_the_
     model = ghostdp.validate.fix(_mpnet())
     assert model.mpnet.encoder.relative_attention_bias.weight.requires_grad
     ids, mask = _text()
-    labels = torch.tensor([0, 2, 1])
-    ce = torch.nn.CrossEntropyLoss(reduction="none")
-
-    def losses(sl):
-        return ce(model(input_ids=ids[sl], attention_mask=mask[sl]).logits, labels[sl])
-
-    assert_exact(model, lambda: losses(slice(None)), lambda i: losses(slice(i, i + 1)).sum(), B)
+    assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), classified_as(torch.tensor([0, 2, 1])), B)
 
 
 def test_an_unfixed_mpnet_is_warned_of_at_attaching_and_refused_naming_the_fix():
-    model = _mpnet().train()
-    with pytest.warns(UserWarning, match=r"'mpnet.encoder' \(MPNetEncoder looks its relative attention bias up once"
-                                         r".*validate\.fix"):
-        controller = ghostdp.GhostClipping(model, 1.0)
-    try:
-        ids, mask = _text()
-        with pytest.raises(RuntimeError, match=r"relative_attention_bias.*ghostdp\.validate\.fix\(model\) looks up"):
-            controller.loss(model(input_ids=ids, attention_mask=mask).logits.pow(2).sum(1)).backward()
-    finally:
-        controller.detach()
+    ids, mask = _text()
+    assert_warned_and_refused(
+        _mpnet().train(), lambda model: model(input_ids=ids, attention_mask=mask).logits.pow(2).sum(1),
+        r"'mpnet.encoder' \(MPNetEncoder looks its relative attention bias up once.*validate\.fix",
+        r"relative_attention_bias.*ghostdp\.validate\.fix\(model\) looks up")
 
 
 def test_an_encoder_with_code_of_its_own_is_left_with_a_warning():
