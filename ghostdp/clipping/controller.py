@@ -72,6 +72,11 @@ SWAPPABLE_MODULES = (
     "before making it private swaps them for their ghostdp.layers twins (same weights, state_dict keys and "
     "outputs), whose projections the Linear rule covers.")
 
+IN_A_REENTRANT_REGION = (
+    "This gradient arose inside a reentrant activation checkpoint, whose forward ghostdp sees only as its backward "
+    "recomputes it: a module's own parameters that its forward applies by elementwise ops (layer scales, a class "
+    "token: norms/parameter_uses.py) are captured only in an ordinary forward. Fix: " + USE_NON_REENTRANT)
+
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
 
@@ -424,7 +429,8 @@ class GhostClipping:
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
             "weights and not on the data."
             + (" " + refused_twins_fix(self.module, in_twins) if in_twins else "")
-            + (" " + deberta.SHARED.format(names=_listed(shared)) if shared else "") + compiled_code_note())
+            + (" " + deberta.SHARED.format(names=_listed(shared)) if shared else "")
+            + (" " + IN_A_REENTRANT_REGION if calls is True else "") + compiled_code_note())
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

@@ -1,6 +1,6 @@
 """Per-layer norm rules: one file per layer family, one registry."""
-from . import (conv, conv_transpose, elementwise, embedding, linear, normalization,  # noqa: F401  (registers rules)
-               vit_embeddings, window_bias)
+from . import (beit_bias, conv, conv_transpose, elementwise, embedding, linear,  # noqa: F401  (registers rules)
+               normalization, vit_embeddings, window_bias)
 from .factors import (PerExampleGrad, Instantiated, OuterProduct, EmbeddingGather, RaggedEmbeddingGather,
                       combined_sq_norm)
 from .registry import find_norm_rule, register_norm_rule
