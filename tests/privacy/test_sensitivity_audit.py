@@ -546,6 +546,19 @@ def _beit():
     return model
 
 
+def _beit_relative_bias():
+    """BEiT with a relative position bias table per layer (norms/beit_bias.py) beside its layer scales."""
+    model = transformers.BeitForImageClassification(transformers.BeitConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, layer_scale_init_value=0.5, drop_path_rate=0.0,
+        use_relative_position_bias=True, **QUIET))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lambda" in name or "relative_position_bias_table" in name:
+                p.uniform_(-1, 1, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
 def _audio(n, g):
     return dict(x=torch.randn(n, 120, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
 
@@ -683,6 +696,7 @@ ZOO = [
     Arch("wav2vec2-weight-norm", _wav2vec2, _audio, _logits_of, continuous="x"),
     Arch("wav2vec2-masked-spec-embed", MaskedSpeech, _audio, _logits_of, continuous="x"),
     Arch("beit-layer-scale", _beit, _images, _logits_of, continuous="x"),
+    Arch("beit-relative-position-bias", _beit_relative_bias, _images, _logits_of, continuous="x"),
     Arch("wavlm-fixed", _wavlm, _audio, _logits_of, continuous="x"),
     Arch("swinv2-fixed", _swinv2, lambda n, g: _images(n, g, 16), _logits_of, continuous="x"),
     Arch("deberta-v3-fixed", _deberta_v3, _text, _classify),
