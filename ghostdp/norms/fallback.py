@@ -25,6 +25,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from .factors import ELEMENT_BUDGET, Instantiated
+from .parametrized import chained_entry
 from .registry import lookup_rule, qualified_name
 from .relative_bias import looks_up_per_example
 
@@ -107,6 +108,8 @@ def attached_rule(module):
     """The rule entry ghostdp attaches to a hooked module, or None: its own parameters take the fallback (an opaque
     module, no rule, or parameters the rule does not cover: a subclass with parameters of its own)."""
     entry = None if isinstance(module, OPAQUE_MODULES) else lookup_rule(module)
+    if entry is not None and parametrize.is_parametrized(module):
+        entry = chained_entry(module, entry)  # a weight_norm under the layer's rule (parametrized.py), or None
     if entry is not None and not set(owned_parameters(module)) <= entry.params:
         return None
     return entry

@@ -169,7 +169,7 @@ class SpeechEncoder(nn.Module):
             self.encoder = transformers.HubertModel(transformers.HubertConfig(**config))
         if feature_encoder_frozen:
             self.encoder.feature_extractor._freeze_parameters()
-        self.encoder.encoder.pos_conv_embed.requires_grad_(False)  # weight norm: the fallback (not tested here)
+        self.encoder.encoder.pos_conv_embed.requires_grad_(False)  # weight norm: not what is tested here
         with torch.no_grad():
             self.encoder.masked_spec_embed.uniform_(-1, 1)
         self.head = nn.Linear(8, 2)

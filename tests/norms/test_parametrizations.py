@@ -1,10 +1,11 @@
 """Parametrized weights (torch.nn.utils.parametrize): weight_norm, spectral_norm, orthogonal, one's own.
 
 The parametrized module computes its weight from the parametrization's parameters inside its forward, so
-its call's graph holds their whole gradient: the module owns them and takes the exact fallback
-(norms/fallback.py). Before, the parametrization's ParametrizationList was hooked as a module of its own,
-whose output (the weight) has no batch dim, and every such model was refused (wav2vec2 and HuBERT, whose
-positional convolution is weight-normalised, among them).
+its call's graph holds their whole gradient: the module owns them. A weight_norm under a layer whose rule covers the
+weight takes that rule, its per-example weight gradients chained to g and v (norms/parametrized.py, since
+2026-12-02); any other parametrization takes the exact fallback (norms/fallback.py). Before, the parametrization's
+ParametrizationList was hooked as a module of its own, whose output (the weight) has no batch dim, and every such
+model was refused (wav2vec2 and HuBERT, whose positional convolution is weight-normalised, among them).
 """
 import warnings
 
@@ -157,3 +158,64 @@ def test_wav2vec2_with_its_weight_normalised_positional_convolution_is_exact():
     audio, y = torch.randn(B, 200, dtype=torch.float64), torch.randint(0, 2, (B,))
     assert_exact_model(model, audio, lambda out, sl: nn.functional.cross_entropy(out.logits, y[sl], reduction="none"),
                        B)
+
+
+@pytest.fixture
+def fallback_calls(monkeypatch):
+    """The number of calls that took the exact fallback since the test began (a one-element list)."""
+    from ghostdp.clipping import pass_one
+    fallback, count = pass_one.fallback_grads, [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return fallback(*args, **kwargs)
+    monkeypatch.setattr(pass_one, "fallback_grads", counted)
+    return count
+
+
+class GroupedPositions(nn.Module):
+    """wav2vec2's positional convolution in small: grouped, weight-normalised over its kernel dim (dim=2)."""
+
+    def __init__(self, dim=2):
+        super().__init__()
+        self.conv = parametrizations.weight_norm(nn.Conv1d(8, 8, 5, padding=2, groups=2), name="weight", dim=dim)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # (B, T, 8)
+        return self.head(nn.functional.gelu(self.conv(x.transpose(1, 2)).transpose(1, 2)) + x).mean(1)
+
+
+@pytest.mark.parametrize("layer", ["linear dim 0", "linear dim None", "grouped conv dim 2", "grouped conv dim 0"])
+def test_a_weight_norm_takes_its_layers_rule_and_is_exact(layer, fallback_calls):
+    torch.manual_seed(0)
+    if layer.startswith("linear"):
+        lin = parametrizations.weight_norm(nn.Linear(6, 6), dim=0 if layer.endswith("0") else None)
+        model, x = _mlp(lin).double(), 3 * torch.randn(B, 6, dtype=torch.float64)
+        assert ghostdp.validate.fallback_modules(model) == {}
+        assert_exact_model(model, x, _cross_entropy(torch.randint(0, 2, (B,))), B)
+    else:
+        model = GroupedPositions(dim=int(layer[-1])).double()
+        assert ghostdp.validate.fallback_modules(model) == {}
+        assert_exact_model(model, torch.randn(B, 11, 8, dtype=torch.float64), lambda out, sl: out.pow(2).sum(1), B)
+    assert fallback_calls[0] == 0
+
+
+@pytest.mark.parametrize("parametrized", ["spectral_norm", "orthogonal", "weight_norm twice"])
+def test_other_parametrizations_keep_the_exact_fallback(parametrized, fallback_calls):
+    """spectral_norm's power iteration moves its vectors at every forward: recomputing it would move them again."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6)
+    if parametrized == "spectral_norm":
+        parametrizations.spectral_norm(lin)
+    elif parametrized == "orthogonal":
+        parametrizations.orthogonal(lin)
+    else:
+        parametrizations.weight_norm(lin)
+        parametrize.register_parametrization(lin, "weight", Tripled())
+    model = _mlp(lin).double()
+    assert list(ghostdp.validate.fallback_modules(model)) == ["0"]
+    if parametrized == "spectral_norm":
+        return  # exact on the fallback: test_spectral_norm_is_exact_and_its_power_iteration_buffers_are_not_warned_of
+    x = 3 * torch.randn(B, 6, dtype=torch.float64)
+    assert_exact_model(model, x, _cross_entropy(torch.randint(0, 2, (B,))), B)
+    assert fallback_calls[0] > 0

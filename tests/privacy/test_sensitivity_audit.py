@@ -447,7 +447,8 @@ class UnrolledLSTMCell(nn.Module):
 
 
 def _wav2vec2():
-    """Its positional convolution is weight-normalised (torch.nn.utils.parametrizations.weight_norm)."""
+    """Its positional convolution is weight-normalised (torch.nn.utils.parametrizations.weight_norm): the Conv1d rule,
+    its per-example weight gradients chained to g and v (norms/parametrized.py; the fallback's before 2026-12-02)."""
     return transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, conv_dim=(8, 8),
         conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
@@ -459,8 +460,8 @@ class MaskedSpeech(nn.Module):
     """wav2vec2 with SpecAugment's time mask drawn from each example's own audio (a time step is masked where the
     audio at its start is above 0.3), so that the masked_spec_embed written into the masked steps of the feature
     projection's output (a view: autograd's CopySlices) is an elementwise use (norms/parameter_uses.py); the
-    positional convolution frozen (its weight norm takes the fallback: wav2vec2-weight-norm), and the feature encoder, as
-    fine-tuning recipes freeze it."""
+    positional convolution frozen (its weight norm is wav2vec2-weight-norm's), and the feature encoder, as fine-tuning
+    recipes freeze it."""
 
     def __init__(self):
         super().__init__()
