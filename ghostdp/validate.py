@@ -134,9 +134,10 @@ def _group_norm_for(batch_norm) -> torch.nn.GroupNorm:
 
 def swappable_modules(model: torch.nn.Module) -> list:
     """The names of the torch.nn LSTM, GRU, RNN and MultiheadAttention modules and the transformers modules of
-    layers/twins.py (WavLM's attention, Swin v2's self-attention) with trainable parameters that ``fix`` would swap
-    for their ghostdp.layers twins (torch.nn's take the fallback, the transformers ones are refused). The model
-    itself is not listed: ``fix`` swaps children (ghostdp.layers.from_torch converts one torch.nn module)."""
+    layers/twins.py (WavLM's attention, Swin v2's self-attention, DeBERTa-v2's attention, MPNet's encoder) with
+    trainable parameters that ``fix`` would swap for their ghostdp.layers twins (torch.nn's take the fallback, the
+    transformers ones are refused). The model itself is not listed: ``fix`` swaps children
+    (ghostdp.layers.from_torch converts one torch.nn module)."""
     return [name for name, m in model.named_modules()
             if name and (isinstance(m, _TWINNED) or twin_of(m) is not None)
             and _why_kept(m) is None and any(p.requires_grad for p in m.parameters())]

@@ -29,7 +29,7 @@ from ..model_tree import current_tree
 from ..sharding import fsdp1_wrapped, has_sharded_parameters
 from .. import validate
 from ..layers import deberta
-from ..layers.twins import refused_twins_fix, twin_of
+from ..layers import twins
 from .accumulation import AccumulationWatch
 from .audit import audit_graph
 from .buffers import BufferWatch
@@ -134,9 +134,10 @@ def _forget_captured_edges(calls) -> None:
         call.fallback_stops = None
 
 
-def _listed(names, shown=5) -> str:
-    """The first ``shown`` names, quoted, and how many there are where there are more."""
-    return ", ".join(f"'{n}'" for n in names[:shown]) + (f", ... ({len(names)})" if len(names) > shown else "")
+def _listed(names, shown=5, quoted=True) -> str:
+    """The first ``shown`` names (quoted), and how many there are where there are more."""
+    written = ", ".join(f"'{n}'" if quoted else n for n in names[:shown])
+    return written + (f", ... ({len(names)})" if len(names) > shown else "")
 
 
 def _attached_controller(module):
@@ -228,9 +229,9 @@ class GhostClipping:
         _ATTACHED[module] = self
         slow = validate.fallback_modules(module)
         swappable = validate.swappable_modules(module)
-        self._refused_twins = [n for n in swappable if twin_of(module.get_submodule(n)) is not None]
+        self._refused_twins = [n for n in swappable if twins.twin_of(module.get_submodule(n)) is not None]
         if self._refused_twins:  # a step would be refused: the one-line fix, said where the user sees it
-            warnings.warn(refused_twins_fix(module, self._refused_twins), stacklevel=3)
+            warnings.warn(self._twins_fix(self._refused_twins), stacklevel=3)
         self._shared_by_the_batch = deberta.shared_by_the_batch(module)
         if self._shared_by_the_batch:
             warnings.warn(deberta.SHARED.format(names=_listed(self._shared_by_the_batch)), stacklevel=3)
@@ -240,9 +241,7 @@ class GhostClipping:
             warnings.warn(SWAPPABLE_MODULES.format(names=_listed(swappable), kinds=", ".join(kinds)), stacklevel=3)
         self._fallback_listed = list(slow)  # logged again after the first norm pass, as it went (_log_fallback)
         if slow:  # logged, not warned: the fallback is exact, only slower (T5's relative bias, raw parameters)
-            names = list(slow)
-            log.info(FALLBACK_MODULES.format(count=len(names), names=", ".join(names[:5]) + (
-                f", ... ({len(names)})" if len(names) > 5 else "")))
+            log.info(FALLBACK_MODULES.format(count=len(slow), names=_listed(list(slow), quoted=False)))
 
     # ----------------------------------------------------------------- settings
     @property
@@ -428,9 +427,13 @@ class GhostClipping:
             "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
             "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
             "weights and not on the data."
-            + (" " + refused_twins_fix(self.module, in_twins) if in_twins else "")
+            + (" " + self._twins_fix(in_twins) if in_twins else "")
             + (" " + deberta.SHARED.format(names=_listed(shared)) if shared else "")
             + (" " + IN_A_REENTRANT_REGION if calls is True else "") + compiled_code_note())
+
+    def _twins_fix(self, names) -> str:
+        """layers/twins.py's REFUSED for these modules of the model, each of a class with a twin."""
+        return twins.REFUSED.format(names=_listed(names), why=twins.why_refused(self.module, names))
 
     def _refuse_uncounted(self, uncounted):
         """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs

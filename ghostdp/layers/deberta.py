@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from ..norms.registry import forward_body, is_instance_of
+from ..norms.registry import has_bodies, is_instance_of
 from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.deberta_v2.modeling_deberta_v2.DisentangledSelfAttention"
@@ -114,7 +114,7 @@ _KNOWN_BODIES = {"forward": FORWARD_BODY, "transpose_for_scores": TRANSPOSE_BODY
 def has_known_code(module: nn.Module) -> bool:
     """Whether the methods of ``module``'s class that DisentangledSelfAttention runs or computes again have the code
     written here."""
-    return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
+    return has_bodies(type(module), _KNOWN_BODIES.items())
 
 
 class DisentangledSelfAttention(TakenOver):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..norms.registry import forward_body
+from ..norms.registry import has_bodies
 from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.mpnet.modeling_mpnet.MPNetEncoder"
@@ -51,7 +51,7 @@ _KNOWN_BODIES = {"forward": FORWARD_BODY, "compute_position_bias": POSITION_BIAS
 
 def has_known_code(module: nn.Module) -> bool:
     """Whether the methods of ``module``'s class that MPNetEncoder runs or computes again have the code written here."""
-    return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
+    return has_bodies(type(module), _KNOWN_BODIES.items())
 
 
 class MPNetEncoder(TakenOver):

@@ -29,9 +29,7 @@ REFUSED = (
     "(ghostdp.layers.twins: the same children, parameters, state_dict keys and outputs), which the norm rules cover.")
 
 
-def refused_twins_fix(model: nn.Module, names: list) -> str:
-    """What attaching warns of, and a refusal adds, for these modules of ``model``, each of a class with a twin."""
+def why_refused(model: nn.Module, names: list) -> str:
+    """Why each class of these modules of ``model`` (each of a class with a twin) cannot train as it is, for REFUSED."""
     twins = sorted({twin_of(model.get_submodule(n)) for n in names}, key=lambda t: t.__name__)
-    why = "; ".join(f"{t.TRANSFORMERS_CLASS.rsplit('.', 1)[1]} {t.WHY}" for t in twins)
-    shown = ", ".join(f"'{n}'" for n in names[:5]) + (f", ... ({len(names)})" if len(names) > 5 else "")
-    return REFUSED.format(names=shown, why=why)
+    return "; ".join(f"{t.TRANSFORMERS_CLASS.rsplit('.', 1)[1]} {t.WHY}" for t in twins)

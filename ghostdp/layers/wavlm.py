@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..norms.registry import forward_body
+from ..norms.registry import has_bodies
 from .taken_over import TakenOver, twin
 
 TRANSFORMERS_CLASS = "transformers.models.wavlm.modeling_wavlm.WavLMAttention"
@@ -80,7 +80,7 @@ _KNOWN_BODIES = {"forward": FORWARD_BODY, "torch_multi_head_self_attention": ATT
 
 def has_known_code(module: nn.Module) -> bool:
     """Whether the methods of ``module``'s class that WavLMAttention computes again have the code written here."""
-    return all(forward_body(getattr(type(module), name, None)) == body for name, body in _KNOWN_BODIES.items())
+    return has_bodies(type(module), _KNOWN_BODIES.items())
 
 
 class WavLMAttention(TakenOver):

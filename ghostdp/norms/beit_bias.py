@@ -11,8 +11,8 @@ region).
 Where the call asks for the table's own window, square (so the bilinear resampling to the same size is the
 identity: torch copies), without interpolation (``accepts``), the rule forms g_i[r, h] = the sum of G_i[h, p, q]
 over the pairs (p, q) whose index is r: an EmbeddingGather of the index, whose small table keeps its explicit
-(B, rows, heads) gradients (EmbeddingGather._keeps_explicit), as for Swin's (window_bias.py). Any other call keeps the
-fallback.
+(B, rows, heads) gradients (EmbeddingGather._keeps_explicit): Swin's factor with one window (window_bias.py). Any
+other call keeps the fallback.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from .factors import EmbeddingGather
 from .registry import register_forward_rule
+from .window_bias import gathered_by_index
 
 # BeitRelativePositionBias.forward's body (registry.forward_body; Data2VecVisionRelativePositionBias has the same;
 # tests/norms/test_beit_bias.py checks that transformers' BEiT has it).
@@ -68,11 +68,9 @@ def beit_bias_rule(module, inputs: tuple, output_grad: torch.Tensor, trainable) 
     (B, heads, N, N), or (1, heads, N, N) where the batch is one example (not broadcast)."""
     if "relative_position_bias_table" not in trainable:
         return {}
-    B, heads, N, _ = output_grad.shape
-    rows = output_grad.permute(0, 2, 3, 1).reshape(B, N * N, heads)  # each token pair a row of the table
-    ids = _index(type(module), tuple(module.window_size), output_grad.device).expand(B, N * N)
-    table = module.relative_position_bias_table
-    return {"relative_position_bias_table": EmbeddingGather(ids, rows, table.shape[0])}
+    index = _index(type(module), tuple(module.window_size), output_grad.device)
+    return {"relative_position_bias_table": gathered_by_index(output_grad.unsqueeze(1), index,
+                                                              module.relative_position_bias_table.shape[0])}
 
 
 register_forward_rule(BEIT_BIAS_BODY, beit_bias_rule, params=("relative_position_bias_table",), accepts=accepts)

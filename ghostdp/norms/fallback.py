@@ -19,11 +19,11 @@ for small or rare modules (GRU, raw nn.Parameters, custom layers).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from torch.nn.utils import parametrize
 
+from .batched_vjp import batched_vjp
 from .factors import ELEMENT_BUDGET, Instantiated
 from .parametrized import chained_entry
 from .registry import lookup_rule, qualified_name
@@ -176,29 +176,15 @@ def _stopped_at(nodes):
 def _vjp_chunk(params, names, live, lo, hi, chunks):
     """Appends the per-example gradients of examples lo..hi-1 to ``chunks`` (name -> list)."""
     cots = [_masked_cotangents(g, d, lo, hi, x) for _, g, d, x in live]
-    outs = [e for e, _, _, _ in live]
-    wanted = [params[n] for n in names]
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*performance drop.*")
-            res = torch.autograd.grad(outs, wanted, cots, retain_graph=True, allow_unused=True,
-                                      is_grads_batched=True)
-    except RuntimeError:
-        # Some backward formulas have no batching rule: one VJP per example instead.
-        res = [[] for _ in names]
-        for j in range(hi - lo):
-            one = torch.autograd.grad(outs, wanted, [c[j] for c in cots], retain_graph=True, allow_unused=True)
-            for r, g in zip(res, one):
-                r.append(g)
-        res = [None if r[0] is None else torch.stack(r) for r in res]
-    for n, g in zip(names, res):
-        if g is not None and g.layout != torch.strided:
+    grads = batched_vjp([e for e, _, _, _ in live], [params[n] for n in names], cots)
+    for n, g in zip(names, grads):
+        if g.layout != torch.strided:
             raise NotImplementedError(
                 f"the parameter '{n}' of a module without a norm rule gets a {g.layout} gradient (e.g. "
                 "F.embedding(..., sparse=True) on a weight of its own): its clipped sum in p.grad would be sparse, "
                 "and ghostdp's noise covers dense gradients only. Fix: sparse=False (nn.Embedding's rule is "
                 "exact and fast).")
-        chunks[n].append(g if g is not None else params[n].new_zeros((hi - lo,) + params[n].shape))
+        chunks[n].append(g)
 
 
 __all__ = ["owned_parameters", "hooked_modules", "fallback_grads", "output_batch_dims", "OPAQUE_MODULES"]

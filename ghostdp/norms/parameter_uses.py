@@ -53,10 +53,13 @@ SCALED, WRITTEN, EXPANDED, ADDED = "scaled", "written", "expanded", "added"
 _VIEWS = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
                     "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
                     "SqueezeBackward2", "PermuteBackward0", "TransposeBackward0"})
-# Elementwise functions of one tensor (a diagonal Jacobian), which may lie between p and its op too.
-_FUNCTIONS = frozenset({"TanhBackward0", "SigmoidBackward0", "ExpBackward0", "ClampBackward1", "ClampMinBackward0",
-                        "ClampMaxBackward0", "NegBackward0", "SoftplusBackward0", "RsubBackward1", "PowBackward0"})
-_CHAIN = _VIEWS | _FUNCTIONS
+# Elementwise functions of one tensor (a diagonal Jacobian), which may lie between p and its op too, with the
+# constants their nodes save that f' depends on (clamp's bounds, a power's exponent, 1 - p's alpha, softplus's).
+_FUNCTIONS = {"TanhBackward0": (), "SigmoidBackward0": (), "ExpBackward0": (), "NegBackward0": (),
+              "ClampBackward1": ("_saved_min", "_saved_max"), "ClampMinBackward0": ("_saved_min",),
+              "ClampMaxBackward0": ("_saved_max",), "SoftplusBackward0": ("_saved_beta", "_saved_threshold"),
+              "RsubBackward1": ("_saved_alpha",), "PowBackward0": ("_saved_exponent",)}
+_CHAIN = _VIEWS | frozenset(_FUNCTIONS)
 
 
 class ElementwiseUse:
@@ -205,10 +208,10 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
 
 
 def _function_key(node) -> tuple:
-    """A function of the chain by its kind and its constants (clamp's bounds, a power's exponent, 1 - p's alpha), so
-    that two uses of one parameter through other functions are told apart."""
-    constants = [(a, getattr(node, a)) for a in dir(node) if a.startswith("_saved_")]
-    return (type(node).__name__,) + tuple((a, float(v)) for a, v in constants if isinstance(v, (int, float)))
+    """A function of the chain by its kind and its constants (_FUNCTIONS), so that two uses of one parameter through
+    other functions are told apart."""
+    kind = type(node).__name__
+    return (kind,) + tuple(getattr(node, a) for a in _FUNCTIONS[kind])
 
 
 def _derivative(chain, param, shape) -> torch.Tensor:

@@ -22,6 +22,7 @@ import functools
 import torch
 from torch.nn.utils.parametrizations import _WeightNorm
 
+from .batched_vjp import batched_vjp
 from .factors import ELEMENT_BUDGET, Instantiated
 from .registry import RuleEntry
 
@@ -62,11 +63,6 @@ def _through(chain, factor, originals) -> dict:
     params = [p for _, p in originals]
     B = factor.batch_size
     step = max(1, ELEMENT_BUDGET // max(1, weight.numel()))
-    chunks = [[] for _ in params]
-    for lo in range(0, B, step):
-        hi = min(B, lo + step)
-        grads = torch.autograd.grad(weight, params, factor.materialize(lo, hi).to(weight.dtype), retain_graph=True,
-                                    is_grads_batched=True, allow_unused=True)
-        for k, g in enumerate(grads):
-            chunks[k].append(g if g is not None else params[k].new_zeros((hi - lo,) + params[k].shape))
-    return {name: Instantiated(torch.cat(parts)) for (name, _), parts in zip(originals, chunks)}
+    chunks = [batched_vjp([weight], params, [factor.materialize(lo, min(B, lo + step)).to(weight.dtype)])
+              for lo in range(0, B, step)]
+    return {name: Instantiated(torch.cat([chunk[k] for chunk in chunks])) for k, (name, _) in enumerate(originals)}

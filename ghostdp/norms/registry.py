@@ -190,11 +190,16 @@ def super_forward(cls):
     return next((c.__dict__["forward"] for c in mro[mro.index(written_in) + 1:] if "forward" in c.__dict__), None)
 
 
+def has_bodies(cls: type, bodies) -> bool:
+    """Whether each method of ``cls`` named in ``bodies`` ((name, body) pairs) has that body (forward_body)."""
+    return all(forward_body(getattr(cls, name, None)) == body for name, body in bodies)
+
+
 def entry_by_code(cls) -> RuleEntry | None:
     """The entry registered for ``cls``'s forward's body (register_forward_rule), read once per class, or None."""
     if cls not in _BY_CLASS:
         entry = _FORWARD_RULES.get(forward_body(cls.forward)) if _FORWARD_RULES else None
-        if entry is not None and any(forward_body(getattr(cls, name, None)) != body for name, body in entry.methods):
+        if entry is not None and not has_bodies(cls, entry.methods):
             entry = None
         if entry is not None and entry.base is not None and super_forward(cls) is not entry.base.__dict__["forward"]:
             entry = None  # its super().forward is another class's: the body alone does not say what runs

@@ -58,11 +58,18 @@ def window_bias_rule(module: torch.nn.Module, inputs: tuple, output_grad: torch.
     if "relative_position_bias_table" not in trainable:
         return {}
     G = output_grad if output_grad.dim() == 5 else output_grad.unsqueeze(1)  # (B, windows, heads, N, N)
+    return {"relative_position_bias_table": gathered_by_index(G, module.relative_position_index,
+                                                              module.relative_position_bias_table.shape[0])}
+
+
+def gathered_by_index(G: torch.Tensor, index: torch.Tensor, rows: int) -> EmbeddingGather:
+    """The factor of a (rows, heads) table read at ``index`` (N x N of its rows) into a bias (heads, N, N) that every
+    window of an example adds: ``G`` (B, windows, heads, N, N), each example's output grads, so g_i[r, h] = the sum of
+    G_i[w, h, p, q] over its windows w and the positions (p, q) of index r (Swin's, and BEiT's with one window)."""
     B, windows, heads, N, _ = G.shape
-    rows = G.permute(0, 1, 3, 4, 2).reshape(B, windows * N * N, heads)  # each (window, p, q) a row of the table
-    ids = module.relative_position_index.reshape(1, 1, N * N).expand(B, windows, N * N).reshape(B, windows * N * N)
-    table = module.relative_position_bias_table
-    return {"relative_position_bias_table": EmbeddingGather(ids, rows, table.shape[0])}
+    grads = G.permute(0, 1, 3, 4, 2).reshape(B, windows * N * N, heads)  # each (window, p, q) a row of the table
+    ids = index.reshape(1, 1, N * N).expand(B, windows, N * N).reshape(B, windows * N * N)
+    return EmbeddingGather(ids, grads, rows)
 
 
 register_forward_rule(WINDOW_BIAS_BODY, window_bias_rule, params=("relative_position_bias_table",))
