@@ -46,6 +46,7 @@ PROVEN_GRAPHS = 16  # graph forms whose layouts a LayoutProver keeps (select)
 REPROOF_EVERY = 256
 
 BATCH_FIRST = ("dim", 0)
+ROWS_LAYOUT = ("rows",)  # each example's rows together on dim 0: a batch flattened into it, (B * T, ...)
 _ONE_BATCH_FIRST = (BATCH_FIRST,)
 
 
@@ -63,12 +64,12 @@ def candidates(shape, batch_size: int, tokenwise, declared_dim: int):
     layers only their declared batch dim."""
     if tokenwise == ROWS:
         out = [BATCH_FIRST] if shape and shape[0] == batch_size else []
-        return out + ([("rows",)] if len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0 else [])
+        return out + ([ROWS_LAYOUT] if len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0 else [])
     if not tokenwise:
         return [("dim", declared_dim)] if len(shape) > declared_dim and shape[declared_dim] == batch_size else []
     out = [("dim", d) for d in range(len(shape) - 1) if shape[d] == batch_size]
     if len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0:
-        out.insert(1 if out[:1] == [BATCH_FIRST] else 0, ("rows",))
+        out.insert(1 if out[:1] == [BATCH_FIRST] else 0, ROWS_LAYOUT)
     return out
 
 

@@ -21,10 +21,11 @@ from ..data import any_rank
 from ..norms import batched
 from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
+from ..norms.registry import ROWS
 from .capture import check_inputs_unchanged, hooked_output_grad, sink_below
 from .generators import random_states, same_random_states
 from . import pass_two as pass_two_module
-from .layout import LayoutProver
+from .layout import ROWS_LAYOUT, LayoutProver
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
 from .samples import write_samples
@@ -62,6 +63,11 @@ def _take_projections(calls, twins) -> None:
     for call, twin in zip(calls, twins):
         if call.projections is not None:
             call.projections = twin.projections
+
+
+def _flattened_batch(t, batch_size) -> bool:
+    """Whether ``t``'s dim 0 could hold the rows of a batch flattened into it (B * T, ...), T > 1."""
+    return t.dim() > 1 and t.shape[0] > batch_size and t.shape[0] % batch_size == 0
 
 
 def _projected(call) -> bool:
@@ -468,8 +474,9 @@ class PassOne:
             self.took_fallback.add(call.name)
             self.in_fallback = True
             try:
+                rows = [layout == ROWS_LAYOUT for layout in call.layouts] if call.rule is None else None
                 factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B,
-                                             call.fallback_stops or call.input_nodes))
+                                             call.fallback_stops or call.input_nodes, rows))
             finally:
                 self.in_fallback = False
         passed = self.current
@@ -610,11 +617,20 @@ class PassOne:
                 call.input_edges = ()
         for (call, _), g_v, g_1 in zip(inputs, scaled, plain):
             d = output_batch_dims(call.module, 1)[0]
-            if g_v is None or g_1 is None or g_1.dim() <= d or g_1.shape[d] != B:
-                continue  # no gradient, or no batch dim to check: a tensor shared by the batch
-            # Its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one.
-            options = [("dim", k) for k in [d] + [k for k in range(g_1.dim() - 1) if k != d and g_1.shape[k] == B]]
-            if self.layouts.first_holding(options, self.layouts.project(g_v), g_1) is None:
+            if g_v is None or g_1 is None:
+                continue  # no gradient
+            # An input of the rows of a flattened batch, (B * T, ...), as its outputs may be (a module on the tokens
+            # of every example: recording.on_forward gives its call the ROWS layouts).
+            rows = call.tokenwise == ROWS and _flattened_batch(g_1, B) and g_1.shape[0] in {s[0] for s in call.shapes}
+            if not rows and (g_1.dim() <= d or g_1.shape[d] != B):
+                continue  # no batch dim to check: a tensor shared by the batch
+            if rows:  # each example's rows together; a sequence-first flattening, (T * B, ...), is not a mixing one
+                kept_apart = (self._holds([ROWS_LAYOUT], g_v, g_1)
+                              or self._holds([("dim", 1)], *(t.reshape(-1, B, *t.shape[1:]) for t in (g_v, g_1))))
+            else:  # its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one
+                kept_apart = self._holds([("dim", k) for k in [d] + [
+                    k for k in range(g_1.dim() - 1) if k != d and g_1.shape[k] == B]], g_v, g_1)
+            if not kept_apart:
                 raise RuntimeError(
                     f"module '{call.name}' ({type(call.module).__name__}) has no norm rule and mixes examples "
                     f"inside its forward: the gradient of its input of shape {tuple(g_1.shape)} takes example j's "
@@ -622,6 +638,11 @@ class PassOne:
                     "would move every other example's clipped gradient. Fix: compute per example (normalise "
                     "over each example's own features, as LayerNorm and GroupNorm do), or register a norm rule "
                     "for a module that keeps the examples apart.")
+
+    def _holds(self, options, g_v, g_1) -> bool:
+        """Whether one of the layouts ``options`` keeps the examples apart in a gradient taken with the proof's
+        cotangent, ``g_v``, and with ones, ``g_1`` (layout.holds)."""
+        return self.layouts.first_holding(options, self.layouts.project(g_v), g_1) is not None
 
     def _prove_layouts(self, per_example_losses, probes, captured):
         """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""

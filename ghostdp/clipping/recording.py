@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import collector
 from ..norms.fallback import attached_rule, hooked_modules, output_batch_dims, owned_parameters
-from ..norms.registry import replaced_method
+from ..norms.registry import ROWS, replaced_method
 from ..norms.relative_bias import POSITION_BIAS_ARGUMENT, looks_up_per_example, per_example_position_bias
 from ..norms.window_bias import adds_window_bias
 from ..sharding import is_sharded, sharded_units
@@ -444,6 +444,8 @@ class ForwardRecorder:
             return None  # every trained parameter of its own is an elementwise use, captured (norms/parameter_uses.py)
         call = ModuleCall(self, name, module, entry, params,
                           (0,) if rule is not None else tuple(output_batch_dims(module, len(slots))))
+        if rule is None and not any(call.batch_dims):
+            call.tokenwise = ROWS  # its outputs may hold a flattened batch, (B * T, ...), which the proof checks
         call.edges, call.expanded, call.shapes = [], [], []
         recording = kind is _RECORDED or kind is _IN_REGION
         if (kind is _IN_REGION or kind is _IN_PROOF) and rule is None:  # the proof's recomputation comes first

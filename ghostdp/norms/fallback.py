@@ -125,9 +125,14 @@ def output_batch_dims(module, n_outputs):
     return [0] * n_outputs
 
 
-def _masked_cotangents(grad, dim, lo, hi, expanded):
-    """(k, *edge_shape) cotangents: row j carries example lo+j's grad, zeros elsewhere."""
+def _masked_cotangents(grad, dim, lo, hi, expanded, batch_size=None):
+    """(k, *edge_shape) cotangents: row j carries example lo+j's grad, zeros elsewhere. ``batch_size``: the output
+    holds each example's rows together on dim 0 (layout ("rows",): a module on flattened tokens, (B * T, ...)),
+    masked as (B, T, ...)."""
     k = hi - lo
+    if batch_size is not None:
+        by_example = grad.reshape(batch_size, grad.shape[0] // batch_size, *grad.shape[1:])
+        return _masked_cotangents(by_example, 0, lo, hi, False).reshape(k, *grad.shape)
     per_example = grad.narrow(dim, lo, k).movedim(dim, 0)
     if expanded:  # the recorded tensor had size 1 on the batch dim and was broadcast
         return per_example.unsqueeze(dim + 1)
@@ -137,20 +142,23 @@ def _masked_cotangents(grad, dim, lo, hi, expanded):
     return cot
 
 
-def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size, stops=frozenset()):
+def fallback_grads(params: dict, edges, grads, batch_dims, expanded, batch_size, stops=frozenset(), rows=None):
     """{name: Instantiated((B, *shape))} for the given own parameters of one module call; ``stops``: the autograd
     nodes where its VJP ends: its inputs' (module doc), and where the output grads of other calls of these
-    parameters are taken (clipping/fallback_paths.py)."""
-    live = [(e, g, d, x) for e, g, d, x in zip(edges, grads, batch_dims, expanded) if g is not None]
+    parameters are taken (clipping/fallback_paths.py). ``rows``: per output, whether its proven layout holds each
+    example's rows together on dim 0 (("rows",): the module runs on flattened tokens, (B * T, ...)) instead of the
+    examples on its batch dim."""
+    rows = rows or (False,) * len(edges)
+    live = [(e, g, d, x, r) for e, g, d, x, r in zip(edges, grads, batch_dims, expanded, rows) if g is not None]
     names = list(params)
     chunks = {n: [] for n in names}
     if not live:
         return {n: Instantiated(params[n].new_zeros((batch_size,) + params[n].shape)) for n in names}
-    per_example = sum(g.numel() for _, g, _, _ in live) + sum(p.numel() for p in params.values())
+    per_example = sum(g.numel() for _, g, _, _, _ in live) + sum(p.numel() for p in params.values())
     step = max(1, ELEMENT_BUDGET // per_example)
     with _stopped_at(stops):
         for lo in range(0, batch_size, step):
-            _vjp_chunk(params, names, live, lo, min(batch_size, lo + step), chunks)
+            _vjp_chunk(params, names, live, lo, min(batch_size, lo + step), chunks, batch_size)
     return {n: Instantiated(torch.cat(chunks[n])) for n in names}
 
 
@@ -173,10 +181,10 @@ def _stopped_at(nodes):
             handle.remove()
 
 
-def _vjp_chunk(params, names, live, lo, hi, chunks):
+def _vjp_chunk(params, names, live, lo, hi, chunks, batch_size):
     """Appends the per-example gradients of examples lo..hi-1 to ``chunks`` (name -> list)."""
-    cots = [_masked_cotangents(g, d, lo, hi, x) for _, g, d, x in live]
-    grads = batched_vjp([e for e, _, _, _ in live], [params[n] for n in names], cots)
+    cots = [_masked_cotangents(g, d, lo, hi, x, batch_size if r else None) for _, g, d, x, r in live]
+    grads = batched_vjp([e for e, _, _, _, _ in live], [params[n] for n in names], cots)
     for n, g in zip(names, grads):
         if g.layout != torch.strided:
             raise NotImplementedError(

@@ -124,6 +124,16 @@ def _gemma():
         num_key_value_heads=1, head_dim=8, max_position_embeddings=16))
 
 
+def _mixtral():
+    """Mixture of experts: the router and the experts (3-D parameters, eager loop) run on the flattened tokens of every
+    example, (B * T, d), and take the exact fallback on that rows layout (norms/fallback.py)."""
+    config = transformers.MixtralConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"  # transformers' grouped_mm has no float64 kernel on CPU
+    return transformers.MixtralForCausalLM(config)
+
+
 def _opt():
     return transformers.OPTForCausalLM(transformers.OPTConfig(
         vocab_size=V, hidden_size=16, num_hidden_layers=1, ffn_dim=24, num_attention_heads=2,
@@ -633,6 +643,7 @@ ZOO = [
          lambda n, g: _text(n, g, False), _lm),
     Arch("llama", _llama, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),  # float32 RMSNorm casts
     Arch("gemma", _gemma, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
+    Arch("mixtral-experts-on-flattened-tokens", _mixtral, lambda n, g: _text(n, g, False), _lm, rtol=1e-6),
     Arch("opt", _opt, lambda n, g: _text(n, g, False), _lm),
     Arch("bart", _bart, lambda n, g: _text(n, g, False), _seq2seq),
     Arch("blenderbot-unbatched-positions", _blenderbot, lambda n, g: _text(n, g, False), _seq2seq),
