@@ -332,6 +332,25 @@ MORE_TRANSFORMERS = {
     "mobilebert": lambda tf: tf.MobileBertForSequenceClassification(tf.MobileBertConfig(
         embedding_size=8, intra_bottleneck_size=8, true_hidden_size=8, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, num_feedforward_networks=1, num_labels=3, **_small())),
+    # families fine-tuned most often today, exact since they met ghostdp (2026-12-02), kept so:
+    # ModernBERT: local and global attention layers, a gated MLP (Wi's output chunked), no biases
+    "modernbert": lambda tf: tf.ModernBertForSequenceClassification(tf.ModernBertConfig(
+        global_attn_every_n_layers=2, local_attention=4, attention_dropout=0.0, embedding_dropout=0.0,
+        mlp_dropout=0.0, classifier_dropout=0.0, pad_token_id=0, num_labels=3, **_small())),
+    # grouped-query attention with RMSNorms on the queries and keys (Qwen3), sliding windows (Mistral), fused
+    # qkv and gate-up projections (Phi-3), Gemma 3's scaled embeddings and four norms per layer
+    "qwen3": lambda tf: tf.Qwen3ForSequenceClassification(tf.Qwen3Config(
+        num_key_value_heads=1, head_dim=8, pad_token_id=0, num_labels=3, **_small())),
+    "mistral": lambda tf: tf.MistralForSequenceClassification(tf.MistralConfig(
+        num_key_value_heads=1, sliding_window=4, pad_token_id=0, num_labels=3, **_small())),
+    "phi3": lambda tf: tf.Phi3ForSequenceClassification(tf.Phi3Config(
+        num_key_value_heads=1, pad_token_id=0, num_labels=3, **_small())),
+    "gemma3": lambda tf: tf.Gemma3ForSequenceClassification(tf.Gemma3TextConfig(
+        num_key_value_heads=1, head_dim=8, pad_token_id=0, num_labels=3, **_small())),
+    # ESM (protein language model): rotary positions, its token dropout's rescaling of the embeddings
+    "esm": lambda tf: tf.EsmForSequenceClassification(tf.EsmConfig(
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, position_embedding_type="rotary",
+        pad_token_id=0, num_labels=3, **_small())),
 }
 
 
