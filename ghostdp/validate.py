@@ -8,6 +8,7 @@ import torch
 from . import layers
 from .layers.twins import twin_of
 from .norms.fallback import attached_rule, hooked_modules, owned_parameters
+from .norms.registry import is_instance_of
 
 # torch.nn modules that ghostdp.layers has twins of, whose weights the Linear rule covers (``fix``)
 _TWINNED = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.MultiheadAttention)
@@ -48,7 +49,18 @@ def find_problems(model: torch.nn.Module) -> list[str]:
             problems.append(
                 f"module {label} produces sparse gradients, which ghostdp's noise cannot cover. "
                 "Fix: set sparse=False.")
+        elif is_instance_of(m, PEFT_PARAMETER_LORA) and any(p.requires_grad for p in m.parameters()):
+            problems.append(
+                f"module {label} is peft's LoRA on a parameter (LoraConfig(target_parameters=...)), which registers a "
+                "parametrization on the wrapped parameter at every forward and removes it afterwards: the forward "
+                "moves that parameter (which ghostdp refuses, as any change of a parameter inside a forward), and "
+                "its adapters reach the model only through that weight, which no norm rule reads. Fix: put the "
+                "adapters on modules (target_modules=..., such as the attention's projections, which the Linear "
+                "rule covers); a mixture of experts' experts can also train whole, through the exact fallback.")
     return problems
+
+
+PEFT_PARAMETER_LORA = "peft.tuners.lora.layer.ParamWrapper"
 
 
 def check(model: torch.nn.Module) -> None:

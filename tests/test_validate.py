@@ -56,6 +56,24 @@ def test_an_embedding_that_renormalises_its_rows_in_the_forward_is_refused(table
             ghostdp.GhostClipping(nn.Sequential(model, nn.Linear(2, 2)), 1.0)
 
 
+def test_peft_lora_on_parameters_is_refused_when_attaching():
+    """peft's LoRA on a mixture of experts' 3-D parameters (target_parameters) parametrizes them inside every forward:
+    refused by name at attach, not at the first step as a parameter "changed in place during a training forward"."""
+    import peft
+    import transformers
+    config = transformers.MixtralConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, vocab_size=30,
+        max_position_embeddings=32, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    model = peft.get_peft_model(transformers.MixtralForCausalLM(config), peft.LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"]))
+    with pytest.raises(ModelNotPrivatizable, match=r"'base_model\.model\.model\.layers\.0\.mlp\.experts' "
+                                                   r"\(ParamWrapper\) is peft's LoRA on a parameter.*target_modules"):
+        ghostdp.GhostClipping(model, 1.0)
+    lora_on_modules = peft.get_peft_model(transformers.MixtralForCausalLM(config), peft.LoraConfig(
+        r=2, target_modules=["q_proj"]))
+    ghostdp.GhostClipping(lora_on_modules, 1.0).detach()  # the same adapters on modules only: accepted
+
+
 def test_fix_refuses_a_bare_batchnorm():
     with pytest.raises(ModelNotPrivatizable, match="wrap it"):
         ghostdp.validate.fix(nn.BatchNorm1d(3))
