@@ -515,19 +515,23 @@ def test_every_transformers_class_with_a_registered_forward_body_finds_its_rule(
     import pathlib
 
     import transformers
+    from transformers.integrations import moe
     from ghostdp.norms import registry
     root = pathlib.Path(transformers.__file__).parent / "models"
+    experts_gate = registry.forward_body(moe._default_apply_gate)
     having = {body: [] for body in registry._FORWARD_RULES}
     for path in sorted(root.glob("*/modeling_*.py")):
         text = path.read_text()
         if not any(word in text for word in ("variance_epsilon", "lambda1", "self._norm(", "data_format",
                                              "global_features", "cls_token", "self.pointwise", "embed_scale",
                                              "self.offset", "class_embedding", "pwconv2", "pointwise_conv2",
-                                             "relative_position_bias_table", "input_ids_shape")):
+                                             "relative_position_bias_table", "input_ids_shape", "top_k_index")):
             continue
         for node in ast.parse(text).body:
             methods = {f.name: registry.body_text(f) for f in getattr(node, "body", [])
                        if isinstance(f, ast.FunctionDef)}
+            if any("use_experts_implementation" in ast.unparse(d) for d in getattr(node, "decorator_list", [])):
+                methods.setdefault("_apply_gate", experts_gate)  # what the decorator sets where the class has none
             entry = registry._FORWARD_RULES.get(methods.get("forward")) if isinstance(node, ast.ClassDef) else None
             if entry is not None and all(methods.get(name) == body for name, body in entry.methods):
                 having[methods["forward"]].append(f"transformers.models.{path.parent.name}.{path.stem}.{node.name}")

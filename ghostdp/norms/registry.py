@@ -195,10 +195,31 @@ def has_bodies(cls: type, bodies) -> bool:
     return all(forward_body(getattr(cls, name, None)) == body for name, body in bodies)
 
 
+# Wrappers that run the function they wrap or another implementation of the same products, chosen by a setting: a
+# forward wrapped by one has the wrapped function's body (dispatched_body), and a rule registered for that body reads
+# the setting in its ``accepts`` (transformers' experts implementations: "eager" runs the wrapped forward, "grouped_mm"
+# and "batched_mm" the same products batched; experts.py).
+DISPATCHING_WRAPPERS = (
+    ("transformers/integrations/moe.py", "use_experts_implementation.<locals>.wrapper.<locals>.forward"),)
+
+
+def dispatched_body(fn) -> str | None:
+    """The body of the function that ``fn`` wraps, where ``fn`` is one of the DISPATCHING_WRAPPERS; else None."""
+    code, wrapped = getattr(fn, "__code__", None), getattr(fn, "__wrapped__", None)
+    if code is None or wrapped is None:
+        return None
+    filename = code.co_filename.replace("\\", "/")
+    if not any(filename.endswith(f) and getattr(code, "co_qualname", None) == q for f, q in DISPATCHING_WRAPPERS):
+        return None
+    return forward_body(wrapped)
+
+
 def entry_by_code(cls) -> RuleEntry | None:
-    """The entry registered for ``cls``'s forward's body (register_forward_rule), read once per class, or None."""
+    """The entry registered for ``cls``'s forward's body (register_forward_rule; a dispatching wrapper's: the wrapped
+    function's), read once per class, or None."""
     if cls not in _BY_CLASS:
-        entry = _FORWARD_RULES.get(forward_body(cls.forward)) if _FORWARD_RULES else None
+        body = forward_body(cls.forward) or dispatched_body(cls.forward) if _FORWARD_RULES else None
+        entry = _FORWARD_RULES.get(body) if body is not None else None
         if entry is not None and not has_bodies(cls, entry.methods):
             entry = None
         if entry is not None and entry.base is not None and super_forward(cls) is not entry.base.__dict__["forward"]:
