@@ -1,5 +1,5 @@
-"""A module's own parameter used by one elementwise op inside its forward: the op's output grad gives its per-example
-gradient, so the module needs no fallback.
+"""A module's own parameter used by one elementwise op (or as a matrix product's weight) inside its forward: the op's
+output grad gives its per-example gradient, so the module needs no fallback.
 
 Some modules own a parameter beside their children and apply it in their forward by one elementwise op, then go on
 to compute much more: BEiT's, Data2Vec-vision's and DiT's layers scale the attention's and the MLP's outputs
@@ -24,7 +24,12 @@ gradient of the op's output, taken at the op's node, and
 - ``expanded``: ``op = p.expand(B, ...)``, p of size 1 (or absent) on dim 0, broadcast to the batch (a class token
   or a mask token, ``self.cls_token.expand(batch_size, -1, -1)``): g_i = sum of G_i over the dims p broadcasts over;
 - ``added``: ``op = x + p``, p broadcast over the batch (DeBERTa's ``q_bias``, added to the queries per head):
-  g_i = sum of G_i over the dims p broadcasts over.
+  g_i = sum of G_i over the dims p broadcasts over;
+- ``linear`` and ``matmul``: ``op = x @ p.t()`` (``F.linear(x, p)``: a mixture of experts' router, transformers'
+  ``*TopKRouter``) or ``x @ p``, an mm's or addmm's node on the rows x (N, d) of a 2-D input or of a (B, T, d) one
+  viewed so: g_i = G_i^T x_i (or x_i^T G_i) over example i's rows, a Linear's factors (OuterProduct), x as the node
+  saved it. A bias trained beside p in one addmm (``F.linear(x, p, b)``) is no use: the module keeps the fallback.
+  Since 2026-12-02 (the exact fallback's before).
 p is the op's operand itself, or seen through a chain of casts and views that keep its elements in their order
 (``gamma.unsqueeze(-1).unsqueeze(-1) * x``, PoolFormer's layer scales; DeBERTa's bias viewed per head and permuted):
 its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it). The chain may
@@ -44,10 +49,14 @@ import math
 import torch
 
 from .elementwise import scale_grads, scale_is_tokenwise, shift_grads
-from .factors import Instantiated
+from .factors import Instantiated, OuterProduct
 from .registry import ROWS, RuleEntry
 
 SCALED, WRITTEN, EXPANDED, ADDED = "scaled", "written", "expanded", "added"
+# A weight of a matrix product on the rows of its input x (N, d): ``x @ p.t()`` (F.linear's, p (m, d)) and ``x @ p``
+# (p (d, m)), by an mm's or addmm's node (F.linear on 2-D x, and on (B, T, d) x viewed as 2-D).
+LINEAR, MATMUL = "linear", "matmul"
+_PRODUCTS = {"MmBackward0": 1, "AddmmBackward0": 2}  # the node kinds and the input index of their right operand
 # The nodes that may lie between p and its op: a cast, and views that keep p's elements in their order (a permute or
 # a transpose only where it moves dims of size 1: _keeps_order), so that p's gradient is the operand's, reshaped.
 _VIEWS = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
@@ -122,6 +131,16 @@ def written_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, 
     return {use.name: use.as_param(shift_grads(masked, use.operand()))}
 
 
+def product_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
+    """op = x @ p.t() (LINEAR: g_i = G_i^T x_i) or x @ p (MATMUL: g_i = x_i^T G_i), over each example's rows (inputs:
+    (x,), batch first): a Linear's factors (factors.OuterProduct)."""
+    x, G = inputs[0], output_grad
+    if x.dim() == 2:  # one row per example
+        x, G = x.unsqueeze(1), G.unsqueeze(1)
+    left, right = (G, x) if use.kind == LINEAR else (x, G)
+    return {use.name: OuterProduct(left, right, use.param.shape, input_side="right" if use.kind == LINEAR else "left")}
+
+
 def _tokenwise(use: ElementwiseUse) -> bool | str:
     return True if scale_is_tokenwise(use.operand()) else ROWS
 
@@ -134,7 +153,9 @@ def _tokenwise(use: ElementwiseUse) -> bool | str:
 ENTRIES = {SCALED: RuleEntry(rule=scaled_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
            WRITTEN: RuleEntry(rule=written_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True),
            EXPANDED: RuleEntry(rule=broadcast_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
-           ADDED: RuleEntry(rule=broadcast_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise)}
+           ADDED: RuleEntry(rule=broadcast_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=_tokenwise),
+           LINEAR: RuleEntry(rule=product_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True),
+           MATMUL: RuleEntry(rule=product_rule, params=frozenset(), owner=ElementwiseUse, tokenwise=True)}
 
 
 class Found:
@@ -177,7 +198,7 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
                 if name is not None:
                     edges[name].append((node, index))
                 continue
-            if type(below).__name__ in _CHAIN:
+            if type(below).__name__ in _CHAIN or type(below).__name__ == "TBackward0":
                 parents.setdefault(below, []).append((node, index))
             stack.append(below)
     found = []
@@ -197,7 +218,17 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
             node, index = parents[node][0]
         if math.prod(param_shape) != params[name].numel():
             return None
-        use = _use_at(name, param_shape, node, index, batch_size)
+        if type(node).__name__ == "TBackward0":  # x @ p.t(): p's transpose, the right operand of a product
+            if len(parents.get(node, ())) != 1 or len(param_shape) != 2 or any(
+                    type(n).__name__ in _FUNCTIONS for n in chain):
+                return None
+            node, index = parents[node][0]
+            use = _product_at(name, param_shape, node, index, batch_size, LINEAR)
+        elif len(param_shape) == 2 and not any(type(n).__name__ in _FUNCTIONS for n in chain) and (
+                _PRODUCTS.get(type(node).__name__) == index):  # x @ p
+            use = _product_at(name, param_shape, node, index, batch_size, MATMUL)
+        else:
+            use = _use_at(name, param_shape, node, index, batch_size)
         if use is None:
             return None
         if any(type(n).__name__ in _FUNCTIONS for n in chain):
@@ -246,6 +277,21 @@ def _broadcasts_over_batch(param_shape: tuple, shape: tuple) -> bool:
     """Whether p (of ``param_shape``) broadcasts to ``shape`` with dim 0, the batch's, of size 1 (or absent)."""
     aligned = (1,) * (len(shape) - len(param_shape)) + param_shape
     return len(aligned) == len(shape) and aligned[0] == 1 and all(a in (1, n) for a, n in zip(aligned, shape))
+
+
+def _product_at(name, param_shape, node, index, batch_size, kind) -> Found | None:
+    """The use of a 2-D parameter as the right operand of the product ``node`` (an mm's or addmm's: _PRODUCTS) of
+    rows (N, d) whose N holds the batch's examples, or None."""
+    if _PRODUCTS.get(type(node).__name__) != index or batch_size <= 1:
+        return None
+    shape = tuple(node._input_metadata[0].shape)
+    if len(shape) != 2 or shape[0] % batch_size:
+        return None
+    if type(node).__name__ == "AddmmBackward0" and (node._saved_alpha != 1 or node._saved_beta != 1):
+        return None  # alpha * x @ w + beta * bias: not a Linear's product
+    rows = node._saved_mat1 if type(node).__name__ == "AddmmBackward0" else node._saved_self
+    below = frozenset([n for k, (n, _) in enumerate(node.next_functions) if k != index and n is not None])
+    return Found(name, kind, node, rows, below, shape, param_shape)
 
 
 def _use_at(name, param_shape, node, index, batch_size) -> Found | None:

@@ -1,7 +1,7 @@
 """A mixture of experts' experts trained with each example's gradient (norms/experts.py): transformers' Mixtral has the
 eager code the rule was written for, behind its experts dispatcher; the rule's factors equal each example's autograd
-gradients; Mixtral, Qwen2-MoE and Qwen3-MoE with their experts trained are exact against the per-example loop in both
-modes with nothing on the fallback (their routers frozen: a router keeps the fallback), in float64 through the eager
+gradients; Mixtral, Qwen2-MoE and Qwen3-MoE trained whole are exact against the per-example loop in both modes with
+nothing on the fallback (the routers' weights are products' uses: parameter_uses.py), in float64 through the eager
 forward and in float32 through transformers' grouped matmuls; a row routed to no expert adds nothing; a call the rule
 does not know keeps the fallback, exact."""
 import types
@@ -22,8 +22,8 @@ SMALL = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, interme
 
 
 def _mixture(name, implementation="eager"):
-    """A two-layer mixture of experts (4 experts, 2 a token), its routers frozen; ``implementation``: transformers'
-    experts implementation (grouped_mm has no float64 kernel on CPU)."""
+    """A two-layer mixture of experts (4 experts, 2 a token); ``implementation``: transformers' experts
+    implementation (grouped_mm has no float64 kernel on CPU)."""
     torch.manual_seed(0)
     config = {
         "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SMALL),
@@ -36,9 +36,6 @@ def _mixture(name, implementation="eager"):
     model = {"mixtral": transformers.MixtralForSequenceClassification,
              "qwen2-moe": transformers.Qwen2MoeForSequenceClassification,
              "qwen3-moe": transformers.Qwen3MoeForSequenceClassification}[name](config)
-    for module_name, module in model.named_modules():
-        if module_name.endswith("mlp.gate"):
-            module.requires_grad_(False)
     return model
 
 
@@ -79,7 +76,7 @@ def test_the_rules_factors_are_each_examples_gradients():
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe"])
-def test_mixtures_with_their_experts_trained_are_exact_with_no_fallback(name, no_fallback):
+def test_mixtures_trained_whole_are_exact_with_no_fallback(name, no_fallback):
     model = _mixture(name)
     ids, mask = padded_text(30)
     labels = torch.randint(0, 3, (B,))

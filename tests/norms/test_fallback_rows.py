@@ -2,7 +2,9 @@
 
 Mixture-of-experts layers route the flattened tokens (transformers' Mixtral and Qwen2-MoE: a router and experts
 stored as 3-D parameters, both run on (B * T, d)). Their outputs have no dim of size B, and the step was refused
-("no dimension of size B") before 2026-12-02. A call without a rule whose batch dim is 0 now also tries the layout
+("no dimension of size B") before 2026-12-02; since the same day their experts have a rule (norms/experts.py) and
+their routers' weights are products' uses (norms/parameter_uses.py), so the fallback serves other such modules.
+A call without a rule whose batch dim is 0 now also tries the layout
 ("rows",): the layout proof checks that each example's rows lie together on dim 0, its inputs of those rows are
 checked for mixing as a batch-first input is, and the fallback masks its VJP's cotangent per example's rows.
 """
@@ -17,14 +19,15 @@ from test_models import B, classification_loss, padded_text
 
 
 class Router(nn.Module):
-    """A raw parameter (no rule) applied to flattened tokens: softmax gates, (N, experts)."""
+    """A raw parameter (no rule) applied to flattened tokens: softmax gates, (N, experts), scaled by the weight's norm
+    (a parameter read twice is no product's use: parameter_uses.py; a router reading it once is)."""
 
     def __init__(self, d, experts=3):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(experts, d))
 
     def forward(self, tokens):
-        return torch.softmax(tokens @ self.weight.t(), dim=-1)
+        return torch.softmax(tokens @ self.weight.t() * self.weight.norm(), dim=-1)
 
 
 class MixingRouter(Router):

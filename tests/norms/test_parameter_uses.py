@@ -562,3 +562,37 @@ def test_mllamas_tanh_gated_cross_attention_layer_is_exact_with_nothing_on_the_f
         return logits.pow(2).mean((1, 2))
 
     exact_by_slices(model, losses)
+
+
+class RawProducts(nn.Module):
+    """Raw weights in matrix products on every token: ``F.linear(x, w)`` (an mm of the (B * T, d) rows) and ``h @ v``
+    (v (d, m), no transpose); ``bias``: w's bias trained beside it (one addmm for both, which takes the fallback)."""
+
+    def __init__(self, d=4, m=3, bias=False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.w = nn.Parameter(torch.randn(5, d))
+        self.v = nn.Parameter(torch.randn(5, m))
+        self.b = nn.Parameter(torch.randn(5)) if bias else None
+
+    def forward(self, x):
+        h = torch.tanh(nn.functional.linear(x, self.w, self.b))
+        return h @ self.v
+
+
+def test_raw_weights_of_matrix_products_are_exact_as_uses(use_calls, no_fallback):
+    """A router's weight (transformers' MoE routers: F.linear on the flattened tokens) or any raw weight of a product:
+    the Linear's factors of the product's rows, G at its node, the rows its saved input (since 2026-12-02: the
+    exact fallback's before)."""
+    model = RawProducts()
+    x = _tokens()
+    exact_by_slices(model, lambda sl=slice(None): model(x[sl]).pow(2).sum((1, 2)))
+    assert set(used(use_calls)) == {parameter_uses.LINEAR, parameter_uses.MATMUL}
+
+
+def test_a_product_with_its_trained_bias_takes_the_exact_fallback(use_calls):
+    """F.linear(x, w, b) with b trained: one addmm reads both, which two uses at one node cannot share."""
+    model = RawProducts(bias=True)
+    x = _tokens()
+    exact_by_slices(model, lambda sl=slice(None): model(x[sl]).pow(2).sum((1, 2)))
+    assert not any(use_calls.values())
