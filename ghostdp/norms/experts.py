@@ -13,17 +13,18 @@ and forms for every (token, slot) row r routed to expert e: the down projection'
 input h = act(gate) * up, and the up projection's output grad g_z (the gate's VJP of g_y W2[e]) and input x, by
 recomputing each expert's up projection (one extra matmul of the routed tokens per expert). Example i's gradient of
 expert e is then sum over its rows routed to e of g_r a_r^T, and its squared norm over every expert is
-sum_{r, s of example i, same expert} (g_r . g_s)(a_r . a_s): the Grams of the example's rows masked to pairs of one
-expert (RoutedOuterProduct). A row whose index is E (no expert: expert parallelism's sentinel) adds nothing, as in
-the eager forward. Calls the rule does not know (another gate, biases, transposed or interleaved weights, a post-expert
-norm, expert parallelism, a kernel of another library) keep the fallback (``accepts``).
+sum_{r, s of example i, same expert} (g_r . g_s)(a_r . a_s): for each expert, the Grams of each example's rows routed
+to it (RoutedOuterProduct), about (T k)^2 / E products per example in all. A row whose index is E (no expert: expert
+parallelism's sentinel) adds nothing, as in the eager forward. Calls the rule does not know (another gate, biases,
+transposed or interleaved weights, a post-expert norm, expert parallelism, a kernel of another library) keep the
+fallback (``accepts``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .factors import ELEMENT_BUDGET, PerExampleGrad, acc_dtype
+from .factors import PerExampleGrad, acc_dtype
 from .registry import call_arguments, register_forward_rule
 
 # The eager forward's body of transformers' MixtralExperts (registry.forward_body of the function that
@@ -119,22 +120,32 @@ class RoutedOuterProduct(PerExampleGrad):
     def sum_dtype(self):
         return acc_dtype(self.left, self.right)
 
-    def _chunks(self):
-        rows = self.left.shape[1]
-        step = max(1, ELEMENT_BUDGET // max(1, 3 * rows * rows))
-        return [(lo, min(self.batch_size, lo + step)) for lo in range(0, self.batch_size, step)]
-
     def sq_norm(self, grams=None) -> torch.Tensor:
-        """sum_{r, s: same expert} (left_r . left_s)(right_r . right_s) per example, in chunks of examples."""
+        """sum over experts e of ||sum_{r of example i routed to e} left_r right_r^T||^2 per example, from each
+        expert's Grams of its rows by example, (B, n_e, n_e) with n_e the most rows an example routes to e (rows
+        padded with zeros): sum over experts of B n_e^2 products, about (T k)^2 / E per example, not (T k)^2."""
         dt = self.sum_dtype()
-        parts = []
-        for lo, hi in self._chunks():
-            left, right = self.left[lo:hi].to(dt), self.right[lo:hi].to(dt)
-            experts = self.experts[lo:hi]
-            same = experts.unsqueeze(2) == experts.unsqueeze(1)
-            products = torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))
-            parts.append(torch.where(same, products, 0).sum((1, 2)))
-        return torch.cat(parts)
+        B, R = self.experts.shape
+        order = self.experts.argsort(dim=1, stable=True)  # each example's rows grouped by expert
+        routed = self.experts.gather(1, order)
+        left = self.left.gather(1, order.unsqueeze(-1).expand_as(self.left)).to(dt)
+        right = self.right.gather(1, order.unsqueeze(-1).expand_as(self.right)).to(dt)
+        counts = torch.zeros(B, self.num_experts + 1, dtype=torch.long, device=routed.device)
+        counts.scatter_add_(1, routed.clamp(max=self.num_experts), torch.ones_like(routed))
+        starts = counts.cumsum(1) - counts
+        most = counts[:, :self.num_experts].amax(0).tolist()  # one host read
+        total = torch.zeros(B, dtype=dt, device=left.device)
+        for e, n in enumerate(most):
+            if not n:
+                continue
+            offsets = torch.arange(n, device=routed.device)
+            rows = (starts[:, e:e + 1] + offsets).clamp(max=R - 1)  # (B, n): example i's rows routed to e
+            valid = (offsets < counts[:, e:e + 1]).unsqueeze(-1)
+            a = torch.where(valid, left.gather(1, rows.unsqueeze(-1).expand(B, n, left.shape[-1])), 0)
+            b = torch.where(valid, right.gather(1, rows.unsqueeze(-1).expand(B, n, right.shape[-1])), 0)
+            total += torch.linalg.vecdot(torch.bmm(a, a.transpose(1, 2)).flatten(1),
+                                         torch.bmm(b, b.transpose(1, 2)).flatten(1))
+        return total
 
     def token_mass(self, grams=None):
         # sum_r |L_r| |R_r| <= |L|_F |R|_F (Cauchy-Schwarz), as for OuterProduct: a bound on the entrywise sum of the
