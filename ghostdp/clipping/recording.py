@@ -506,16 +506,17 @@ class ForwardRecorder:
         if found is None or not capturable_now():
             return False
         for f in found:
-            key = (id(module), f.name, f.kind, f.param_shape, f.functions)
+            key = (id(module), f.name, f.kind, f.param_shape, f.functions, f.bias)
             use = self._uses.get(key)
             if use is None or use.owner is not module:
-                use = self._uses[key] = use_of(module, f.name, f.kind, f.param_shape)
+                use = self._uses[key] = use_of(module, f.name, f.kind, f.param_shape, f.bias)
             use.derivative = f.derivative  # f'(p) of this forward's p (the same for every call of this key)
-            param = params[f.name]
-            call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], {f.name: param})
+            used = {n: params[n] for n in (f.name, f.bias) if n is not None}  # a product's bias with its weight
+            call = ModuleCall(self, f"{name}.{f.name}" if name else f.name, use, USE_ENTRIES[f.kind], used)
             call.shapes, call.grads, call.expanded = (torch.Size(f.shape),), [None], _NOT_EXPANDED
             call.input_nodes = f.below
-            self.live[id(param)] += 1
+            for param in used.values():
+                self.live[id(param)] += 1
             capture_use(call, f.node, (f.operand,) if f.operand is not None else (), self.two_passes,
                         self.captured_types)
         return True

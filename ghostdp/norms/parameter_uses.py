@@ -28,8 +28,8 @@ gradient of the op's output, taken at the op's node, and
 - ``linear`` and ``matmul``: ``op = x @ p.t()`` (``F.linear(x, p)``: a mixture of experts' router, transformers'
   ``*TopKRouter``) or ``x @ p``, an mm's or addmm's node on the rows x (N, d) of a 2-D input or of a (B, T, d) one
   viewed so: g_i = G_i^T x_i (or x_i^T G_i) over example i's rows, a Linear's factors (OuterProduct), x as the node
-  saved it. A bias trained beside p in one addmm (``F.linear(x, p, b)``) is no use: the module keeps the fallback.
-  Since 2026-12-02 (the exact fallback's before).
+  saved it; with its bias b trained beside it in one addmm (``F.linear(x, p, b)``), one use of both, as a Linear's
+  (g_i(b) = sum of G_i over example i's rows). Since 2026-12-02 (the exact fallback's before).
 p is the op's operand itself, or seen through a chain of casts and views that keep its elements in their order
 (``gamma.unsqueeze(-1).unsqueeze(-1) * x``, PoolFormer's layer scales; DeBERTa's bias viewed per head and permuted):
 its gradient is then the operand's, reshaped (``ElementwiseUse.shape``: p's shape as the op reads it). The chain may
@@ -49,7 +49,7 @@ import math
 import torch
 
 from .elementwise import scale_grads, scale_is_tokenwise, shift_grads
-from .factors import Instantiated, OuterProduct
+from .factors import Instantiated, OuterProduct, SummedTokens
 from .registry import ROWS, RuleEntry
 
 SCALED, WRITTEN, EXPANDED, ADDED = "scaled", "written", "expanded", "added"
@@ -77,11 +77,12 @@ class ElementwiseUse:
     (owner, name, kind, shape), kept across steps so that its proven layouts are its own. Made by ``use_of``, of a
     subclass named as the owner's class: errors name a call's module by its class."""
 
-    __slots__ = ("owner", "name", "kind", "shape", "derivative", "__weakref__")
+    __slots__ = ("owner", "name", "kind", "shape", "derivative", "bias", "__weakref__")
 
-    def __init__(self, owner: torch.nn.Module, name: str, kind: str, shape: tuple):
+    def __init__(self, owner: torch.nn.Module, name: str, kind: str, shape: tuple, bias: str | None = None):
         self.owner, self.name, self.kind, self.shape = owner, name, kind, shape
         self.derivative = None  # f'(p) where the op reads f(p) (module doc), of p's shape: set at each forward
+        self.bias = bias  # a product's use: the parameter its addmm adds to every row, trained with it, or None
 
     @property
     def param(self) -> torch.nn.Parameter:
@@ -104,13 +105,14 @@ class ElementwiseUse:
 _USE_TYPES = {}  # the owner's class -> the ElementwiseUse subclass of its name
 
 
-def use_of(owner: torch.nn.Module, name: str, kind: str, shape: tuple) -> ElementwiseUse:
-    """An ElementwiseUse of ``owner``'s parameter ``name``, of the subclass named as ``owner``'s class."""
+def use_of(owner: torch.nn.Module, name: str, kind: str, shape: tuple, bias: str | None = None) -> ElementwiseUse:
+    """An ElementwiseUse of ``owner``'s parameter ``name`` (and of a product's ``bias``), of the subclass named as
+    ``owner``'s class."""
     owner_type = type(owner)
     use_type = _USE_TYPES.get(owner_type)
     if use_type is None:
         use_type = _USE_TYPES[owner_type] = type(owner_type.__name__, (ElementwiseUse,), {"__slots__": ()})
-    return use_type(owner, name, kind, shape)
+    return use_type(owner, name, kind, shape, bias)
 
 
 def scaled_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, trainable) -> dict:
@@ -138,7 +140,10 @@ def product_rule(use: ElementwiseUse, inputs: tuple, output_grad: torch.Tensor, 
     if x.dim() == 2:  # one row per example
         x, G = x.unsqueeze(1), G.unsqueeze(1)
     left, right = (G, x) if use.kind == LINEAR else (x, G)
-    return {use.name: OuterProduct(left, right, use.param.shape, input_side="right" if use.kind == LINEAR else "left")}
+    out = {use.name: OuterProduct(left, right, use.param.shape, input_side="right" if use.kind == LINEAR else "left")}
+    if use.bias is not None:  # added to every row: g_i = sum of G_i over example i's rows (after the weight: its
+        out[use.bias] = SummedTokens(G)  # norm and mass reuse the Gram of G the weight forms, as a Linear's bias)
+    return out
 
 
 def _tokenwise(use: ElementwiseUse) -> bool | str:
@@ -163,12 +168,13 @@ class Found:
     ``operand``, what the rule reads (x, the mask or the counts, or None); ``below``, the op's other input nodes (its
     region's bound); ``shape``, the op's output shape; ``param_shape``, p's as the op reads it."""
 
-    __slots__ = ("name", "kind", "node", "operand", "below", "shape", "param_shape", "functions", "derivative")
+    __slots__ = ("name", "kind", "node", "operand", "below", "shape", "param_shape", "functions", "derivative", "bias")
 
     def __init__(self, name, kind, node, operand, below, shape, param_shape):
         self.name, self.kind, self.node, self.operand, self.below = name, kind, node, operand, below
         self.shape, self.param_shape = shape, param_shape
         self.functions, self.derivative = (), None  # the chain's functions (their kinds and bounds) and f'(p)
+        self.bias = None  # a product's use: its addmm's bias parameter, trained with it (find_uses)
 
 
 def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> list[Found] | None:
@@ -201,12 +207,16 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
             if type(below).__name__ in _CHAIN or type(below).__name__ == "TBackward0":
                 parents.setdefault(below, []).append((node, index))
             stack.append(below)
-    found = []
+    found, biases = [], {}  # biases: an addmm's node -> the name of the parameter it adds as its bias
     for name, into in edges.items():
         if len(into) != 1:
             return None
         node, index = into[0]
         param_shape = tuple(params[name].shape)
+        if (type(node).__name__ == "AddmmBackward0" and index == 0 and len(param_shape) == 1
+                and node._saved_beta == 1):  # F.linear's bias, added to every row: its weight's use takes it
+            biases[node] = name
+            continue
         chain = []  # from p up to the op
         while type(node).__name__ in _CHAIN:  # up the chain from p to its op
             if len(node.next_functions) != 1 or len(parents.get(node, ())) != 1 or not _keeps_order(node):
@@ -235,6 +245,12 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
             use.functions = tuple([_function_key(n) for n in chain if type(n).__name__ in _FUNCTIONS])
             use.derivative = _derivative(chain, params[name], param_shape)
         found.append(use)
+    for node, name in biases.items():
+        product = next((f for f in found if f.node is node and f.kind in (LINEAR, MATMUL)), None)
+        if product is None or tuple(params[name].shape) != product.shape[1:]:
+            return None  # an addmm whose weight is not a product's use of this module
+        product.bias = name
+        product.below = frozenset(n for n in product.below if getattr(n, "variable", None) is not params[name])
     return found
 
 

@@ -566,7 +566,7 @@ def test_mllamas_tanh_gated_cross_attention_layer_is_exact_with_nothing_on_the_f
 
 class RawProducts(nn.Module):
     """Raw weights in matrix products on every token: ``F.linear(x, w)`` (an mm of the (B * T, d) rows) and ``h @ v``
-    (v (d, m), no transpose); ``bias``: w's bias trained beside it (one addmm for both, which takes the fallback)."""
+    (v (d, m), no transpose); ``bias``: w's bias trained beside it (one addmm for both)."""
 
     def __init__(self, d=4, m=3, bias=False):
         super().__init__()
@@ -590,9 +590,29 @@ def test_raw_weights_of_matrix_products_are_exact_as_uses(use_calls, no_fallback
     assert set(used(use_calls)) == {parameter_uses.LINEAR, parameter_uses.MATMUL}
 
 
-def test_a_product_with_its_trained_bias_takes_the_exact_fallback(use_calls):
-    """F.linear(x, w, b) with b trained: one addmm reads both, which two uses at one node cannot share."""
+def test_a_product_with_its_trained_bias_is_one_use_of_both(use_calls, no_fallback):
+    """F.linear(x, w, b) with b trained: one addmm reads both, captured as one use (a Linear's factors: G^T x and the
+    sum of G's rows), as GPT-OSS's router is."""
     model = RawProducts(bias=True)
+    x = _tokens()
+    exact_by_slices(model, lambda sl=slice(None): model(x[sl]).pow(2).sum((1, 2)))
+    assert set(used(use_calls)) == {parameter_uses.LINEAR, parameter_uses.MATMUL}
+
+
+class BiasAddedByHand(nn.Module):
+    """torch.addmm(b, x, w.t()) with beta 2: no Linear's bias (the fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.w, self.b = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        return torch.addmm(self.b, x.reshape(-1, 4), self.w.t(), beta=2.0).reshape(*x.shape[:-1], 5)
+
+
+def test_an_addmm_that_scales_its_bias_takes_the_exact_fallback(use_calls):
+    model = BiasAddedByHand()
     x = _tokens()
     exact_by_slices(model, lambda sl=slice(None): model(x[sl]).pow(2).sum((1, 2)))
     assert not any(use_calls.values())
