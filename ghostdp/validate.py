@@ -56,7 +56,7 @@ def find_problems(model: torch.nn.Module) -> list[str]:
                 "moves that parameter (which ghostdp refuses, as any change of a parameter inside a forward), and "
                 "its adapters reach the model only through that weight, which no norm rule reads. Fix: put the "
                 "adapters on modules (target_modules=..., such as the attention's projections, which the Linear "
-                "rule covers); a mixture of experts' experts can also train whole, through the exact fallback.")
+                "rule covers); a mixture of experts' experts can also train whole (their rule: ghostdp.norms.experts).")
     return problems
 
 
