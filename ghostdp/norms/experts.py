@@ -79,20 +79,13 @@ def experts_rule(module, inputs, output_grad, trainable) -> dict:
     k = index.shape[-1]
     experts = module.num_experts
     up_weights, down_weights = module.gate_up_proj, module.down_proj
-    rows = index.reshape(B, T * k)  # the expert of each (token, slot) row
+    routing = Routing(index.reshape(B, T * k), experts)  # the expert of each (token, slot) row
     inputs_of_rows = x.unsqueeze(2).expand(B, T, k, d).reshape(B, T * k, d)
     down_grads = (G.unsqueeze(2) * weights.unsqueeze(-1).to(G.dtype)).reshape(B, T * k, d)  # g_y = w G
-    flat = rows.reshape(-1)
     gated = down_weights.new_zeros(B * T * k, down_weights.shape[-1], dtype=G.dtype)  # h per row
     up_grads = up_weights.new_zeros(B * T * k, up_weights.shape[1], dtype=G.dtype)  # g_z per row
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat.clamp(max=experts), minlength=experts + 1)[:experts].tolist()  # one host read
     x_rows, g_rows = inputs_of_rows.reshape(-1, d), down_grads.reshape(-1, d)
-    start = 0
-    for e, n in enumerate(counts):
-        chosen, start = order[start:start + n], start + n
-        if not n:
-            continue
+    for e, chosen in routing.rows_of_experts():
         with torch.enable_grad():  # the gate's VJP, by autograd through the module's own _apply_gate
             z = F.linear(x_rows[chosen], up_weights[e]).detach().requires_grad_(True)
             h = module._apply_gate(z)
@@ -100,20 +93,47 @@ def experts_rule(module, inputs, output_grad, trainable) -> dict:
         gated[chosen], up_grads[chosen] = h.detach().to(G.dtype), g_z
     factors = {}
     if "gate_up_proj" in trainable:
-        factors["gate_up_proj"] = RoutedOuterProduct(up_grads.reshape(B, T * k, -1), inputs_of_rows, rows, experts,
+        factors["gate_up_proj"] = RoutedOuterProduct(up_grads.reshape(B, T * k, -1), inputs_of_rows, routing,
                                                      up_weights.shape)
     if "down_proj" in trainable:
-        factors["down_proj"] = RoutedOuterProduct(down_grads, gated.reshape(B, T * k, -1), rows, experts,
+        factors["down_proj"] = RoutedOuterProduct(down_grads, gated.reshape(B, T * k, -1), routing,
                                                   down_weights.shape)
     return factors
 
 
+class Routing:
+    """Each (token, slot) row's expert, ``experts`` (B, R) (E: none), and what the rule and its factors read of it,
+    formed once per call with one host read: each example's rows in expert order (``by_example``) and how many it
+    routes to each expert (``per_example``, (B, E + 1)); the batch's rows in expert order (``by_expert``), and, as
+    Python lists, the rows each expert takes (``totals``) and the most any example routes to it (``most``)."""
+
+    def __init__(self, experts: torch.Tensor, num_experts: int):
+        self.experts, self.num_experts = experts, num_experts
+        routed = experts.clamp(max=num_experts)
+        self.per_example = torch.zeros(experts.shape[0], num_experts + 1, dtype=torch.long, device=experts.device)
+        self.per_example.scatter_add_(1, routed, torch.ones_like(routed))
+        self.by_example = experts.argsort(dim=1, stable=True)
+        self.by_expert = experts.reshape(-1).argsort(stable=True)
+        known = self.per_example[:, :num_experts]
+        sizes = torch.cat([known.sum(0), known.amax(0)]).tolist()  # the one host read
+        self.totals, self.most = sizes[:num_experts], sizes[num_experts:]
+
+    def rows_of_experts(self):
+        """(expert, the indices of the batch's flattened rows routed to it) for each expert that takes rows."""
+        start = 0
+        for e, n in enumerate(self.totals):
+            if n:
+                yield e, self.by_expert[start:start + n]
+            start += n
+
+
 class RoutedOuterProduct(PerExampleGrad):
     """g_i[e] = sum over example i's rows r routed to expert e of left_r right_r^T: left (B, R, m), right (B, R, n),
-    ``experts`` (B, R) each row's expert (E: none), of a parameter (E, m, n)."""
+    ``routing`` (Routing) each row's expert, of a parameter (E, m, n)."""
 
-    def __init__(self, left, right, experts, num_experts, param_shape):
-        self.left, self.right, self.experts, self.num_experts = left, right, experts, num_experts
+    def __init__(self, left, right, routing: Routing, param_shape):
+        self.left, self.right, self.routing = left, right, routing
+        self.experts, self.num_experts = routing.experts, routing.num_experts
         self.batch_size = left.shape[0]
         self.param_shape = torch.Size(param_shape)
 
@@ -126,19 +146,15 @@ class RoutedOuterProduct(PerExampleGrad):
         padded with zeros): sum over experts of B n_e^2 products, about (T k)^2 / E per example, not (T k)^2."""
         dt = self.sum_dtype()
         B, R = self.experts.shape
-        order = self.experts.argsort(dim=1, stable=True)  # each example's rows grouped by expert
-        routed = self.experts.gather(1, order)
+        order, counts = self.routing.by_example, self.routing.per_example  # each example's rows by expert
         left = self.left.gather(1, order.unsqueeze(-1).expand_as(self.left)).to(dt)
         right = self.right.gather(1, order.unsqueeze(-1).expand_as(self.right)).to(dt)
-        counts = torch.zeros(B, self.num_experts + 1, dtype=torch.long, device=routed.device)
-        counts.scatter_add_(1, routed.clamp(max=self.num_experts), torch.ones_like(routed))
         starts = counts.cumsum(1) - counts
-        most = counts[:, :self.num_experts].amax(0).tolist()  # one host read
         total = torch.zeros(B, dtype=dt, device=left.device)
-        for e, n in enumerate(most):
+        for e, n in enumerate(self.routing.most):
             if not n:
                 continue
-            offsets = torch.arange(n, device=routed.device)
+            offsets = torch.arange(n, device=order.device)
             rows = (starts[:, e:e + 1] + offsets).clamp(max=R - 1)  # (B, n): example i's rows routed to e
             valid = (offsets < counts[:, e:e + 1]).unsqueeze(-1)
             a = torch.where(valid, left.gather(1, rows.unsqueeze(-1).expand(B, n, left.shape[-1])), 0)
@@ -160,17 +176,11 @@ class RoutedOuterProduct(PerExampleGrad):
         """sum_r weights[r] left_r right_r^T for each expert, (E, m, n), from flattened rows sorted by expert."""
         dt = self.sum_dtype()
         m, n = self.left.shape[-1], self.right.shape[-1]
-        flat = self.experts.reshape(-1)
         left = (self.left.to(dt) * weights.to(dt).unsqueeze(-1)).reshape(-1, m)
         right = self.right.to(dt).reshape(-1, n)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat.clamp(max=self.num_experts), minlength=self.num_experts + 1).tolist()
         out = left.new_zeros(self.num_experts, m, n)
-        start = 0
-        for e, count in enumerate(counts[:self.num_experts]):
-            chosen, start = order[start:start + count], start + count
-            if count:
-                out[e] = left[chosen].t() @ right[chosen]
+        for e, chosen in self.routing.rows_of_experts():
+            out[e] = left[chosen].t() @ right[chosen]
         return out
 
     def weighted_sum(self, weights):
