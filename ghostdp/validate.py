@@ -12,6 +12,8 @@ from .norms.registry import is_instance_of
 
 # torch.nn modules that ghostdp.layers has twins of, whose weights the Linear rule covers (``fix``)
 _TWINNED = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.MultiheadAttention)
+# peft's LoRA on a parameter (LoraConfig(target_parameters=...)): refused by find_problems
+PEFT_PARAMETER_LORA = "peft.tuners.lora.layer.ParamWrapper"
 
 
 class ModelNotPrivatizable(ValueError):
@@ -58,9 +60,6 @@ def find_problems(model: torch.nn.Module) -> list[str]:
                 "adapters on modules (target_modules=..., such as the attention's projections, which the Linear "
                 "rule covers); a mixture of experts' experts can also train whole (their rule: ghostdp.norms.experts).")
     return problems
-
-
-PEFT_PARAMETER_LORA = "peft.tuners.lora.layer.ParamWrapper"
 
 
 def check(model: torch.nn.Module) -> None:

@@ -56,6 +56,11 @@ def signature(shapes, batch_size: int) -> tuple:
                  for s in shapes)
 
 
+def flattened_batch(shape, batch_size: int) -> bool:
+    """Whether dim 0 of a tensor of ``shape`` could hold the rows of a batch flattened into it, (B * T, ...), T > 1."""
+    return len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0
+
+
 def candidates(shape, batch_size: int, tokenwise, declared_dim: int):
     """Layouts to try, most usual first. ``tokenwise`` layers (Linear, Embedding, LayerNorm) act on each
     leading position alone, so any leading dim or a flattened batch may hold the examples; ``tokenwise`` ROWS (an
@@ -64,11 +69,11 @@ def candidates(shape, batch_size: int, tokenwise, declared_dim: int):
     layers only their declared batch dim."""
     if tokenwise == ROWS:
         out = [BATCH_FIRST] if shape and shape[0] == batch_size else []
-        return out + ([ROWS_LAYOUT] if len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0 else [])
+        return out + ([ROWS_LAYOUT] if flattened_batch(shape, batch_size) else [])
     if not tokenwise:
         return [("dim", declared_dim)] if len(shape) > declared_dim and shape[declared_dim] == batch_size else []
     out = [("dim", d) for d in range(len(shape) - 1) if shape[d] == batch_size]
-    if len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0:
+    if flattened_batch(shape, batch_size):
         out.insert(1 if out[:1] == [BATCH_FIRST] else 0, ROWS_LAYOUT)
     return out
 

@@ -25,7 +25,7 @@ from ..norms.registry import ROWS
 from .capture import check_inputs_unchanged, hooked_output_grad, sink_below
 from .generators import random_states, same_random_states
 from . import pass_two as pass_two_module
-from .layout import ROWS_LAYOUT, LayoutProver
+from .layout import ROWS_LAYOUT, LayoutProver, flattened_batch
 from .records import NormPass
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, leaves_below, stashed_grads
 from .samples import write_samples
@@ -63,11 +63,6 @@ def _take_projections(calls, twins) -> None:
     for call, twin in zip(calls, twins):
         if call.projections is not None:
             call.projections = twin.projections
-
-
-def _flattened_batch(t, batch_size) -> bool:
-    """Whether ``t``'s dim 0 could hold the rows of a batch flattened into it (B * T, ...), T > 1."""
-    return t.dim() > 1 and t.shape[0] > batch_size and t.shape[0] % batch_size == 0
 
 
 def _projected(call) -> bool:
@@ -621,7 +616,8 @@ class PassOne:
                 continue  # no gradient
             # An input of the rows of a flattened batch, (B * T, ...), as its outputs may be (a module on the tokens
             # of every example: recording.on_forward gives its call the ROWS layouts).
-            rows = call.tokenwise == ROWS and _flattened_batch(g_1, B) and g_1.shape[0] in {s[0] for s in call.shapes}
+            rows = (call.tokenwise == ROWS and flattened_batch(g_1.shape, B)
+                    and g_1.shape[0] in {s[0] for s in call.shapes})
             if not rows and (g_1.dim() <= d or g_1.shape[d] != B):
                 continue  # no batch dim to check: a tensor shared by the batch
             if rows:  # each example's rows together; a sequence-first flattening, (T * B, ...), is not a mixing one

@@ -103,15 +103,17 @@ def experts_rule(module, inputs, output_grad, trainable) -> dict:
 
 class Routing:
     """Each (token, slot) row's expert, ``experts`` (B, R) (E: none), and what the rule and its factors read of it,
-    formed once per call with one host read: each example's rows in expert order (``by_example``) and how many it
-    routes to each expert (``per_example``, (B, E + 1)); the batch's rows in expert order (``by_expert``), and, as
-    Python lists, the rows each expert takes (``totals``) and the most any example routes to it (``most``)."""
+    formed once per call with one host read: each example's rows in expert order (``by_example``), how many it
+    routes to each expert (``per_example``, (B, E + 1)) and where each expert's start there (``starts``); the batch's
+    rows in expert order (``by_expert``), and, as Python lists, the rows each expert takes (``totals``) and the most
+    any example routes to it (``most``)."""
 
     def __init__(self, experts: torch.Tensor, num_experts: int):
         self.experts, self.num_experts = experts, num_experts
         routed = experts.clamp(max=num_experts)
         self.per_example = torch.zeros(experts.shape[0], num_experts + 1, dtype=torch.long, device=experts.device)
         self.per_example.scatter_add_(1, routed, torch.ones_like(routed))
+        self.starts = self.per_example.cumsum(1) - self.per_example
         self.by_example = experts.argsort(dim=1, stable=True)
         self.by_expert = experts.reshape(-1).argsort(stable=True)
         known = self.per_example[:, :num_experts]
@@ -133,7 +135,6 @@ class RoutedOuterProduct(PerExampleGrad):
 
     def __init__(self, left, right, routing: Routing, param_shape):
         self.left, self.right, self.routing = left, right, routing
-        self.experts, self.num_experts = routing.experts, routing.num_experts
         self.batch_size = left.shape[0]
         self.param_shape = torch.Size(param_shape)
 
@@ -145,11 +146,10 @@ class RoutedOuterProduct(PerExampleGrad):
         expert's Grams of its rows by example, (B, n_e, n_e) with n_e the most rows an example routes to e (rows
         padded with zeros): sum over experts of B n_e^2 products, about (T k)^2 / E per example, not (T k)^2."""
         dt = self.sum_dtype()
-        B, R = self.experts.shape
-        order, counts = self.routing.by_example, self.routing.per_example  # each example's rows by expert
-        left = self.left.gather(1, order.unsqueeze(-1).expand_as(self.left)).to(dt)
+        B, R = self.routing.experts.shape
+        order, counts, starts = self.routing.by_example, self.routing.per_example, self.routing.starts
+        left = self.left.gather(1, order.unsqueeze(-1).expand_as(self.left)).to(dt)  # each example's rows by expert
         right = self.right.gather(1, order.unsqueeze(-1).expand_as(self.right)).to(dt)
-        starts = counts.cumsum(1) - counts
         total = torch.zeros(B, dtype=dt, device=left.device)
         for e, n in enumerate(self.routing.most):
             if not n:
@@ -172,38 +172,32 @@ class RoutedOuterProduct(PerExampleGrad):
         return (torch.linalg.vector_norm(self.left, dim=(1, 2), dtype=dt)
                 * torch.linalg.vector_norm(self.right, dim=(1, 2), dtype=dt))
 
-    def _per_expert(self, weights):
-        """sum_r weights[r] left_r right_r^T for each expert, (E, m, n), from flattened rows sorted by expert."""
+    def weighted_sum(self, weights):
+        """sum_i w_i g_i, (E, m, n): for each expert, one product of the batch's rows routed to it, each row weighted by
+        its example's w_i."""
         dt = self.sum_dtype()
         m, n = self.left.shape[-1], self.right.shape[-1]
-        left = (self.left.to(dt) * weights.to(dt).unsqueeze(-1)).reshape(-1, m)
+        left = (self.left.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, m)
         right = self.right.to(dt).reshape(-1, n)
-        out = left.new_zeros(self.num_experts, m, n)
+        out = left.new_zeros(self.routing.num_experts, m, n)
         for e, chosen in self.routing.rows_of_experts():
             out[e] = left[chosen].t() @ right[chosen]
         return out
 
-    def weighted_sum(self, weights):
-        """sum_i w_i g_i: each row weighted by its example's w_i."""
-        return self._per_expert(weights[:, None].expand(self.experts.shape))
-
     def materialize(self, lo, hi):
         dt = self.sum_dtype()
         out = []
-        for e in range(self.num_experts):
-            routed = (self.experts[lo:hi] == e).unsqueeze(-1)
+        for e in range(self.routing.num_experts):
+            routed = (self.routing.experts[lo:hi] == e).unsqueeze(-1)
             out.append(torch.bmm(torch.where(routed, self.left[lo:hi].to(dt), 0).transpose(1, 2),
                                  self.right[lo:hi].to(dt)))
         return torch.stack(out, 1)
 
     def held_bytes(self):
-        return sum(t.numel() * t.element_size() for t in (self.left, self.right, self.experts))
-
-    def kept_bytes(self):
-        return self.held_bytes()
+        return sum(t.numel() * t.element_size() for t in (self.left, self.right, self.routing.experts))
 
     def note_kept(self, kept) -> None:
-        kept.note(self.left, self.right, self.experts)
+        kept.note(self.left, self.right, self.routing.experts)
 
 
 register_forward_rule(EAGER_BODY, experts_rule, params=("gate_up_proj", "down_proj"), tokenwise=True,

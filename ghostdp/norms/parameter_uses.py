@@ -228,20 +228,19 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
             node, index = parents[node][0]
         if math.prod(param_shape) != params[name].numel():
             return None
+        functions = any(type(n).__name__ in _FUNCTIONS for n in chain)  # f(p), not p (a product takes p itself)
         if type(node).__name__ == "TBackward0":  # x @ p.t(): p's transpose, the right operand of a product
-            if len(parents.get(node, ())) != 1 or len(param_shape) != 2 or any(
-                    type(n).__name__ in _FUNCTIONS for n in chain):
+            if len(parents.get(node, ())) != 1 or len(param_shape) != 2 or functions:
                 return None
             node, index = parents[node][0]
             use = _product_at(name, param_shape, node, index, batch_size, LINEAR)
-        elif len(param_shape) == 2 and not any(type(n).__name__ in _FUNCTIONS for n in chain) and (
-                _PRODUCTS.get(type(node).__name__) == index):  # x @ p
+        elif len(param_shape) == 2 and not functions and _PRODUCTS.get(type(node).__name__) == index:  # x @ p
             use = _product_at(name, param_shape, node, index, batch_size, MATMUL)
         else:
             use = _use_at(name, param_shape, node, index, batch_size)
         if use is None:
             return None
-        if any(type(n).__name__ in _FUNCTIONS for n in chain):
+        if functions:
             use.functions = tuple([_function_key(n) for n in chain if type(n).__name__ in _FUNCTIONS])
             use.derivative = _derivative(chain, params[name], param_shape)
         found.append(use)

@@ -218,7 +218,7 @@ def entry_by_code(cls) -> RuleEntry | None:
     """The entry registered for ``cls``'s forward's body (register_forward_rule; a dispatching wrapper's: the wrapped
     function's), read once per class, or None."""
     if cls not in _BY_CLASS:
-        body = forward_body(cls.forward) or dispatched_body(cls.forward) if _FORWARD_RULES else None
+        body = (forward_body(cls.forward) or dispatched_body(cls.forward)) if _FORWARD_RULES else None
         entry = _FORWARD_RULES.get(body) if body is not None else None
         if entry is not None and not has_bodies(cls, entry.methods):
             entry = None
