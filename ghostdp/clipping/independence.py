@@ -22,7 +22,8 @@ examples, the forward also runs in eval() mode on the batch and without its last
 would draw other dropout masks, on a GPU for every example), and the others' outputs must not move there either; a
 forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
-model would have been perturbed along its positions: the layout proof placed a call's examples on another dim, or a
+model would have been perturbed along its positions: the layout proof placed a call's examples on another dim (a batch
+flattened into dim 0, each example's rows together, keeps them on dim 0: _refusable), or a
 module has batch_first=False and a replaced argument has another dim of the batch's size. With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
 that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
@@ -59,7 +60,7 @@ from ..data import distributed_rank_and_size, maxima_across_ranks
 from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import random_states, restore_random_states
-from .layout import BATCH_FIRST, REPROOF_EVERY, proof_scheduled
+from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, proof_scheduled
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
@@ -97,6 +98,7 @@ RERUN_FAILED = (
 
 
 _MISSING = object()
+_EXAMPLES_ON_DIM_0 = (BATCH_FIRST, ROWS_LAYOUT)  # the layouts under which the check perturbed examples (_refusable)
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.checkpoint's warning
 
 
@@ -493,10 +495,15 @@ class ForwardIndependence:
 
     def _refusable(self, finding, batch_size: int, calls) -> bool:
         """Whether a Mixing is refused at this norm pass: its batch is the losses', and no call's proven layout
-        (nor a sequence-first module, where a replaced argument was square) leaves the examples off dim 0."""
+        (nor a sequence-first module, where a replaced argument was square) leaves the examples off dim 0. A batch
+        flattened into dim 0 (ROWS_LAYOUT: each example's rows together, as a router's or an expert's tokens, a
+        raw weight's product on (B * T, d) rows, Swin's windows) keeps them there: its proof fails on a
+        sequence-first flattening, whose rows interleave the examples. Until 2026-12-02 such a layout switched the
+        refusal off, and a detached batch mean before any of them trained, 0.2-0.5 of the clipped sum off."""
         if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
             return False
-        return not any(layout != BATCH_FIRST for call in calls if call.layouts is not None for layout in call.layouts)
+        return all(layout in _EXAMPLES_ON_DIM_0 for call in calls if call.layouts is not None
+                   for layout in call.layouts)
 
 
 def _refuse_found(here: str | None, somewhere: bool, what: str, error=RuntimeError) -> None:

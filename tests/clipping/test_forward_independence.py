@@ -107,9 +107,37 @@ class ScaledByTheBatchSize(nn.Module):
         return self.drop(self.lin(torch.sin(x * x.shape[0] ** 2)))
 
 
+class CentredThenRows(nn.Module):
+    """A detached centring, then a Linear on each feature as a row of its own, (B * D, 1), as a mixture of experts'
+    router runs on its flattened tokens: the layout proof finds that call's examples in blocks of rows on dim 0
+    (layout.ROWS_LAYOUT), where the check perturbed them. Until 2026-12-02 any call with that layout switched the
+    refusal off, and this trained with its clipped sum 0.2-0.5 off."""
+
+    def __init__(self):
+        super().__init__()
+        self.centre, self.rows = DetachedCentring(), nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.rows(self.centre(x).reshape(-1, 1)).reshape(x.shape)
+
+
+class CentredThenRawWeightOnRows(nn.Module):
+    """The same with a raw weight's product, F.linear of (B, D, 1): an mm on (B * D, 1) rows, where the weight's use
+    is captured (norms/parameter_uses.py), with the same layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.centre, self.weight = DetachedCentring(), nn.Parameter(torch.tensor([[1.5]]))
+
+    def forward(self, x):
+        return nn.functional.linear(self.centre(x).unsqueeze(-1), self.weight).squeeze(-1)
+
+
 MIXING = {"detached mean": DetachedCentring, "no_grad mean, no rule": NoGradStandardise,
           "running mean": RunningCentring, "mean of a tuple's input, no rule": PairedInputs,
-          "detached mean after dropout": DroppedThenCentred, "the batch's size": ScaledByTheBatchSize}
+          "detached mean after dropout": DroppedThenCentred, "the batch's size": ScaledByTheBatchSize,
+          "detached mean, then a Linear on flattened rows": CentredThenRows,
+          "detached mean, then a raw weight's product on flattened rows": CentredThenRawWeightOnRows}
 
 
 class Scored(nn.Module):

@@ -141,3 +141,29 @@ def test_a_call_the_rule_does_not_know_keeps_the_fallback_and_is_exact():
         controller.detach()
     model.zero_grad(set_to_none=True)
     assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), classified_as(labels), B)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+def test_a_mixture_whose_forward_centres_on_the_batchs_detached_mean_is_refused(clipping):
+    """The forward check (clipping/independence.py) on a mixture of experts, whose router and experts run on the
+    flattened tokens (their layouts: blocks of rows, layout.ROWS_LAYOUT): a user's pre-hook that centres the first
+    layer's hidden states on the batch's detached mean is refused. Until 2026-12-02 those layouts switched the refusal
+    off, and the step trained."""
+    model = _mixture("mixtral")
+
+    def centred(module, args, kwargs):
+        if args:
+            return (args[0] - args[0].detach().mean(0, keepdim=True),) + args[1:], kwargs
+        states = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": states - states.detach().mean(0, keepdim=True)}
+
+    model.model.layers[0].register_forward_pre_hook(centred, with_kwargs=True)
+    ids, mask = padded_text(30)
+    labels = torch.randint(0, 3, (B,))
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match="the model's forward mixes examples where no gradient flows"):
+            controller.loss(classified_as(labels)(model(input_ids=ids, attention_mask=mask), slice(None))).backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
