@@ -22,9 +22,9 @@ examples, the forward also runs in eval() mode on the batch and without its last
 would draw other dropout masks, on a GPU for every example), and the others' outputs must not move there either; a
 forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
-model would have been perturbed along its positions: the layout proof placed a call's examples on another dim (a batch
-flattened into dim 0, each example's rows together, keeps them on dim 0: _refusable), or a
-module has batch_first=False and a replaced argument has another dim of the batch's size. With several processes
+model would have been perturbed along its positions: a replaced argument has another dim of the batch's size, and a
+module has batch_first=False or the layout proof placed a call's examples on another dim (a batch flattened into
+dim 0, each example's rows together, keeps them on dim 0: _refusable). With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
 that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
 where a process has nothing to check there; and every process refuses where any one found a move (it would otherwise
@@ -494,16 +494,21 @@ class ForwardIndependence:
             raise RuntimeError(_mixing_refusal(mixing))
 
     def _refusable(self, finding, batch_size: int, calls) -> bool:
-        """Whether a Mixing is refused at this norm pass: its batch is the losses', and no call's proven layout
-        (nor a sequence-first module, where a replaced argument was square) leaves the examples off dim 0. A batch
-        flattened into dim 0 (ROWS_LAYOUT: each example's rows together, as a router's or an expert's tokens, a
-        raw weight's product on (B * T, d) rows, Swin's windows) keeps them there: its proof fails on a
-        sequence-first flattening, whose rows interleave the examples. Until 2026-12-02 such a layout switched the
-        refusal off, and a detached batch mean before any of them trained, 0.2-0.5 of the clipped sum off."""
-        if finding is None or finding.batch != batch_size or (finding.ambiguous and self.sequence_first):
+        """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on dim 0 of
+        the arguments the check replaced a row of. They did where no such argument has another dim of the batch's
+        size (``ambiguous``); where one has, unless a module is sequence-first or a call's proven layout has its
+        examples off dim 0 (a sequence-first model of length B, perturbed along its positions). A batch flattened
+        into dim 0 (ROWS_LAYOUT: each example's rows together, as a router's or an expert's tokens, a raw weight's
+        product on (B * T, d) rows, Swin's windows) keeps them on dim 0: its proof fails on a sequence-first
+        flattening, whose rows interleave the examples. Until 2026-12-02 any call laid out off dim 0 or in rows
+        switched the refusal off, ambiguous or not (an RNN's h_n, (layers, B, H), or a router's rows), and a
+        detached batch mean before one trained with its clipped sum 0.1-1.1 of its size off."""
+        if finding is None or finding.batch != batch_size:
             return False
-        return all(layout in _EXAMPLES_ON_DIM_0 for call in calls if call.layouts is not None
-                   for layout in call.layouts)
+        if not finding.ambiguous:
+            return True
+        return not self.sequence_first and all(layout in _EXAMPLES_ON_DIM_0 for call in calls
+                                               if call.layouts is not None for layout in call.layouts)
 
 
 def _refuse_found(here: str | None, somewhere: bool, what: str, error=RuntimeError) -> None:

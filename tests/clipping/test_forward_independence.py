@@ -133,11 +133,25 @@ class CentredThenRawWeightOnRows(nn.Module):
         return nn.functional.linear(self.centre(x).unsqueeze(-1), self.weight).squeeze(-1)
 
 
+class CentredThenGRU(nn.Module):
+    """A detached centring, then torch's GRU (on the fallback), whose h_n holds the examples on dim 1, (layers, B,
+    H): until 2026-12-02 a call laid out off dim 0 switched the refusal off, though no argument of the forward has
+    another dim of the batch's size (where the examples could lie instead)."""
+
+    def __init__(self):
+        super().__init__()
+        self.centre, self.gru = DetachedCentring(), nn.GRU(D, D, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(self.centre(x).unsqueeze(1).expand(-1, 3, -1))[0][:, -1]  # three steps: the fallback
+
+
 MIXING = {"detached mean": DetachedCentring, "no_grad mean, no rule": NoGradStandardise,
           "running mean": RunningCentring, "mean of a tuple's input, no rule": PairedInputs,
           "detached mean after dropout": DroppedThenCentred, "the batch's size": ScaledByTheBatchSize,
           "detached mean, then a Linear on flattened rows": CentredThenRows,
-          "detached mean, then a raw weight's product on flattened rows": CentredThenRawWeightOnRows}
+          "detached mean, then a raw weight's product on flattened rows": CentredThenRawWeightOnRows,
+          "detached mean, then a GRU": CentredThenGRU}
 
 
 class Scored(nn.Module):
