@@ -87,7 +87,7 @@ def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
         check = controller.independence
         padding = (*_largest(check.last_padding_moves), check.padding_finding is not None)
         # The finding is the replaced example's, else the removed one's (independence.REMOVED).
-        replaced_found = check.finding is not None and check.finding.how == independence.REPLACED
+        replaced_found = check.finding is not None and check.finding.how != independence.REMOVED
         removed_found = check.finding is not None and check.finding.how == independence.REMOVED
         return (*_largest(check.last_moves), replaced_found, *padding, *_largest(check.last_removal_moves),
                 removed_found)

@@ -46,7 +46,7 @@ def fingerprints_of(leaves, signs, batch: int) -> list:
 
 
 class Move(NamedTuple):
-    """One output's comparison: how far its examples 0..batch-2 moved and what was allowed, both relative to its
+    """One output's comparison: how far the examples compared moved and what was allowed, both relative to its
     largest fingerprint, and whether the move exceeds the allowance."""
     output: int          # the index of the output tensor (pytree leaf)
     relative: float
@@ -54,8 +54,8 @@ class Move(NamedTuple):
     exceeds: bool
 
 
-def moves_between(forward, same, moved, compared: int, floors, again=None) -> list:
-    """A Move per output with fingerprints: the move of examples 0..compared-1 against NOISE_MARGIN times the
+def moves_between(forward, same, moved, compared: slice, floors, again=None) -> list:
+    """A Move per output with fingerprints: the move of the examples ``compared`` against NOISE_MARGIN times the
     reruns' own spread (the forward's, and ``again``'s where given) plus its ``floors`` (relative)."""
     out = []
     for k, (f, s, m, floor) in enumerate(zip(forward, same, moved, floors)):
@@ -65,7 +65,7 @@ def moves_between(forward, same, moved, compared: int, floors, again=None) -> li
         if again is not None and again[k] is not None:
             noise = max(noise, float((again[k] - s).abs().max()))
         scale = float(s.abs().max())
-        move = float((m[:compared] - s[:compared]).abs().max())
+        move = float((m[compared] - s[compared]).abs().max())
         threshold = NOISE_MARGIN * noise + floor * scale
         out.append(Move(k, move / scale if scale > 0 else float("inf") if move > 0 else 0.0,
                         threshold / scale if scale > 0 else float("inf"), move > threshold))

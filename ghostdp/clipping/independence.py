@@ -12,8 +12,11 @@ So on the training forwards that the layout proof's schedule names (the first; t
 every REPROOF_EVERY-th), the model runs twice more without gradient just before the forward itself (from its start,
 in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the forward
 saves), from the random generators' and buffers' states it starts with: on the same batch, and on the batch with its
-last example (dim 0 of every tensor argument of the batch's size) replaced by a copy of its first. The other
-examples' outputs must not move. Outputs are compared through float64 fingerprints, one random +-1 projection per
+first and last examples (dim 0 of every tensor argument of the batch's size) replaced by copies of its second. The
+other examples' outputs must not move (the second's, the copies' template, included). With two examples, each is
+replaced by a copy of the other in a rerun of its own, and the other's output must not move. Until 2026-12-02 only the
+last example was replaced (by the first), and a forward that gives every example something of the first one
+(``x + lin(x[:1])``) trained: one example moved every other example's clipped gradient. Outputs are compared through float64 fingerprints, one random +-1 projection per
 example of each output with the batch on dim 0, at the forward's end, against what the first rerun differs from the
 forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ, a third
 rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read alone (``x /
@@ -68,10 +71,11 @@ from .recording import leading_dim
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} moved the other examples' {output} by "
     "{moved:.3g} of its size (beyond {threshold:.3g}, what rounding and the reruns' own spread allow), with the "
-    "random generators and buffers as the forward had them. Something computes a "
-    "statistic of the batch without gradient: a mean or variance under torch.no_grad() or of detached tensors, a "
-    "running statistic used in train() mode, a routing capacity shared by the batch, or a scale by the batch's "
-    "size (x / x.shape[0]). Each example's clipped gradient then depends on "
+    "random generators and buffers as the forward had them. Something mixes the examples where no trained "
+    "layer's gradient shows it: a mean or variance under torch.no_grad() or of detached tensors, a "
+    "running statistic used in train() mode, a routing capacity shared by the batch, a scale by the batch's "
+    "size (x / x.shape[0]), or one example's data given to the others (x + f(x[:1]) on the inputs: a prefix or "
+    "an anchor taken from the batch). Each example's clipped gradient then depends on "
     "the others' data, and one example can move the update by more than the clipping norm (measured: 4.5 C). "
     "Fix: compute such statistics per example (normalise over each example's own features, as LayerNorm and "
     "GroupNorm do), from data outside the private batch, or keep them fixed during training. If you are sure that "
@@ -112,12 +116,14 @@ class PaddingDependence(NamedTuple):
     threshold: float
 
 
-REPLACED = "replacing the last of the {batch} examples by a copy of the first"
+REPLACED = "replacing the first and the last of the {batch} examples by copies of the second"
+REPLACED_LAST = "replacing the last of the {batch} examples by a copy of the first"  # two examples: each by the other
+REPLACED_FIRST = "replacing the first of the {batch} examples by a copy of the last"
 REMOVED = "removing the last of the {batch} examples (the forward run again in eval() mode)"
 
 
 class Mixing(NamedTuple):
-    """A forward whose other examples' outputs moved when its last example was replaced (or removed)."""
+    """A forward whose other examples' outputs moved when some of its examples were replaced (or the last removed)."""
     batch: int
     output: str     # where in the model's output: 'output', "output['logits']", ...
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
@@ -136,7 +142,7 @@ class _Pending(NamedTuple):
     floors: list
     outputs: list       # per output leaf: (key path, shape or None)
     same: list          # fingerprints of the batch
-    moved: list         # ... of the batch with its last example replaced
+    moved: list         # per replacement (_replacements): (its fingerprints, the examples compared, how)
     again: list | None  # ... of the batch once more (several processes), else None
     ambiguous: bool
     arguments: tuple    # (flat, spec) of the forward's arguments
@@ -155,23 +161,34 @@ def _accelerators(module, args, kwargs) -> list:
 
 
 def _without_last(flat, batch: int) -> list:
-    """The batch's tensors without row ``batch - 1`` on dim 0 (those _with_last_replaced replaces a row of)."""
+    """The batch's tensors without row ``batch - 1`` on dim 0 (those _replacements replaces rows of)."""
     return [t[:batch - 1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
             for t in flat]
 
 
-def _with_last_replaced(flat, batch: int):
-    """The batch's tensors with row ``batch - 1`` on dim 0 replaced by row 0; whether any was replaced, and
-    whether one of those has another dim of size ``batch``."""
-    replaced, any_replaced, ambiguous = [], False, False
-    for t in flat:
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-            ambiguous = ambiguous or batch in t.shape[1:]
-            t = t.clone()
-            t[batch - 1] = t[0]
-            any_replaced = True
-        replaced.append(t)
-    return replaced, any_replaced, ambiguous
+def _replacements(flat, batch: int):
+    """The check's perturbed batches (module doc): [(the batch's tensors with some rows on dim 0 replaced by copies of
+    another, the examples compared (a slice), how: REPLACED...)] (none for fewer than two examples, or where no tensor
+    has the batch's size on dim 0), and whether a replaced tensor has another dim of size ``batch``."""
+    tensors = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in flat]
+    if batch < 2 or not any(tensors):
+        return [], False
+    ambiguous = any(batch in t.shape[1:] for t, replaced in zip(flat, tensors) if replaced)
+    if batch == 2:
+        plans = [(0, (1,), slice(0, 1), REPLACED_LAST), (1, (0,), slice(1, 2), REPLACED_FIRST)]
+    else:
+        plans = [(1, (0, batch - 1), slice(1, batch - 1), REPLACED)]
+    out = []
+    for template, rows, compared, how in plans:
+        replaced = []
+        for t, perturbed in zip(flat, tensors):
+            if perturbed:
+                t = t.clone()
+                for row in rows:
+                    t[row] = t[template]
+            replaced.append(t)
+        out.append((replaced, compared, how))
+    return out, ambiguous
 
 
 class ForwardIndependence:
@@ -308,13 +325,13 @@ class ForwardIndependence:
         there is nothing to compare."""
         flat, spec = tree_flatten((args, kwargs))
         batch = leading_dim(flat) or 0  # the first tensor argument's dim 0, as the recorder reads it
-        replaced, any_replaced, ambiguous = _with_last_replaced(flat, batch) if batch > 1 else (flat, False, False)
+        replacements, ambiguous = _replacements(flat, batch)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
         self._verdict_due = self._verdict_due or several
         self.last_moves = []
-        if not any_replaced and not several:
+        if not replacements and not several:
             return None
         consumed = next((x for x in flat if isinstance(x, Iterator) and not isinstance(x, torch.Tensor)), None)
         if consumed is not None:  # the forward would get what the reruns left of it
@@ -338,7 +355,7 @@ class ForwardIndependence:
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
             self._check_in_eval_mode(module, flat, spec, outputs, start, signs, floors, batch, checkable, devices)
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
-            moved = rerun(replaced)
+            moved = [(rerun(replaced), compared, how) for replaced, compared, how in replacements]
             # With several processes, the rerun that measures the reruns' own spread runs on every process (the
             # forward itself is compared at its end: where it alone differs, _compare reruns once more).
             again = rerun(flat) if several else None
@@ -354,14 +371,20 @@ class ForwardIndependence:
         p = pending
         leaves = _leaves(output)
         forward = fingerprints_of(leaves, p.signs, p.batch) if len(leaves) == len(p.signs) else [None] * len(p.signs)
-        moves = moves_between(forward, p.same, p.moved, p.batch - 1, p.floors, p.again)
-        if largest_exceeding(moves) is not None and p.again is None:
+        def moves_of(again):
+            """Per replacement, its moves and how it replaced."""
+            return [(moves_between(forward, p.same, moved, compared, p.floors, again), how)
+                    for moved, compared, how in p.moved]
+
+        by_replacement = moves_of(p.again)
+        if any(largest_exceeding(moves) is not None for moves, _ in by_replacement) and p.again is None:
             flat, spec = p.arguments
             with self._rerunning(module, p.devices):
                 again = self._fingerprints_of_rerun(module, tree_unflatten(flat, spec), p.start, p.signs, p.batch)
-            moves = moves_between(forward, p.same, p.moved, p.batch - 1, p.floors, again)
-        self.last_moves = moves
-        found, how = largest_exceeding(moves), REPLACED
+            by_replacement = moves_of(again)
+        self.last_moves = [move for moves, _ in by_replacement for move in moves]
+        found, how = max(((largest_exceeding(moves), how) for moves, how in by_replacement if largest_exceeding(moves)),
+                         key=lambda found_how: found_how[0].relative, default=(None, None))
         if found is None:
             found, how = largest_exceeding(self.last_removal_moves), REMOVED
         if found is None:
@@ -429,7 +452,7 @@ class ForwardIndependence:
                 except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
                     fewer = None
                 if fewer is not None:
-                    self.last_removal_moves = moves_between(plain, plain, fewer, batch - 1, floors)
+                    self.last_removal_moves = moves_between(plain, plain, fewer, slice(0, batch - 1), floors)
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():
                 if extra != EXTRA and not maxima_across_ranks([pending], device)[0]:
@@ -443,7 +466,7 @@ class ForwardIndependence:
                 except (IndexError, RuntimeError, ValueError):
                     continue
                 pending = False
-                self.last_padding_moves = moves_between(plain, plain, longer, batch, floors)  # eval() draws nothing
+                self.last_padding_moves = moves_between(plain, plain, longer, slice(0, batch), floors)  # no draws
                 found = largest_exceeding(self.last_padding_moves)
                 if found is not None:
                     self.padding_finding = PaddingDependence(

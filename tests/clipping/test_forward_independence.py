@@ -3,7 +3,7 @@
 A statistic of the batch computed without gradient (a detached mean, one under torch.no_grad(), a running
 statistic used in train() mode) makes each example's gradient depend on the other examples' data: no gradient
 shows it, so the layout proof passed it, and one added example moved the others' clipped sum by 4.5 C. The
-check reruns the forward on checked steps with the last example replaced by a copy of the first, the random
+check reruns the forward on checked steps with the first and last examples replaced by copies of the second, the random
 generators and buffers as the forward had them, and refuses a move of the other examples' outputs.
 """
 import warnings
@@ -366,6 +366,44 @@ def test_a_forward_that_cannot_run_again_is_warned_of_once_and_trains():
             warnings.simplefilter("error")
             controller.loss(model(x), reduction="sum").backward()  # forward 1 is checked too: no second warning
         assert model.lin.weight.grad is not None
+    finally:
+        controller.detach()
+
+
+class GivesEveryExampleOneOfThem(nn.Module):
+    """Every example plus a Linear of one example's input (``which``: the first or the last): a prefix or an anchor
+    taken from the batch. The inputs carry no gradient, so no layout proof sees it; until 2026-12-02 the check
+    replaced only the last example, and the first one's trained with its clipped sum 0.5 of its size off."""
+
+    def __init__(self, which: int):
+        super().__init__()
+        self.lin, self.which = nn.Linear(D, D), which
+
+    def forward(self, x):
+        return x + self.lin(x[self.which].unsqueeze(0))
+
+
+@pytest.mark.parametrize("batch", [2, B])
+@pytest.mark.parametrize("which", [0, -1])
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_one_examples_input_given_to_every_example_is_refused(batch, which, clipping):
+    """With two examples each is replaced by a copy of the other in a rerun of its own; with more, the first and the
+    last by copies of the second (module doc)."""
+    torch.manual_seed(0)
+    model = Scored(GivesEveryExampleOneOfThem(which)).train()
+    x, v = torch.randn(batch, D), 100 * torch.randn(batch, D)
+    given = 0 if which == 0 else batch - 1  # the example the others get: a far-off one moves all their gradients
+    far = x.clone()
+    far[given] = 1e3
+    kept = [i for i in range(batch) if i != given]
+    moved = (clipped_sum_through_the_batch(model(x, v)[kept], list(model.parameters()))
+             - clipped_sum_through_the_batch(model(far, v)[kept], list(model.parameters())))
+    assert float(moved.norm()) > 0.5, "degenerate test: the given example does not move the others' clipped sum"
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
     finally:
         controller.detach()
 
