@@ -9,14 +9,16 @@ then depends on the other examples' data, and an added example moves all of thei
 (before 2026-11-26).
 
 So on the training forwards that the layout proof's schedule names (the first; then 1, 2, 4, ..., REPROOF_EVERY and
-every REPROOF_EVERY-th), the model runs twice more without gradient just before the forward itself (from its start,
-in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the forward
-saves), from the random generators' and buffers' states it starts with: on the same batch, and on the batch with its
-first and last examples (dim 0 of every tensor argument of the batch's size) replaced by copies of its second. The
-other examples' outputs must not move (the second's, the copies' template, included). With two examples, each is
-replaced by a copy of the other in a rerun of its own, and the other's output must not move. Until 2026-12-02 only the
-last example was replaced (by the first), and a forward that gives every example something of the first one
-(``x + lin(x[:1])``) trained: one example moved every other example's clipped gradient. Outputs are compared through float64 fingerprints, one random +-1 projection per
+every REPROOF_EVERY-th), the model runs three more times without gradient just before the forward itself (from its
+start, in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the
+forward saves), from the random generators' and buffers' states it starts with: on the same batch, and on two batches
+of one example each, the first or the last example copied to every row (dim 0 of every tensor argument of the batch's
+size).
+That example's output must not move: no other example's data reaches it. Until 2026-12-02 the check replaced the
+last example by a copy of the first and compared the others: a forward that gives every example something of the
+first one (``x + lin(x[:1])``) trained, one example moving every other's clipped gradient, and a batch mean moved the
+others by only 1/B of the examples' difference (seen in bfloat16 up to B = 8); a batch of copies moves it by all of
+it. Outputs are compared through float64 fingerprints, one random +-1 projection per
 example of each output with the batch on dim 0, at the forward's end, against what the first rerun differs from the
 forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ, a third
 rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read alone (``x /
@@ -42,10 +44,10 @@ rerun's in-place updates of a buffer go to a copy), and so are the tensors the m
 buffers.CHANGED_ATTRIBUTE), so training draws and stores what it would have without them; the model's other forward
 hooks (the user's) do run again. A forward that cannot run again (or takes an iterator, which a rerun would consume
 first) is warned of once and trains unchecked. Not covered: mixing after the model's forward (between its output and
-the DP loss), and data that mixes only on steps off the schedule. Cost: four forwards without gradient on those
-steps (five with an attention mask; the CPU stand-in with B = 4 and a mask, book-keeping: a checked step 49.9 ms
-against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the first 300 steps add ~2.4% over them, and
-one step in 256 ~0.5% after.
+the DP loss), and data that mixes only on steps off the schedule. Cost: five forwards without gradient on those
+steps (six with an attention mask; four and five before 2026-12-02, when the CPU stand-in with B = 4 and a mask,
+book-keeping, took 49.9 ms a checked step against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the
+first 300 steps add ~3% over them, and one step in 256 ~0.6% after.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positio
 from .recording import leading_dim
 
 MIXING_OUTSIDE_GRADIENTS = (
-    "the model's forward mixes examples where no gradient flows: {how} moved the other examples' {output} by "
+    "the model's forward mixes examples where no gradient flows: {how} {output} by "
     "{moved:.3g} of its size (beyond {threshold:.3g}, what rounding and the reruns' own spread allow), with the "
     "random generators and buffers as the forward had them. Something mixes the examples where no trained "
     "layer's gradient shows it: a mean or variance under torch.no_grad() or of detached tensors, a "
@@ -116,10 +118,12 @@ class PaddingDependence(NamedTuple):
     threshold: float
 
 
-REPLACED = "replacing the first and the last of the {batch} examples by copies of the second"
-REPLACED_LAST = "replacing the last of the {batch} examples by a copy of the first"  # two examples: each by the other
-REPLACED_FIRST = "replacing the first of the {batch} examples by a copy of the last"
-REMOVED = "removing the last of the {batch} examples (the forward run again in eval() mode)"
+# How a Mixing was found (MIXING_OUTSIDE_GRADIENTS: "{how} moved ... output by"): the reruns of the replaced batches
+# (_replacements), and the removal in eval() mode.
+REPLACED_BY_FIRST = "copying the first of the {batch} examples to every other row of the batch moved the first one's"
+REPLACED_BY_LAST = "copying the last of the {batch} examples to every other row of the batch moved the last one's"
+REMOVED = "removing the last of the {batch} examples (the forward run again in eval() mode) moved the other examples'"
+REPLACEMENT_RERUNS = 2  # one per replaced batch: every process runs as many (a forward may gather or broadcast)
 
 
 class Mixing(NamedTuple):
@@ -129,7 +133,7 @@ class Mixing(NamedTuple):
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
     threshold: float  # the move allowed there, relative likewise
     ambiguous: bool  # a replaced argument has another dim of the batch's size (its examples may lie there)
-    how: str = REPLACED
+    how: str = REPLACED_BY_FIRST
 
 
 class _Pending(NamedTuple):
@@ -167,28 +171,16 @@ def _without_last(flat, batch: int) -> list:
 
 
 def _replacements(flat, batch: int):
-    """The check's perturbed batches (module doc): [(the batch's tensors with some rows on dim 0 replaced by copies of
-    another, the examples compared (a slice), how: REPLACED...)] (none for fewer than two examples, or where no tensor
-    has the batch's size on dim 0), and whether a replaced tensor has another dim of size ``batch``."""
-    tensors = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in flat]
-    if batch < 2 or not any(tensors):
+    """The check's replaced batches (module doc): [(the batch's tensors with every row on dim 0 a copy of one
+    example's, that example (a slice), how)] for the first example and the last, or none (fewer than two examples, or
+    no tensor with the batch's size on dim 0); and whether a replaced tensor has another dim of size ``batch``."""
+    perturbed = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in flat]
+    if batch < 2 or not any(perturbed):
         return [], False
-    ambiguous = any(batch in t.shape[1:] for t, replaced in zip(flat, tensors) if replaced)
-    if batch == 2:
-        plans = [(0, (1,), slice(0, 1), REPLACED_LAST), (1, (0,), slice(1, 2), REPLACED_FIRST)]
-    else:
-        plans = [(1, (0, batch - 1), slice(1, batch - 1), REPLACED)]
-    out = []
-    for template, rows, compared, how in plans:
-        replaced = []
-        for t, perturbed in zip(flat, tensors):
-            if perturbed:
-                t = t.clone()
-                for row in rows:
-                    t[row] = t[template]
-            replaced.append(t)
-        out.append((replaced, compared, how))
-    return out, ambiguous
+    ambiguous = any(batch in t.shape[1:] for t, replaced in zip(flat, perturbed) if replaced)
+    return [([t[kept:kept + 1].expand_as(t).contiguous() if replaced else t for t, replaced in zip(flat, perturbed)],
+             slice(kept, kept + 1), how)
+            for kept, how in ((0, REPLACED_BY_FIRST), (batch - 1, REPLACED_BY_LAST))], ambiguous
 
 
 class ForwardIndependence:
@@ -356,6 +348,8 @@ class ForwardIndependence:
             self._check_in_eval_mode(module, flat, spec, outputs, start, signs, floors, batch, checkable, devices)
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             moved = [(rerun(replaced), compared, how) for replaced, compared, how in replacements]
+            for _ in range(REPLACEMENT_RERUNS - len(replacements) if several else 0):
+                rerun(flat)  # in step with the processes that replace
             # With several processes, the rerun that measures the reruns' own spread runs on every process (the
             # forward itself is compared at its end: where it alone differs, _compare reruns once more).
             again = rerun(flat) if several else None

@@ -3,8 +3,8 @@
 A statistic of the batch computed without gradient (a detached mean, one under torch.no_grad(), a running
 statistic used in train() mode) makes each example's gradient depend on the other examples' data: no gradient
 shows it, so the layout proof passed it, and one added example moved the others' clipped sum by 4.5 C. The
-check reruns the forward on checked steps with the first and last examples replaced by copies of the second, the random
-generators and buffers as the forward had them, and refuses a move of the other examples' outputs.
+check reruns the forward on checked steps on the first or the last example copied to every row of the batch, the
+random generators and buffers as the forward had them, and refuses a move of that example's output.
 """
 import warnings
 
@@ -387,8 +387,8 @@ class GivesEveryExampleOneOfThem(nn.Module):
 @pytest.mark.parametrize("which", [0, -1])
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
 def test_one_examples_input_given_to_every_example_is_refused(batch, which, clipping):
-    """With two examples each is replaced by a copy of the other in a rerun of its own; with more, the first and the
-    last by copies of the second (module doc)."""
+    """The first example copied to every row moves the first one's output where the last is given to all, and the last
+    copied moves the last one's where the first is (module doc)."""
     torch.manual_seed(0)
     model = Scored(GivesEveryExampleOneOfThem(which)).train()
     x, v = torch.randn(batch, D), 100 * torch.randn(batch, D)
@@ -588,9 +588,10 @@ def test_training_with_the_checks_is_bitwise_training_without_them(clipping):
         return model.state_dict(), len(reruns), torch.rand(3)
 
     with_checks, without = train(True), train(False)
-    # forwards 0, 1, 2 and 4 checked: two reruns each, and three in eval() mode (the batch, the batch without its
-    # last example, the batch padded further: clipping/padding.py)
-    assert with_checks[1] == 20 and without[1] == 0
+    # forwards 0, 1, 2 and 4 checked: three reruns each (the batch, and the first or the last example copied to
+    # every row), and three in eval() mode (the batch, the batch without its last example, the batch padded further:
+    # clipping/padding.py)
+    assert with_checks[1] == 24 and without[1] == 0
     assert all(torch.equal(with_checks[0][k], without[0][k]) for k in without[0])
     assert torch.equal(with_checks[2], without[2])  # the global generator's stream too
 
