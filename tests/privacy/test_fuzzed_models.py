@@ -15,7 +15,8 @@ hole: one example could move the update by more than C.
 The first run of this fuzzer (2026-12-02, 5,000 models) found three such holes, each in the forward check
 (clipping/independence.py), each now refused and tested there: a call laid out in blocks of rows on dim 0, or one off
 dim 0 (an RNN's h_n), switched the check's refusal off; and the check replaced only the last example, so a forward
-giving every example something of the first trained. Since then 10,000 more models found none.
+giving every example something of the first trained. After the fixes, 5,700 more models (three versions of the
+generator) found none.
 """
 from __future__ import annotations
 
