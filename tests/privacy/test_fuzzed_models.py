@@ -12,7 +12,7 @@ one example's data given to all) or reads a child's weight outside its forward. 
 its clipped sum and norms equal the loop's in float64. Anything else, a trained model off the loop, is a privacy
 hole: one example could move the update by more than C.
 
-The first run of this fuzzer (2026-12-02, 5,000 models) found three such holes, each in the forward check
+The first runs of this fuzzer (2026-12-02, 3,500 models) found three such holes, each in the forward check
 (clipping/independence.py), each now refused and tested there: a call laid out in blocks of rows on dim 0, or one off
 dim 0 (an RNN's h_n), switched the check's refusal off; and the check replaced only the last example, so a forward
 giving every example something of the first trained. After the fixes, 5,700 more models (three versions of the
