@@ -13,8 +13,7 @@ every REPROOF_EVERY-th), the model runs three more times without gradient just b
 start, in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the
 forward saves), from the random generators' and buffers' states it starts with: on the same batch, and on two batches
 of one example each, the first or the last example copied to every row (dim 0 of every tensor argument of the batch's
-size).
-That example's output must not move: no other example's data reaches it. Until 2026-12-02 the check replaced the
+size). That example's output must not move: no other example's data reaches it. Until 2026-12-02 the check replaced the
 last example by a copy of the first and compared the others: a forward that gives every example something of the
 first one (``x + lin(x[:1])``) trained, one example moving every other's clipped gradient, and a batch mean moved the
 others by only 1/B of the examples' difference (seen in bfloat16 up to B = 8); a batch of copies moves it by all of
@@ -127,7 +126,8 @@ REPLACEMENT_RERUNS = 2  # one per replaced batch: every process runs as many (a 
 
 
 class Mixing(NamedTuple):
-    """A forward whose other examples' outputs moved when some of its examples were replaced (or the last removed)."""
+    """A forward in which an example's output moved when others were replaced by copies of it (or the other examples'
+    outputs moved when the last was removed)."""
     batch: int
     output: str     # where in the model's output: 'output', "output['logits']", ...
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
@@ -365,20 +365,21 @@ class ForwardIndependence:
         p = pending
         leaves = _leaves(output)
         forward = fingerprints_of(leaves, p.signs, p.batch) if len(leaves) == len(p.signs) else [None] * len(p.signs)
-        def moves_of(again):
-            """Per replacement, its moves and how it replaced."""
-            return [(moves_between(forward, p.same, moved, compared, p.floors, again), how)
-                    for moved, compared, how in p.moved]
 
-        by_replacement = moves_of(p.again)
-        if any(largest_exceeding(moves) is not None for moves, _ in by_replacement) and p.again is None:
+        def moves_of(again):
+            """Every replacement's Moves, each with how it replaced."""
+            return [(move, how) for moved, compared, how in p.moved
+                    for move in moves_between(forward, p.same, moved, compared, p.floors, again)]
+
+        moves = moves_of(p.again)
+        if p.again is None and any(move.exceeds for move, _ in moves):
             flat, spec = p.arguments
             with self._rerunning(module, p.devices):
                 again = self._fingerprints_of_rerun(module, tree_unflatten(flat, spec), p.start, p.signs, p.batch)
-            by_replacement = moves_of(again)
-        self.last_moves = [move for moves, _ in by_replacement for move in moves]
-        found, how = max(((largest_exceeding(moves), how) for moves, how in by_replacement if largest_exceeding(moves)),
-                         key=lambda found_how: found_how[0].relative, default=(None, None))
+            moves = moves_of(again)
+        self.last_moves = [move for move, _ in moves]
+        found, how = max(((move, how) for move, how in moves if move.exceeds), key=lambda pair: pair[0].relative,
+                         default=(None, None))  # largest_exceeding, keeping the replacement's how
         if found is None:
             found, how = largest_exceeding(self.last_removal_moves), REMOVED
         if found is None:
