@@ -118,7 +118,10 @@ def _edges_into_parameters(roots, parameters: dict, stop=frozenset(), marked=Fal
                     found.append(nxt)
             if nxt not in stop:
                 push(nxt)
-    return edges, found
+    # A node met from two parents before the walk visits it is listed twice: a reentrant checkpoint's twice made
+    # two watches of its region, and the second audit of it, after the first had released its calls' edges,
+    # refused the region's parameters as stray (a residual x + f(x) after the checkpoint).
+    return edges, list(dict.fromkeys(found))
 
 
 def released_edges(node, recorded):

@@ -55,15 +55,17 @@ def assert_exact_over_steps(model, plain, call, loss_of_output, steps=2, rtol=1e
 
 class Net(nn.Module):
     """Embedding, blocks (each its own region unless ``checkpointed`` is False), head. ``order`` lists
-    the block called at each position: a block listed twice is one module in two regions (ALBERT)."""
+    the block called at each position: a block listed twice is one module in two regions (ALBERT). ``after``: a
+    function of each region's output, outside the region."""
 
-    def __init__(self, blocks=2, order=None, region=None):
+    def __init__(self, blocks=2, order=None, region=None, after=None):
         super().__init__()
         self.emb = nn.Embedding(20, 8)
         self.blocks = nn.ModuleList(Block(8) for _ in range(blocks))
         self.head = nn.Linear(8, 3)
         self.order = list(range(blocks)) if order is None else order
         self.region = region  # h, block -> the region's function of h (default: the block itself)
+        self.after = after
         self.checkpointed = True
         self.checkpoint = lambda function, h: checkpoint(function, h, use_reentrant=True)
 
@@ -72,6 +74,8 @@ class Net(nn.Module):
         for k in self.order:
             function = self.blocks[k] if self.region is None else (lambda x, b=self.blocks[k]: self.region(x, b))
             h = self.checkpoint(function, h) if self.checkpointed else function(h)
+            if self.after is not None:
+                h = self.after(h)
         return self.head(h.mean(1))
 
 
@@ -108,6 +112,14 @@ def test_a_subclass_of_torchs_checkpoint_function_is_exact():
 
 def test_a_region_that_is_a_plain_function_of_modules_is_exact():
     check_net(Net(region=lambda h, block: 0.5 * block(h) + h), torch.randint(0, 20, (B, 6)))
+
+
+def test_a_residual_after_each_region_is_exact():
+    """h + tanh(h) on each region's output: the graph audit's walk met the checkpoint's node from both terms before
+    visiting it and listed it twice; its region was then audited twice, the second time after the first had
+    released its calls' edges, and its parameters were refused as used outside their modules (before 2026-12-02,
+    found by the differential fuzzer)."""
+    check_net(Net(after=lambda h: h + torch.tanh(h)), torch.randint(0, 20, (B, 6)))
 
 
 def test_one_block_in_two_regions_is_exact_from_the_first_step():
