@@ -12,12 +12,13 @@ kernels depend on the batch's content could move by more: an attention mask of a
 counts. Per model and dtype this prints the largest relative move of the copied examples' outputs, the threshold it
 had to pass, and whether the check would refuse (it must not); the same for the padding check
 (ghostdp/clipping/padding.py: the batch padded by 8 more positions in eval() mode, outputs compared at the real
-positions: another kernel for a longer sequence rounds otherwise) and for the batch without its last example (eval()
-mode: another kernel for a smaller batch); a BERT with a head that means over the padding must be found by the padding
-check; and, for a detached batch mean before a Linear (a model that mixes), the largest batch at which the check still
-finds it. Each figure comes from one checked forward of a fresh model (seeded). On a CPU (2026-12-02) the detached
-mean is found up to B = 16384 in float32 and bfloat16, the largest tried (before that day's copies of one example,
-up to 4096 and 8).
+positions: another kernel for a longer sequence rounds otherwise) and for the batch without its last example, the
+others reversed (eval() mode: another kernel for a smaller batch, every example in another row); a BERT with a head
+that means over the padding must be found by the padding check; and, for a detached batch mean before a Linear (a
+model that mixes), the largest batch at which the check still finds it. Each figure comes from one checked forward
+of a fresh model (seeded). On a CPU (2026-12-02) the detached mean is found up to B = 16384 in float32 and bfloat16,
+the largest tried (before that day's copies of one example, up to 4096 and 8); the removal's reversed rows (later
+that day) move the models that keep their examples apart by exactly 0 there, in both.
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"forward check on {device}: largest relative move / threshold of the first's or the last example's output "
           "with it copied to every row; of the outputs at the real positions of the batch padded further; of the "
-          "other examples' outputs without the last one")
+          "other examples' outputs without the last one, the others reversed")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for name in names:

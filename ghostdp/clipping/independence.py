@@ -22,9 +22,12 @@ example of each output with the batch on dim 0, at the forward's end, against wh
 forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ, a third
 rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read alone (``x /
 x.shape[0]`` let an added example move the others' clipped sum by 0.8 C besides its own C): with three or more
-examples, the forward also runs in eval() mode on the batch and without its last example (eval(): a smaller batch
-would draw other dropout masks, on a GPU for every example), and the others' outputs must not move there either; a
-forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
+examples, the forward also runs in eval() mode on the batch and without its last example, the others in reverse order
+(eval(): a smaller batch would draw other dropout masks, on a GPU for every example), and the others' outputs must not
+move there either. The reversal puts every example in another row: a forward that gives a middle example something of
+another reaches neither the first one's output nor the last's, and trained until late 2026-12-02; one that treats an
+example by its row (an offset per row) is refused too, since removing an example moves those after it to other rows.
+A forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
 model would have been perturbed along its positions: a replaced argument has another dim of the batch's size, and a
 module has batch_first=False or the layout proof placed a call's examples on another dim (a batch flattened into
@@ -121,13 +124,14 @@ class PaddingDependence(NamedTuple):
 # (_replacements), and the removal in eval() mode.
 REPLACED_BY_FIRST = "copying the first of the {batch} examples to every other row of the batch moved the first one's"
 REPLACED_BY_LAST = "copying the last of the {batch} examples to every other row of the batch moved the last one's"
-REMOVED = "removing the last of the {batch} examples (the forward run again in eval() mode) moved the other examples'"
+REMOVED = ("removing the last of the {batch} examples and reversing the others' order (the forward run again in eval() "
+           "mode) moved the other examples'")
 REPLACEMENT_RERUNS = 2  # one per replaced batch: every process runs as many (a forward may gather or broadcast)
 
 
 class Mixing(NamedTuple):
     """A forward in which an example's output moved when others were replaced by copies of it (or the other examples'
-    outputs moved when the last was removed)."""
+    outputs moved when the last was removed and their order reversed)."""
     batch: int
     output: str     # where in the model's output: 'output', "output['logits']", ...
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
@@ -164,9 +168,10 @@ def _accelerators(module, args, kwargs) -> list:
     return list({t.device: None for t in tensors + list(module.parameters()) if t.device.type != "cpu"})
 
 
-def _without_last(flat, batch: int) -> list:
-    """The batch's tensors without row ``batch - 1`` on dim 0 (those _replacements replaces rows of)."""
-    return [t[:batch - 1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
+def _without_last_reversed(flat, batch: int) -> list:
+    """The batch's tensors without row ``batch - 1`` on dim 0 (those _replacements replaces rows of), the other rows
+    in reverse order: row k holds example batch - 2 - k."""
+    return [t[:batch - 1].flip(0) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
             for t in flat]
 
 
@@ -415,13 +420,14 @@ class ForwardIndependence:
     def _check_in_eval_mode(self, module, flat, spec, outputs, start, signs, floors, batch: int, checkable: bool,
                             devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
-        the batch; without its last example, where there are three or more (a forward that depends on the batch's
-        size alone: replacing an example does not change it); and, for a forward with an attention mask, on the
-        batch padded further (padding.py: a move of its real positions is kept as ``padding_finding``). The Moves
-        of examples 0..batch-2 without the last go to ``last_removal_moves``. With several processes each rerun
-        runs on every process where any needs it (module doc); one that has nothing to check there runs its batch
-        again. ``outputs``: (key path, shape) of the forward's output leaves; ``devices``: the accelerators of the
-        forward (a collective's tensor goes to the first)."""
+        the batch; without its last example and the others reversed, where there are three or more (a forward that
+        depends on the batch's size alone, or on another example than the first and the last: replacing them does
+        not show it); and, for a forward with an attention mask, on the batch padded further (padding.py: a move of
+        its real positions is kept as ``padding_finding``). The Moves of examples 0..batch-2, each read back from
+        its reversed row, go to ``last_removal_moves``. With several processes each rerun runs on every process
+        where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
+        path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
+        tensor goes to the first)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = tree_unflatten(flat, spec)
         padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
@@ -430,23 +436,29 @@ class ForwardIndependence:
         removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
             return
-        positions = None if padded is None else (outputs, padded[1], attention_mask(module, *arguments))
 
-        def rerun(arguments, examples=batch):
+        def rerun(arguments, examples=batch, mask_of=arguments):
+            """The fingerprints of a rerun on ``arguments``; with padding checked, read at the real positions of the
+            attention mask of ``mask_of`` (the batch's, or the rerun's own where it holds other rows)."""
+            positions = None if padded is None else (outputs, padded[1], attention_mask(module, *mask_of))
             return self._fingerprints_of_rerun(module, arguments, start, signs, examples, positions)
 
         with in_eval_mode(module):
             plain = rerun(arguments)
             if removing_anywhere:
                 try:
-                    fewer = rerun(tree_unflatten(_without_last(flat, batch), spec), batch - 1) if removing else None
-                    if not removing:
+                    if removing:
+                        reversed_rows = tree_unflatten(_without_last_reversed(flat, batch), spec)
+                        fewer = rerun(reversed_rows, batch - 1, reversed_rows)
+                    else:
+                        fewer = None
                         rerun(arguments)  # in step with the processes that remove an example
                 except torch.OutOfMemoryError:
                     raise
                 except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
                     fewer = None
-                if fewer is not None:
+                if fewer is not None:  # each example's fingerprint back in its row (every row has the same signs)
+                    fewer = [None if f is None else f.flip(0) for f in fewer]
                     self.last_removal_moves = moves_between(plain, plain, fewer, slice(0, batch - 1), floors)
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():

@@ -408,6 +408,67 @@ def test_one_examples_input_given_to_every_example_is_refused(batch, which, clip
         controller.detach()
 
 
+class TheSecondGetsTheThirds(nn.Module):
+    """The second example gets something of the third's input (which carries no gradient): neither the first example's
+    output nor the last's depends on another example, and with four or more, no example depends on the last one. Before
+    late 2026-12-02 it trained (the check compared the first example, the last, and the others without the last in
+    their rows); the removal's rerun now also reverses the others' order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.tanh(torch.cat([y[:1], y[1:2] + torch.sin(3 * x[2:3]), y[2:]]))
+
+
+@pytest.mark.parametrize("batch", [4, B])
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_middle_example_given_something_of_another_is_refused(batch, clipping):
+    torch.manual_seed(0)
+    model = Scored(TheSecondGetsTheThirds()).train()
+    x, v = torch.randn(batch, D), 100 * torch.randn(batch, D)
+    far = x.clone()
+    far[2] = 1e3
+    kept = [i for i in range(batch) if i != 2]
+    moved = (clipped_sum_through_the_batch(model(x, v)[kept], list(model.parameters()))
+             - clipped_sum_through_the_batch(model(far, v)[kept], list(model.parameters())))
+    assert float(moved.norm()) > 0.2, "degenerate test: the third example does not move the others' clipped sum"
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + ".*reversing the others' order"):
+            controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
+class OffsetByRow(nn.Module):
+    """A Linear plus a fixed offset for each row the example lies in: no example reads another's data, but removing
+    one from a batch moves the examples after it to other rows, and so their gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("offsets", torch.randn(B, D))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + self.offsets[:len(x)])
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_forward_that_treats_an_example_by_its_row_is_refused(clipping):
+    model = Scored(OffsetByRow()).train()
+    x, v = torch.randn(B, D), 100 * torch.randn(B, D)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + ".*reversing the others' order"):
+            controller.loss(model(x, v), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 def test_a_batch_of_one_is_not_rerun():
     model = CountsForwards().train()
     controller = ghostdp.GhostClipping(model, 1.0)
