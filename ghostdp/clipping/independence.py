@@ -31,7 +31,9 @@ A forward with an attention mask runs once more, padded further (padding.py). A 
 follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
 model would have been perturbed along its positions: a replaced argument has another dim of the batch's size, and a
 module has batch_first=False or the layout proof placed a call's examples on another dim (a batch flattened into
-dim 0, each example's rows together, keeps them on dim 0: _refusable). With several processes
+dim 0, each example's rows together, keeps them on dim 0: _refusable); such a move is warned of once (INCONCLUSIVE:
+until late 2026-12-02 it went unsaid, and a batch-first model that mixes, with T = B and a GRU built sequence-first,
+trained without a word; the check concludes on steps whose batch size differs). With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
 that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
 where a process has nothing to check there; and every process refuses where any one found a move (it would otherwise
@@ -97,6 +99,14 @@ LOSS_COUNTS_PADDING = "the loss counts positions the attention mask excludes"
 AN_ITERATOR_ARGUMENT = (
     "an argument of the model's forward is an iterator ({kind}), which a rerun of the forward would consume before "
     "the forward itself")
+
+INCONCLUSIVE = (
+    "the forward check found that {how} {output} by {moved:.3g} of its size (beyond {threshold:.3g}), but cannot "
+    "tell whether that is mixing: a tensor of the batch has another dim of the batch's size ({batch}), and {why}, so "
+    "the examples may lie on that dim and the check may have moved positions, not examples. The step trains. If the "
+    "model keeps its examples on dim 0, this is mixing (the check would have refused it: " + FORWARD_MIXES + "); the "
+    "check concludes on checked steps whose batch size differs from the other dims (Poisson sampling, another "
+    "sequence length). Warned once.")
 
 RERUN_FAILED = (
     "ghostdp could not check that the model's forward keeps the examples apart: running it again without "
@@ -213,6 +223,7 @@ class ForwardIndependence:
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
+        self._warned_inconclusive = False  # a move found where the examples may lie off dim 0 (_warn_inconclusive)
         self._changed_attributes = set()   # tensor attributes a checked forward changed (warned of once each)
         self._verdict_due = False          # several processes: a forward was checked since the last norm pass
         self.checked_mask = None           # (its attention mask or None,) of the last forward, where it was checked
@@ -503,6 +514,8 @@ class ForwardIndependence:
         padding = self.padding_finding
         finding, self.finding = self.finding, None
         mixing = finding if self._refusable(finding, batch_size, calls) else None
+        if mixing is None and finding is not None and finding.batch == batch_size:
+            self._warn_inconclusive(finding, calls)
         lengths = sorted(self.lengths)
         if distributed_rank_and_size()[1] > 1:
             if not self._verdict_due:
@@ -539,6 +552,21 @@ class ForwardIndependence:
             return True
         return not self.sequence_first and all(layout in _EXAMPLES_ON_DIM_0 for call in calls
                                                if call.layouts is not None for layout in call.layouts)
+
+
+    def _warn_inconclusive(self, finding, calls) -> None:
+        """Once per controller: a move the check found but does not refuse (``_refusable``: ambiguous)."""
+        if self._warned_inconclusive:
+            return
+        self._warned_inconclusive = True
+        off = sorted({call.name for call in calls if call.layouts is not None
+                      and any(layout not in _EXAMPLES_ON_DIM_0 for layout in call.layouts)})
+        named = [name or "<root>" for name in self.sequence_first[:3]]
+        why = (f"the model has modules with batch_first=False ({', '.join(named)})"
+               if self.sequence_first else f"the layout proof placed the examples of {', '.join(off[:3])} off dim 0")
+        warnings.warn(INCONCLUSIVE.format(how=finding.how.format(batch=finding.batch), output=finding.output,
+                                          moved=finding.moved, threshold=finding.threshold, batch=finding.batch,
+                                          why=why))
 
 
 def _refuse_found(here: str | None, somewhere: bool, what: str, error=RuntimeError) -> None:

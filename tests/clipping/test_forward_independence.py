@@ -280,16 +280,47 @@ class SequenceFirst(nn.Module):
 
 
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
-def test_a_sequence_first_model_whose_length_is_the_batch_size_is_not_refused(clipping):
+def test_a_sequence_first_model_whose_length_is_the_batch_size_is_not_refused_and_the_move_is_warned_of_once(
+        clipping):
     model = SequenceFirst().train()
-    x = torch.randn(B, B, 4)
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     try:
-        out = model(x)
-        assert controller.independence.finding is not None  # the positions moved each other, as attention does
-        losses = out.pow(2).mean((0, 2))
-        controller.loss(losses, reduction="sum").backward()
-        assert all(p.grad is not None for p in model.parameters())
+        for step in range(2):  # the first and the second forward are checked
+            out = model(torch.randn(B, B, 4))
+            assert controller.independence.finding is not None  # the positions moved each other, as attention does
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                controller.loss(out.pow(2).mean((0, 2)), reduction="sum").backward()
+            inconclusive = [w for w in caught if "cannot tell whether that is mixing" in str(w.message)]
+            assert len(inconclusive) == (step == 0), [str(w.message) for w in caught]
+            if step == 0:
+                assert "batch_first=False (attention.self_attn)" in str(inconclusive[0].message)
+            assert all(p.grad is not None for p in model.parameters())
+            model.zero_grad(set_to_none=True)
+    finally:
+        controller.detach()
+
+
+class CentredBeforeASequenceFirstLayer(nn.Module):
+    """A batch-first model (B, T, d) with T == B: a detached batch mean, then a GRU built with batch_first=False but
+    fed (B, T, d), as a model that transposes for it might. The check finds the mean's move and cannot conclude."""
+
+    def __init__(self):
+        super().__init__()
+        self.centre, self.gru = DetachedCentring(), nn.GRU(D, D)
+
+    def forward(self, x):  # (B, T, D) with T == B
+        return self.gru(self.centre(x).transpose(0, 1))[0].transpose(0, 1)
+
+
+def test_a_move_the_check_cannot_conclude_on_is_warned_of_with_what_it_found():
+    model = CentredBeforeASequenceFirstLayer().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.warns(UserWarning, match=r"copying the (first|last) of the 8 examples .* moved the (first|last) "
+                                             r"one's output by .* cannot tell whether that is mixing.*"
+                                             r"batch_first=False \(gru\)"):
+            controller.loss(model(100 * torch.randn(B, B, D)).pow(2).sum((1, 2)), reduction="sum").backward()
     finally:
         controller.detach()
 
