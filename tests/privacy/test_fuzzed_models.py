@@ -13,7 +13,9 @@ reads a child's weight outside its forward. The model's state (spectral norm's p
 put back before every forward of the loop and of each step, so that all see the same weights. Both clipping modes,
 two steps each (the second a steady one), every example clipped: ghostdp either refuses the model (an error naming
 the problem) or its clipped sum and norms equal the loop's in float64. Anything else, a trained model off the loop,
-is a privacy hole: one example could move the update by more than C.
+is a privacy hole: one example could move the update by more than C. In 16 bits (bfloat16 weights, or bfloat16
+autocast), where the loop in float64 is no reference, the bound itself is checked: removing one example moves the
+clipped sum by at most C and rounding.
 
 The first runs of this fuzzer (2026-12-02, 3,500 models) found three such holes, each in the forward check
 (clipping/independence.py), each now refused and tested there: a call laid out in blocks of rows on dim 0, or one off
@@ -34,6 +36,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
+
+import ghostdp
 
 from conftest import clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
 from fuzzed_blocks import D, T, MixesExamples, ReadsAChildsWeight, Residual, block_makers
@@ -140,3 +144,59 @@ def test_a_block_that_mixes_the_examples_is_refused(kind):
             warnings.simplefilter("ignore")  # the running mean is a changed buffer
             with pytest.raises((RuntimeError, ValueError), match="mixes|BatchNorm"):
                 ghost_clipped_sum(model, lambda: criterion(model(x).mean(1), y), 1.0, clipping)
+
+
+SIXTEEN_BIT_MODELS = 40  # ~6 s each precision on one thread
+SIXTEEN_BIT_SLACK = 1.02  # bfloat16 rounds each written gradient value by up to 2^-9 (measured: at most 1.004 C)
+
+
+def _largest_move(model, autocast: bool, clipping: str) -> float:
+    """max over j of ||clipped sum of the batch - clipped sum without example j|| / C, every example clipped."""
+    x, y = model.inputs, model.labels
+    x = x.to(next(model.parameters()).dtype) if x.is_floating_point() else x
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    state = copy.deepcopy(model.state_dict())
+
+    def clipped(rows, C):
+        model.load_state_dict(state)
+
+        def losses():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x[rows])
+            return criterion(out.float(), y[rows])
+        return ghost_clipped_sum(model, losses, C, clipping)
+
+    everyone = list(range(B))
+    C = 0.5 * float(clipped(everyone, 1.0)[1].min())
+    whole = clipped(everyone, C)[0]
+    moves = []
+    for j in everyone:
+        without = clipped([i for i in everyone if i != j], C)[0]
+        moves.append(float(torch.sqrt(sum(((whole[n].double() - without[n].double()) ** 2).sum() for n in whole))))
+    return max(moves) / C
+
+
+@pytest.mark.parametrize("precision", ["bfloat16 weights", "float32 weights under bfloat16 autocast"])
+def test_one_example_moves_a_sixteen_bit_clipped_sum_by_at_most_C(precision):
+    """The DP bound itself where float64's loop is no reference: the fuzzed models that keep their examples apart, in
+    16-bit arithmetic, each example removed in turn from the batch moves the clipped sum by at most C (and rounding).
+    A precision hole of the kind found 2026-11-27 (two passes' float32 sums for an example whose gradient is mostly
+    rounding moved the sum by 4.5 C) would show here as a move of several C."""
+    mixing = {"MixesExamples", "ReadsAChildsWeight", "OnTheFirstExample"}
+    moves = {}
+    for seed in range(SIXTEEN_BIT_MODELS):
+        model = Fuzzed(seed).train()
+        if {type(m).__name__ for m in model.blocks.modules()} & mixing:
+            continue
+        model = model.to(torch.bfloat16 if precision == "bfloat16 weights" else torch.float32)
+        for clipping in ("ghost", "bookkeeping"):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    moves[seed, clipping] = _largest_move(model, precision != "bfloat16 weights", clipping)
+            except (RuntimeError, ValueError, NotImplementedError, TypeError, ghostdp.NonFiniteLossError,
+                    ghostdp.ImpreciseExampleError):
+                continue  # refused in 16 bits (an overflow, an example too imprecise to clip): not a move
+    assert len(moves) >= SIXTEEN_BIT_MODELS // 2, len(moves)
+    over = {key: move for key, move in moves.items() if not move <= SIXTEEN_BIT_SLACK}
+    assert not over, f"one example moved the clipped sum by more than C: {over}"
