@@ -15,7 +15,7 @@ two steps each (the second a steady one), every example clipped: ghostdp either 
 the problem) or its clipped sum and norms equal the loop's in float64. Anything else, a trained model off the loop,
 is a privacy hole: one example could move the update by more than C. In 16 bits (bfloat16 weights, or bfloat16
 autocast), where the loop in float64 is no reference, the bound itself is checked: removing one example moves the
-clipped sum by at most C and rounding.
+clipped sum by at most C and rounding. With peft's LoRA on the models' layers: exact or refused, as without.
 
 The first runs of this fuzzer (2026-12-02, 3,500 models) found three such holes, each in the forward check
 (clipping/independence.py), each now refused and tested there: a call laid out in blocks of rows on dim 0, or one off
@@ -83,8 +83,12 @@ class Fuzzed(nn.Module):
 def _outcome(seed):
     """"exact", "refused" (with the error) or "off" (trained, not the loop's: a hole) in both modes."""
     model = Fuzzed(seed).train()
+    return _outcome_of(model, model.inputs, model.labels), model
+
+
+def _outcome_of(model, x, y):
+    """_outcome's comparison for ``model`` on inputs ``x`` and labels ``y``: [(kind, message)], one per mode."""
     state = copy.deepcopy(model.state_dict())
-    x, y = model.inputs, model.labels
     criterion = nn.CrossEntropyLoss(reduction="none")
 
     def example_loss(i):
@@ -111,7 +115,7 @@ def _outcome(seed):
         exact = sum_error < 1e-8 and norm_error < 1e-8
         outcomes.append(("exact" if exact else "off", f"{clipping}: clipped sum {sum_error:.2e} off, norms "
                          f"{norm_error:.2e}"))
-    return outcomes, model
+    return outcomes
 
 
 def test_random_models_are_exact_or_refused():
@@ -130,6 +134,44 @@ def test_random_models_are_exact_or_refused():
                      "IndexedTable", "Bilinear", "PReLU", "LSTM", "ShapedConvolution", "Checkpointed", "RawWeightOps",
                      "FunctionalNorm", "Parametrized"}, kinds
     assert exact >= MODELS // 2, exact
+
+
+LORA_MODELS = 60  # ~5 s on one thread
+
+
+def _with_lora(seed):
+    """Fuzzed(seed) with peft's LoRA on a random half of its Linear, Embedding and convolution layers (rank 2, both
+    factors random: init_lora_weights=False, as B = 0 would give A no gradient), DoRA on the Linear ones in some
+    models, the head trained whole (modules_to_save) in some. Returns (the peft model, the fuzzed model inside)."""
+    import peft
+    base = Fuzzed(seed)
+    rng = random.Random(seed + 1)
+    layers = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
+    # peft's LoRA convolution runs its A without the layer's dilation and groups: those it cannot adapt.
+    names = [name for name, m in base.named_modules() if name and isinstance(m, layers)
+             and getattr(m, "groups", 1) == 1 and set(getattr(m, "dilation", (1,))) == {1}]
+    head_whole = rng.random() < 0.5 and len(names) > 1  # a head trained whole is not adapted too
+    names = [name for name in names if not (head_whole and name == "head")]
+    targets = rng.sample(names, max(1, len(names) // 2))
+    dora = rng.random() < 0.3 and all(isinstance(base.get_submodule(n), nn.Linear) for n in targets)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
+                             use_dora=dora, modules_to_save=["head"] if head_whole else None)
+    return peft.get_peft_model(base, config).double().train(), base
+
+
+def test_lora_on_random_models_is_exact_or_refused():
+    """peft's adapters on the fuzzed models: only the adapters (and a head) train, through the peft layers' own
+    forwards. Exact or refused, as above."""
+    off, exact = [], 0
+    for seed in range(LORA_MODELS):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's notes on custom models
+            model, base = _with_lora(seed)
+        outcomes = _outcome_of(model, base.inputs, base.labels)
+        off += [f"seed {seed}: {message}\n  {model}" for kind, message in outcomes if kind == "off"]
+        exact += all(kind == "exact" for kind, _ in outcomes)
+    assert not off, "trained off the per-example loop:\n" + "\n".join(off)
+    assert exact >= LORA_MODELS // 2, exact
 
 
 @pytest.mark.parametrize("kind", MixesExamples.KINDS)
