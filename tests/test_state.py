@@ -318,6 +318,51 @@ def test_output_without_batch_dimension_is_refused():
         controller.loss(out.pow(2).sum((1, 2))).backward()
 
 
+class Scaled(torch.autograd.Function):
+    """x * w with its own backward: no norm rule sees it, so its module takes the exact fallback."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).reshape(-1, w.shape[0]).sum(0)
+
+
+class ScaledByAFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return Scaled.apply(x, self.w)
+
+
+def test_a_module_without_a_rule_called_sequence_first_is_refused_naming_the_dims():
+    """Its fallback splits the gradient by example on dim 0: the message says where the batch's size is instead
+    (until 2026-12-02 it said the output had no dim of that size, which it had: peft's DoRA on a Linear of a
+    (T, B, d) input, found by the differential fuzzer)."""
+    scale, head = ScaledByAFunction(), nn.Linear(3, 2)
+
+    class SequenceFirstCall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.head = scale, head
+
+        def forward(self, x):  # (B, T, 3), the module called on (T, B, 3)
+            return self.head(torch.tanh(self.scale(x.transpose(0, 1)).transpose(0, 1)).mean(1))
+
+    model = SequenceFirstCall()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match=r"module 'scale' \(ScaledByAFunction\) produced an output of shape "
+                                           r"\(5, 4, 3\) whose gradient has the batch's size on dim 1, not on dim 0.*"
+                                           r"run it batch-first"):
+        controller.loss(model(torch.randn(4, 5, 3)).pow(2).sum(1)).backward()
+
+
 def test_nonfinite_losses_are_named_or_skipped():
     model, x = Branchy(), torch.randn(5, 4)
     controller = ghostdp.GhostClipping(model, 1.0)

@@ -255,7 +255,7 @@ class LayoutProver:
                 options = [c for c in options if c == BATCH_FIRST]
             chosen = self.first_holding(options, projected, g)
             if chosen is None:
-                refuse(call, g, batch_size, options, broadcast)
+                refuse(call, g, batch_size, options, broadcast, call.batch_dims[slot])
             found.append(chosen)
         call.layouts, call.projections = tuple(found), None
         call.proven_in.proven[(id(call.module), signature(call.shapes, batch_size))] = call.layouts
@@ -283,7 +283,7 @@ class LayoutProver:
         call.grads = [to_batch_first(call.layouts[0], call.grads[0], shape, batch_size)]
 
 
-def refuse(call, g, batch_size, options, broadcast=False):
+def refuse(call, g, batch_size, options, broadcast=False, declared=0):
     if broadcast:
         raise RuntimeError(
             f"module '{call.name}' ({type(call.module).__name__}) produced an output of shape (1, "
@@ -295,7 +295,14 @@ def refuse(call, g, batch_size, options, broadcast=False):
             "broadcast to is dim 0 of the model's first tensor argument: in a sequence-first model given one "
             "example, the sequence length (a Poisson-sampled batch can hold one example). Fix: run the layer "
             "batch-first (batch_first=True, or transpose its input to (batch, sequence, ...)).")
-    if not options:
+    elsewhere = [d for d in range(g.dim()) if d != declared and g.shape[d] == batch_size]
+    if not options and call.tokenwise is not True and elsewhere:
+        # A module without a rule (or a rule not tokenwise) is split by example on its declared dim only.
+        problem = (f"has the batch's size on dim {elsewhere[0]}, not on dim {declared}, the one where ghostdp splits a "
+                   f"{'module without a norm rule' if call.rule is None else 'call of this rule'} by example (dim 0, "
+                   "or an RNN's and an attention's batch dim by batch_first); run it batch-first (transpose its "
+                   "input to (batch, ...) and its output back)")
+    elif not options:
         problem = f"has no dimension of size {batch_size} that could hold the examples"
     else:
         problem = "mixes several examples in each of its candidate batch dimensions"
