@@ -447,11 +447,11 @@ class ForwardIndependence:
         removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
             return
+        positions = None if padded is None else (outputs, padded[1], attention_mask(module, *arguments))
 
-        def rerun(arguments, examples=batch, mask_of=arguments):
-            """The fingerprints of a rerun on ``arguments``; with padding checked, read at the real positions of the
-            attention mask of ``mask_of`` (the batch's, or the rerun's own where it holds other rows)."""
-            positions = None if padded is None else (outputs, padded[1], attention_mask(module, *mask_of))
+        def rerun(arguments, examples=batch, positions=positions):
+            """The fingerprints of a rerun on ``arguments``; with padding checked, read at the real positions
+            (``positions``: the batch's, or the rerun's own where it holds other rows)."""
             return self._fingerprints_of_rerun(module, arguments, start, signs, examples, positions)
 
         with in_eval_mode(module):
@@ -460,7 +460,8 @@ class ForwardIndependence:
                 try:
                     if removing:
                         reversed_rows = tree_unflatten(_without_last_reversed(flat, batch), spec)
-                        fewer = rerun(reversed_rows, batch - 1, reversed_rows)
+                        own = None if padded is None else (outputs, padded[1], attention_mask(module, *reversed_rows))
+                        fewer = rerun(reversed_rows, batch - 1, own)
                     else:
                         fewer = None
                         rerun(arguments)  # in step with the processes that remove an example
@@ -550,23 +551,27 @@ class ForwardIndependence:
             return False
         if not finding.ambiguous:
             return True
-        return not self.sequence_first and all(layout in _EXAMPLES_ON_DIM_0 for call in calls
-                                               if call.layouts is not None for layout in call.layouts)
-
+        return not self.sequence_first and not _laid_out_off_dim_0(calls)
 
     def _warn_inconclusive(self, finding, calls) -> None:
         """Once per controller: a move the check found but does not refuse (``_refusable``: ambiguous)."""
         if self._warned_inconclusive:
             return
         self._warned_inconclusive = True
-        off = sorted({call.name for call in calls if call.layouts is not None
-                      and any(layout not in _EXAMPLES_ON_DIM_0 for layout in call.layouts)})
-        named = [name or "<root>" for name in self.sequence_first[:3]]
-        why = (f"the model has modules with batch_first=False ({', '.join(named)})"
-               if self.sequence_first else f"the layout proof placed the examples of {', '.join(off[:3])} off dim 0")
+        if self.sequence_first:
+            named = [name or "<root>" for name in self.sequence_first[:3]]
+            why = f"the model has modules with batch_first=False ({', '.join(named)})"
+        else:
+            why = f"the layout proof placed the examples of {', '.join(_laid_out_off_dim_0(calls)[:3])} off dim 0"
         warnings.warn(INCONCLUSIVE.format(how=finding.how.format(batch=finding.batch), output=finding.output,
                                           moved=finding.moved, threshold=finding.threshold, batch=finding.batch,
                                           why=why))
+
+
+def _laid_out_off_dim_0(calls) -> list:
+    """The names of the calls whose proven layouts have the examples off dim 0 (_EXAMPLES_ON_DIM_0), sorted."""
+    return sorted({call.name for call in calls if call.layouts is not None
+                   and any(layout not in _EXAMPLES_ON_DIM_0 for layout in call.layouts)})
 
 
 def _refuse_found(here: str | None, somewhere: bool, what: str, error=RuntimeError) -> None:

@@ -420,19 +420,28 @@ class GivesEveryExampleOneOfThem(nn.Module):
 def test_one_examples_input_given_to_every_example_is_refused(batch, which, clipping):
     """The first example copied to every row moves the first one's output where the last is given to all, and the last
     copied moves the last one's where the first is (module doc)."""
-    torch.manual_seed(0)
-    model = Scored(GivesEveryExampleOneOfThem(which)).train()
-    x, v = torch.randn(batch, D), 100 * torch.randn(batch, D)
     given = 0 if which == 0 else batch - 1  # the example the others get: a far-off one moves all their gradients
+    _assert_refused_where_one_example_moves_the_others(lambda: GivesEveryExampleOneOfThem(which), batch, given, 0.5,
+                                                       clipping, REFUSED)
+
+
+def _assert_refused_where_one_example_moves_the_others(make_body, batch: int, mover: int, least: float,
+                                                      clipping: str, match: str):
+    """Scored(make_body()), built after seeding, on ``batch`` examples: example ``mover`` moved far off moves the
+    others' clipped sum by more than ``least`` (the test is not degenerate), and the step is refused (``match``)
+    without writing gradients."""
+    torch.manual_seed(0)
+    model = Scored(make_body()).train()
+    x, v = torch.randn(batch, D), 100 * torch.randn(batch, D)
     far = x.clone()
-    far[given] = 1e3
-    kept = [i for i in range(batch) if i != given]
+    far[mover] = 1e3
+    kept = [i for i in range(batch) if i != mover]
     moved = (clipped_sum_through_the_batch(model(x, v)[kept], list(model.parameters()))
              - clipped_sum_through_the_batch(model(far, v)[kept], list(model.parameters())))
-    assert float(moved.norm()) > 0.5, "degenerate test: the given example does not move the others' clipped sum"
+    assert float(moved.norm()) > least, f"degenerate test: example {mover} does not move the others' clipped sum"
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     try:
-        with pytest.raises(RuntimeError, match=REFUSED):
+        with pytest.raises(RuntimeError, match=match):
             controller.loss(model(x, v), reduction="sum").backward()
         assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
     finally:
@@ -457,22 +466,8 @@ class TheSecondGetsTheThirds(nn.Module):
 @pytest.mark.parametrize("batch", [4, B])
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
 def test_a_middle_example_given_something_of_another_is_refused(batch, clipping):
-    torch.manual_seed(0)
-    model = Scored(TheSecondGetsTheThirds()).train()
-    x, v = torch.randn(batch, D), 100 * torch.randn(batch, D)
-    far = x.clone()
-    far[2] = 1e3
-    kept = [i for i in range(batch) if i != 2]
-    moved = (clipped_sum_through_the_batch(model(x, v)[kept], list(model.parameters()))
-             - clipped_sum_through_the_batch(model(far, v)[kept], list(model.parameters())))
-    assert float(moved.norm()) > 0.2, "degenerate test: the third example does not move the others' clipped sum"
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=REFUSED + ".*reversing the others' order"):
-            controller.loss(model(x, v), reduction="sum").backward()
-        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
-    finally:
-        controller.detach()
+    _assert_refused_where_one_example_moves_the_others(TheSecondGetsTheThirds, batch, 2, 0.2, clipping,
+                                                       REFUSED + ".*reversing the others' order")
 
 
 class OffsetByRow(nn.Module):
