@@ -6,7 +6,7 @@ from torch import nn
 import ghostdp
 from ghostdp import per_example_loss
 from ghostdp.clipping.recording import SHARED_BY_THE_BATCH
-from conftest import assert_exact_model
+from conftest import assert_exact, assert_exact_model
 
 B = 4
 CE = nn.CrossEntropyLoss()
@@ -212,6 +212,31 @@ def test_more_peft_methods(method):
         def loss(out, sl):
             return out.logits.pow(2).mean((1, 2))
     assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), loss, B)
+
+
+class SequenceFirstEncoder(nn.Module):
+    """torch's encoder layer with its default batch_first=False, on (T, B, 8), mean-pooled into a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=False)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(0))
+
+
+@pytest.mark.parametrize("T", [5, 3])
+def test_peft_dora_in_a_sequence_first_encoder_layer(T):
+    """DoRA's magnitude (peft's DoraLinearLayer, no rule: the fallback) on the layer's (T, B, d) activations: split
+    by example on dim 1, where the proof finds them, also with T = B. Refused before late 2026-12-02."""
+    import peft
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=2, target_modules=["linear1", "linear2"], use_dora=True, init_lora_weights=False,
+                          modules_to_save=["head"])
+    model = peft.get_peft_model(SequenceFirstEncoder(), cfg).double()
+    x = torch.randn(T, 3, 8, dtype=torch.float64)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[:, i:i + 1]).pow(2).sum(), 3)
 
 
 def test_conv_net_with_groupnorm_and_inplace_relu():

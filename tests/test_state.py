@@ -341,25 +341,71 @@ class ScaledByAFunction(nn.Module):
         return Scaled.apply(x, self.w)
 
 
-def test_a_module_without_a_rule_called_sequence_first_is_refused_naming_the_dims():
-    """Its fallback splits the gradient by example on dim 0: the message says where the batch's size is instead
-    (until 2026-12-02 it said the output had no dim of that size, which it had: peft's DoRA on a Linear of a
-    (T, B, d) input, found by the differential fuzzer)."""
-    scale, head = ScaledByAFunction(), nn.Linear(3, 2)
+class SequenceFirstCall(nn.Module):
+    """Takes (B, T, 3) and calls its module without a rule on (T, B, 3)."""
 
-    class SequenceFirstCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.head = ScaledByAFunction(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.scale(x.transpose(0, 1)).transpose(0, 1)).mean(1))
+
+
+@pytest.mark.parametrize("T", [5, 4])
+def test_a_module_without_a_rule_called_sequence_first_is_split_on_its_proven_dim_and_exact(T):
+    """Its fallback splits each output grad by example on the dim the layout proof found (dim 1 here), also where
+    T equals the batch size. Until 2026-12-02 it split on dim 0 only and the call was refused (peft's DoRA on a
+    Linear of a (T, B, d) input, found by the differential fuzzer)."""
+    torch.manual_seed(0)
+    model, x = SequenceFirstCall().double(), torch.randn(4, T, 3, dtype=torch.float64)
+    assert_exact(model, lambda: model(x).pow(2).sum(1), lambda i: model(x[i:i + 1]).pow(2).sum(), 4)
+
+
+class ScaledTransposed(nn.Module):
+    """A module without a rule whose (3, B) output holds the examples on its last dim, its features' place."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return Scaled.apply(x, self.w).t()
+
+
+def test_a_module_without_a_rule_with_the_examples_on_its_last_dim_is_refused_naming_the_dim():
+    class ExamplesLast(nn.Module):
         def __init__(self):
             super().__init__()
-            self.scale, self.head = scale, head
+            self.scale, self.head = ScaledTransposed(), nn.Linear(3, 2)
 
-        def forward(self, x):  # (B, T, 3), the module called on (T, B, 3)
-            return self.head(torch.tanh(self.scale(x.transpose(0, 1)).transpose(0, 1)).mean(1))
+        def forward(self, x):
+            return self.head(torch.tanh(self.scale(x)).t())
 
-    model = SequenceFirstCall()
+    model = ExamplesLast()
     controller = ghostdp.GhostClipping(model, 1.0)
-    with pytest.raises(RuntimeError, match=r"module 'scale' \(ScaledByAFunction\) produced an output of shape "
-                                           r"\(5, 4, 3\) whose gradient has the batch's size on dim 1, not on dim 0.*"
-                                           r"run it batch-first"):
+    with pytest.raises(RuntimeError, match=r"module 'scale' \(ScaledTransposed\) produced an output of shape \(3, 4\) "
+                                           r"whose gradient has the batch's size only on its last dim \(1\), which "
+                                           r"ghostdp takes for the output's features.*put the examples on an earlier"):
+        controller.loss(model(torch.randn(4, 3)).pow(2).sum(1)).backward()
+
+
+def test_a_sequence_first_rnn_given_a_batch_first_input_is_refused_naming_the_dims():
+    """nn.GRU(batch_first=False) on (B, T, d): its fallback splits on dim 1, where the batch is not (the GRU runs
+    its recurrence over the examples); the message names both dims and the fix."""
+
+    class BatchFirstIntoSequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.GRU(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0].mean(1))
+
+    model = BatchFirstIntoSequenceFirst()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match=r"module 'rnn' \(GRU\) produced an output of shape \(4, 5, 4\) whose "
+                                           r"gradient has the batch's size on dim 0, not on dim 1.*run it batch-first"):
         controller.loss(model(torch.randn(4, 5, 3)).pow(2).sum(1)).backward()
 
 

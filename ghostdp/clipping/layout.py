@@ -61,15 +61,19 @@ def flattened_batch(shape, batch_size: int) -> bool:
     return len(shape) > 1 and shape[0] > batch_size and shape[0] % batch_size == 0
 
 
-def candidates(shape, batch_size: int, tokenwise, declared_dim: int):
+def candidates(shape, batch_size: int, tokenwise, declared_dim: int, fallback: bool = False):
     """Layouts to try, most usual first. ``tokenwise`` layers (Linear, Embedding, LayerNorm) act on each
     leading position alone, so any leading dim or a flattened batch may hold the examples; ``tokenwise`` ROWS (an
     elementwise use whose parameter differs along later dims but not along dim 0: Swin v2's logit scale per head)
     dim 0 or a batch flattened into dim 0 (a window batch), which leave the parameter's dims where they are; other
-    layers only their declared batch dim."""
+    layers only their declared batch dim. A module without a rule (``fallback``) declared batch-first (tokenwise ROWS)
+    may also hold them on any later dim but the last (its features, which the proof projects away): the fallback
+    splits each output grad by example on the proven dim (norms/fallback.py), so a sequence-first call, (T, B, d),
+    is exact (until 2026-12-02 refused: peft's DoRA on a Linear of a (T, B, d) input)."""
     if tokenwise == ROWS:
         out = [BATCH_FIRST] if shape and shape[0] == batch_size else []
-        return out + ([ROWS_LAYOUT] if flattened_batch(shape, batch_size) else [])
+        out += [ROWS_LAYOUT] if flattened_batch(shape, batch_size) else []
+        return out + ([("dim", d) for d in range(1, len(shape) - 1) if shape[d] == batch_size] if fallback else [])
     if not tokenwise:
         return [("dim", declared_dim)] if len(shape) > declared_dim and shape[declared_dim] == batch_size else []
     out = [("dim", d) for d in range(len(shape) - 1) if shape[d] == batch_size]
@@ -249,7 +253,8 @@ class LayoutProver:
             if g is None or projected is None:
                 found.append(("dim", call.batch_dims[slot]))
                 continue
-            options = candidates(tuple(g.shape), batch_size, call.tokenwise, call.batch_dims[slot])
+            options = candidates(tuple(g.shape), batch_size, call.tokenwise, call.batch_dims[slot],
+                                 fallback=call.rule is None)
             broadcast = call.expanded[slot]  # size 1 on dim 0, broadcast to the batch there (recording.py)
             if broadcast:
                 options = [c for c in options if c == BATCH_FIRST]
@@ -296,12 +301,17 @@ def refuse(call, g, batch_size, options, broadcast=False, declared=0):
             "example, the sequence length (a Poisson-sampled batch can hold one example). Fix: run the layer "
             "batch-first (batch_first=True, or transpose its input to (batch, sequence, ...)).")
     elsewhere = [d for d in range(g.dim()) if d != declared and g.shape[d] == batch_size]
-    if not options and call.tokenwise is not True and elsewhere:
-        # A module without a rule (or a rule not tokenwise) is split by example on its declared dim only.
+    if not options and call.rule is None and call.tokenwise == ROWS and elsewhere:
+        # Any dim but the last may hold a batch-first fallback's examples (candidates): here only the last does.
+        problem = (f"has the batch's size only on its last dim ({elsewhere[-1]}), which ghostdp takes for the "
+                   "output's features (the layout proof projects it away); put the examples on an earlier dim "
+                   "(transpose its output to (..., batch, ..., features) and back after it)")
+    elif not options and call.tokenwise is not True and elsewhere:
+        # An RNN's or an attention's fallback, or a rule not tokenwise, is split by example on its declared dim only.
         problem = (f"has the batch's size on dim {elsewhere[0]}, not on dim {declared}, the one where ghostdp splits a "
-                   f"{'module without a norm rule' if call.rule is None else 'call of this rule'} by example (dim 0, "
-                   "or an RNN's and an attention's batch dim by batch_first); run it batch-first (transpose its "
-                   "input to (batch, ...) and its output back)")
+                   f"{'module without a norm rule' if call.rule is None else 'call of this rule'} by example (an "
+                   "RNN's and an attention's batch dim by batch_first, a rule's by the layer it is for); run it "
+                   "batch-first (transpose its input to (batch, ...) and its output back)")
     elif not options:
         problem = f"has no dimension of size {batch_size} that could hold the examples"
     else:

@@ -469,8 +469,11 @@ class PassOne:
             self.took_fallback.add(call.name)
             self.in_fallback = True
             try:
-                rows = [layout == ROWS_LAYOUT for layout in call.layouts] if call.rule is None else None
-                factors.update(fallback_grads(missing, call.edges, call.grads, call.batch_dims, call.expanded, B,
+                rows, dims = None, call.batch_dims
+                if call.rule is None:  # split by example as its proof found them (layout.candidates)
+                    rows = [layout == ROWS_LAYOUT for layout in call.layouts]
+                    dims = [layout[1] if layout[0] == "dim" else d for layout, d in zip(call.layouts, dims)]
+                factors.update(fallback_grads(missing, call.edges, call.grads, dims, call.expanded, B,
                                              call.fallback_stops or call.input_nodes, rows))
             finally:
                 self.in_fallback = False

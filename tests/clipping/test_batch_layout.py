@@ -396,7 +396,10 @@ def test_a_layer_whose_examples_move_to_another_dim_in_another_graph_form_gets_e
 
 
 @pytest.mark.parametrize("T", [5, 3])
-def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T):
+def test_a_sequence_first_module_without_a_rule_is_split_on_its_batch_dim_and_exact(T):
+    """(T, B, 4) into a module without a rule: the layout proof finds the examples on dim 1 (with T = B too, where
+    dim 0 has the batch's size but mixes them), and the fallback splits there. Refused before 2026-12-02 (the
+    fallback split on dim 0 only)."""
     B = 3
 
     class SeqFirstCustom(nn.Module):
@@ -404,13 +407,12 @@ def test_a_sequence_first_module_without_a_rule_is_refused_naming_batch_first(T)
             super().__init__()
             self.w = nn.Parameter(torch.randn(4))
 
-        def forward(self, x):  # (T, B, 4): the fallback assumes dim 0
+        def forward(self, x):  # (T, B, 4)
             return fallback_gain(x, self.w)
 
-    model = SeqFirstCustom()
-    controller = ghostdp.GhostClipping(model, 1.0)
-    with pytest.raises(RuntimeError, match="batch_first=True"):
-        controller.loss(model(torch.randn(T, B, 4)).pow(2).sum((0, 2))).backward()
+    torch.manual_seed(0)
+    model = nn.Sequential(SeqFirstCustom(), nn.Tanh(), nn.Linear(4, 2)).double()
+    _exact(model, torch.randn(T, B, 4, dtype=torch.float64), batch_dim=1, B=B)
 
 
 class BatchCentring(nn.Module):
