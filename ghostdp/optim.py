@@ -25,6 +25,7 @@ from .accounting.passes import PassAccounting
 from .data import BatchTracker, any_rank, collective_device, distributed_rank_and_size
 from .model_tree import ModelTree, current_tree
 from .sharding import local_parts
+from .unreached import UnreachedParameters
 
 
 def _wide_sum(t: torch.Tensor) -> torch.Tensor:
@@ -43,10 +44,11 @@ class GradientNorm:
     None); ``total``, the 0-dim float64 norm on the device, not yet read (None without gradients); ``value``, the
     host's float of it, once read."""
 
-    __slots__ = ("params", "grads", "sharded", "total", "value")
+    __slots__ = ("params", "grads", "sharded", "each", "total", "value")
 
-    def __init__(self, params, grads, sharded, total):
-        self.params, self.grads, self.sharded, self.total, self.value = params, grads, sharded, total, None
+    def __init__(self, params, grads, sharded, each, total):
+        self.params, self.grads, self.sharded, self.each, self.total = params, grads, sharded, each, total
+        self.value = None
 
 
 def gradient_norm(params) -> GradientNorm:
@@ -55,12 +57,13 @@ def gradient_norm(params) -> GradientNorm:
     above ~1e19 (float32) overflows its norm, so _check_finite confirms a non-finite total element by element."""
     params = [p for p in params if p.grad is not None]
     if not params:
-        return GradientNorm(params, [], None, None)
+        return GradientNorm(params, [], None, None, None)
     grads, sharded = local_parts([p.grad for p in params])
     norms = torch._foreach_norm(grads)
     if len({n.device for n in norms}) > 1:
         norms = [n.to(params[0].device) for n in norms]
-    return GradientNorm(params, grads, sharded, torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float64))
+    each = torch.stack(norms)
+    return GradientNorm(params, grads, sharded, each, torch.linalg.vector_norm(each, dtype=torch.float64))
 
 
 BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket size
@@ -162,6 +165,8 @@ class DPOptimizer(torch.optim.Optimizer):
             adaptive_clipping.gradient_noise_multiplier(noise_multiplier)  # refuses a count noise too small
             controller.max_grad_norm = adaptive_clipping.norm
         self._param_names = {p: n for n, p in controller.module.named_parameters()}
+        # Parameters updated by noise alone, their clipped sums zero at each of the first steps: warned of.
+        self.unreached = UnreachedParameters({id(p): n for p, n in self._param_names.items()})
         self._model_tree = None
         self._check_params_belong_to_model()
         self._mid_logical_batch = False   # the last step() was skipped: more chunks follow
@@ -337,9 +342,15 @@ class DPOptimizer(torch.optim.Optimizer):
         values = [record.loss_scale.reshape(()).double() for record in passes]
         values += [record.unclipped.reshape(()).double() for record in passes if record.unclipped is not None]
         values += [norm.total] if reads_norm else []
-        if len({v.device for v in values}) > 1:
-            values = [v.cpu() for v in values]
-        values = torch.stack(values).tolist() if values else []
+        # The first steps also read each gradient's norm, in the same read (unreached.py).
+        each = [norm.each.double()] if reads_norm and self._watches_unreached(norm) else []
+        if len({v.device for v in values + each}) > 1:
+            values, each = [v.cpu() for v in values], [v.cpu() for v in each]
+        values = torch.cat([torch.stack(values)] + each).tolist() if values else []
+        if each:
+            each, values = values[len(values) - len(norm.params):], values[:len(values) - len(norm.params)]
+            self.unreached.note([id(p) for p in params],
+                                {id(p) for p in params} - {id(p) for p, n in zip(norm.params, each) if n != 0})
         if reads_norm:
             norm.value = values.pop()
         scales, counts = values[:len(passes)], values[len(passes):]
@@ -352,6 +363,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 "split large batches with max_physical_batch_size instead of scaling.")
         unclipped = sum(counts) if self.adaptive_clipping is not None else None
         return sum(record.examples for record in passes), len(passes), unclipped, clipped_with, norm
+
+    def _watches_unreached(self, norm: GradientNorm) -> bool:
+        """Whether this step's clipped sums are watched for the parameters they never reach (unreached.py): the first
+        steps only, and not with FSDP2 shards (a shard's local part may be zero where the whole gradient is not)."""
+        return not self.unreached.done and not (norm.sharded is not None and any(norm.sharded))
 
     def _check_batch(self, chunks, examples, backward_calls, logical_batch_size=None):
         # The examples this step must have clipped: given by the caller (DPTrainer runs the logical
