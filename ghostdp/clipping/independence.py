@@ -29,11 +29,13 @@ another reaches neither the first one's output nor the last's, and trained until
 example by its row (an offset per row) is refused too, since removing an example moves those after it to other rows.
 A forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
-model would have been perturbed along its positions: a replaced argument has another dim of the batch's size, and a
+model would have been perturbed along its positions: a replaced argument has another dim of the batch's size, no
+trained tokenwise layer reading it (an Embedding of the ids, a first Linear) has its proven examples on dim 0, and a
 module has batch_first=False or the layout proof placed a call's examples on another dim (a batch flattened into
 dim 0, each example's rows together, keeps them on dim 0: _refusable); such a move is warned of once (INCONCLUSIVE:
 until late 2026-12-02 it went unsaid, and a batch-first model that mixes, with T = B and a GRU built sequence-first,
-trained without a word; the check concludes on steps whose batch size differs). With several processes
+trained without a word, as it still does, warned, where no trained layer reads its input; the check concludes on
+steps whose batch size differs). With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
 that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
 where a process has nothing to check there; and every process refuses where any one found a move (it would otherwise
@@ -146,7 +148,7 @@ class Mixing(NamedTuple):
     output: str     # where in the model's output: 'output', "output['logits']", ...
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
     threshold: float  # the move allowed there, relative likewise
-    ambiguous: bool  # a replaced argument has another dim of the batch's size (its examples may lie there)
+    square: frozenset  # ids of the replaced arguments with another dim of the batch's size (examples may lie there)
     how: str = REPLACED_BY_FIRST
 
 
@@ -162,7 +164,7 @@ class _Pending(NamedTuple):
     same: list          # fingerprints of the batch
     moved: list         # per replacement (_replacements): (its fingerprints, the examples compared, how)
     again: list | None  # ... of the batch once more (several processes), else None
-    ambiguous: bool
+    square: frozenset   # _replacements'
     arguments: tuple    # (flat, spec) of the forward's arguments
 
 
@@ -188,14 +190,15 @@ def _without_last_reversed(flat, batch: int) -> list:
 def _replacements(flat, batch: int):
     """The check's replaced batches (module doc): [(the batch's tensors with every row on dim 0 a copy of one
     example's, that example (a slice), how)] for the first example and the last, or none (fewer than two examples, or
-    no tensor with the batch's size on dim 0); and whether a replaced tensor has another dim of size ``batch``."""
+    no tensor with the batch's size on dim 0); and the ids of the replaced tensors with another dim of size ``batch``
+    (``square``: their examples may lie there)."""
     perturbed = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in flat]
     if batch < 2 or not any(perturbed):
-        return [], False
-    ambiguous = any(batch in t.shape[1:] for t, replaced in zip(flat, perturbed) if replaced)
+        return [], frozenset()
+    square = frozenset(id(t) for t, replaced in zip(flat, perturbed) if replaced and batch in t.shape[1:])
     return [([t[kept:kept + 1].expand_as(t).contiguous() if replaced else t for t, replaced in zip(flat, perturbed)],
              slice(kept, kept + 1), how)
-            for kept, how in ((0, REPLACED_BY_FIRST), (batch - 1, REPLACED_BY_LAST))], ambiguous
+            for kept, how in ((0, REPLACED_BY_FIRST), (batch - 1, REPLACED_BY_LAST))], square
 
 
 class ForwardIndependence:
@@ -250,6 +253,7 @@ class ForwardIndependence:
     def _on_forward_start(self, module, args, kwargs):
         if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
             return  # not a training forward, or a checkpoint's recomputation
+        self.recorder.watched_arguments = frozenset()  # set again below where this forward is checked
         n, self.forwards = self.forwards, self.forwards + 1
         scheduled = self.every and (n == 0 or proof_scheduled(n, self.every))
         mask = attention_mask(module, args, kwargs) if scheduled or len(self.lengths) < 2 else None
@@ -266,6 +270,7 @@ class ForwardIndependence:
     def _on_forward_end(self, module, args, kwargs, output):
         if self._running:
             return  # a rerun's
+        self.recorder.watched_arguments = frozenset()
         pending, self._pending = self._pending, None
         attributes, self._attributes = self._attributes, None
         if attributes is None:
@@ -333,7 +338,7 @@ class ForwardIndependence:
         there is nothing to compare."""
         flat, spec = tree_flatten((args, kwargs))
         batch = leading_dim(flat) or 0  # the first tensor argument's dim 0, as the recorder reads it
-        replacements, ambiguous = _replacements(flat, batch)
+        replacements, square = _replacements(flat, batch)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
@@ -371,8 +376,8 @@ class ForwardIndependence:
             again = rerun(flat) if several else None
         if not checkable:
             return None
-        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, ambiguous,
-                        (flat, spec))
+        self.recorder.watched_arguments = square  # the training forward's ruled calls note which they read
+        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec))
 
     def _compare(self, module, pending, output):
         """At the checked forward's end: its fingerprints against the reruns' (``pending``, _rerun_before); a
@@ -401,7 +406,7 @@ class ForwardIndependence:
         if found is None:
             return None
         return Mixing(p.batch, "output" + keystr(p.outputs[found.output][0]), found.relative, found.threshold,
-                      p.ambiguous, how)
+                      p.square, how)
 
     @staticmethod
     def _rerun(module, arguments, states, buffers) -> list:
@@ -540,21 +545,23 @@ class ForwardIndependence:
     def _refusable(self, finding, batch_size: int, calls) -> bool:
         """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on dim 0 of
         the arguments the check replaced a row of. They did where no such argument has another dim of the batch's
-        size (``ambiguous``); where one has, unless a module is sequence-first or a call's proven layout has its
-        examples off dim 0 (a sequence-first model of length B, perturbed along its positions). A batch flattened
+        size (``square``); where one has, if a trained tokenwise layer reads each such argument and its proof put the
+        examples on dim 0 (_read_batch_first), and otherwise unless a module is sequence-first or a call's proven
+        layout has its examples off dim 0 (a sequence-first model of length B, perturbed along its positions). A
+        batch flattened
         into dim 0 (ROWS_LAYOUT: each example's rows together, as a router's or an expert's tokens, a raw weight's
         product on (B * T, d) rows, Swin's windows) keeps them on dim 0: its proof fails on a sequence-first
         flattening, whose rows interleave the examples. Until 2026-12-02 any call laid out off dim 0 or in rows
-        switched the refusal off, ambiguous or not (an RNN's h_n, (layers, B, H), or a router's rows), and a
+        switched the refusal off, square or not (an RNN's h_n, (layers, B, H), or a router's rows), and a
         detached batch mean before one trained with its clipped sum 0.1-1.1 of its size off."""
         if finding is None or finding.batch != batch_size:
             return False
-        if not finding.ambiguous:
+        if not finding.square or _read_batch_first(finding.square, calls):
             return True
         return not self.sequence_first and not _laid_out_off_dim_0(calls)
 
     def _warn_inconclusive(self, finding, calls) -> None:
-        """Once per controller: a move the check found but does not refuse (``_refusable``: ambiguous)."""
+        """Once per controller: a move the check found but does not refuse (``_refusable``: square arguments)."""
         if self._warned_inconclusive:
             return
         self._warned_inconclusive = True
@@ -566,6 +573,19 @@ class ForwardIndependence:
         warnings.warn(INCONCLUSIVE.format(how=finding.how.format(batch=finding.batch), output=finding.output,
                                           moved=finding.moved, threshold=finding.threshold, batch=finding.batch,
                                           why=why))
+
+
+def _read_batch_first(square, calls) -> bool:
+    """Whether every ``square`` argument (ids: _replacements) is read by a trained tokenwise layer with a rule (an
+    Embedding of the token ids, a first Linear) and each such call's proven layout has its examples on dim 0: those
+    arguments' dim 0 then holds the examples, and the check perturbed examples there (until late 2026-12-02 a
+    batch-first model with a sequence-first GRU inside, at T = B, was only warned of: _warn_inconclusive)."""
+    readers = {}
+    for call in calls:
+        if call.reads_argument in square and call.rule is not None and call.tokenwise is True:
+            readers.setdefault(call.reads_argument, []).append(call.layouts)
+    return len(readers) == len(square) and all(layouts is not None and all(l in _EXAMPLES_ON_DIM_0 for l in layouts)
+                                               for found in readers.values() for layouts in found)
 
 
 def _laid_out_off_dim_0(calls) -> list:

@@ -197,6 +197,9 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
+        # ids of the checked forward's arguments that are square in the batch size (independence.py): a ruled call
+        # reading one notes which, so that its proven layout says where that argument's examples lie
+        self.watched_arguments = frozenset()
         # (id(module), parameter name, kind, its shape at the op, the functions of it the op reads) -> its
         # norms.parameter_uses.ElementwiseUse, the "module" of the calls that capture it: one object across steps, so
         # that the layouts proven for it stay its own
@@ -577,6 +580,8 @@ class ForwardRecorder:
         """on_forward's common case, in fewer steps: a module with a norm rule, tensor arguments and one
         tensor output (Linear, LayerNorm, Embedding, ...)."""
         call = ModuleCall(self, name, module, entry, params)
+        if self.watched_arguments:
+            call.reads_argument = next((id(a) for a in args if id(a) in self.watched_arguments), None)
         B = self._batch_hint
         t, saved = output, args
         # Swin's bias, shared by the rows (B * windows) of the attention calling it (norms/window_bias.py)

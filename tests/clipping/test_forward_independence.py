@@ -325,6 +325,57 @@ def test_a_move_the_check_cannot_conclude_on_is_warned_of_with_what_it_found():
         controller.detach()
 
 
+class ReadBeforeCentring(CentredBeforeASequenceFirstLayer):
+    """The same, with a trained Linear reading the input first: its layout proof puts the examples of the
+    input's dim 0 on dim 0, so the check's replacement there replaced examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = nn.Linear(D, D)
+
+    def forward(self, x):  # (B, T, D) with T == B
+        return super().forward(self.read(x))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_move_in_a_model_whose_input_a_trained_layer_reads_batch_first_is_refused_also_where_it_is_square(
+        clipping):
+    """Warned of only (trained, one example moving the others) until late 2026-12-02."""
+    model = ReadBeforeCentring().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
+                                               r"the (first|last) of the 8 examples"):
+            controller.loss(model(100 * torch.randn(B, B, D)).pow(2).sum((1, 2)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class ReadSequenceFirst(SequenceFirst):
+    """The sequence-first attention model with a trained Linear reading its (T, B, d) input first: the proof puts
+    that input's examples on dim 1, so the check's replacement along dim 0 moved positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return super().forward(self.read(x))
+
+
+def test_a_sequence_first_model_whose_input_a_trained_layer_reads_on_dim_1_is_warned_of_not_refused():
+    model = ReadSequenceFirst().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        out = model(torch.randn(B, B, 4))
+        assert controller.independence.finding is not None
+        with pytest.warns(UserWarning, match="cannot tell whether that is mixing"):
+            controller.loss(out.pow(2).mean((0, 2)), reduction="sum").backward()
+        assert controller.module.read.weight.grad is not None
+    finally:
+        controller.detach()
+
+
 class MixesFromTheThirdForward(DetachedCentring):
     """Keeps the examples apart on its first three forwards, then centres on the batch's detached mean."""
 

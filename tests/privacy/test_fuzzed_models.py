@@ -44,7 +44,8 @@ from fuzzed_blocks import D, T, MixesExamples, ReadsAChildsWeight, Residual, blo
 
 # Four examples or more: a middle example's dependence on another shows only in the reversed removal. Not T: where a
 # batch-first model's tensors are (B, B, D), its examples might lie on dim 1 for all the check can tell, which then
-# concludes nothing (independence.py: ``ambiguous``), and a forward treating its first row alone trains.
+# concludes nothing (independence.py: ``square``) unless a trained tokenwise layer reads the input, and a forward
+# treating its first row alone trains.
 B = 5
 MODELS = 160  # ~10 s on one thread
 TOKENS = 11
