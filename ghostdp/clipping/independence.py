@@ -253,7 +253,7 @@ class ForwardIndependence:
     def _on_forward_start(self, module, args, kwargs):
         if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
             return  # not a training forward, or a checkpoint's recomputation
-        self.recorder.watched_arguments = frozenset()  # set again below where this forward is checked
+        self.recorder.watched_arguments = {}  # set again below where this forward is checked
         n, self.forwards = self.forwards, self.forwards + 1
         scheduled = self.every and (n == 0 or proof_scheduled(n, self.every))
         mask = attention_mask(module, args, kwargs) if scheduled or len(self.lengths) < 2 else None
@@ -270,7 +270,7 @@ class ForwardIndependence:
     def _on_forward_end(self, module, args, kwargs, output):
         if self._running:
             return  # a rerun's
-        self.recorder.watched_arguments = frozenset()
+        self.recorder.watched_arguments = {}
         pending, self._pending = self._pending, None
         attributes, self._attributes = self._attributes, None
         if attributes is None:
@@ -376,7 +376,8 @@ class ForwardIndependence:
             again = rerun(flat) if several else None
         if not checkable:
             return None
-        self.recorder.watched_arguments = square  # the training forward's ruled calls note which they read
+        self.recorder.watched_arguments = {key: key for key in square}  # the training forward's calls note which
+        # they read
         return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec))
 
     def _compare(self, module, pending, output):
@@ -577,15 +578,22 @@ class ForwardIndependence:
 
 def _read_batch_first(square, calls) -> bool:
     """Whether every ``square`` argument (ids: _replacements) is read by a trained tokenwise layer with a rule (an
-    Embedding of the token ids, a first Linear) and each such call's proven layout has its examples on dim 0: those
+    Embedding of the token ids, a first Linear), or by a module without a rule whose inputs' proof ran on it, and each
+    such call's proven layout (for the module without a rule: that input's) has its examples on dim 0: those
     arguments' dim 0 then holds the examples, and the check perturbed examples there (until late 2026-12-02 a
     batch-first model with a sequence-first GRU inside, at T = B, was only warned of: _warn_inconclusive)."""
     readers = {}
     for call in calls:
-        if call.reads_argument in square and call.rule is not None and call.tokenwise is True:
+        if call.reads_argument is None:
+            continue
+        if call.rule is None:  # (its id, its input's edge): placed where the proof of its inputs ran on it
+            if call.argument_layout is not None:
+                readers.setdefault(call.reads_argument[0], []).append((call.argument_layout,))
+        elif call.tokenwise is True:
             readers.setdefault(call.reads_argument, []).append(call.layouts)
-    return len(readers) == len(square) and all(layouts is not None and all(l in _EXAMPLES_ON_DIM_0 for l in layouts)
-                                               for found in readers.values() for layouts in found)
+    return (all(key in readers for key in square)
+            and all(layouts is not None and all(l in _EXAMPLES_ON_DIM_0 for l in layouts)
+                    for found in readers.values() for layouts in found))
 
 
 def _laid_out_off_dim_0(calls) -> list:

@@ -597,14 +597,14 @@ class PassOne:
         batch dim, as an output's must (layout.holds). A module that mixes examples inside its own forward (a
         batch mean) passes the output proof, since its output grads are per example; its input grads are not.
         Two more backwards, on proof steps only, where such calls are."""
-        inputs = [(c, edge) for c in unproven for edge in c.input_edges]
+        inputs = [(c, k, edge) for c in unproven for k, edge in enumerate(c.input_edges)]
         if not inputs:
             return
         B = per_example_losses.shape[0]
         self.current, self.in_fallback = NormPass(B, proving=True), True  # probes and recomputations stay quiet
         try:
             with self.controller._region("ghostdp.layout_proof"):
-                edges = [edge for _, edge in inputs]
+                edges = [edge for _, _, edge in inputs]
                 scaled = torch.autograd.grad(per_example_losses, edges, self.layouts.v.to(per_example_losses),
                                              retain_graph=True, allow_unused=True)
                 plain = torch.autograd.grad(per_example_losses, edges, torch.ones_like(per_example_losses),
@@ -613,7 +613,7 @@ class PassOne:
             self.current, self.in_fallback = None, False
             for call in unproven:
                 call.input_edges = ()
-        for (call, _), g_v, g_1 in zip(inputs, scaled, plain):
+        for (call, k, _), g_v, g_1 in zip(inputs, scaled, plain):
             d = output_batch_dims(call.module, 1)[0]
             if g_v is None or g_1 is None:
                 continue  # no gradient
@@ -627,8 +627,11 @@ class PassOne:
                 kept_apart = (self._holds([ROWS_LAYOUT], g_v, g_1)
                               or self._holds([("dim", 1)], *(t.reshape(-1, B, *t.shape[1:]) for t in (g_v, g_1))))
             else:  # its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one
-                kept_apart = self._holds([("dim", k) for k in [d] + [
-                    k for k in range(g_1.dim() - 1) if k != d and g_1.shape[k] == B]], g_v, g_1)
+                layout = self.layouts.first_holding([("dim", j) for j in [d] + [
+                    j for j in range(g_1.dim() - 1) if j != d and g_1.shape[j] == B]], self.layouts.project(g_v), g_1)
+                kept_apart = layout is not None
+                if call.reads_argument is not None and call.reads_argument[1] == k:  # a square argument of the
+                    call.argument_layout = layout  # forward check's: where its examples lie (independence.py)
             if not kept_apart:
                 raise RuntimeError(
                     f"module '{call.name}' ({type(call.module).__name__}) has no norm rule and mixes examples "

@@ -197,9 +197,11 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
-        # ids of the checked forward's arguments that are square in the batch size (independence.py): a ruled call
-        # reading one notes which, so that its proven layout says where that argument's examples lie
-        self.watched_arguments = frozenset()
+        # The checked forward's arguments that are square in the batch size (independence.py), id -> that id (and an
+        # input sink's id -> its argument's): a ruled call reading one notes which, so that its proven layout says
+        # where that argument's examples lie; a call without a rule notes (which, the input's place among its
+        # input_edges), which the proof of its inputs places (PassOne._prove_fallback_inputs)
+        self.watched_arguments = {}
         # (id(module), parameter name, kind, its shape at the op, the functions of it the op reads) -> its
         # norms.parameter_uses.ElementwiseUse, the "module" of the calls that capture it: one object across steps, so
         # that the layouts proven for it stay its own
@@ -389,6 +391,8 @@ class ForwardRecorder:
                 return x
             if id(x) not in sunk:
                 sunk[id(x)] = InputSink.apply(x, zero_size_leaf(self.sinks, x.device))
+                if id(x) in self.watched_arguments:  # the call's proof of this input places the argument's examples
+                    self.watched_arguments[id(sunk[id(x)])] = self.watched_arguments[id(x)]
             return sunk[id(x)]
 
         new_args = tuple([through_sink(a) for a in args])
@@ -490,6 +494,10 @@ class ForwardRecorder:
                 graded = {id(t): t for t in inputs
                           if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()}
                 call.input_edges = tuple([_edge(t) for t in graded.values()])
+                if self.watched_arguments:  # the watched argument its sink passed on, and that input's edge
+                    watched = self.watched_arguments
+                    call.reads_argument = next(((watched[key], k) for k, key in enumerate(graded) if key in watched),
+                                               None)
             # The nodes that bound the call's region below (the audit stops there); a leaf input has
             # only its gradient accumulator below, where the audit stops anyway.
             call.input_nodes = _grad_fns(inputs)
@@ -581,7 +589,8 @@ class ForwardRecorder:
         tensor output (Linear, LayerNorm, Embedding, ...)."""
         call = ModuleCall(self, name, module, entry, params)
         if self.watched_arguments:
-            call.reads_argument = next((id(a) for a in args if id(a) in self.watched_arguments), None)
+            watched = self.watched_arguments
+            call.reads_argument = next((watched[id(a)] for a in args if id(a) in watched), None)
         B = self._batch_hint
         t, saved = output, args
         # Swin's bias, shared by the rows (B * windows) of the attention calling it (norms/window_bias.py)

@@ -52,7 +52,7 @@ class ModuleCall:
     __slots__ = ("recorder", "name", "module", "rule", "tokenwise", "params", "inputs", "input_nodes", "edges",
                  "batch_dims", "expanded", "shapes", "layouts", "projections", "grads", "fired", "eager", "done",
                  "captured", "named", "by_hook", "hooked_grad", "input_versions", "in_region", "proven_in",
-                 "input_edges", "fallback_stops", "sink_unknown", "reads_argument")
+                 "input_edges", "fallback_stops", "sink_unknown", "reads_argument", "argument_layout")
 
     def __init__(self, recorder, name, module, entry, params, batch_dims=(0,)):
         # Per-output fields start as empty tuples: the forward hook sets them (a list where it appends).
@@ -65,7 +65,9 @@ class ModuleCall:
         self.layouts = self.projections = self.eager = self.captured = self.input_versions = self.proven_in = None
         self.input_edges = ()
         self.fallback_stops = self.hooked_grad = None
-        self.reads_argument = None  # id of the checked forward's ambiguous argument it reads (independence.py)
+        # The checked forward's square argument it reads (independence.py): its id (a ruled call), or (its id, the
+        # index of that input's edge) for a call without a rule, whose input proof then sets argument_layout
+        self.reads_argument = self.argument_layout = None
         self.input_nodes = _NO_NODES
         self.fired = self.done = self.named = self.by_hook = self.in_region = self.sink_unknown = False
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ghostdp
-from conftest import CLIPPING_MODES, assert_exact, clipped_sum_through_the_batch
+from conftest import CLIPPING_MODES, Gain, assert_exact, clipped_sum_through_the_batch
 from ghostdp.clipping.independence import RERUN_FAILED
 
 REFUSED = "the model's forward mixes examples where no gradient flows"
@@ -326,22 +326,24 @@ def test_a_move_the_check_cannot_conclude_on_is_warned_of_with_what_it_found():
 
 
 class ReadBeforeCentring(CentredBeforeASequenceFirstLayer):
-    """The same, with a trained Linear reading the input first: its layout proof puts the examples of the
-    input's dim 0 on dim 0, so the check's replacement there replaced examples."""
+    """The same, with a trained layer reading the input first: a Linear, whose layout proof puts the examples of
+    the input's dim 0 on dim 0, or a module without a rule, whose proof of its inputs does; so the check's
+    replacement there replaced examples."""
 
-    def __init__(self):
+    def __init__(self, reader):
         super().__init__()
-        self.read = nn.Linear(D, D)
+        self.read = nn.Linear(D, D) if reader == "linear" else Gain(D)
 
     def forward(self, x):  # (B, T, D) with T == B
         return super().forward(self.read(x))
 
 
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("reader", ["linear", "without a rule"])
 def test_a_move_in_a_model_whose_input_a_trained_layer_reads_batch_first_is_refused_also_where_it_is_square(
-        clipping):
+        clipping, reader):
     """Warned of only (trained, one example moving the others) until late 2026-12-02."""
-    model = ReadBeforeCentring().train()
+    model = ReadBeforeCentring(reader).train()
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     try:
         with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
