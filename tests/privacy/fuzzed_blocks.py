@@ -224,6 +224,26 @@ class Reshaped(nn.Module):
         return self.lin(x) + self.lin(x.mean(1)).unsqueeze(1)
 
 
+class Transposed(nn.Module):
+    """A block that acts on each token alone, run on the transposed batch (T, B, D): a layout proof (or, without a
+    rule, the fallback's split) on dim 1."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.transpose(0, 1)).transpose(0, 1)
+
+
+def tokenwise_makers(rng):
+    """The makers of the blocks that act on each token alone (Transposed's)."""
+    return [lambda: nn.Linear(D, D), lambda: nn.LayerNorm(D), lambda: Scale(rng.choice(Scale.KINDS)),
+            lambda: RawProduct(rng.choice(RawProduct.KINDS)), CustomFunction, Bilinear, WeightNormed, Gated,
+            lambda: RawWeightOps(rng.choice(("bmm", "addcmul", "where", "masked_fill", "sliced"))),
+            lambda: FunctionalNorm(rng.choice(("layer_norm", "rms_norm"))), lambda: Parametrized(rng.random() < 0.5)]
+
+
 class OnTheFirstExample(nn.Module):
     """A Linear on the first example only, the others passed as they are."""
 
@@ -495,5 +515,5 @@ def block_makers(rng):
         Bilinear, PReLU, lambda: LSTM(rng.random() < 0.5),
         lambda: ShapedConvolution(rng.choice(ShapedConvolution.KINDS)), lambda: Checkpointed(rng.random() < 0.5),
         lambda: RawWeightOps(rng.choice(RawWeightOps.KINDS)), lambda: FunctionalNorm(rng.choice(FunctionalNorm.KINDS)),
-        lambda: Parametrized(rng.random() < 0.5),
+        lambda: Parametrized(rng.random() < 0.5), lambda: Transposed(rng.choice(tokenwise_makers(rng))()),
     ]
