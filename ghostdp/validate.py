@@ -14,6 +14,8 @@ from .norms.registry import is_instance_of
 _TWINNED = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.MultiheadAttention)
 # peft's LoRA on a parameter (LoraConfig(target_parameters=...)): refused by find_problems
 PEFT_PARAMETER_LORA = "peft.tuners.lora.layer.ParamWrapper"
+# peft's DoRA magnitude of an embedding (LoraConfig(use_dora=True) on an nn.Embedding): refused by find_problems
+PEFT_DORA_EMBEDDING = "peft.tuners.lora.dora.DoraEmbeddingLayer"
 
 
 class ModelNotPrivatizable(ValueError):
@@ -59,6 +61,15 @@ def find_problems(model: torch.nn.Module) -> list[str]:
                 "its adapters reach the model only through that weight, which no norm rule reads. Fix: put the "
                 "adapters on modules (target_modules=..., such as the attention's projections, which the Linear "
                 "rule covers); a mixture of experts' experts can also train whole (their rule: ghostdp.norms.experts).")
+        elif is_instance_of(m, PEFT_DORA_EMBEDDING) and any(p.requires_grad for p in m.parameters()):
+            problems.append(
+                f"module {label} is peft's DoRA magnitude of an embedding (LoraConfig(use_dora=True) on an "
+                "nn.Embedding): it returns its scale, the magnitude over the table's weight norm, as one vector of "
+                "shape (embedding_dim,) for the whole batch, which its layer then multiplies into every example's "
+                "lookups, so the magnitude's gradient is the batch's sum and no norm rule can split it by example. "
+                "Fix: DoRA on the Linear and convolution layers only (exact), and plain LoRA on the embeddings "
+                "(leave them out of that LoraConfig's target_modules, or give them a LoraConfig of their own with "
+                "use_dora=False).")
     return problems
 
 

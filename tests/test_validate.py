@@ -74,6 +74,32 @@ def test_peft_lora_on_parameters_is_refused_when_attaching():
     ghostdp.GhostClipping(lora_on_modules, 1.0).detach()  # the same adapters on modules only: accepted
 
 
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.conv, self.head = nn.Embedding(20, 4), nn.Conv1d(4, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(self.conv(self.emb(ids).transpose(1, 2)).mean(2))
+
+
+def test_peft_dora_on_an_embedding_is_refused_when_attaching_and_on_a_convolution_is_not():
+    """DoRA's magnitude of an embedding scales every example's lookups by one vector for the batch: refused by name
+    at attach (before, at the first step, as an output with "no dimension of size B"). On a convolution its scale
+    has a batch dim of one, which ghostdp broadcasts: exact."""
+    import peft
+    dora_everywhere = peft.get_peft_model(Tokens(), peft.LoraConfig(r=2, target_modules=["emb", "conv"],
+                                                                    use_dora=True, modules_to_save=["head"]))
+    with pytest.raises(ModelNotPrivatizable, match=r"'base_model\.model\.emb\.lora_magnitude_vector\.default' "
+                                                   r"\(DoraEmbeddingLayer\) is peft's DoRA magnitude of an embedding"
+                                                   r".*use_dora=False"):
+        ghostdp.GhostClipping(dora_everywhere, 1.0)
+    torch.manual_seed(0)
+    dora_on_the_convolution = peft.get_peft_model(Tokens(), peft.LoraConfig(
+        r=2, target_modules=["conv"], use_dora=True, init_lora_weights=False, modules_to_save=["head"])).double()
+    assert_exact_model(dora_on_the_convolution, torch.randint(0, 20, (4, 5)), lambda out, sl: out.pow(2).sum(1), 4)
+
+
 def test_fix_refuses_a_bare_batchnorm():
     with pytest.raises(ModelNotPrivatizable, match="wrap it"):
         ghostdp.validate.fix(nn.BatchNorm1d(3))
