@@ -20,9 +20,9 @@ UNREACHED = (
     "{steps} steps: {names}. The DP optimizer adds noise to them at every step, so they are updated by noise alone "
     "and train nothing. Either the forward never uses them (peft's LoRA on nn.MultiheadAttention's out_proj: torch "
     "applies out_proj.weight inside its own attention function and never calls the adapter; "
-    "ghostdp.validate.fix(model) before get_peft_model swaps in ghostdp.layers.MultiheadAttention, which calls "
-    "out_proj), or what they compute does not reach the loss. Fix: freeze them (p.requires_grad_(False)) or use "
-    "them in the forward.")
+    "ghostdp.validate.fix(model), before or after get_peft_model, swaps in ghostdp.layers.MultiheadAttention, which "
+    "calls out_proj and its adapter), or what they compute does not reach the loss. Fix: freeze them "
+    "(p.requires_grad_(False)) or use them in the forward.")
 
 
 class UnreachedParameters:

@@ -22,6 +22,10 @@ summed over tokens), at the cost of the layer's own matmuls.
 - ``add_bias_kv``: ``bias_k`` and ``bias_v`` stay parameters of this module, used outside any Linear call, so the
   exact fallback forms their per-example gradients (a VJP per example from this module's outputs); the projections
   keep their rule.
+- ``from_torch`` carries an output projection that is not a plain Linear (peft's LoRA on ``out_proj``) over as it
+  is, and calls it: torch's attention reads only ``out_proj.weight`` and ``bias``, so such an adapter never ran
+  there (ghostdp's optimizer warns of its parameters, trained by noise alone: unreached.py). Its state_dict keys
+  are the wrapper's own (``out_proj.base_layer.weight``, ...), as they were.
 """
 from __future__ import annotations
 
@@ -271,6 +275,8 @@ def from_torch(module: nn.MultiheadAttention) -> MultiheadAttention:
                              bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
                              add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                              batch_first=module.batch_first, device=weight.device, dtype=weight.dtype)
+    if type(module.out_proj) not in (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        new.out_proj = module.out_proj  # a wrapper (peft's LoRA): called here, where torch never called it
     new.load_state_dict(module.state_dict())
     frozen = {torch_name for torch_name, p in module.named_parameters() if not p.requires_grad}
     for torch_name, ours in new._torch_names():

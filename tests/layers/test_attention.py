@@ -226,6 +226,43 @@ def test_from_torch_keeps_frozen_parameters_mode_and_dtype():
     assert ours.q_proj.bias.requires_grad and ours.out_proj.weight.requires_grad
 
 
+class Attending(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(E, HEADS, batch_first=True), nn.Linear(E, 2)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_fix_after_peft_carries_lora_on_out_proj_over_and_its_adapter_trains_exactly():
+    """peft's LoRA on out_proj never runs in torch's attention (it reads out_proj.weight). fix after get_peft_model
+    crashed (a state_dict of the wrapper's keys) before late 2026-12-02; now the wrapper is carried over and called:
+    with the adapter off the outputs are torch's, the state_dict keys are the same, and the adapter's clipped sums
+    are the per-example loop's."""
+    import peft
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Attending(), peft.LoraConfig(r=2, target_modules=["out_proj"],
+                                                             init_lora_weights=False, modules_to_save=["head"]))
+    model = model.double()
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    with model.disable_adapter():
+        reference = model(x)
+    keys = sorted(model.state_dict())
+    ghostdp.validate.fix(model)
+    attention = model.base_model.model.attn
+    assert type(attention) is layers.MultiheadAttention and type(attention.out_proj).__module__.startswith("peft")
+    assert sorted(model.state_dict()) == keys
+    with model.disable_adapter():
+        torch.testing.assert_close(model(x), reference)
+    assert_exact_model(model, x, lambda out, sl: out.pow(2).sum(1), B)
+    assert attention.out_proj.lora_A["default"].weight.grad is None  # assert_exact leaves no gradient; the step:
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.loss(model(x).pow(2).sum(1)).backward()
+    assert float(attention.out_proj.lora_A["default"].weight.grad.abs().sum()) > 0
+    controller.detach()
+
+
 def test_dropout_acts_in_training_only():
     ours = layers.MultiheadAttention(E, HEADS, dropout=0.5, batch_first=True)
     x = torch.randn(B, L, E)
