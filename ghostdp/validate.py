@@ -16,6 +16,8 @@ _TWINNED = (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.MultiheadAttenti
 PEFT_PARAMETER_LORA = "peft.tuners.lora.layer.ParamWrapper"
 # peft's DoRA magnitude of an embedding (LoraConfig(use_dora=True) on an nn.Embedding): refused by find_problems
 PEFT_DORA_EMBEDDING = "peft.tuners.lora.dora.DoraEmbeddingLayer"
+# peft's LoRA on an nn.MultiheadAttention itself, which merges into its packed weight in every forward: refused
+PEFT_ATTENTION_LORA = "peft.tuners.lora.layer.MultiheadAttention"
 
 
 class ModelNotPrivatizable(ValueError):
@@ -70,6 +72,14 @@ def find_problems(model: torch.nn.Module) -> list[str]:
                 "Fix: DoRA on the Linear and convolution layers only (exact), and plain LoRA on the embeddings "
                 "(leave them out of that LoraConfig's target_modules, or give them a LoraConfig of their own with "
                 "use_dora=False).")
+        elif is_instance_of(m, PEFT_ATTENTION_LORA) and any(p.requires_grad for p in m.parameters()):
+            problems.append(
+                f"module {label} is peft's LoRA on an nn.MultiheadAttention itself, which merges its adapter into "
+                "the attention's packed in_proj_weight, in place, in every forward and unmerges it after: the forward "
+                "moves a parameter (which ghostdp refuses), and the adapter reaches the model only through that "
+                "weight, inside torch's attention function, which no norm rule reads. Fix: ghostdp.validate.fix(model) "
+                "before get_peft_model (ghostdp.layers.MultiheadAttention has Linear projections) and target them: "
+                "target_modules=['q_proj', 'k_proj', 'v_proj', 'out_proj'], which the Linear rule covers.")
     return problems
 
 

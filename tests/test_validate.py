@@ -100,6 +100,32 @@ def test_peft_dora_on_an_embedding_is_refused_when_attaching_and_on_a_convolutio
     assert_exact_model(dora_on_the_convolution, torch.randint(0, 20, (4, 5)), lambda out, sl: out.pow(2).sum(1), 4)
 
 
+class Attending(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_peft_lora_on_a_multihead_attention_itself_is_refused_when_attaching_with_the_fix_that_trains():
+    """peft's LoRA on the nn.MultiheadAttention module merges into in_proj_weight in every forward: refused by name at
+    attach (before, at the first step, as a parameter "changed in place during a training forward"). The fix it
+    names, validate.fix first and LoRA on the twin's projections, is exact."""
+    import peft
+    wrapped = peft.get_peft_model(Attending(), peft.LoraConfig(r=2, target_modules=["attn"], modules_to_save=["head"]))
+    with pytest.raises(ModelNotPrivatizable, match=r"'base_model\.model\.attn' \(MultiheadAttention\) is peft's "
+                                                   r"LoRA on an nn\.MultiheadAttention itself.*validate\.fix\(model\) "
+                                                   r"before get_peft_model.*'q_proj', 'k_proj', 'v_proj', 'out_proj'"):
+        ghostdp.GhostClipping(wrapped, 1.0)
+    torch.manual_seed(0)
+    fixed = peft.get_peft_model(ghostdp.validate.fix(Attending()), peft.LoraConfig(
+        r=2, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"], init_lora_weights=False,
+        modules_to_save=["head"])).double()
+    assert_exact_model(fixed, torch.randn(4, 3, 4, dtype=torch.float64), lambda out, sl: out.pow(2).sum(1), 4)
+
+
 def test_fix_refuses_a_bare_batchnorm():
     with pytest.raises(ModelNotPrivatizable, match="wrap it"):
         ghostdp.validate.fix(nn.BatchNorm1d(3))
