@@ -411,11 +411,14 @@ class GhostClipping:
 
     def _refuse_stray(self, stray, calls):
         """Raise for parameters with gradient edges outside every recorded call of their modules."""
-        if not calls and not self.recorder.live:
+        unrecorded = not calls and not self.recorder.live
+        if unrecorded and not self.module.training:
             raise RuntimeError(
                 "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
-                "eval() mode (ghostdp records only in train mode) or before the controller was attached. "
-                "Fix: call model.train() before the forward of a training step." + compiled_code_note())
+                "eval() mode (ghostdp records only in train mode). Fix: call model.train() before the forward of "
+                "a training step." + compiled_code_note())
+        # In train mode with nothing recorded: every trained parameter is read outside its module's call (peft's
+        # TinyLoRA: one vector that every adapted layer reads), or the forward ran before attaching.
         described = self._described(stray)
         names = {id(p): n for n, p in self.module.named_parameters()}
         in_twins = sorted({w for p in stray for w in self._refused_twins if names.get(id(p), "").startswith(w + ".")})
@@ -429,7 +432,9 @@ class GhostClipping:
             "weights and not on the data."
             + (" " + self._twins_fix(in_twins) if in_twins else "")
             + (" " + deberta.SHARED.format(names=_listed(shared)) if shared else "")
-            + (" " + IN_A_REENTRANT_REGION if calls is True else "") + compiled_code_note())
+            + (" " + IN_A_REENTRANT_REGION if calls is True else "")
+            + (" No call of a trainable layer was recorded at all: if this forward ran before the controller was "
+               "attached, run it again after attaching." if unrecorded else "") + compiled_code_note())
 
     def _twins_fix(self, names) -> str:
         """layers/twins.py's REFUSED for these modules of the model, each of a class with a twin."""

@@ -159,3 +159,37 @@ def test_a_weight_penalty_in_the_loss_is_refused_with_weight_decay_as_the_fix():
                                            "weight_decay"):
         controller.loss(model(torch.randn(4, 3)).pow(2).sum(1) + penalty).backward()
     controller.detach()
+
+
+def test_a_forward_in_eval_mode_is_refused_naming_train_mode():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    model.eval()
+    with pytest.raises(RuntimeError, match=r"no call of a trainable layer was recorded.*eval\(\) mode.*"
+                                           r"model\.train\(\)"):
+        controller.loss(model(torch.randn(5, 3)).pow(2).sum(1)).backward()
+    controller.detach()
+
+
+class ReadsASharedVector(nn.Module):
+    """Its only trained parameter belongs to a module that is never called: every layer reads it (peft's TinyLoRA
+    shares one vector so). Nothing is recorded, in train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Module()
+        self.shared.v = nn.Parameter(torch.ones(3))
+        self.lin = nn.Linear(3, 3).requires_grad_(False)
+
+    def forward(self, x):
+        return self.lin(x * self.shared.v)
+
+
+def test_parameters_read_only_outside_their_modules_are_named_not_taken_for_an_eval_mode_forward():
+    """Until late 2026-12-02 this said that the forward ran in eval() mode."""
+    model = ReadsASharedVector()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    with pytest.raises(RuntimeError, match=r"gradient reaches the parameter\(s\) 'shared\.v' outside the forward of "
+                                           r"the module that owns it.*No call of a trainable layer was recorded"):
+        controller.loss(model(torch.randn(5, 3)).pow(2).sum(1)).backward()
+    controller.detach()
