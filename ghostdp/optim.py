@@ -41,8 +41,9 @@ def _wide_sum(t: torch.Tensor) -> torch.Tensor:
 class GradientNorm:
     """The 2-norm of the clipped gradients the DP optimizer checks (DPOptimizer._check_finite): ``params``, those
     holding a gradient; ``grads``, their local parts (an FSDP2 shard's own) and ``sharded``, which are shards (or
-    None); ``total``, the 0-dim float64 norm on the device, not yet read (None without gradients); ``value``, the
-    host's float of it, once read."""
+    None); ``each``, the norm of each of ``grads``, stacked on the device (read on the first steps only:
+    unreached.py); ``total``, the 0-dim float64 norm on the device, not yet read (None without gradients); ``value``,
+    the host's float of it, once read."""
 
     __slots__ = ("params", "grads", "sharded", "each", "total", "value")
 
@@ -349,8 +350,7 @@ class DPOptimizer(torch.optim.Optimizer):
         values = torch.cat([torch.stack(values)] + each).tolist() if values else []
         if each:
             each, values = values[len(values) - len(norm.params):], values[:len(values) - len(norm.params)]
-            self.unreached.note([id(p) for p in params],
-                                {id(p) for p in params} - {id(p) for p, n in zip(norm.params, each) if n != 0})
+            self.unreached.note({id(p) for p in params} - {id(p) for p, n in zip(norm.params, each) if n != 0})
         if reads_norm:
             norm.value = values.pop()
         scales, counts = values[:len(passes)], values[len(passes):]

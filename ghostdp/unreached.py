@@ -38,13 +38,12 @@ class UnreachedParameters:
     def done(self) -> bool:
         return self._steps >= UNREACHED_STEPS
 
-    def note(self, trained: list, zero: set) -> None:
-        """One step: ``trained``, the ids of the parameters it updates; ``zero``, those of them whose clipped sum
-        is None or exactly zero. Warns once, at the UNREACHED_STEPS-th step, of those zero at every step."""
+    def note(self, zero: set) -> None:
+        """One step: ``zero``, the ids of the parameters it updates whose clipped sum is None or exactly zero. Warns
+        once, at the UNREACHED_STEPS-th step, of those zero at every step."""
         if self.done:
             return
-        self._unreached = set(zero) if self._unreached is None else self._unreached & set(zero)
-        self._unreached &= set(trained)
+        self._unreached = set(zero) if self._unreached is None else self._unreached & zero
         self._steps += 1
         if self.done and self._unreached:
             names = sorted(self._names.get(key, "<unnamed>") for key in self._unreached)

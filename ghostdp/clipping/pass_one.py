@@ -627,8 +627,8 @@ class PassOne:
                 kept_apart = (self._holds([ROWS_LAYOUT], g_v, g_1)
                               or self._holds([("dim", 1)], *(t.reshape(-1, B, *t.shape[1:]) for t in (g_v, g_1))))
             else:  # its batch dim first; a layout the output proof will refuse (sequence-first) is not a mixing one
-                layout = self.layouts.first_holding([("dim", j) for j in [d] + [
-                    j for j in range(g_1.dim() - 1) if j != d and g_1.shape[j] == B]], self.layouts.project(g_v), g_1)
+                layout = self._holding([("dim", j) for j in [d] + [
+                    j for j in range(g_1.dim() - 1) if j != d and g_1.shape[j] == B]], g_v, g_1)
                 kept_apart = layout is not None
                 if call.reads_argument is not None and call.reads_argument[1] == k:  # a square argument of the
                     call.argument_layout = layout  # forward check's: where its examples lie (independence.py)
@@ -641,10 +641,13 @@ class PassOne:
                     "over each example's own features, as LayerNorm and GroupNorm do), or register a norm rule "
                     "for a module that keeps the examples apart.")
 
+    def _holding(self, options, g_v, g_1):
+        """The first of the layouts ``options`` that keeps the examples apart in a gradient taken with the proof's
+        cotangent, ``g_v``, and with ones, ``g_1`` (layout.holds), or None."""
+        return self.layouts.first_holding(options, self.layouts.project(g_v), g_1)
+
     def _holds(self, options, g_v, g_1) -> bool:
-        """Whether one of the layouts ``options`` keeps the examples apart in a gradient taken with the proof's
-        cotangent, ``g_v``, and with ones, ``g_1`` (layout.holds)."""
-        return self.layouts.first_holding(options, self.layouts.project(g_v), g_1) is not None
+        return self._holding(options, g_v, g_1) is not None
 
     def _prove_layouts(self, per_example_losses, probes, captured):
         """The layout proof's backward with a random cotangent (layout.py); pass 1 then compares."""
