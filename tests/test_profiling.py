@@ -468,12 +468,15 @@ def test_plan_floor_writes_the_clipped_sums_book_keeping_writes(stacked, capture
 
 def test_collector_benchmark_runs_each_setting_in_a_process_of_its_own(capsys):
     from profiling import collector
-    rows = collector.main(["--modes", "bookkeeping", "--steps", "30", "--layers", "1", "--hidden", "16",
+    # Four layers: a step allocates enough tracked objects in its paused part to cross the collector's threshold
+    # (~0.9 collections of generation 0 a step unpaused, ~0.2 paused). With one layer both read ~2 in 30 steps, and
+    # which one gets a third depends on where the window falls.
+    rows = collector.main(["--modes", "bookkeeping", "--steps", "30", "--layers", "4", "--hidden", "16",
                            "--heads", "2", "--vocab", "64"])
     assert [(r["mode"], r["pause"]) for r in rows] == [("bookkeeping", "off"), ("bookkeeping", "on")]
     off, on = rows
     assert all(r["mean_ms"] > 0 and r["gc_ms"] >= 0 and len(r["collections"]) == 3 for r in rows)
-    assert on["collections"][0] <= off["collections"][0]  # the pause never adds collections
+    assert on["collections"][0] < off["collections"][0] / 2  # collections in the paused part collapse into one
     assert "collections per step" in capsys.readouterr().out
 
 
