@@ -824,6 +824,55 @@ class Blocks(PerExampleGrad):
         return None
 
 
+class TransposedGrad(PerExampleGrad):
+    """g_i = h_i^T for a factor h of matrix gradients, (m, n) -> (n, m): a parameter that its layer reads transposed
+    (peft's LoRA embedding looks its ids up in A^T: peft_lora.py). Its norm and token mass are h's."""
+
+    def __init__(self, inner: PerExampleGrad):
+        if len(inner.param_shape) != 2:
+            raise ValueError(f"TransposedGrad transposes matrix gradients; this factor's are {tuple(inner.param_shape)}")
+        self.inner = inner
+        self.batch_size = inner.batch_size
+        self.param_shape = torch.Size((inner.param_shape[1], inner.param_shape[0]))
+
+    def sq_norm(self, grams=None):
+        return self.inner.sq_norm(grams)
+
+    def token_mass(self, grams=None):
+        return self.inner.token_mass(grams)
+
+    def sum_dtype(self):
+        return self.inner.sum_dtype()
+
+    def materialize(self, lo, hi):
+        return self.inner.materialize(lo, hi).transpose(1, 2)
+
+    def weighted_sum(self, weights):
+        return self.inner.weighted_sum(weights).t().contiguous()  # p.grad: contiguous, as autograd writes it
+
+    def held_bytes(self):
+        return self.inner.held_bytes()
+
+    def kept_bytes(self):
+        return self.inner.kept_bytes()
+
+    def note_kept(self, kept) -> None:
+        self.inner.note_kept(kept)
+
+    def kept(self, with_mass: bool = True):
+        inner = self.inner.kept(with_mass)
+        return self if inner is self.inner else TransposedGrad(inner)
+
+    def merge(self, other):
+        merged = self.inner.merge(other.inner) if isinstance(other, TransposedGrad) else None
+        return None if merged is None else TransposedGrad(merged)
+
+    def dot(self, other):
+        if isinstance(other, TransposedGrad):  # <h^T, k^T> = <h, k>
+            return self.inner.dot(other.inner)
+        return super().dot(other)
+
+
 def gram_sq_norm(left, right, dt, tile, grams=None, input_side=None):
     """||L_i^T R_i||^2 = sum_{t,s} (L_i L_i^T)_{ts} (R_i R_i^T)_{ts} per example, over (t, s) tiles with
     s >= t: both Grams are symmetric, so a tile off the diagonal counts twice. With ``grams``, the

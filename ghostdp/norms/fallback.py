@@ -110,7 +110,7 @@ def attached_rule(module):
     entry = None if isinstance(module, OPAQUE_MODULES) else lookup_rule(module)
     if entry is not None and parametrize.is_parametrized(module):
         entry = chained_entry(module, entry)  # a weight_norm under the layer's rule (parametrized.py), or None
-    if entry is not None and not set(owned_parameters(module)) <= entry.params:
+    if entry is not None and not set(owned_parameters(module)) <= entry.covers(module):
         return None
     return entry
 

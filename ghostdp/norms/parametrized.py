@@ -32,14 +32,15 @@ def chained_entry(module: torch.nn.Module, entry: RuleEntry) -> RuleEntry | None
     weight-normalised tensors chained to their parametrizations' parameters; None where a parametrization is not a
     weight_norm alone, or is on a tensor the rule does not cover."""
     names = tuple(module.parametrizations.keys())
+    covered = entry.covers(module)
     for name in names:
         chain = module.parametrizations[name]
-        if name not in entry.params or len(chain) != 1 or not isinstance(chain[0], _WeightNorm):
+        if name not in covered or len(chain) != 1 or not isinstance(chain[0], _WeightNorm):
             return None
     originals = {f"parametrizations.{name}.{o}" for name in names
                  for o, _ in module.parametrizations[name].named_parameters()}
     return dataclasses.replace(entry, rule=functools.partial(_chained_rule, entry.rule, names),
-                               params=frozenset((entry.params - set(names)) | originals), holds_output_grad=None)
+                               params=frozenset((covered - set(names)) | originals), holds_output_grad=None)
 
 
 def _chained_rule(rule, names, module, inputs, output_grad, trainable) -> dict:

@@ -45,7 +45,9 @@ ROWS = "rows"
 @dataclass(frozen=True)
 class RuleEntry:
     rule: Rule
-    params: frozenset   # the parameters the rule covers
+    # The parameters the rule covers: names, or (module) -> names where they depend on the module (peft's adapters,
+    # named by adapter: peft_lora.py)
+    params: frozenset | Callable[[torch.nn.Module], frozenset]
     # The module maps each position of (..., features) alone: any leading dim may be the batch. A callable: whether
     # this module does, read at each call (an elementwise scale does only where it is the same at every position).
     tokenwise: bool | str | Callable[[torch.nn.Module], bool | str]  # True, False or ROWS
@@ -67,6 +69,10 @@ class RuleEntry:
     # embedding that the model adds to the (B, positions, features) embeddings): the recorder gives it one, broadcast
     # to the batch as any output of batch size 1, so that its output grad is per example.
     unbatched_output: bool = False
+
+    def covers(self, module: torch.nn.Module) -> frozenset:
+        """The names of the parameters of ``module`` that the rule covers."""
+        return self.params(module) if callable(self.params) else self.params
 
 
 _RULES: dict[type | str, RuleEntry] = {}
@@ -92,8 +98,8 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
     """Register ``rule`` for ``module_class`` and its subclasses that keep its ``forward``; usable as a decorator.
 
     ``module_class`` is a ``torch.nn.Module`` subclass or the qualified name of one ("pkg.module.Class").
-    ``params`` names the parameters the rule covers: a module owning any other parameter goes to the
-    fallback. ``tokenwise``: the module acts on each leading position alone (Linear, Embedding,
+    ``params`` names the parameters the rule covers, or is a function of the module that names them: a module
+    owning any other parameter goes to the fallback. ``tokenwise``: the module acts on each leading position alone (Linear, Embedding,
     LayerNorm), so its batch may be a later leading dim (sequence-first) or flattened into rows; a callable
     ``tokenwise(module)`` says so per module, read at each call.
     ``holds_output_grad(module, inputs, output, trainable)``: whether the factors the rule returns for
@@ -111,7 +117,8 @@ def register_norm_rule(module_class: type | str, rule: Rule | None = None, param
         raise TypeError(f"register_norm_rule needs a torch.nn.Module subclass, got {module_class!r}")
 
     def add(fn):
-        _RULES[module_class] = RuleEntry(fn, frozenset(params), tokenwise, module_class, holds_output_grad,
+        _RULES[module_class] = RuleEntry(fn, params if callable(params) else frozenset(params), tokenwise, module_class,
+                                         holds_output_grad,
                                          accepts=accepts, rule_inputs=rule_inputs)
         return fn
 

@@ -353,6 +353,34 @@ def test_a_move_in_a_model_whose_input_a_trained_layer_reads_batch_first_is_refu
         controller.detach()
 
 
+class LookedUpBeforeCentring(CentredBeforeASequenceFirstLayer):
+    """The same on token ids (B, T) with T == B, looked up by an Embedding that peft's LoRA adapts (the base frozen,
+    as peft leaves it): the adapter's rule (norms/peft_lora.py), tokenwise, proves the ids' examples on dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, D)
+
+    def forward(self, ids):  # (B, T) with T == B
+        return super().forward(self.embed(ids))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_move_in_a_model_whose_ids_an_adapted_embedding_reads_is_refused_also_where_they_are_square(clipping):
+    """Warned of only (trained) until 2026-12-03: the adapted Embedding took the fallback, whose input proof cannot
+    run on integer ids (the LoRA fuzzer at B = T: seed 335 of 300-699)."""
+    import peft
+    model = peft.get_peft_model(LookedUpBeforeCentring(), peft.LoraConfig(
+        r=2, target_modules=["embed"], init_lora_weights=False)).double().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
+                                               r"the (first|last) of the 8 examples"):
+            controller.loss(model(torch.randint(0, 11, (B, B))).pow(2).sum((1, 2)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 class ReadSequenceFirst(SequenceFirst):
     """The sequence-first attention model with a trained Linear reading its (T, B, d) input first: the proof puts
     that input's examples on dim 1, so the check's replacement along dim 0 moved positions."""

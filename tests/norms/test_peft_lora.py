@@ -1,0 +1,159 @@
+"""peft's LoRA on an embedding (norms/peft_lora.py): exact against the per-example loop, by its rule, not the fallback."""
+import peft
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from conftest import CLIPPING_MODES, assert_exact
+from ghostdp.norms.fallback import attached_rule
+from ghostdp.norms.peft_lora import _computes_the_adapters, lora_embedding_rule
+
+V, D, B = 13, 4, 5
+
+
+class Looked(nn.Module):
+    """Ids looked up, averaged over their positions, classified. ``sequence_first``: the ids are looked up as (T, B)."""
+
+    def __init__(self, padding_idx=None, sequence_first=False, table=None):
+        super().__init__()
+        self.embed = table if table is not None else nn.Embedding(V, D, padding_idx=padding_idx)
+        self.head = nn.Linear(D, 3)
+        self.sequence_first = sequence_first
+
+    def forward(self, ids):
+        dtype = self.head.weight.dtype  # a float32 table's lookup, before a float64 head
+        if self.sequence_first:
+            return self.head(self.embed(ids.t()).to(dtype).mean(0))  # (T, B, D)
+        h = self.embed(ids).to(dtype)
+        return self.head(h.reshape(h.shape[0], -1, D).mean(1))
+
+
+class ScaledTable(nn.Embedding):
+    """transformers' scaled word embeddings (Gemma's): the lookup times embed_scale, which peft's adapter applies too."""
+
+    def __init__(self):
+        super().__init__(V, D)
+        self.register_buffer("embed_scale", torch.tensor(1.7))
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+def _adapted(base, alpha=4, trained=("A", "B")):
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=alpha, target_modules=["embed"],
+                                                      init_lora_weights=False, modules_to_save=["head"]))
+    for name, p in model.named_parameters():
+        if "lora_embedding_" in name and name.split("lora_embedding_")[1][0] not in trained:
+            p.requires_grad_(False)
+    return model.double().train()
+
+
+def _assert_exact(model, ids, labels):
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    assert_exact(model, lambda: criterion(model(ids), labels),
+                 lambda i: criterion(model(ids[i:i + 1]), labels[i:i + 1]).sum(), len(labels))
+
+
+def _ids(shape, padding_idx=None):
+    ids = torch.randint(1, V, shape)
+    if padding_idx is not None and ids.dim() > 1:
+        ids[0, -2:] = padding_idx  # some positions of one example at the padding index: no gradient there
+    return ids
+
+
+@pytest.mark.parametrize("shape", [(B,), (B, 6), (B, 2, 3)])
+@pytest.mark.parametrize("trained", [("A", "B"), ("A",), ("B",)])
+def test_the_adapter_is_exact_in_both_modes(shape, trained):
+    torch.manual_seed(0)
+    model = _adapted(Looked(), alpha=3, trained=trained)
+    _assert_exact(model, _ids(shape), torch.randint(0, 3, (B,)))
+
+
+def test_positions_at_the_padding_index_give_the_adapter_no_gradient():
+    torch.manual_seed(1)
+    model = _adapted(Looked(padding_idx=0))
+    _assert_exact(model, _ids((B, 6), padding_idx=0), torch.randint(0, 3, (B,)))
+
+
+def test_ids_looked_up_sequence_first_are_exact():
+    torch.manual_seed(2)
+    model = _adapted(Looked(sequence_first=True))
+    _assert_exact(model, _ids((B, 6)), torch.randint(0, 3, (B,)))
+
+
+def test_a_scaled_table_scales_the_adapter_too():
+    torch.manual_seed(3)
+    model = _adapted(Looked(table=ScaledTable()))
+    _assert_exact(model, _ids((B, 6)), torch.randint(0, 3, (B,)))
+
+
+def test_two_active_adapters_are_each_exact():
+    torch.manual_seed(4)
+    model = _adapted(Looked())
+    model.add_adapter("second", peft.LoraConfig(r=3, lora_alpha=2, target_modules=["embed"],
+                                                init_lora_weights=False))
+    model.base_model.set_adapter(["default", "second"])
+    model.double().train()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad and "lora_embedding_" in n]
+    assert len(trained) == 4, trained
+    _assert_exact(model, _ids((B, 6)), torch.randint(0, 3, (B,)))
+
+
+def test_an_adapter_wider_than_its_frozen_table_takes_the_output_grad_in_its_own_dtype():
+    """peft adds the adapter's float64 output to the float32 lookup and casts the sum to float32: the adapter's
+    backward gets G in float32, cast up."""
+    torch.manual_seed(5)
+    model = _adapted(Looked())
+    model.base_model.model.embed.base_layer.float()
+    _assert_exact(model, _ids((B, 6)), torch.randint(0, 3, (B,)))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_the_adapted_embedding_takes_its_rule_and_not_the_fallback(clipping):
+    """Until 2026-12-03 the fallback's (book-keeping 1.76x plain on a tiny BERT with LoRA on its word embeddings,
+    1.36x by the rule: norms/peft_lora.py)."""
+    torch.manual_seed(6)
+    model = _adapted(Looked())
+    adapted = model.base_model.model.embed
+    assert attached_rule(adapted).rule is lora_embedding_rule
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        controller.loss(model(_ids((B, 6))).pow(2).sum(1), reduction="sum").backward()
+        assert controller.pass_one.took_fallback == set()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    finally:
+        controller.detach()
+
+
+def test_calls_that_do_not_add_the_adapters_as_the_rule_assumes_are_declined():
+    torch.manual_seed(7)
+    model = _adapted(Looked())
+    adapted = model.base_model.model.embed
+    ids = _ids((B, 6))
+    assert _computes_the_adapters(adapted, (ids,), {})
+    assert not _computes_the_adapters(adapted, (ids,), {"adapter_names": ["default"] * B})  # a mixed batch
+    with model.disable_adapter():
+        assert not _computes_the_adapters(adapted, (ids,), {})
+    model.merge_adapter()
+    assert not _computes_the_adapters(adapted, (ids,), {})
+    model.unmerge_adapter()
+    adapted.base_layer.max_norm = 1.0  # F.embedding would renormalise the transposed A in place
+    assert not _computes_the_adapters(adapted, (ids,), {})
+
+
+def test_merged_adapters_are_not_read_and_get_no_gradient():
+    """Merged, the forward is the frozen base's lookup alone: nothing of the call requires grad, so nothing is
+    recorded (no rule, no fallback); the adapters get no gradient, and the trained head does."""
+    torch.manual_seed(8)
+    model = _adapted(Looked())
+    model.merge_adapter()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        controller.loss(model(_ids((B, 6))).pow(2).sum(1), reduction="sum").backward()
+        assert controller.pass_one.took_fallback == set()
+        named = dict(model.named_parameters())
+        assert all(named[n].grad is None or not named[n].grad.any() for n in named if "lora_embedding" in n)
+        assert all(named[n].grad is not None for n in named if "modules_to_save" in n)
+    finally:
+        controller.detach()
