@@ -7,7 +7,7 @@ from torch import nn
 import ghostdp
 from conftest import CLIPPING_MODES, assert_exact
 from ghostdp.norms.fallback import attached_rule
-from ghostdp.norms.peft_lora import _computes_the_adapters, lora_embedding_rule
+from ghostdp.norms.peft_lora import _computes_the_adapters, _known_dora_call, lora_embedding_rule
 
 V, D, B = 13, 4, 5
 
@@ -157,3 +157,116 @@ def test_merged_adapters_are_not_read_and_get_no_gradient():
         assert all(named[n].grad is not None for n in named if "modules_to_save" in n)
     finally:
         controller.detach()
+
+
+class Projected(nn.Module):
+    """A Linear on (B, T, D) inputs (or (B, D), or (T, B, D) read sequence-first), then a head on the mean."""
+
+    def __init__(self, bias=True, sequence_first=False):
+        super().__init__()
+        self.proj = nn.Linear(D, D, bias=bias)
+        self.head = nn.Linear(D, 3)
+        self.sequence_first = sequence_first
+
+    def forward(self, x):
+        if self.sequence_first:
+            return self.head(self.proj(x.transpose(0, 1)).mean(0))
+        h = self.proj(x)
+        return self.head(h.mean(1) if h.dim() == 3 else h)
+
+
+def _dora(base, trained=("lora_A", "lora_B", "magnitude"), **config):
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=3, target_modules=["proj"], use_dora=True,
+                                                      init_lora_weights=False, modules_to_save=["head"], **config))
+    for name, p in model.named_parameters():
+        if p.requires_grad and "modules_to_save" not in name and not any(t in name for t in trained):
+            p.requires_grad_(False)
+    return model.double().train()
+
+
+@pytest.mark.parametrize("shape", [(B, 6, D), (B, D)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("trained", [("lora_A", "lora_B", "magnitude"), ("magnitude",)])
+def test_doras_magnitude_is_exact_in_both_modes(shape, bias, trained):
+    torch.manual_seed(10)
+    model = _dora(Projected(bias=bias), trained=trained)
+    _assert_exact(model, torch.randn(shape, dtype=torch.float64), torch.randint(0, 3, (B,)))
+
+
+def test_doras_magnitude_is_exact_where_the_adapter_drops_its_input_and_multiplies_it_again():
+    """With the adapter's dropout active the call gets no base output and forms x W^T itself (p = 0 here, so the
+    per-example loop is a reference)."""
+    torch.manual_seed(11)
+    model = _dora(Projected(), lora_dropout=0.5)
+    dropout = model.base_model.model.proj.lora_dropout["default"]
+    assert isinstance(dropout, nn.Dropout)
+    dropout.p = 0.0
+    _assert_exact(model, torch.randn(B, 6, D, dtype=torch.float64), torch.randint(0, 3, (B,)))
+
+
+def test_doras_magnitude_is_exact_sequence_first():
+    torch.manual_seed(12)
+    model = _dora(Projected(sequence_first=True))
+    _assert_exact(model, torch.randn(B, 6, D, dtype=torch.float64), torch.randint(0, 3, (B,)))
+
+
+def test_doras_magnitude_on_gpt2s_conv1d_is_exact():
+    """transformers' Conv1D holds W as (in, out): peft's fan_in_fan_out."""
+    import transformers
+    torch.manual_seed(13)
+    config = transformers.GPT2Config(vocab_size=V, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = peft.get_peft_model(transformers.GPT2Model(config), peft.LoraConfig(
+        r=2, target_modules=["c_attn"], use_dora=True, init_lora_weights=False, fan_in_fan_out=True)).double().train()
+    ids = _ids((B, 6))
+    assert_exact(model, lambda: model(ids).last_hidden_state.pow(2).sum((1, 2)),
+                 lambda i: model(ids[i:i + 1]).last_hidden_state.pow(2).sum(), B)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_doras_magnitude_takes_its_rule_and_not_the_fallback(clipping):
+    """Until 2026-12-03 the fallback's (book-keeping 2.56x plain on a tiny BERT with DoRA on query and value, 1.48x by
+    the rule)."""
+    torch.manual_seed(14)
+    model = _dora(Projected())
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        controller.loss(model(torch.randn(B, 6, D, dtype=torch.float64)).pow(2).sum(1), reduction="sum").backward()
+        assert controller.pass_one.took_fallback == set()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    finally:
+        controller.detach()
+
+
+def test_a_dora_call_on_a_parametrized_base_takes_the_fallback_and_is_exact():
+    """A second read of a parametrized weight computes it again (spectral norm moves its vectors as it does): the
+    rule declines, and the fallback is exact."""
+    torch.manual_seed(15)
+    base = Projected()
+    torch.nn.utils.parametrizations.weight_norm(base.proj)
+    model = _dora(base)
+    x, labels = torch.randn(B, 6, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        controller.loss(model(x).pow(2).sum(1), reduction="sum").backward()
+        assert controller.pass_one.took_fallback == {"base_model.model.proj.lora_magnitude_vector.default"}
+    finally:
+        controller.detach()
+        model.zero_grad(set_to_none=True)
+    _assert_exact(model, x, labels)
+
+
+def test_dora_calls_with_what_the_rule_does_not_know_are_declined():
+    torch.manual_seed(16)
+    model = _dora(Projected())
+    layer = model.base_model.model.proj
+    magnitude = layer.lora_magnitude_vector["default"]
+    x = torch.randn(B, 6, D, dtype=torch.float64)
+    kwargs = dict(lora_A=layer.lora_A["default"], lora_B=layer.lora_B["default"], scaling=1.5,
+                  base_layer=layer.base_layer, base_result=None, adapter_name="default")
+    assert _known_dora_call(magnitude, (x,), kwargs)
+    assert not _known_dora_call(magnitude, (x,), {**kwargs, "other": 1})
+    assert not _known_dora_call(magnitude, (x, x), kwargs)
+    biased_b = nn.Linear(2, D).double()  # its bias would enter the weight's norm (peft's lora_bias)
+    assert not _known_dora_call(magnitude, (x,), {**kwargs, "lora_B": biased_b})
+    assert not _known_dora_call(magnitude, (x,), {**kwargs, "base_layer": nn.Identity()})
