@@ -127,6 +127,15 @@ def _grad_fns(tensors) -> frozenset:
 _GRAD_FN = operator.attrgetter("grad_fn")
 
 
+def _own_or_in_a_container(module, name: str) -> bool:
+    """Whether the parameter ``name`` of ``module`` (norms.fallback.owned_parameters) is its own, or in a
+    ParameterDict or ParameterList child of its own (peft's IA3 vectors, ``ia3_l.default``)."""
+    head, _, rest = name.partition(".")
+    if not rest:
+        return name in module._parameters
+    return isinstance(module._modules.get(head), (torch.nn.ParameterDict, torch.nn.ParameterList)) and "." not in rest
+
+
 def leading_dim(flat):
     """Dim 0 of the first tensor of dim > 0 among a forward's flattened arguments (tree_flatten), or None."""
     for t in flat:
@@ -511,7 +520,7 @@ class ForwardRecorder:
         """A call of a module without a rule whose own trained parameters are each the operand of one elementwise op
         of its forward (norms/parameter_uses.py): each such use recorded and captured at its op as a ruled call, and
         True; False (nothing recorded) where any of them is not, and the call takes the exact fallback."""
-        if any(n not in module._parameters for n in params):  # a parametrization's or a container's parameters
+        if not all(_own_or_in_a_container(module, n) for n in params):  # a parametrization's, an absorbed child's
             return False
         found = find_uses(params, outputs, _grad_fns(inputs), self._batch_hint)
         if found is None or not capturable_now():

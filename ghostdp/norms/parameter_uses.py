@@ -86,7 +86,7 @@ class ElementwiseUse:
 
     @property
     def param(self) -> torch.nn.Parameter:
-        return self.owner._parameters[self.name]
+        return self.owner.get_parameter(self.name)  # its own, or in a ParameterDict of its own ("ia3_l.default")
 
     def operand(self) -> torch.Tensor:
         """The parameter as its op reads it: of ``shape``, its elements in their order."""
@@ -204,7 +204,7 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
                 if name is not None:
                     edges[name].append((node, index))
                 continue
-            if type(below).__name__ in _CHAIN or type(below).__name__ == "TBackward0":
+            if type(below).__name__ in _CHAIN or type(below).__name__ == "TBackward0" or _constant_multiple(below):
                 parents.setdefault(below, []).append((node, index))
             stack.append(below)
     found, biases = [], {}  # biases: an addmm's node -> the name of the parameter it adds as its bias
@@ -218,17 +218,18 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
             biases[node] = name
             continue
         chain = []  # from p up to the op
-        while type(node).__name__ in _CHAIN:  # up the chain from p to its op
-            if len(node.next_functions) != 1 or len(parents.get(node, ())) != 1 or not _keeps_order(node):
+        while type(node).__name__ in _CHAIN or _constant_multiple(node):  # up the chain from p to its op
+            one_input = len(node.next_functions) == 1 or _constant_multiple(node)
+            if not one_input or len(parents.get(node, ())) != 1 or not _keeps_order(node):
                 return None
-            if type(node).__name__ in _FUNCTIONS and tuple(node._input_metadata[0].shape) != param_shape:
+            if _is_function(node) and tuple(node._input_metadata[0].shape) != param_shape:
                 return None  # an elementwise function of p must keep its shape (no broadcast inside the chain)
             param_shape = tuple(node._input_metadata[0].shape)
             chain.append(node)
             node, index = parents[node][0]
         if math.prod(param_shape) != params[name].numel():
             return None
-        functions = any(type(n).__name__ in _FUNCTIONS for n in chain)  # f(p), not p (a product takes p itself)
+        functions = any(_is_function(n) for n in chain)  # f(p), not p (a product takes p itself)
         if type(node).__name__ == "TBackward0":  # x @ p.t(): p's transpose, the right operand of a product
             if len(parents.get(node, ())) != 1 or len(param_shape) != 2 or functions:
                 return None
@@ -241,7 +242,7 @@ def find_uses(params: dict, outputs, input_nodes, batch_size: int | None) -> lis
         if use is None:
             return None
         if functions:
-            use.functions = tuple([_function_key(n) for n in chain if type(n).__name__ in _FUNCTIONS])
+            use.functions = tuple([_function_key(n) for n in chain if _is_function(n)])
             use.derivative = _derivative(chain, params[name], param_shape)
         found.append(use)
     for node, name in biases.items():
@@ -257,7 +258,33 @@ def _function_key(node) -> tuple:
     """A function of the chain by its kind and its constants (_FUNCTIONS), so that two uses of one parameter through
     other functions are told apart."""
     kind = type(node).__name__
+    if kind not in _FUNCTIONS:  # a multiple: by its constant
+        return (kind, float(_multiplier(node)))
     return (kind,) + tuple(getattr(node, a) for a in _FUNCTIONS[kind])
+
+
+def _constant_multiple(node) -> bool:
+    """Whether the node is a multiply of one tensor by a constant number, which autograd wraps as a 0-dim tensor of
+    no edge (IA3's ``ia3_scaling = 1; ia3_scaling *= l.flatten()``): an elementwise function, f(p) = c p."""
+    if type(node).__name__ != "MulBackward0":
+        return False
+    (left, _), (right, _) = node.next_functions
+    if (left is None) == (right is None):
+        return False
+    constant = _multiplier(node)
+    return isinstance(constant, torch.Tensor) and constant.dim() == 0
+
+
+def _multiplier(node):
+    """A constant multiple's constant: the operand without an edge, which the multiply saved for the other's grad."""
+    try:
+        return node._saved_other if node.next_functions[1][0] is None else node._saved_self
+    except RuntimeError:  # not saved (neither operand needed it)
+        return None
+
+
+def _is_function(node) -> bool:
+    return type(node).__name__ in _FUNCTIONS or _constant_multiple(node)
 
 
 def _derivative(chain, param, shape) -> torch.Tensor:
@@ -267,7 +294,8 @@ def _derivative(chain, param, shape) -> torch.Tensor:
         grad = torch.ones(shape, dtype=chain[-1]._input_metadata[0].dtype, device=param.device)
         for node in reversed(chain):
             grad = node(grad)
-            grad = grad[0] if isinstance(grad, tuple) else grad
+            if isinstance(grad, tuple):  # a constant multiple's: None for the constant
+                grad = next(g for g in grad if g is not None)
         return grad.reshape(param.shape)
 
 

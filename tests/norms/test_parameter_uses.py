@@ -616,3 +616,40 @@ def test_an_addmm_that_scales_its_bias_takes_the_exact_fallback(use_calls):
     x = _tokens()
     exact_by_slices(model, lambda sl=slice(None): model(x[sl]).pow(2).sum((1, 2)))
     assert not any(use_calls.values())
+
+
+class ConstantMultiples(nn.Module):
+    """Its own parameters times constants before their ops: a Python number (autograd wraps it as a 0-dim tensor of no
+    edge) on either side, and a 0-dim buffer."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+        self.shift = nn.Parameter(torch.linspace(-2.0, 2.0, d))
+        self.register_buffer("c", torch.tensor(0.7))
+
+    def forward(self, x):
+        return self.inner(x) * (2.5 * self.scale.tanh()) + (self.shift * 3) * self.c
+
+
+def test_parameters_times_constants_are_exact_as_uses(use_calls, no_fallback):
+    torch.manual_seed(0)
+    model = nn.Sequential(ConstantMultiples(), nn.Tanh(), nn.Linear(4, 2)).double()
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
+    assert set(used(use_calls)) == {parameter_uses.SCALED, parameter_uses.ADDED}
+
+
+@pytest.mark.parametrize("feedforward", [False, True])
+def test_peft_ia3_vectors_in_their_parameter_dict_are_exact_as_uses(feedforward, use_calls, no_fallback):
+    """peft's IA3 scales a Linear's output (or, on a feed-forward layer, its input) by ``1 * l.flatten()``, l in a
+    ParameterDict of the layer's own (``ia3_l.default``): a scale's use, until 2026-12-03 the fallback's through the
+    whole layer (a tiny BERT with IA3 on key, value and the feed-forward output, B=16, T=32, one CPU thread,
+    book-keeping 4.06x -> 1.81x plain)."""
+    import peft
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = peft.get_peft_model(base, peft.IA3Config(target_modules=["0", "2"], feedforward_modules=["2"] if
+                                                     feedforward else [], init_ia3_weights=False)).double()
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
+    assert used(use_calls) == {parameter_uses.SCALED: used(use_calls)[parameter_uses.SCALED]}
