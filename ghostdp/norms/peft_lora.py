@@ -1,5 +1,6 @@
-"""peft's LoRA: its adapter on an embedding, and DoRA's magnitude on a Linear. Both registered by qualified name, so
-``import ghostdp`` imports no peft module; a call the rules do not know takes the exact fallback (``accepts``).
+"""peft's LoRA: its adapter on an embedding, DoRA's magnitude on a Linear, and AdaLoRA's SVD adapter on a Linear. Each
+registered by qualified name, so ``import ghostdp`` imports no peft module; a call the rules do not know takes the
+exact fallback (``accepts``).
 
 **The adapter on an embedding** (``peft.tuners.lora.layer.Embedding``). For each active adapter, with A (r, V) and
 B (d, r) its factors, s its scaling (times the base layer's ``embed_scale`` where it has one: Gemma's scaled
@@ -25,6 +26,16 @@ does so), so g_i(m) = sum_t G_t * z_t with z = (x W^T + s x A^T B^T) / n: an ele
 and value: book-keeping 2.56x plain, against 1.25x for LoRA). Declined (``_known_dora_call``): A or B not plain
 biasless Linears, a base weight that is quantized, parametrized (a parametrization computes it again, spectral
 norm moving its vectors) or not 2-D, or other arguments.
+
+**AdaLoRA's adapter on a Linear** (``peft.tuners.adalora.layer.SVDLinear``). For each active adapter, with A (r, in),
+the singular values E (r, 1), B (out, r) and c = scaling / (ranknum + 1e-5), the forward adds c x (A * E)^T B^T to the
+frozen base's output. With u_t = c (A * E) x_t, k_t = c B^T G_t and v_t = A x_t (each (r,)):
+- g_i(B) = sum_t G_t u_t^T (an OuterProduct, as a Linear's weight on the rows u);
+- g_i(A) = sum_t (E * k_t) x_t^T (an OuterProduct: the gradient of A * E, times E by rows);
+- g_i(E) = sum_t k_t * v_t, of E's shape (an elementwise scale's gradient, elementwise.scale_grads).
+G is taken in the adapter's dtype. Until 2026-12-03 the layer took the fallback (the tiny BERT with AdaLoRA r=8 on
+query and value: book-keeping 4.52x plain). Declined (``_computes_the_svd_adapters``): adapters disabled or merged,
+an active dropout, or other arguments.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ from .registry import register_norm_rule
 
 LORA_EMBEDDING = "peft.tuners.lora.layer.Embedding"
 DORA_LINEAR = "peft.tuners.lora.dora.DoraLinearLayer"
+ADALORA_LINEAR = "peft.tuners.adalora.layer.SVDLinear"
 _DORA_ARGUMENTS = frozenset({"lora_A", "lora_B", "scaling", "base_layer", "base_result", "adapter_name"})
 
 
@@ -136,3 +148,53 @@ def dora_magnitude_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     if "weight" not in trainable:
         return {}
     return {"weight": scale_grads(inputs[0], output_grad, module.weight)}
+
+
+def _svd_adapter_parameters(module) -> frozenset:
+    """Each adapter's A, E and B, and its rank (a frozen Parameter: a trained one would take the fallback)."""
+    return frozenset(f"{name}.{adapter}" for adapter in module.lora_A
+                     for name in ("lora_A", "lora_B", "lora_E", "ranknum"))
+
+
+def _active_svd(module) -> list:
+    return [a for a in module.active_adapters if a in module.lora_A]
+
+
+def _computes_the_svd_adapters(module, args, kwargs) -> bool:
+    """Whether this call adds each active adapter's c x (A * E)^T B^T to the base's output, as the rule assumes."""
+    if len(args) != 1 or kwargs or module.disable_adapters or module.merged:
+        return False
+    return all(type(module.lora_dropout[a]) is torch.nn.Identity or not module.training for a in _active_svd(module))
+
+
+def _holds_svd_output_grad(module, inputs, output, trainable) -> bool:
+    """Book-keeping keeps G itself in B's OuterProduct where G is in the adapter's dtype already."""
+    return all(module.lora_A[a].dtype == output.dtype for a in _active_svd(module)) and any(
+        f"lora_B.{a}" in trainable for a in _active_svd(module))
+
+
+@register_norm_rule(ADALORA_LINEAR, params=_svd_adapter_parameters, tokenwise=True,
+                    holds_output_grad=_holds_svd_output_grad, accepts=_computes_the_svd_adapters)
+def adalora_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+                 trainable: set[str]) -> dict:
+    x = inputs[0]
+    batch = x.shape[0]
+    factors = {}
+    for adapter in _active_svd(module):
+        a, e, b = module.lora_A[adapter], module.lora_E[adapter], module.lora_B[adapter]  # (r, in), (r, 1), (out, r)
+        names = {side: f"lora_{side}.{adapter}" for side in "ABE"}
+        if not any(n in trainable for n in names.values()):
+            continue
+        c = module.scaling[adapter] / (module.ranknum[adapter] + 1e-5)  # (1,)
+        rows = x.to(a.dtype).reshape(batch, -1, a.shape[1])  # (B, T, in)
+        grads = output_grad.to(a.dtype).reshape(batch, -1, b.shape[0])  # (B, T, out)
+        if names["B"] in trainable:
+            factors[names["B"]] = OuterProduct(grads, (rows @ (a * e).t()) * c, b.shape)  # u: (B, T, r)
+        if names["A"] in trainable or names["E"] in trainable:
+            k = (grads @ b) * c  # (B, T, r)
+            if names["A"] in trainable:
+                factors[names["A"]] = OuterProduct(k * e.t(), rows, a.shape)
+            if names["E"] in trainable:
+                summed = scale_grads(rows @ a.t(), k, e.view(-1))  # sum_t k_t * v_t: (B, r)
+                factors[names["E"]] = type(summed)(summed.grads.reshape(batch, *e.shape), summed.mass)
+    return factors

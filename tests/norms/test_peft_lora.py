@@ -1,4 +1,5 @@
-"""peft's LoRA on an embedding (norms/peft_lora.py): exact against the per-example loop, by its rule, not the fallback."""
+"""peft's LoRA on an embedding, DoRA's magnitude and AdaLoRA's SVD adapter (norms/peft_lora.py): exact against the
+per-example loop, by their rules, not the fallback."""
 import peft
 import pytest
 import torch
@@ -7,7 +8,8 @@ from torch import nn
 import ghostdp
 from conftest import CLIPPING_MODES, assert_exact
 from ghostdp.norms.fallback import attached_rule
-from ghostdp.norms.peft_lora import _computes_the_adapters, _known_dora_call, lora_embedding_rule
+from ghostdp.norms.peft_lora import (_computes_the_adapters, _computes_the_svd_adapters, _known_dora_call,
+                                      lora_embedding_rule)
 
 V, D, B = 13, 4, 5
 
@@ -270,3 +272,61 @@ def test_dora_calls_with_what_the_rule_does_not_know_are_declined():
     biased_b = nn.Linear(2, D).double()  # its bias would enter the weight's norm (peft's lora_bias)
     assert not _known_dora_call(magnitude, (x,), {**kwargs, "lora_B": biased_b})
     assert not _known_dora_call(magnitude, (x,), {**kwargs, "base_layer": nn.Identity()})
+
+
+def _adalora(base, trained=("lora_A", "lora_B", "lora_E"), **config):
+    model = peft.get_peft_model(base, peft.AdaLoraConfig(init_r=3, target_r=2, total_step=10, lora_alpha=5,
+                                                         target_modules=["proj"], modules_to_save=["head"], **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(t in name for t in ("lora_A", "lora_B", "lora_E")):
+                p.normal_(0.0, 0.5)  # E starts at zero, which gives A and B no gradient
+                p.requires_grad_(any(t in name for t in trained))
+    return model.double().train()
+
+
+@pytest.mark.parametrize("shape", [(B, 6, D), (B, D)])
+@pytest.mark.parametrize("trained", [("lora_A", "lora_B", "lora_E"), ("lora_E",), ("lora_A",)])
+def test_adaloras_svd_adapter_is_exact_in_both_modes(shape, trained):
+    torch.manual_seed(20)
+    model = _adalora(Projected(), trained=trained)
+    _assert_exact(model, torch.randn(shape, dtype=torch.float64), torch.randint(0, 3, (B,)))
+
+
+def test_adaloras_svd_adapter_is_exact_sequence_first_and_with_singular_values_masked():
+    """The rank allocator zeroes singular values in place as it prunes: the rule reads E as it is."""
+    torch.manual_seed(21)
+    model = _adalora(Projected(sequence_first=True))
+    with torch.no_grad():
+        model.base_model.model.proj.lora_E["default"][1] = 0.0
+    _assert_exact(model, torch.randn(B, 6, D, dtype=torch.float64), torch.randint(0, 3, (B,)))
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_adaloras_svd_adapter_takes_its_rule_and_not_the_fallback(clipping):
+    """Until 2026-12-03 the fallback's (book-keeping 4.52x plain on a tiny BERT with AdaLoRA on query and value, 1.54x
+    by the rule)."""
+    torch.manual_seed(22)
+    model = _adalora(Projected())
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        controller.loss(model(torch.randn(B, 6, D, dtype=torch.float64)).pow(2).sum(1), reduction="sum").backward()
+        assert controller.pass_one.took_fallback == set()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    finally:
+        controller.detach()
+
+
+def test_an_adalora_call_with_its_dropout_active_takes_the_fallback():
+    torch.manual_seed(23)
+    model = _adalora(Projected(), lora_dropout=0.5)
+    layer = model.base_model.model.proj
+    x = torch.randn(B, 6, D, dtype=torch.float64)
+    assert not _computes_the_svd_adapters(layer, (x,), {})
+    layer.lora_dropout["default"].p = 0.0  # still a Dropout: declined, and the fallback is exact
+    _assert_exact(model, x, torch.randint(0, 3, (B,)))
+    layer.lora_dropout["default"] = nn.Identity()
+    assert _computes_the_svd_adapters(layer, (x,), {})
+    assert not _computes_the_svd_adapters(layer, (x,), {"scale": 1.0})
+    with model.disable_adapter():
+        assert not _computes_the_svd_adapters(layer, (x,), {})
