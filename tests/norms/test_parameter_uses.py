@@ -653,3 +653,14 @@ def test_peft_ia3_vectors_in_their_parameter_dict_are_exact_as_uses(feedforward,
                                                      feedforward else [], init_ia3_weights=False)).double()
     assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
     assert used(use_calls) == {parameter_uses.SCALED: used(use_calls)[parameter_uses.SCALED]}
+
+
+def test_peft_vera_vectors_are_exact_as_uses(use_calls, no_fallback):
+    """VeRA's two vectors scale its frozen random projections (``lambda_b * F.linear(lambda_d * F.linear(x, A), B)``),
+    each in a ParameterDict of the layer's own: two scales' uses (the fallback's through the layer before 2026-12-03)."""
+    import peft
+    torch.manual_seed(0)
+    model = peft.get_peft_model(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)),
+                                peft.VeraConfig(r=2, target_modules=["0"], init_weights=False)).double()
+    assert_exact_model(model, torch.randn(B, 5, 4), squares, B)
+    assert set(used(use_calls)) == {parameter_uses.SCALED}
