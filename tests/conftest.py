@@ -260,6 +260,18 @@ def assert_exact(model, batch_losses, example_loss, batch_size, rtol=RTOL):
     return norms
 
 
+def took_fallback(model, x, clipping="bookkeeping") -> set:
+    """The names of the modules that took the exact fallback in one step on ``x`` (a DP loss of the sum of squares
+    of each example's outputs), after checking that every trained parameter got a gradient."""
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        controller.loss(model(x).pow(2).sum(1), reduction="sum").backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        return set(controller.pass_one.took_fallback)
+    finally:
+        controller.detach()
+
+
 def assert_exact_model(model, inputs, loss_of_output, batch_size, rtol=RTOL):
     """Convenience for models called as model(**inputs) or model(inputs) with batch-first tensors."""
 

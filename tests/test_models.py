@@ -189,8 +189,9 @@ def test_peft_lora(base):
 
 @pytest.mark.parametrize("method", ["ia3", "loha", "prefix-tuning"])
 def test_more_peft_methods(method):
-    """IA3 (learned scalings: scales' uses, norms/parameter_uses.py), LoHa (Hadamard product of two low-rank factors, read inside its
-    layer) and prefix tuning (virtual keys and values from a prompt encoder, passed as past_key_values)."""
+    """IA3 (learned scalings: scales' uses, norms/parameter_uses.py), LoHa (Hadamard product of two low-rank factors,
+    formed inside its layer: norms/peft_lycoris.py) and prefix tuning (virtual keys and values from a prompt encoder,
+    passed as past_key_values)."""
     import peft
     from transformers import GPT2Config, GPT2LMHeadModel
     if method == "loha":

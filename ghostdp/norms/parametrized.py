@@ -22,8 +22,7 @@ import functools
 import torch
 from torch.nn.utils.parametrizations import _WeightNorm
 
-from .batched_vjp import batched_vjp
-from .factors import ELEMENT_BUDGET, Instantiated
+from .batched_vjp import grads_through
 from .registry import RuleEntry
 
 
@@ -61,9 +60,5 @@ def _through(chain, factor, originals) -> dict:
     from the factor of the tensor it computes, by a batched VJP of the chain recomputed from those parameters."""
     with torch.enable_grad():
         weight = chain()
-    params = [p for _, p in originals]
-    B = factor.batch_size
-    step = max(1, ELEMENT_BUDGET // max(1, weight.numel()))
-    chunks = [batched_vjp([weight], params, [factor.materialize(lo, min(B, lo + step)).to(weight.dtype)])
-              for lo in range(0, B, step)]
-    return {name: Instantiated(torch.cat([chunk[k] for chunk in chunks])) for k, (name, _) in enumerate(originals)}
+    grads = grads_through(weight, [p for _, p in originals], factor)
+    return {name: g for (name, _), g in zip(originals, grads)}
