@@ -87,7 +87,7 @@ def capture(call, entry, module, args, output, two_passes: bool, captured_types)
     if edge is None:
         return None
     node, output_nr = edge
-    _hold_at(call, node, output_nr, args)
+    hold_at(call, node, output_nr, args)
     return type(node)
 
 
@@ -103,7 +103,7 @@ def capture_use(call, node, inputs, two_passes: bool, captured_types) -> None:
         call.named, call.by_hook = False, True
     else:
         call.named, call.by_hook = True, False
-    _hold_at(call, node, 0, inputs)  # the op's one output
+    hold_at(call, node, 0, inputs)  # the op's one output
     captured_types.add(type(node))
 
 
@@ -114,7 +114,7 @@ def capturable_now() -> bool:
             and not tracing_or_transforming())
 
 
-def _hold_at(call, node, output_nr, inputs) -> None:
+def hold_at(call, node, output_nr, inputs) -> None:
     """The call captured at output ``output_nr`` of ``node``, holding ``inputs`` (and their versions) to its norm."""
     call.inputs = inputs
     call.input_versions = tuple([a._version for a in inputs])

@@ -35,6 +35,7 @@ from ..norms.parameter_uses import ENTRIES as USE_ENTRIES, find_uses, use_of
 from .capture import capturable_now, capture, capture_use, saved_tensor_hooks as _saved_tensor_hooks
 from .probe import InputSink, add_probe
 from .records import ModuleCall
+from .repeated import capture_at_repeats, repeated_by_caller
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT
 from .saved_bytes import storage_keys
 
@@ -170,6 +171,10 @@ class ForwardRecorder:
         self.sinks = {}               # device -> the leaf of the InputSinks (probe.py) of modules without a rule
         self._batch_hint = None
         self.broadcast_in_forward = []  # (name, shape) of the outputs of batch size 1 broadcast in this forward
+        # ids of the modules whose output of batch size 1 the model repeats to the batch itself (repeated.py), and
+        # this forward's calls of them awaiting their repeat: (call, output, the inputs its rule reads)
+        self.repeated_by_caller = frozenset()
+        self._awaiting_repeat = []
         self.sunk_in_forward = []  # the names of the modules whose inputs went through an InputSink in this forward
         # A call without a rule and with several outputs: its fallback runs after pass 1 has gone below it.
         self.graph_needed_after_pass1 = False
@@ -220,6 +225,7 @@ class ForwardRecorder:
         """Hooks ``module`` and its hooked submodules; the handles."""
         self.root = module
         self._checkpointing_flags = _checkpointing_flag_holders(module)
+        self.repeated_by_caller = repeated_by_caller(module)
         handles = [module.register_forward_pre_hook(self.on_root_forward, with_kwargs=True),
                    module.register_forward_hook(self.on_root_forward_end, always_call=True)]
         for name, m in hooked_modules(module):
@@ -305,6 +311,7 @@ class ForwardRecorder:
             self._batch_hint = leading_dim(flat)
             self.broadcast_in_forward.clear()
             self.sunk_in_forward.clear()
+            self._awaiting_repeat.clear()
             if torch._C._current_graph_task_id() == -1:  # not a recomputation: no checkpoint backward runs
                 self.regions.depth = 0
                 self.forward_checkpointed = _saved_tensor_hooks(False) is not None
@@ -326,6 +333,10 @@ class ForwardRecorder:
         if self._collector_pauses:  # empty only where a hook before on_root_forward raised
             collector.resume(self._collector_pauses.pop())
         error = sys.exc_info()[1]  # output is None: the forward raised (not a forward inside an except block)
+        if self._awaiting_repeat and output is not None:
+            awaiting, self._awaiting_repeat = self._awaiting_repeat, []
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            capture_at_repeats(awaiting, outputs, self._batch_hint, self.captured_types)
         if output is not None or error is None:
             return
         if self.sunk_in_forward and isinstance(error, RuntimeError) and LEAF_FLAGS_ERROR in str(error):
@@ -352,10 +363,11 @@ class ForwardRecorder:
             f"of {self._batch_hint} examples (an output of batch size 1 is taken as shared by the batch, like "
             "BERT's position embeddings, so that its gradient stays per example), and the model's forward then "
             "failed. If the model broadcasts that output itself (DeBERTa's relative embeddings, a windowed "
-            "attention's relative position bias other than Swin's own, peft's prompt tuning) or its dim 0 is not a "
-            "batch dim (a sequence-first layer on a sequence of length 1: Longformer's global attention), ghostdp "
-            "cannot split its gradient by example. Fix: freeze that module's parameters (requires_grad_(False)) "
-            "before making the model private (prompt tuning trains nothing else: use another adapter, e.g. LoRA). "
+            "attention's relative position bias other than Swin's own, peft's p-tuning and multitask prompt tuning) "
+            "or its dim 0 is not a batch dim (a sequence-first layer on a sequence of length 1: Longformer's global "
+            "attention), ghostdp cannot split its gradient by example. Fix: freeze that module's parameters "
+            "(requires_grad_(False)) before making the model private (p-tuning trains nothing else: use peft's "
+            "prompt tuning, whose prompt ghostdp captures at peft's own repeat, or another adapter, e.g. LoRA). "
             + SHARED_BY_THE_BATCH)
 
     @staticmethod
@@ -602,6 +614,10 @@ class ForwardRecorder:
             call.reads_argument = next((watched[id(a)] for a in args if id(a) in watched), None)
         B = self._batch_hint
         t, saved = output, args
+        if (self.repeated_by_caller and id(module) in self.repeated_by_caller and B is not None and B > 1
+                and t.dim() > 0 and t.shape[0] == 1 and capturable_now()
+                and self.pass_one.current is None and not self.regions.depth):
+            return self._await_repeat(call, args, output, params, B)
         # Swin's bias, shared by the rows (B * windows) of the attention calling it (norms/window_bias.py)
         rows = self.window_rows.pop(id(module), None) if self.window_rows else None
         if (B is not None and B > 1 and t.dim() > 0 and t.shape[0] == 1  # shared by the batch: see on_forward
@@ -641,6 +657,20 @@ class ForwardRecorder:
             call.fired = True
         probed = add_probe(t, self._probe(t.device), call, 0, known_forward=True, inputs=saved)
         return probed if rows is None or call.expanded is _NOT_EXPANDED else probed.reshape(rows, *t.shape[2:])
+
+    def _await_repeat(self, call, args, output, params, B):
+        """_record_ruled for a call whose output of batch size 1 the model repeats to the batch itself (peft's
+        prompt): recorded as broadcast, neither broadcast nor probed; captured at its repeat once the root's forward
+        has run (repeated.py)."""
+        call.expanded = _EXPANDED
+        call.shapes = (torch.Size((B, *output.shape[1:])),)
+        call.grads = [None]
+        call.input_nodes = _grad_fns(args)
+        for p in params.values():
+            self.live[id(p)] += 1
+        inputs = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
+        self._awaiting_repeat.append((call, output, inputs))
+        return None
 
     def _trainable_owned(self, module) -> dict:
         """The module's own parameters that require grad now (read at every forward: freezing after

@@ -107,7 +107,8 @@ def test_a_sequence_first_layer_on_one_position_of_a_trained_input_is_not_broadc
 
 
 class PromptRepeatedByTheModel(nn.Module):
-    """As peft's prompt tuning: a prompt looked up once, of batch size 1, repeated to the batch by the model."""
+    """As peft's prompt tuning, but with a table of its own: a prompt looked up once, of batch size 1, repeated to the
+    batch by the model (peft's own PromptEmbedding is captured at that repeat: test_repeated_outputs.py)."""
 
     def __init__(self):
         super().__init__()
@@ -136,7 +137,7 @@ def test_a_forward_that_fails_after_a_broadcast_is_explained_and_one_that_fails_
         model(torch.randn(3, 4, 3))
     notes = "".join(caught.value.__notes__)
     assert "broadcast the output of module 'prompt', of shape (1, 2, 3), to the batch of 3 examples" in notes
-    assert "use another adapter, e.g. LoRA" in notes
+    assert "whose prompt ghostdp captures at peft's own repeat, or another adapter, e.g. LoRA" in notes
     monkeypatch.setattr(recording, "_ADDS_NOTES", False)  # Python 3.10: no notes, a warning before the error
     with pytest.warns(UserWarning, match="broadcast the output of module 'prompt'"), pytest.raises(RuntimeError):
         model(torch.randn(3, 4, 3))
