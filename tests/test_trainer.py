@@ -134,6 +134,21 @@ def test_lora_causal_lm_step_equals_the_reference(tmp_path):
             assert torch.equal(trained[name], r)
 
 
+def test_prompt_tuning_step_equals_the_reference(tmp_path):
+    """peft's prompt, repeated to the batch by peft itself, captured at that repeat (clipping/repeated.py), with
+    physical batches of 3 and the classifier peft trains beside it."""
+    from peft import PromptTuningConfig, get_peft_model
+    data = Examples()
+    model = get_peft_model(bert(), PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=3))
+    assert model.get_parameter("prompt_encoder.default.embedding.weight").requires_grad
+    reference = reference_step(copy.deepcopy(model), data, first_batch(5, data, 8 / N), 0.3, 0.5, 8, cross_entropy)
+    dp = DPArguments(noise_multiplier=0.0, max_grad_norm=0.3, seed=5, max_physical_batch_size=3)
+    DPTrainer(model=model, args=args(tmp_path), train_dataset=data, dp_args=dp).train()
+    trained = dict(model.named_parameters())
+    for name, r in reference.named_parameters():
+        torch.testing.assert_close(trained[name], r, rtol=1e-9, atol=1e-12)
+
+
 def test_token_losses_count_only_the_positions_the_attention_mask_keeps(tmp_path):
     """Labels copied from the padded input ids (not -100 at the padding) counted the padding in each example's token
     mean before 2026-11-26: with batches padded to their longest example, one example's length moved the others'
