@@ -291,7 +291,8 @@ class LayoutProver:
 def refuse(call, g, batch_size, options, broadcast=False, declared=0):
     if broadcast and id(call.module) in call.recorder.repeated_by_caller:  # captured at the model's repeat
         raise RuntimeError(
-            f"module '{call.name}' ({type(call.module).__name__}, the prompt of peft's prompt tuning) produced an "
+            f"module '{call.name}' ({type(call.module).__name__}, the prompt of peft's prompt tuning or p-tuning) "
+            "produced an "
             f"output of shape (1, {', '.join(map(str, g.shape[1:]))}) shared by the batch, which the model repeated "
             f"to the batch of {batch_size} examples, and the rows of that repeat do not each hold one example's "
             "gradient: the model mixes the examples after it (a mean or another statistic over the batch), so no "

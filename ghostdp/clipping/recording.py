@@ -363,11 +363,12 @@ class ForwardRecorder:
             f"of {self._batch_hint} examples (an output of batch size 1 is taken as shared by the batch, like "
             "BERT's position embeddings, so that its gradient stays per example), and the model's forward then "
             "failed. If the model broadcasts that output itself (DeBERTa's relative embeddings, a windowed "
-            "attention's relative position bias other than Swin's own, peft's p-tuning and multitask prompt tuning) "
-            "or its dim 0 is not a batch dim (a sequence-first layer on a sequence of length 1: Longformer's global "
-            "attention), ghostdp cannot split its gradient by example. Fix: freeze that module's parameters "
-            "(requires_grad_(False)) before making the model private (p-tuning trains nothing else: use peft's "
-            "prompt tuning, whose prompt ghostdp captures at peft's own repeat, or another adapter, e.g. LoRA). "
+            "attention's relative position bias other than Swin's own, peft's multitask prompt tuning, or its "
+            "p-tuning with an LSTM dropout in training) or its dim 0 is not a batch dim (a sequence-first layer on a "
+            "sequence of length 1: Longformer's global attention), ghostdp cannot split its gradient by example. Fix: "
+            "freeze that module's parameters (requires_grad_(False)) before making the model private (a prompt "
+            "trains nothing else: use peft's prompt tuning or p-tuning without that dropout, whose prompt ghostdp "
+            "captures at peft's own repeat, or another adapter, e.g. LoRA). "
             + SHARED_BY_THE_BATCH)
 
     @staticmethod

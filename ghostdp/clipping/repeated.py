@@ -1,4 +1,4 @@
-"""Outputs shared by the batch that the model repeats to the batch itself: peft's prompt tuning.
+"""Outputs shared by the batch that the model repeats to the batch itself: peft's prompt tuning and p-tuning.
 
 An output of batch size 1 (BERT's position embeddings) is broadcast to the batch inside its call's hook
 (recording.py), so that its output grad stays per example. peft's prompt tuning cannot take that: its
@@ -9,7 +9,9 @@ module to freeze). The repeat's own backward sums its rows, so G at the lookup's
 
 Such a call is recorded without broadcast or probe, and captured (capture.py) at the repeat: its node's output
 grad is the repeated prompt's, (B, n, d), one row per example (the layout proof checks that dim 0 holds the
-examples, as for any broadcast output), and the Embedding rule reads it with the ids broadcast to (B, n). The
+examples, as for any broadcast output), and the Embedding rule reads it with the ids broadcast to (B, n). p-tuning's
+encoder (an embedding, then an MLP or an LSTM and an MLP) is one such call of its own, its children absorbed, under
+its rule (norms/peft_prompt.py). The
 repeat is found once the root's forward has run, by a walk of its outputs' graph, and the lookup's output must
 reach the outputs through that one repeat alone: any other use of it (a term of the loss that reads the shared
 prompt) would bring gradient that no example's norm counts, and is refused with what to do instead.
@@ -22,13 +24,15 @@ from ..norms.registry import is_instance_of
 from .capture import hold_at
 
 PROMPT_EMBEDDING = "peft.tuners.prompt_tuning.model.PromptEmbedding"
+PROMPT_ENCODER = "peft.tuners.p_tuning.model.PromptEncoder"  # p-tuning's (norms/peft_prompt.py)
 
 
 def repeated_by_caller(root: torch.nn.Module) -> frozenset:
     """The ids of the modules below ``root`` whose output of batch size 1 the model repeats to the batch itself:
-    the lookup table of each of peft's prompt-tuning encoders."""
-    return frozenset(id(m.embedding) for m in root.modules() if is_instance_of(m, PROMPT_EMBEDDING)
-                     and type(getattr(m, "embedding", None)) is torch.nn.Embedding)
+    the lookup table of each of peft's prompt-tuning encoders, and each of its p-tuning encoders."""
+    tables = {id(m.embedding) for m in root.modules() if is_instance_of(m, PROMPT_EMBEDDING)
+              and type(getattr(m, "embedding", None)) is torch.nn.Embedding}
+    return frozenset(tables | {id(m) for m in root.modules() if is_instance_of(m, PROMPT_ENCODER)})
 
 
 def capture_at_repeats(awaiting, outputs, batch_size: int, captured_types: set) -> None:
@@ -53,7 +57,7 @@ def capture_at_repeats(awaiting, outputs, batch_size: int, captured_types: set) 
         if repeat is None or not _repeats_to_the_batch(repeat, output, batch_size):
             raise RuntimeError(
                 f"ghostdp: the output of module '{call.name}' ({type(call.module).__name__}, the prompt of peft's "
-                f"prompt tuning), of shape {tuple(output.shape)} and shared by the batch, reached the model's output "
+                f"prompt tuning or p-tuning), of shape {tuple(output.shape)} and shared by the batch, reached the model's output "
                 f"{_how(users)}, not through one repeat to the batch of {batch_size} examples: ghostdp splits its "
                 "gradient by example only at such a repeat (peft's get_prompt: prompts.repeat(batch_size, 1, 1)), and "
                 "any other use of the shared prompt would bring gradient that no example's norm counts. Fix: use the "

@@ -1,6 +1,7 @@
 """Per-layer norm rules: one file per layer family, one registry."""
 from . import (beit_bias, conv, conv_transpose, elementwise, embedding, experts, linear,  # noqa: F401  (registers rules)
-               normalization, peft_lora, peft_lycoris, peft_rotations, vit_embeddings, window_bias)
+               normalization, peft_lora, peft_lycoris, peft_prompt, peft_rotations, vit_embeddings,
+               window_bias)
 from .factors import (PerExampleGrad, Instantiated, OuterProduct, EmbeddingGather, RaggedEmbeddingGather,
                       combined_sq_norm)
 from .registry import find_norm_rule, register_norm_rule

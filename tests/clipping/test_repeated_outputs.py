@@ -1,6 +1,6 @@
-"""peft's prompt tuning: the prompt, looked up once and repeated to the batch by peft itself, captured at that repeat
-(clipping/repeated.py). Exact against the per-example loop in both modes; any other use of the shared prompt is
-refused."""
+"""peft's prompt tuning and p-tuning: the prompt, looked up (and encoded) once and repeated to the batch by peft
+itself, captured at that repeat (clipping/repeated.py; p-tuning's encoder by its rule, norms/peft_prompt.py). Exact
+against the per-example loop in both modes; any other use of the shared prompt is refused."""
 import peft
 import pytest
 import torch
@@ -14,12 +14,19 @@ from conftest import CLIPPING_MODES, assert_exact, assert_exact_model
 B, V, D, N = 5, 30, 16, 4
 
 
-def _bert(checkpointing=None):
+PROMPTS = {
+    "prompt tuning": lambda: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=N),
+    "p-tuning, MLP": lambda: peft.PromptEncoderConfig(task_type="SEQ_CLS", num_virtual_tokens=N, encoder_hidden_size=8),
+    "p-tuning, LSTM": lambda: peft.PromptEncoderConfig(task_type="SEQ_CLS", num_virtual_tokens=N, encoder_hidden_size=8,
+                                                       encoder_reparameterization_type="LSTM"),
+}
+
+
+def _bert(checkpointing=None, prompt="prompt tuning"):
     config = transformers.BertConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0, max_position_embeddings=64)
-    model = peft.get_peft_model(transformers.BertForSequenceClassification(config),
-                                peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=N)).double()
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config), PROMPTS[prompt]()).double()
     if checkpointing is not None:
         model.base_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
@@ -43,18 +50,47 @@ def test_prompt_tuning_on_bert_is_exact_in_both_modes(checkpointing):
     assert_exact_model(model, dict(input_ids=ids, attention_mask=mask), _classification(torch.randint(0, 3, (B,))), B)
 
 
+@pytest.mark.parametrize("prompt", ["p-tuning, MLP", "p-tuning, LSTM"])
+def test_p_tuning_on_bert_is_exact_in_both_modes(prompt):
+    """The encoder's embedding, LSTM and MLP all train, each example's gradient a VJP of the shared prompt."""
+    torch.manual_seed(5)
+    model = _bert(prompt=prompt)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and n.startswith("prompt_encoder.")}
+    assert len(trained) >= 7, trained
+    ids = torch.randint(1, V, (B, 6))
+    assert_exact_model(model, dict(input_ids=ids), _classification(torch.randint(0, 3, (B,))), B)
+
+
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
-def test_the_prompt_is_captured_at_peft_s_repeat_by_its_rule(clipping):
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_the_prompt_is_captured_at_peft_s_repeat_by_its_rule(clipping, prompt):
     """Neither broadcast by ghostdp (peft would repeat it B times over) nor taken by the fallback."""
     torch.manual_seed(1)
-    model = _bert()
+    model = _bert(prompt=prompt)
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     try:
         out = model(input_ids=torch.randint(1, V, (B, 6)))
         assert controller.recorder.broadcast_in_forward == []
         controller.loss(out.logits.pow(2).sum(1), reduction="sum").backward()
         assert controller.pass_one.took_fallback == set()
-        assert model.get_parameter("prompt_encoder.default.embedding.weight").grad is not None
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    finally:
+        controller.detach()
+
+
+def test_p_tuning_with_an_lstm_dropout_in_training_is_refused_with_the_fix():
+    """Its encoder draws at random: the rule, which runs it again, declines, and the broadcast output fails in
+    peft's concatenation with a note that names the fix."""
+    config = peft.PromptEncoderConfig(task_type="SEQ_CLS", num_virtual_tokens=N, encoder_hidden_size=8,
+                                      encoder_reparameterization_type="LSTM", encoder_dropout=0.1)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=3)), config)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match="Sizes of tensors must match") as caught:
+            model(input_ids=torch.randint(1, V, (B, 6)))
+        assert "p-tuning with an LSTM dropout in training" in "".join(caught.value.__notes__)
     finally:
         controller.detach()
 
@@ -119,7 +155,7 @@ def test_any_other_use_of_the_shared_prompt_is_refused(use, refusal):
     model = Prompted(use).double()
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
-        with pytest.raises(RuntimeError, match=f"prompt of peft's prompt tuning.*{refusal}, not through one repeat"):
+        with pytest.raises(RuntimeError, match=f"prompt of peft's prompt tuning or p-tuning.*{refusal}, not through"):
             model(torch.randn(B, 2, 3, dtype=torch.float64))
     finally:
         controller.detach()

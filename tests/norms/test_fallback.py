@@ -162,8 +162,9 @@ def test_a_sparse_gradient_in_the_fallback_is_refused_with_the_fix(clipping):
         controller.loss(model(torch.randint(0, 10, (4, 2))).pow(2).sum(1)).backward()
 
 
-def test_every_parent_that_owns_a_childs_parameters_is_a_class_of_this_transformers_that_makes_that_child():
-    """fallback.ABSORBED_CHILDREN names classes by their qualified names: each must exist and make the child."""
+def test_every_parent_that_owns_a_childs_parameters_is_a_class_of_its_package_that_makes_that_child():
+    """fallback.ABSORBED_CHILDREN names classes by their qualified names (transformers' attentions, peft's p-tuning
+    encoder): each must exist and make the child."""
     import importlib
     import inspect
 
@@ -173,4 +174,4 @@ def test_every_parent_that_owns_a_childs_parameters_is_a_class_of_this_transform
         module_name, class_name = qualified.rsplit(".", 1)
         cls = getattr(importlib.import_module(module_name), class_name)
         for child in children:
-            assert f"self.{child} = nn.Embedding(" in inspect.getsource(cls.__init__), (qualified, child)
+            assert f"self.{child} = " in inspect.getsource(cls.__init__), (qualified, child)
