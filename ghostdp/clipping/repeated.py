@@ -57,11 +57,11 @@ def capture_at_repeats(awaiting, outputs, batch_size: int, captured_types: set) 
         if repeat is None or not _repeats_to_the_batch(repeat, output, batch_size):
             raise RuntimeError(
                 f"ghostdp: the output of module '{call.name}' ({type(call.module).__name__}, the prompt of peft's "
-                f"prompt tuning or p-tuning), of shape {tuple(output.shape)} and shared by the batch, reached the model's output "
-                f"{_how(users)}, not through one repeat to the batch of {batch_size} examples: ghostdp splits its "
-                "gradient by example only at such a repeat (peft's get_prompt: prompts.repeat(batch_size, 1, 1)), and "
-                "any other use of the shared prompt would bring gradient that no example's norm counts. Fix: use the "
-                "prompt only through the model's forward, or train another adapter (LoRA).")
+                f"prompt tuning or p-tuning), of shape {tuple(output.shape)} and shared by the batch, reached the "
+                f"model's output {_how(users)}, not through one repeat to the batch of {batch_size} examples: ghostdp "
+                "splits its gradient by example only at such a repeat (peft's get_prompt: prompts.repeat(batch_size, "
+                "1, 1)), and any other use of the shared prompt would bring gradient that no example's norm counts. "
+                "Fix: use the prompt only through the model's forward, or train another adapter (LoRA).")
         hold_at(call, repeat, 0, inputs)
         call.named, call.by_hook = True, False  # pass 1 names the repeat's edge: G is the (B, n, d) prompt's
         captured_types.add(type(repeat))

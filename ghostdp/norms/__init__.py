@@ -1,6 +1,6 @@
 """Per-layer norm rules: one file per layer family, one registry."""
-from . import (beit_bias, conv, conv_transpose, elementwise, embedding, experts, linear,  # noqa: F401  (registers rules)
-               normalization, peft_lora, peft_lycoris, peft_prompt, peft_rotations, vit_embeddings,
+from . import (beit_bias, conv, conv_transpose, elementwise, embedding, experts,  # noqa: F401  (registers rules)
+               linear, normalization, peft_lora, peft_lycoris, peft_prompt, peft_rotations, vit_embeddings,
                window_bias)
 from .factors import (PerExampleGrad, Instantiated, OuterProduct, EmbeddingGather, RaggedEmbeddingGather,
                       combined_sq_norm)
