@@ -18,6 +18,7 @@ PEFT_PARAMETER_LORA = "peft.tuners.lora.layer.ParamWrapper"
 PEFT_DORA_EMBEDDING = "peft.tuners.lora.dora.DoraEmbeddingLayer"
 # peft's LoRA on an nn.MultiheadAttention itself, which merges into its packed weight in every forward: refused
 PEFT_ATTENTION_LORA = "peft.tuners.lora.layer.MultiheadAttention"
+PEFT_ADALORA_MODEL = "peft.tuners.adalora.model.AdaLoraModel"
 
 
 class ModelNotPrivatizable(ValueError):
@@ -81,6 +82,24 @@ def find_problems(model: torch.nn.Module) -> list[str]:
                 "before get_peft_model (ghostdp.layers.MultiheadAttention has Linear projections) and target them: "
                 "target_modules=['q_proj', 'k_proj', 'v_proj', 'out_proj'], which the Linear rule covers.")
     return problems
+
+
+def dropped_losses(model: torch.nn.Module) -> list[str]:
+    """One message per term that a module adds to its outputs' loss and that ghostdp's per-example losses leave out
+    (they are computed from the outputs, not read from ``outputs.loss``)."""
+    dropped = []
+    for name, m in model.named_modules():
+        config = getattr(m, "peft_config", {}).get(getattr(m, "trainable_adapter_name", None))
+        if is_instance_of(m, PEFT_ADALORA_MODEL) and getattr(config, "orth_reg_weight", 0) > 0:
+            dropped.append(
+                f"module '{name or '<root>'}' is peft's AdaLoRA, which adds an orthogonal regulariser of its "
+                f"adapters (orth_reg_weight={config.orth_reg_weight} times the mean of ||A A^T - I|| and "
+                "||B^T B - I||) to outputs.loss when the model is given labels. ghostdp trains on per-example "
+                "losses computed from the outputs (DPTrainer pops the labels and computes them from the logits), "
+                "which leave that term out: the adapters train without it. It reads no example, but ghostdp cannot "
+                "add a term outside the per-example losses yet. Set orth_reg_weight=0 in the AdaLoraConfig to train "
+                "so knowingly, without this warning.")
+    return dropped
 
 
 def check(model: torch.nn.Module) -> None:

@@ -126,6 +126,27 @@ def test_peft_lora_on_a_multihead_attention_itself_is_refused_when_attaching_wit
     assert_exact_model(fixed, torch.randn(4, 3, 4, dtype=torch.float64), lambda out, sl: out.pow(2).sum(1), 4)
 
 
+@pytest.mark.parametrize("weight", [0.5, 0.0])
+def test_adaloras_orthogonal_regulariser_left_out_of_the_per_example_losses_is_warned_of(weight):
+    """peft adds it to outputs.loss, which ghostdp's per-example losses (from the logits) do not read."""
+    import warnings
+
+    import peft
+    import transformers
+    config = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, num_labels=2)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config), peft.AdaLoraConfig(
+        target_modules=["query"], total_step=10, init_r=2, target_r=2, orth_reg_weight=weight))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ghostdp.GhostClipping(model, 1.0).detach()
+    said = [str(w.message) for w in caught if "orthogonal regulariser" in str(w.message)]
+    if weight:
+        assert len(said) == 1 and "orth_reg_weight=0.5" in said[0] and "Set orth_reg_weight=0" in said[0], said
+    else:
+        assert said == []
+
+
 def test_fix_refuses_a_bare_batchnorm():
     with pytest.raises(ModelNotPrivatizable, match="wrap it"):
         ghostdp.validate.fix(nn.BatchNorm1d(3))

@@ -235,6 +235,8 @@ class GhostClipping:
         self._shared_by_the_batch = deberta.shared_by_the_batch(module)
         if self._shared_by_the_batch:
             warnings.warn(deberta.SHARED.format(names=_listed(self._shared_by_the_batch)), stacklevel=3)
+        for dropped in validate.dropped_losses(module):  # a term of peft's loss that the per-example losses leave out
+            warnings.warn(dropped, stacklevel=3)
         swappable = [n for n in swappable if n not in self._refused_twins] if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
