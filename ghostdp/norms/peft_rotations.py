@@ -18,8 +18,9 @@ Declined (``_rotates_its_input``): other arguments, a 4-D input (a convolution's
 COFT (``coft``: the forward projects ``weight`` in place before using it).
 
 **HRA** (``peft.tuners.hra.layer.HRALinear``). y = x (W H)^T + b with W, b the frozen base's and H (in, in) the product
-of each active adapter's reflections (``get_delta_weight``, with or without its Gram-Schmidt form), so
-g_i(H) = W^T g_i(W H) = sum_t (G_t W)^T x_t: an OuterProduct of G W and x.
+of each active adapter's reflections (``get_delta_weight``), so g_i(H) = W^T g_i(W H) = sum_t (G_t W)^T x_t: an
+OuterProduct of G W and x, pulled back through the reflections in closed form (``_reflections_pullback``; with the
+Gram-Schmidt form, ``apply_GS``, by the VJP: 3.28x -> 2.38x plain by the VJP alone, 1.72x in closed form).
 
 **BOFT** (``peft.tuners.boft.layer.Linear``). y = (base(x R) - b) * S + b with R (in, in) the product of each active
 adapter's butterfly rotation and S (out,) the product of their scales s (``get_delta_weight``). With z = x R W^T (the
@@ -38,7 +39,7 @@ import functools
 
 import torch
 
-from .batched_vjp import grads_through
+from .batched_vjp import grads_through, pulled_back
 from .elementwise import scale_grads
 from .factors import Instantiated, OuterProduct
 from .registry import register_norm_rule
@@ -116,12 +117,42 @@ def hra_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_g
     batch = x.shape[0]
     rows = x.to(dtype).reshape(batch, -1, weight.shape[1])
     pulled = output_grad.to(dtype).reshape(batch, -1, weight.shape[0]) @ weight  # G W: (B, T, in)
-    with torch.enable_grad():  # H as the forward forms it, from the adapters' vectors
+    adapters = _active(module, "hra_u")
+    factor = OuterProduct(pulled, rows, (weight.shape[1], weight.shape[1]))
+    if not any(module.hra_apply_GS[a] for a in adapters):
+        pullback = _reflections_pullback([module.hra_u[a].to(dtype) for a in adapters],
+                                         [adapters.index(n.split(".", 1)[1]) for n in names])
+        return dict(zip(names, pulled_back(factor, weight.shape[1] ** 2, pullback)))
+    with torch.enable_grad():  # H as the forward forms it, from the adapters' vectors (Gram-Schmidt's: by the VJP)
         reflections = torch.eye(weight.shape[1], dtype=dtype, device=weight.device)
-        for adapter in _active(module, "hra_u"):
+        for adapter in adapters:
             reflections = reflections @ module.get_delta_weight(adapter).to(dtype)
-    factor = OuterProduct(pulled, rows, reflections.shape)
     return dict(zip(names, grads_through(reflections, [module.get_parameter(n) for n in names], factor)))
+
+
+def _reflections_pullback(vectors: list, asked: list):
+    """(each example's gradient of H, (k, n, n)) -> the gradients of the adapters ``asked`` (indices into
+    ``vectors``, each adapter's (n, r) u), for H = prod_j (I - 2 v_j v_j^T) over every adapter's columns in order,
+    v = u / ||u||. With W_j the product before factor j and g_j the gradient of W_{j+1}, backwards from g = g(H):
+    g(v_j) = -2 (W_j^T g_j v_j + g_j^T W_j v_j), g_{j-1} = g_j - 2 (g_j v_j) v_j^T, and g(u) = (g(v) - v (v . g(v)))
+    / ||u|| (the normalisation's Jacobian). peft forms H in the same order (HRA's forward, Gram-Schmidt aside)."""
+    units = [(k, i, u[:, i] / u[:, i].norm(), u[:, i].norm()) for k, u in enumerate(vectors) for i in range(u.shape[1])]
+    prefixes = [torch.eye(vectors[0].shape[0], dtype=vectors[0].dtype, device=vectors[0].device)]
+    for _, _, v, _ in units:
+        prefixes.append(prefixes[-1] - 2 * torch.outer(prefixes[-1] @ v, v))
+
+    def pullback(grads):
+        g = grads.to(vectors[0].dtype)
+        out = {k: torch.empty(g.shape[0], *vectors[k].shape, dtype=g.dtype, device=g.device) for k in asked}
+        for j in reversed(range(len(units))):
+            k, i, v, norm = units[j]
+            w, gv = prefixes[j], g @ v  # W_j, g_j v_j: (k, n)
+            if k in out:
+                g_v = -2 * (gv @ w + (w @ v) @ g)
+                out[k][:, :, i] = (g_v - torch.outer(g_v @ v, v)) / norm
+            g = g - 2 * gv.unsqueeze(-1) * v
+        return [out[k] for k in asked]
+    return pullback
 
 
 def _boft_without_dropout(module, args, kwargs) -> bool:
