@@ -195,7 +195,10 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
             calls[id(call)] = points[node] = call
     attributed = _edges_in_regions(calls.values(), points)
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
-    fallback = [call for call in calls.values() if call.rule is None]
+    # Calls without a rule, and those captured at the model's repeat of their shared output (repeated.py: a path
+    # to the table past that repeat, the prompt read again after the forward, escapes its norm too)
+    fallback = [call for call in calls.values()
+                if call.rule is None or id(call.module) in call.recorder.repeated_by_caller]
     uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type()) if fallback else []
     return GraphAudit(list(stray.values()), list(calls.values()), reentrant, uncounted, scaled,
                       list(foreign.values()))

@@ -447,6 +447,14 @@ class GhostClipping:
         (fallback_paths.py)."""
         _, call = uncounted[0]
         described = self._described([p for p, _ in uncounted[:5]])
+        if call.rule is not None:  # captured at the model's repeat of its shared output (repeated.py)
+            raise RuntimeError(
+                f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}, "
+                "the prompt of peft's prompt tuning or p-tuning) along a path that does not go through the model's "
+                "repeat of the prompt to the batch, where ghostdp takes its per-example gradients: the prompt (or "
+                "a tensor computed from it) was kept and used after the forward, so that part of each example's "
+                "gradient would escape clipping. Fix: use the prompt only through the model's forward (or detach() "
+                "what is kept).")
         raise RuntimeError(
             f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}), "
             "which has no norm rule, along a path that does not go through the outputs its forward returned: a "

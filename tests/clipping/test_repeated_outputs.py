@@ -131,6 +131,7 @@ class Prompted(nn.Module):
             shared = prompt.repeat(1, x.shape[0], 1).reshape(x.shape[0], N, 3)
         else:
             shared = prompt.repeat(x.shape[0], 1, 1)
+        self.kept = prompt  # for a loss of one's own that reads it after the forward
         h = torch.cat([shared, x], 1)
         if self.use == "mixed":  # each example's features moved by the batch's mean: a mix through the gradient
             h = h + h.mean(0, keepdim=True)
@@ -182,5 +183,21 @@ def test_a_batch_of_one_takes_the_probe_as_before():
         controller.loss(model(x).pow(2).sum(1)).backward()
         assert controller.recorder._awaiting_repeat == []
         assert model.prompt.embedding.weight.grad is not None
+    finally:
+        controller.detach()
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_the_shared_prompt_read_again_after_the_forward_is_refused(clipping):
+    """A term of each example's loss that reads the prompt kept from the forward reaches the table past the repeat,
+    where its per-example gradients are taken: that part of the gradient would escape clipping (two passes) or be
+    lost (book-keeping)."""
+    model = Prompted("repeated").double()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        out = model(torch.randn(B, 2, 3, dtype=torch.float64))
+        losses = out.pow(2).sum(1) + model.kept.sum()
+        with pytest.raises(RuntimeError, match="along a path that does not go through the model's repeat"):
+            controller.loss(losses).backward()
     finally:
         controller.detach()
