@@ -4,16 +4,19 @@ not know takes the exact fallback.
 
 Each rotation Q is formed from the adapter's parameters alone (a Cayley transform, a product of reflections), so the
 rules form each example's gradient of Q as a Linear's factors give it, and pull it back to the parameters through Q's
-own small graph, recomputed from them, by batched VJPs (batched_vjp.grads_through), as for a weight-normalised weight
-(parametrized.py). That materialises each example's gradient of Q (as many elements as Q has), in chunks of
-ELEMENT_BUDGET elements, where the exact fallback ran a batched VJP of the whole layer per chunk of examples (tiny
-BERT, L=2, H=64, B=16, T=32, one CPU thread, book-keeping, adapters on query and value: OFT 3.3x plain, HRA 3.2x,
-BOFT 3.9x). With x_t the input and G_t the output grad at position t:
+own small graph, recomputed from them: OFT's by one backward over B copies of its rows, HRA's in closed form, BOFT's
+by batched VJPs (batched_vjp.grads_through), as for a weight-normalised weight (parametrized.py). That materialises
+each example's gradient of Q (as many elements as Q has), where the exact fallback ran a batched VJP of the whole
+layer per chunk of examples (tiny BERT, L=2, H=64, B=16, T=32, one CPU thread, book-keeping, adapters on query and
+value: OFT 3.10x plain, HRA 3.28x, BOFT 4.51x; by these rules 1.70x, 1.77x, 2.13x). With x_t the input and G_t the
+output grad at position t:
 
 **OFT** (``peft.tuners.oft.layer.OFTRotationModule``, which peft's OFT layers call on their input). It rotates each
 block of k features of x (..., n k) by an orthogonal R_j (k, k), the Cayley transform (exact, or its Neumann series)
 of a skew-symmetric matrix whose upper triangle is row j of its ``weight``, every block by the same R where
 ``block_share``: y[..., j, c] = sum_k x[..., j, k] R_j[k, c], so g_i(R_j) = sum_t x_t[j]^T G_t[j], (B, n, k, k).
+Row j of ``weight`` forms R_j alone, so the B examples' pullbacks are one backward of the module's own transform
+over B copies of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain).
 Declined (``_rotates_its_input``): other arguments, a 4-D input (a convolution's, which the module unfolds), and
 COFT (``coft``: the forward projects ``weight`` in place before using it).
 
@@ -59,12 +62,19 @@ def _blocks(module) -> int:
     return module.in_features // module.block_size if module.block_share else module.r
 
 
-def _block_rotations(module) -> torch.Tensor:
-    """(blocks, k, k): each block's R as the OFT forward forms it from ``weight``, with its graph."""
+def _pulled_to_weight(module, per_block: torch.Tensor) -> Instantiated:
+    """Each example's gradient of ``weight`` from its gradient of the blocks' R, (B, blocks, k, k): row j of
+    ``weight`` forms R_j alone, so the B examples' VJPs are one backward of the module's own Cayley transform over B
+    copies of ``weight``'s rows, each copy given one example's gradient (no vmap: B times the blocks in one call)."""
+    batch = per_block.shape[0]
+    if module.block_share:  # one R for every block: its gradient is the blocks' sum
+        per_block = per_block.sum(1, keepdim=True)
+    copies = module.weight.detach().repeat(batch, 1).requires_grad_()  # (B n', k (k - 1) / 2)
     with torch.enable_grad():
-        rotation = module._cayley_batch(module.weight, module.block_size, module.use_cayley_neumann,
-                                        module.num_cayley_neumann_terms)
-        return rotation.repeat(_blocks(module), 1, 1) if module.block_share else rotation
+        rotations = module._cayley_batch(copies, module.block_size, module.use_cayley_neumann,
+                                         module.num_cayley_neumann_terms)
+        (grads,) = torch.autograd.grad(rotations, copies, per_block.reshape(rotations.shape).to(rotations.dtype))
+    return Instantiated(grads.reshape(batch, *module.weight.shape))
 
 
 @register_norm_rule(OFT_ROTATION, params=("weight",), tokenwise=True, accepts=_rotates_its_input)
@@ -76,8 +86,8 @@ def oft_rotation_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     batch, blocks, k = x.shape[0], _blocks(module), module.block_size
     rows = x.to(module.weight.dtype).reshape(batch, -1, blocks, k)
     grads = output_grad.to(module.weight.dtype).reshape(batch, -1, blocks, k)
-    per_block = Instantiated(torch.einsum("btjk,btjc->bjkc", rows, grads))  # each example's g(R): (B, blocks, k, k)
-    return {"weight": grads_through(_block_rotations(module), [module.weight], per_block)[0]}
+    per_block = torch.einsum("btjk,btjc->bjkc", rows, grads)  # each example's g(R): (B, blocks, k, k)
+    return {"weight": _pulled_to_weight(module, per_block)}
 
 
 def _adapter_parameters(module) -> frozenset:
