@@ -112,6 +112,22 @@ def test_prompt_tuning_on_gpt2_with_a_causal_lm_loss_is_exact():
     assert_exact_model(model, dict(input_ids=ids), loss, B)
 
 
+def test_prompt_tuning_on_t5_with_prompts_for_encoder_and_decoder_is_exact():
+    """Two transformer submodules: one table of 2 n virtual tokens, repeated once, sliced for each stack."""
+    torch.manual_seed(6)
+    config = transformers.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                   num_heads=2, dropout_rate=0.0, decoder_start_token_id=0)
+    model = peft.get_peft_model(transformers.T5ForConditionalGeneration(config),
+                                peft.PromptTuningConfig(task_type="SEQ_2_SEQ_LM", num_virtual_tokens=3)).double()
+    assert model.get_parameter("prompt_encoder.default.embedding.weight").shape == (6, 16)
+    ids, labels = torch.randint(1, 40, (4, 6)), torch.randint(1, 40, (4, 5))
+
+    def loss(out, sl):
+        return nn.functional.cross_entropy(out.logits.transpose(1, 2), labels[sl], reduction="none").sum(1)
+
+    assert_exact_model(model, dict(input_ids=ids, labels=labels), loss, 4)
+
+
 class Prompted(nn.Module):
     """peft's prompt encoder used by a model of one's own: ``use`` says how its shared prompt reaches the output."""
 
