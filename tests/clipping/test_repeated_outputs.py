@@ -128,6 +128,18 @@ def test_prompt_tuning_on_t5_with_prompts_for_encoder_and_decoder_is_exact():
     assert_exact_model(model, dict(input_ids=ids, labels=labels), loss, 4)
 
 
+def test_multitask_prompt_tuning_which_looks_its_prompt_up_per_example_is_exact():
+    """Its prompt tokens are expanded to the batch before the lookup and scaled per task: no shared output."""
+    torch.manual_seed(7)
+    config = transformers.BertConfig(vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config), peft.MultitaskPromptTuningConfig(
+        task_type="SEQ_CLS", num_virtual_tokens=3, num_tasks=2)).double()
+    ids, tasks = torch.randint(1, V, (4, 6)), torch.tensor([0, 1, 1, 0])
+    assert_exact_model(model, dict(input_ids=ids, task_ids=tasks), _classification(torch.randint(0, 3, (4,))), 4)
+
+
 class Prompted(nn.Module):
     """peft's prompt encoder used by a model of one's own: ``use`` says how its shared prompt reaches the output."""
 
