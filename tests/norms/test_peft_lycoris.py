@@ -1,5 +1,5 @@
-"""peft's LoHa and LoKr on a Linear (norms/peft_lycoris.py): exact against the per-example loop, by their rule, not
-the fallback; every declined call exact by the fallback."""
+"""peft's LoHa and LoKr on a Linear or a convolution (norms/peft_lycoris.py): exact against the per-example loop, by
+their rule, not the fallback; every declined call exact by the fallback."""
 import peft
 import pytest
 import torch
@@ -28,9 +28,10 @@ class TwoLayers(nn.Module):
         return self.head(h if h.dim() == 2 else h.mean(1))
 
 
-def _config(kind, saved=("head",), r=2, **options):
+def _config(kind, saved=("head",), r=2, target_modules=("proj",), **options):
     config = peft.LoHaConfig if kind == "loha" else peft.LoKrConfig
-    return config(r=r, alpha=3, target_modules=["proj"], init_weights=False, modules_to_save=list(saved), **options)
+    return config(r=r, alpha=3, target_modules=list(target_modules), init_weights=False,
+                  modules_to_save=list(saved), **options)
 
 
 def _adapted(kind, model=None, **options):
@@ -40,6 +41,10 @@ def _adapted(kind, model=None, **options):
 
 def _adapter_module(model):
     return model.base_model.model.proj
+
+
+def _adapter_module_of(model, name):
+    return model.base_model.model.get_submodule(name)
 
 
 def _assert_exact(model, x):
@@ -149,3 +154,53 @@ def test_an_adapter_skipped_by_a_draw_of_zero_trains_by_the_fallback(monkeypatch
     x = torch.randn(B, 3, D_IN, dtype=torch.float64)
     monkeypatch.setattr(torch, "rand", lambda *size, **options: torch.zeros(*size, **options))
     _assert_exact(model, x)
+
+
+class Convolved(nn.Module):
+    """A convolution (2-D or 1-D) on (B, 4, ...) inputs, mean-pooled into a head."""
+
+    def __init__(self, dim=2, **options):
+        super().__init__()
+        self.conv = (nn.Conv2d if dim == 2 else nn.Conv1d)(4, 6, 3, **options)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(2).mean(2))
+
+
+def _convolved(kind, dim=2, r=2, conv=None, **options):
+    model = Convolved(dim, **(conv or {}))
+    return peft.get_peft_model(model, _config(kind, r=r, target_modules=["conv"], **options)).double().train()
+
+
+@pytest.mark.parametrize("kind, dim, r, conv, options, forms", [
+    ("loha", 2, 2, {"stride": 2, "padding": 1}, {}, None),
+    ("loha", 2, 2, {"dilation": 2, "groups": 2}, {}, None),
+    ("loha", 1, 2, {"padding": 1}, {}, None),
+    ("lokr", 2, 8, {"stride": 2, "padding": 1}, {}, {"lokr_w1": (2, 2), "lokr_w2": (3, 2, 3, 3)}),
+    ("lokr", 2, 1, {"dilation": 2, "groups": 2}, {"decompose_both": True},
+     {"lokr_w1": (2, 1), "lokr_w2_a": (3, 1), "lokr_w2_b": (1, 18)})])
+def test_the_adapter_on_a_convolution_is_exact_by_its_rule(kind, dim, r, conv, options, forms):
+    """dW as the base's convolution's weight: its factor is the convolution rule's (conv.py); LoKr's W2 whole with
+    the kernel's dims, or a product whose columns hold them."""
+    torch.manual_seed(6)
+    model = _convolved(kind, dim, r, conv, **options)
+    if forms is not None:
+        got = {n.split(".")[-2]: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad and "lokr" in n}
+        assert got == forms
+    x = torch.randn(B, 4, 9, 9, dtype=torch.float64) if dim == 2 else torch.randn(B, 4, 11, dtype=torch.float64)
+    _assert_exact(model, x)
+    assert took_fallback(model, x) == set()
+
+
+@pytest.mark.parametrize("kind, dim, conv, options", [
+    ("loha", 2, {}, {"use_effective_conv2d": True}),  # the CP form: a core tensor
+    ("loha", 2, {"padding": 1, "padding_mode": "reflect"}, {}),  # dW's convolution pads with zeros
+    ("lokr", 1, {"padding": 1}, {})])  # a 3-D W2, which torch.kron aligns from the left
+def test_the_forms_the_rule_does_not_know_take_the_fallback_exactly(kind, dim, conv, options):
+    torch.manual_seed(7)
+    model = _convolved(kind, dim, 2, conv, **options)
+    x = torch.randn(B, 4, 9, 9, dtype=torch.float64) if dim == 2 else torch.randn(B, 4, 11, dtype=torch.float64)
+    assert not _computes_the_adapters(_adapter_module_of(model, "conv"), (x,), {})
+    _assert_exact(model, x)
+    assert took_fallback(model, x) == {"base_model.model.conv"}
