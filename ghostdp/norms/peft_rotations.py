@@ -16,9 +16,10 @@ block of k features of x (..., n k) by an orthogonal R_j (k, k), the Cayley tran
 of a skew-symmetric matrix whose upper triangle is row j of its ``weight``, every block by the same R where
 ``block_share``: y[..., j, c] = sum_k x[..., j, k] R_j[k, c], so g_i(R_j) = sum_t x_t[j]^T G_t[j], (B, n, k, k).
 Row j of ``weight`` forms R_j alone, so the B examples' pullbacks are one backward of the module's own transform
-over B copies of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain).
-Declined (``_rotates_its_input``): other arguments, a 4-D input (a convolution's, which the module unfolds), and
-COFT (``coft``: the forward projects ``weight`` in place before using it).
+over B copies of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain). On a convolution's 4-D input the
+module rotates x's unfolded patches and folds them back (peft's own fold, linear but not laid out as the unfold's
+adjoint): x is the patches and G the fold's VJP of the output grad. Declined (``_rotates_its_input``): other
+arguments, inputs of more than 4 dims, and COFT (``coft``: the forward projects ``weight`` in place before using it).
 
 **HRA** (``peft.tuners.hra.layer.HRALinear``). y = x (W H)^T + b with W, b the frozen base's and H (in, in) the product
 of each active adapter's reflections (``get_delta_weight``), so g_i(H) = W^T g_i(W H) = sum_t (G_t W)^T x_t: an
@@ -54,7 +55,7 @@ BOFT_LINEAR = "peft.tuners.boft.layer.Linear"
 
 def _rotates_its_input(module, args, kwargs) -> bool:
     """Whether this call rotates the blocks of a (..., features) input as the OFT rule assumes."""
-    return (len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and 1 < args[0].dim() < 4
+    return (len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and 1 < args[0].dim() < 5
             and not module.coft)
 
 
@@ -82,10 +83,16 @@ def oft_rotation_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                       trainable: set[str]) -> dict:
     if "weight" not in trainable:
         return {}
-    x = inputs[0]
+    x, dtype = inputs[0], module.weight.dtype
     batch, blocks, k = x.shape[0], _blocks(module), module.block_size
-    rows = x.to(module.weight.dtype).reshape(batch, -1, blocks, k)
-    grads = output_grad.to(module.weight.dtype).reshape(batch, -1, blocks, k)
+    if x.dim() == 4:  # a convolution's input: its patches are rotated, then folded back by peft's fold (linear)
+        patches = module._unfold(x.to(dtype))
+        with torch.enable_grad():  # G at the rotated patches: the fold's VJP (exact, however the fold lays them out)
+            rotated = torch.zeros_like(patches, requires_grad=True)
+            (output_grad,) = torch.autograd.grad(module._fold(rotated, x.shape), rotated, output_grad.to(dtype))
+        x = patches
+    rows = x.to(dtype).reshape(batch, -1, blocks, k)
+    grads = output_grad.to(dtype).reshape(batch, -1, blocks, k)
     per_block = torch.einsum("btjk,btjc->bjkc", rows, grads)  # each example's g(R): (B, blocks, k, k)
     return {"weight": _pulled_to_weight(module, per_block)}
 

@@ -85,14 +85,34 @@ def test_two_active_adapters_some_parameters_frozen(kind, options):
     _assert_exact_by_rules(model, torch.randn(B, 3, D_IN, dtype=torch.float64))
 
 
+class Convolved(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 6, 3, **options), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(2).mean(2))
+
+
+@pytest.mark.parametrize("conv", [{}, {"stride": 2, "padding": 1}])
+@pytest.mark.parametrize("options", [{"r": 2, "oft_block_size": 0}, {"oft_block_size": 6, "block_share": True}])
+def test_the_rotation_of_a_convolutions_patches_is_exact_by_its_rule(conv, options):
+    """OFT on a Conv2d rotates the input's unfolded patches (of the kernel's size) and folds them back."""
+    torch.manual_seed(3)
+    config = peft.OFTConfig(target_modules=["conv"], init_weights=False, modules_to_save=["head"], **options)
+    model = peft.get_peft_model(Convolved(**conv), config).double().train()
+    _assert_exact_by_rules(model, torch.randn(B, 4, 7, 7, dtype=torch.float64))
+
+
 def test_declined_calls():
-    """A convolution's 4-D input (the module unfolds it), other arguments, and COFT, whose forward projects the
-    weight in place (ghostdp's parameter watch refuses that forward anyway)."""
+    """An input of more than 4 dims, other arguments, and COFT, whose forward projects the weight in place
+    (ghostdp's parameter watch refuses that forward anyway)."""
     rotation = _rotation(_adapted(r=2, oft_block_size=0))
     x = torch.randn(B, 3, D_IN, dtype=torch.float64)
     assert attached_rule(rotation) is not None
     assert _rotates_its_input(rotation, (x,), {})
-    assert not _rotates_its_input(rotation, (x.reshape(B, 3, 2, 4),), {})
+    assert _rotates_its_input(rotation, (x.reshape(B, 3, 2, 4),), {})  # a convolution's: its patches rotated
+    assert not _rotates_its_input(rotation, (x.reshape(B, 3, 2, 2, 2),), {})
     assert not _rotates_its_input(rotation, (x, x), {})
     assert not _rotates_its_input(rotation, (x,), {"scale": 1.0})
     assert not _rotates_its_input(_rotation(_adapted(oft_block_size=4, coft=True)), (x,), {})
