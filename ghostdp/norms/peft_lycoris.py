@@ -61,13 +61,13 @@ def _computes_the_adapters(module, args, kwargs) -> bool:
         return False
     if isinstance(base, torch.nn.modules.conv._ConvNd) and (
             base.padding_mode != "zeros"  # dW's convolution pads with zeros whatever the base's padding mode
-            or any(_cp_form(module, a) for a in _active(module))):
+            or any(_unknown_form(module, a) for a in _active(module))):
         return False
     return not module.training or all(not module.rank_dropout[a] and not module.module_dropout[a]
                                       for a in _active(module))
 
 
-def _cp_form(module, adapter) -> bool:
+def _unknown_form(module, adapter) -> bool:
     """Whether a convolution's adapter forms dW otherwise than the rule's pullbacks assume: in its CP form
     (use_effective_conv2d: a core tensor), or, on a Conv1d, from a 3-D Kronecker factor, which torch.kron aligns
     with the 2-D one from the left ((1, a, b) against (c, d, k)) before peft reshapes the product."""
@@ -123,13 +123,13 @@ def _lokr_pullback(module, adapter, names):
             sides[side] = (a @ b, a, b)
     w1, w2 = sides["1"][0], sides["2"][0]
     s = module.scaling[adapter]
-
     kernel = w2.reshape(w2.shape[0], w2.shape[1], -1)  # (c, d, p): p = 1 unless W2 has a convolution's kernel
 
     def pullback(grads):
+        # (k, a, c, b, d, p): out = i c + k, in (with the kernel) = (j d + l) p
         grads = grads.to(w1.dtype).reshape(-1, w1.shape[0], w2.shape[0], w1.shape[1], *kernel.shape[1:])
         whole = {"1": torch.einsum("nikjlp,klp->nij", grads, kernel) * s,
-                 "2": (torch.einsum("nikjlp,ij->nklp", grads, w1) * s).reshape(-1, *w2.shape)}  # (k, a, c, b, d, p)
+                 "2": (torch.einsum("nikjlp,ij->nklp", grads, w1) * s).reshape(-1, *w2.shape)}
         out = []
         for name in names:
             kind = name.split(".")[0][len("lokr_w"):]  # "1", "1_a", "1_b", ...
@@ -139,8 +139,8 @@ def _lokr_pullback(module, adapter, names):
     return pullback
 
 
-_PULLBACKS = {LOHA_LINEAR: _loha_pullback, LOKR_LINEAR: _lokr_pullback,
-              **{kind: _loha_pullback if ".loha." in kind else _lokr_pullback for kind in CONVOLUTIONS}}
+_PULLBACKS = {kind: _loha_pullback if kind.startswith("peft.tuners.loha.") else _lokr_pullback
+              for kind in (LOHA_LINEAR, LOKR_LINEAR, *CONVOLUTIONS)}
 
 
 def _formed_weight_rule(kind):
