@@ -13,8 +13,10 @@ examples, as for any broadcast output), and the Embedding rule reads it with the
 encoder (an embedding, then an MLP or an LSTM and an MLP) is one such call of its own, its children absorbed, under
 its rule (norms/peft_prompt.py). The
 repeat is found once the root's forward has run, by a walk of its outputs' graph, and the lookup's output must
-reach the outputs through that one repeat alone: any other use of it (a term of the loss that reads the shared
-prompt) would bring gradient that no example's norm counts, and is refused with what to do instead.
+reach the outputs through that one repeat alone: any other use of it inside the forward would bring gradient that
+no example's norm counts, and is refused with what to do instead. A use after the forward (the prompt kept and read
+by the loss) lies past the root's outputs: the step's graph audit finds it, as it finds paths past a call without a
+rule's outputs (audit.py, fallback_paths.uncounted_parameters), and refuses it.
 """
 from __future__ import annotations
 
