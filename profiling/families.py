@@ -173,9 +173,11 @@ FAMILIES = {
 }
 
 
-def _step(library, mode, model, inputs):
+def _step(library, mode, model, inputs, labels=None):
+    """One training step of ``model`` on ``inputs`` (model(**inputs).logits), plain (``library`` None) or by that
+    ghostdp's ``mode``; ``labels``: the batch's classes (default: the families' two examples')."""
     import torch
-    labels = torch.tensor([0, 2])
+    labels = torch.tensor([0, 2]) if labels is None else labels
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if library is None:
@@ -196,23 +198,44 @@ def _step(library, mode, model, inputs):
 def measure(family: str, rounds: int, warmup: int, against: str | None) -> dict:
     """{row: (median ms, median ratio to plain)} of one family, and its fallback modules under "fallback"."""
     import torch
-
-    import ghostdp
     torch.manual_seed(0)
     template, inputs = FAMILIES[family]()
+    return measure_model(template, inputs, None, rounds, warmup, against)
+
+
+def measure_model(template, inputs, labels, rounds: int, warmup: int, against: str | None) -> dict:
+    """The rows and fallback modules of ``measure`` for one model (a copy per mode) on ``inputs`` and ``labels``."""
+    import torch
+
+    import ghostdp
     template.train()
     libraries = [("", ghostdp)] + ([(f"@{against}", ghostdp_at(against))] if against else [])
-    steps = {"plain": _step(None, "plain", copy.deepcopy(template), inputs)}
+    steps = {"plain": _step(None, "plain", copy.deepcopy(template), inputs, labels)}
     for mode in MODES:
         for suffix, library in libraries:
-            steps[mode + suffix] = _step(library, mode, copy.deepcopy(template), inputs)
+            steps[mode + suffix] = _step(library, mode, copy.deepcopy(template), inputs, labels)
     rows = ratios(run_rounds(steps, rounds, warmup, torch.device("cpu")))
     return {"rows": rows, "fallback": list(ghostdp.validate.fallback_modules(template))}
 
 
+def print_rows(name: str, result: dict, width: int = 15) -> None:
+    """One model's rows of the table main prints, its fallback modules on the first."""
+    fallback = result["fallback"]
+    listed = ", ".join(fallback[:3]) + (f", ... ({len(fallback)})" if len(fallback) > 3 else "")
+    for n, (row, (ms, ratio)) in enumerate(result["rows"].items()):
+        print(f"{name:<{width}}{row:<24}{ratio:>6.2f}x{ms:>11.1f}   {listed if n == 0 else ''}")
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    return table_main(argv, __doc__, "families", FAMILIES, measure, "family")
+
+
+def table_main(argv, doc: str, what: str, models: dict, measure_one, label: str, width: int = 15) -> dict:
+    """Parses ``argv`` (``--{what}`` of ``models``, rounds, warmup, threads, against), measures each model named with
+    ``measure_one(name, rounds, warmup, against)`` and prints the table, its first column headed ``label``:
+    {name: its result}."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(f"--{what}", nargs="+", default=list(models), choices=list(models))
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
@@ -223,13 +246,10 @@ def main(argv=None) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     results = {}
-    print(f"{'family':<15}{'mode':<24}{'ratio':>7}{'median ms':>11}   fallback modules (this checkout)")
-    for family in args.families:
-        results[family] = measure(family, args.rounds, args.warmup, args.against)
-        fallback = results[family]["fallback"]
-        listed = ", ".join(fallback[:3]) + (f", ... ({len(fallback)})" if len(fallback) > 3 else "")
-        for n, (row, (ms, ratio)) in enumerate(results[family]["rows"].items()):
-            print(f"{family:<15}{row:<24}{ratio:>6.2f}x{ms:>11.1f}   {listed if n == 0 else ''}")
+    print(f"{label:<{width}}{'mode':<24}{'ratio':>7}{'median ms':>11}   fallback modules (this checkout)")
+    for name in getattr(args, what):
+        results[name] = measure_one(name, args.rounds, args.warmup, args.against)
+        print_rows(name, results[name], width)
     return results
 
 

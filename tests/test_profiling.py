@@ -568,6 +568,18 @@ def test_one_backward_weighs_kept_against_saved_bytes_and_switches_only_where_th
     assert "kept/saved" in capsys.readouterr().out
 
 
+def test_the_peft_methods_benchmark_interleaves_each_methods_modes_with_no_fallback(capsys):
+    from profiling import peft_methods
+    results = peft_methods.main(["--methods", "loha", "prompt", "conv-lokr", "--rounds", "1", "--warmup", "0"])
+    assert list(results) == ["loha", "prompt", "conv-lokr"]
+    for result in results.values():
+        assert set(result["rows"]) == {"plain", "bookkeeping", "ghost"}
+        assert result["rows"]["plain"][1] == 1.0
+        assert all(math.isfinite(ratio) and ratio > 0 for _, ratio in result["rows"].values())
+        assert result["fallback"] == []  # each by its rule since 2026-12-03
+    assert "conv-lokr" in capsys.readouterr().out
+
+
 def test_the_families_benchmark_interleaves_each_familys_modes_and_lists_its_fallback_modules(capsys):
     from profiling import families
     results = families.main(["--families", "convnext", "t5", "--rounds", "1", "--warmup", "0", "--against", "HEAD"])
