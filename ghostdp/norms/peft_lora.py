@@ -45,6 +45,7 @@ from torch.nn.utils import parametrize
 
 from .elementwise import scale_grads
 from .factors import EmbeddingGather, OuterProduct, TransposedGrad
+from .peft_layers import plain_adapted_call
 from .registry import register_norm_rule
 
 LORA_EMBEDDING = "peft.tuners.lora.layer.Embedding"
@@ -65,7 +66,7 @@ def _active(module) -> list:
 def _computes_the_adapters(module, args, kwargs) -> bool:
     """Whether this call adds each active adapter's s (A^T[x]) B^T to the base's lookup, as the rule assumes."""
     base = module.get_base_layer()
-    if (len(args) != 1 or kwargs or module.disable_adapters or module.merged
+    if (not plain_adapted_call(module, args, kwargs)
             or getattr(base, "max_norm", None) is not None or getattr(base, "scale_grad_by_freq", False)
             or getattr(base, "sparse", False)):
         return False
@@ -162,7 +163,7 @@ def _active_svd(module) -> list:
 
 def _computes_the_svd_adapters(module, args, kwargs) -> bool:
     """Whether this call adds each active adapter's c x (A * E)^T B^T to the base's output, as the rule assumes."""
-    if len(args) != 1 or kwargs or module.disable_adapters or module.merged:
+    if not plain_adapted_call(module, args, kwargs):
         return False
     return all(type(module.lora_dropout[a]) is torch.nn.Identity or not module.training for a in _active_svd(module))
 

@@ -33,6 +33,7 @@ import torch
 from .batched_vjp import pulled_back
 from .conv import conv_rule
 from .factors import OuterProduct
+from .peft_layers import adapter_parameters, plain_adapted_call
 from .registry import qualified_name, register_norm_rule
 
 LOHA_LINEAR = "peft.tuners.loha.layer.Linear"
@@ -42,11 +43,6 @@ CONVOLUTIONS = {f"peft.tuners.{tuner}.layer.{name}": base for tuner in ("loha", 
                 for name, base in (("Conv2d", torch.nn.Conv2d), ("Conv1d", torch.nn.Conv1d))}
 
 
-def _adapter_parameters(module) -> frozenset:
-    """The names of every adapter's parameters, as the module owns them (its ParameterDicts by adapter)."""
-    return frozenset(f"{kind}.{adapter}" for kind in module.adapter_layer_names for adapter in getattr(module, kind))
-
-
 def _active(module) -> list:
     return [a for a in module.active_adapters if a in module._available_adapters]
 
@@ -54,7 +50,7 @@ def _active(module) -> list:
 def _computes_the_adapters(module, args, kwargs) -> bool:
     """Whether this call adds each active adapter's x dW^T (or its convolution by dW) to the base's output with no
     random draw in dW, as the rule assumes."""
-    if len(args) != 1 or kwargs or module.disable_adapters or module.merged:
+    if not plain_adapted_call(module, args, kwargs):
         return False
     base = module.get_base_layer()
     if type(base) is not CONVOLUTIONS.get(qualified_name(type(module)), torch.nn.Linear):
@@ -172,6 +168,6 @@ def _formed_weight_rule(kind):
 
 
 for _kind in (LOHA_LINEAR, LOKR_LINEAR, *CONVOLUTIONS):
-    register_norm_rule(_kind, _formed_weight_rule(_kind), params=_adapter_parameters,
+    register_norm_rule(_kind, _formed_weight_rule(_kind), params=adapter_parameters,
                        tokenwise=_kind not in CONVOLUTIONS, accepts=_computes_the_adapters,
                        rule_inputs=_adapters_applied)

@@ -46,6 +46,7 @@ import torch
 from .batched_vjp import grads_through, pulled_back
 from .elementwise import scale_grads
 from .factors import Instantiated, OuterProduct
+from .peft_layers import adapter_parameters, plain_adapted_call
 from .registry import register_norm_rule
 
 OFT_ROTATION = "peft.tuners.oft.layer.OFTRotationModule"
@@ -97,18 +98,13 @@ def oft_rotation_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     return {"weight": _pulled_to_weight(module, per_block)}
 
 
-def _adapter_parameters(module) -> frozenset:
-    """The names of every adapter's parameters, as the module owns them (its ParameterDicts by adapter)."""
-    return frozenset(f"{kind}.{adapter}" for kind in module.adapter_layer_names for adapter in getattr(module, kind))
-
-
 def _active(module, held: str) -> list:
     return [a for a in module.active_adapters if a in getattr(module, held)]
 
 
 def _adapts_a_frozen_linear(module, args, kwargs) -> bool:
     """Whether this call rotates a frozen nn.Linear by its active adapters, as the HRA and BOFT rules assume."""
-    if len(args) != 1 or kwargs or module.disable_adapters or module.merged:
+    if not plain_adapted_call(module, args, kwargs):
         return False
     base = module.get_base_layer()
     return type(base) is torch.nn.Linear and not any(p.requires_grad for p in base.parameters())
@@ -122,7 +118,7 @@ def _dtype(module, held) -> torch.dtype:
     return functools.reduce(torch.promote_types, [getattr(module, held)[a].dtype for a in _active(module, held)])
 
 
-@register_norm_rule(HRA_LINEAR, params=_adapter_parameters, tokenwise=True, accepts=_adapts_a_frozen_linear)
+@register_norm_rule(HRA_LINEAR, params=adapter_parameters, tokenwise=True, accepts=_adapts_a_frozen_linear)
 def hra_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
              trainable: set[str]) -> dict:
     names = _trained(module, "hra_u", trainable)
@@ -177,7 +173,7 @@ def _boft_without_dropout(module, args, kwargs) -> bool:
         type(module.boft_dropout[a]) is torch.nn.Identity for a in _active(module, "boft_R")))
 
 
-@register_norm_rule(BOFT_LINEAR, params=_adapter_parameters, tokenwise=True, accepts=_boft_without_dropout)
+@register_norm_rule(BOFT_LINEAR, params=adapter_parameters, tokenwise=True, accepts=_boft_without_dropout)
 def boft_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
               trainable: set[str]) -> dict:
     rotations, scales = _trained(module, "boft_R", trainable), _trained(module, "boft_s", trainable)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .factors import EmbeddingGather
+from .peft_layers import plain_adapted_call
 from .registry import register_norm_rule
 
 TRAINABLE_TOKENS = "peft.tuners.trainable_tokens.layer.TrainableTokensLayer"
@@ -29,9 +30,8 @@ def _token_parameters(module) -> frozenset:
 def _looks_up_tokens(module, args, kwargs) -> bool:
     """Whether this call looks ids up in the table with the adapters' rows written in, as the rule assumes."""
     base = module.get_base_layer()
-    return (len(args) == 1 and not kwargs and not module.disable_adapters and not module.merged
-            and isinstance(base, torch.nn.Embedding) and base.max_norm is None and not base.scale_grad_by_freq
-            and not base.sparse)
+    return (plain_adapted_call(module, args, kwargs) and isinstance(base, torch.nn.Embedding)
+            and base.max_norm is None and not base.scale_grad_by_freq and not base.sparse)
 
 
 @register_norm_rule(TRAINABLE_TOKENS, params=_token_parameters, tokenwise=True, accepts=_looks_up_tokens)
