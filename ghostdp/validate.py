@@ -89,8 +89,10 @@ def dropped_losses(model: torch.nn.Module) -> list[str]:
     (they are computed from the outputs, not read from ``outputs.loss``)."""
     dropped = []
     for name, m in model.named_modules():
-        config = getattr(m, "peft_config", {}).get(getattr(m, "trainable_adapter_name", None))
-        if is_instance_of(m, PEFT_ADALORA_MODEL) and getattr(config, "orth_reg_weight", 0) > 0:
+        if not is_instance_of(m, PEFT_ADALORA_MODEL):
+            continue
+        config = m.peft_config.get(m.trainable_adapter_name)
+        if getattr(config, "orth_reg_weight", 0) > 0:
             dropped.append(
                 f"module '{name or '<root>'}' is peft's AdaLoRA, which adds an orthogonal regulariser of its "
                 f"adapters (orth_reg_weight={config.orth_reg_weight} times the mean of ||A A^T - I|| and "

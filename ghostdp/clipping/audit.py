@@ -28,6 +28,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from .capture import found_call
 from .fallback_paths import stops, uncounted_parameters
 from .probe import ProbeIdentity
+from .repeated import repeated_by_its_caller
 
 _PROBE_NODE = ProbeIdentity._backward_cls
 # node type -> whether the walk lists its nodes: a probe's, a reentrant checkpoint's (torch's or a subclass), an
@@ -197,8 +198,7 @@ def audit_graph(roots, parameters: dict, stop=frozenset(), seen=None, captured_t
     stray = {id(p): p for key, p in edges.items() if key not in attributed}
     # Calls without a rule, and those captured at the model's repeat of their shared output (repeated.py: a path
     # to the table past that repeat, the prompt read again after the forward, escapes its norm too)
-    fallback = [call for call in calls.values()
-                if call.rule is None or id(call.module) in call.recorder.repeated_by_caller]
+    fallback = [call for call in calls.values() if call.rule is None or repeated_by_its_caller(call)]
     uncounted = uncounted_parameters(roots, points, fallback, accumulate_grad_type()) if fallback else []
     return GraphAudit(list(stray.values()), list(calls.values()), reentrant, uncounted, scaled,
                       list(foreign.values()))

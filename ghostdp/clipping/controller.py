@@ -42,6 +42,7 @@ from .probe import compiled_code_note
 from .pass_one import PassOne
 from .recording import ForwardRecorder, zero_size_leaf
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
+from .repeated import repeated_by_its_caller
 from .samples import SampleRequest
 from .saved_bytes import saved_bytes, storage_keys
 
@@ -447,7 +448,7 @@ class GhostClipping:
         (fallback_paths.py)."""
         _, call = uncounted[0]
         described = self._described([p for p, _ in uncounted[:5]])
-        if call.rule is not None:  # captured at the model's repeat of its shared output (repeated.py)
+        if repeated_by_its_caller(call):  # captured at the model's repeat of its shared output (repeated.py)
             raise RuntimeError(
                 f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}, "
                 "the prompt of peft's prompt tuning or p-tuning) along a path that does not go through the model's "

@@ -26,6 +26,7 @@ import torch
 
 from ..norms.factors import acc_dtype
 from ..norms.registry import ROWS
+from .repeated import repeated_by_its_caller
 
 # Per example, |G_v - v_e G_1| <= TOLERANCE * |v_e G_1| (l2 over the example's rows). With power-of-two
 # cotangents only the order of non-deterministic GPU reductions (atomics in attention backward, split-K)
@@ -289,7 +290,7 @@ class LayoutProver:
 
 
 def refuse(call, g, batch_size, options, broadcast=False, declared=0):
-    if broadcast and id(call.module) in call.recorder.repeated_by_caller:  # captured at the model's repeat
+    if broadcast and repeated_by_its_caller(call):  # captured at the model's repeat (repeated.py)
         raise RuntimeError(
             f"module '{call.name}' ({type(call.module).__name__}, the prompt of peft's prompt tuning or p-tuning) "
             "produced an "

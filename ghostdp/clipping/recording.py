@@ -94,6 +94,12 @@ def _all_tensors(args) -> bool:
     return True
 
 
+def _broadcast_to(args, batch_size) -> tuple:
+    """A shared call's inputs as its rule reads them for the batch: each of batch size 1 expanded to ``batch_size``
+    (the ids of a position embedding, of peft's prompt)."""
+    return tuple(a.expand(batch_size, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
+
+
 def _compact_views(args) -> tuple:
     """The inputs that a book-keeping call holds until its clipped sums: a view of a storage over twice its
     size is copied (a pooler's first token would otherwise keep the (B, T, d) hidden states alive)."""
@@ -506,8 +512,7 @@ class ForwardRecorder:
                 call.shapes.append(tuple(t.shape))
             saved = ()
             if rule is not None:  # one output; the rule's activations, saved on the probe's node (probe.py)
-                saved = tuple(a.expand(B, *a.shape[1:]) if expanded and a.dim() > 0 and a.shape[0] == 1 else a
-                              for a in read)
+                saved = _broadcast_to(read, B) if expanded else tuple(read)
             new_flat[i] = add_probe(t, self._probe(t.device), call, slot, known_forward=rule is not None,
                                     inputs=saved)
         if recording:
@@ -628,7 +633,7 @@ class ForwardRecorder:
                 t = t.unsqueeze(1).expand(B, rows // B, *t.shape[1:])
             else:
                 t, rows = t.expand(B, *t.shape[1:]), None
-            saved = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
+            saved = _broadcast_to(args, B)
             call.expanded = _EXPANDED
         else:
             call.expanded = _NOT_EXPANDED
@@ -669,8 +674,7 @@ class ForwardRecorder:
         call.input_nodes = _grad_fns(args)
         for p in params.values():
             self.live[id(p)] += 1
-        inputs = tuple(a.expand(B, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
-        self._awaiting_repeat.append((call, output, inputs))
+        self._awaiting_repeat.append((call, output, _broadcast_to(args, B)))
         return None
 
     def _trainable_owned(self, module) -> dict:

@@ -32,9 +32,19 @@ PROMPT_ENCODER = "peft.tuners.p_tuning.model.PromptEncoder"  # p-tuning's (norms
 def repeated_by_caller(root: torch.nn.Module) -> frozenset:
     """The ids of the modules below ``root`` whose output of batch size 1 the model repeats to the batch itself:
     the lookup table of each of peft's prompt-tuning encoders, and each of its p-tuning encoders."""
-    tables = {id(m.embedding) for m in root.modules() if is_instance_of(m, PROMPT_EMBEDDING)
-              and type(getattr(m, "embedding", None)) is torch.nn.Embedding}
-    return frozenset(tables | {id(m) for m in root.modules() if is_instance_of(m, PROMPT_ENCODER)})
+    repeated = set()
+    for m in root.modules():
+        if is_instance_of(m, PROMPT_EMBEDDING) and type(getattr(m, "embedding", None)) is torch.nn.Embedding:
+            repeated.add(id(m.embedding))
+        elif is_instance_of(m, PROMPT_ENCODER):
+            repeated.add(id(m))
+    return frozenset(repeated)
+
+
+def repeated_by_its_caller(call) -> bool:
+    """Whether ``call`` is of a module whose shared output the model repeats to the batch (repeated_by_caller): the
+    layout proof and the graph audit refuse its faults in words of their own."""
+    return id(call.module) in call.recorder.repeated_by_caller
 
 
 def capture_at_repeats(awaiting, outputs, batch_size: int, captured_types: set) -> None:
