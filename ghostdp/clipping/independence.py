@@ -49,7 +49,10 @@ rerun's in-place updates of a buffer go to a copy), and so are the tensors the m
 (replaced, changed in place, or set where there was none; a checked forward that changes one is warned of:
 buffers.CHANGED_ATTRIBUTE), so training draws and stores what it would have without them; the model's other forward
 hooks (the user's) do run again. A forward that cannot run again (or takes an iterator, which a rerun would consume
-first) is warned of once and trains unchecked. Not covered: mixing after the model's forward (between its output and
+first) is warned of once and trains unchecked; so does one whose arguments hold no tensor with a dim, or whose output
+has no tensor with dim 0 of the batch's size (UNCHECKED: a sequence-first model pooled to (B, ...), an EmbeddingBag
+given offsets; unsaid before 2026-12-03). The tensors of a batch passed, or an output returned, in a SimpleNamespace
+or a dataclass are found and replaced there (leaves.py). Not covered: mixing after the model's forward (between its output and
 the DP loss), and data that mixes only on steps off the schedule. Cost: five forwards without gradient on those
 steps (six with an attention mask; four and five before 2026-12-02, when the CPU stand-in with B = 4 and a mask,
 book-keeping, took 49.9 ms a checked step against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the
@@ -64,7 +67,7 @@ from typing import NamedTuple
 
 import torch
 from torch.nn.utils import parametrize
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten
+from torch.utils._pytree import keystr
 
 from .. import collector
 from ..data import distributed_rank_and_size, maxima_across_ranks
@@ -72,6 +75,7 @@ from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, proof_scheduled
+from .leaves import flatten, output_leaves, unflatten
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
@@ -116,6 +120,21 @@ RERUN_FAILED = (
     "torch.no_grad()) would go unnoticed. Fix: let the model's forward run twice per step (no state kept "
     "between calls outside its buffers).")
 
+
+UNCHECKED = (
+    "ghostdp could not check that the model's forward keeps the examples apart where no gradient flows: {why}. A "
+    "forward that mixes examples without gradient (a batch statistic under torch.no_grad()) would go unnoticed; the "
+    "layout proof still checks what the gradients show. Fix: {fix}. Warned once.")
+NO_TENSOR_ARGUMENT = ("its arguments hold no tensor with a dim ({found}), so the check cannot replace the batch's "
+                      "examples")
+PASS_TENSORS = ("pass the batch as tensors with the examples on dim 0, or in a tuple, list, dict, dataclass or "
+                "SimpleNamespace of them (a model that tokenizes its text itself: tokenize before the forward)")
+NO_BATCH_FIRST_OUTPUT = ("no tensor of its output has {batch} rows on dim 0, the size of dim 0 of the forward's first "
+                         "tensor argument, where the check takes the examples to lie ({found})")
+RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor arguments and of its outputs (batch_first=True "
+                      "for recurrent and attention layers; a 2-D input for an EmbeddingBag, not offsets), the outputs "
+                      "returned as tensors or in a tuple, list, dict, dataclass, SimpleNamespace or transformers "
+                      "ModelOutput")
 
 _MISSING = object()
 _EXAMPLES_ON_DIM_0 = (BATCH_FIRST, ROWS_LAYOUT)  # the layouts under which the check perturbed examples (_refusable)
@@ -168,16 +187,17 @@ class _Pending(NamedTuple):
     arguments: tuple    # (flat, spec) of the forward's arguments
 
 
-def _leaves(output):
-    """The output's tensors, with their pytree key paths."""
-    return tree_flatten_with_path(output)[0]
-
-
 def _accelerators(module, args, kwargs) -> list:
     """The devices other than the CPU that the batch and the model's parameters lie on: a forward draws from
     their generators besides the CPU's (a model split over several GPUs draws its dropout on each)."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors = [t for t in flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     return list({t.device: None for t in tensors + list(module.parameters()) if t.device.type != "cpu"})
+
+
+def _kinds(flat) -> str:
+    """What the forward's arguments hold, for a message: their leaves' types, the first few."""
+    kinds = list(dict.fromkeys(type(x).__name__ for x in flat))
+    return ", ".join(kinds[:4]) + (", ..." if len(kinds) > 4 else "") if kinds else "no argument"
 
 
 def _without_last_reversed(flat, batch: int) -> list:
@@ -226,6 +246,7 @@ class ForwardIndependence:
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
+        self._warned_unchecked = False  # a checked forward had no output to compare (_warn_unchecked)
         self._warned_inconclusive = False  # a move found where the examples may lie off dim 0 (_warn_inconclusive)
         self._changed_attributes = set()   # tensor attributes a checked forward changed (warned of once each)
         self._verdict_due = False          # several processes: a forward was checked since the last norm pass
@@ -299,6 +320,13 @@ class ForwardIndependence:
                 self._warned = True
                 warnings.warn(RERUN_FAILED.format(error=error))
 
+    def _warn_unchecked(self, why: str, fix: str) -> None:
+        """Once: a checked forward whose examples the check cannot replace (no tensor argument), or whose output it
+        cannot compare (no tensor with the batch on dim 0)."""
+        if not self._warned_unchecked:
+            self._warned_unchecked = True
+            warnings.warn(UNCHECKED.format(why=why, fix=fix))
+
     def _warn_of_attributes(self, names) -> None:
         """Once per name: a tensor attribute that the checked forward replaced or changed (buffers.py)."""
         for name in names:
@@ -336,14 +364,17 @@ class ForwardIndependence:
         """The reruns of the module doc, before the training forward (so that their largest temporaries do not
         add to the activations it saves): a _Pending of their fingerprints for _compare at its end, or None where
         there is nothing to compare."""
-        flat, spec = tree_flatten((args, kwargs))
-        batch = leading_dim(flat) or 0  # the first tensor argument's dim 0, as the recorder reads it
+        flat, spec = flatten((args, kwargs))
+        first_dim = leading_dim(flat)
+        batch = first_dim or 0  # the first tensor argument's dim 0, as the recorder reads it
         replacements, square = _replacements(flat, batch)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
         self._verdict_due = self._verdict_due or several
         self.last_moves = []
+        if first_dim is None:  # not an empty batch (Poisson sampling may draw one)
+            self._warn_unchecked(NO_TENSOR_ARGUMENT.format(found=_kinds(flat)), PASS_TENSORS)
         if not replacements and not several:
             return None
         consumed = next((x for x in flat if isinstance(x, Iterator) and not isinstance(x, torch.Tensor)), None)
@@ -359,11 +390,17 @@ class ForwardIndependence:
             outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
             del leaves  # a language model's logits
             checkable = batch > 1 and any(f is not None for f in same)
+            if not checkable and batch > 1:
+                found = ", ".join(f"output{keystr(path)}: " + ("not a tensor" if shape is None else
+                                                                f"a tensor of shape {tuple(shape)}")
+                                  for path, shape in outputs[:4])
+                self._warn_unchecked(NO_BATCH_FIRST_OUTPUT.format(batch=batch, found=found or "none"),
+                                     RETURN_BATCH_FIRST)
             if not checkable and not several:
                 return None  # no output with the batch on dim 0: nothing to compare
 
             def rerun(arguments):
-                return self._fingerprints_of_rerun(module, tree_unflatten(arguments, spec), start, signs, batch)
+                return self._fingerprints_of_rerun(module, unflatten(arguments, spec), start, signs, batch)
 
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
             self._check_in_eval_mode(module, flat, spec, outputs, start, signs, floors, batch, checkable, devices)
@@ -385,7 +422,7 @@ class ForwardIndependence:
         Mixing, or None. A nondeterministic kernel may differ between the forward and its reruns only: where a
         move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
         p = pending
-        leaves = _leaves(output)
+        leaves = output_leaves(output)
         forward = fingerprints_of(leaves, p.signs, p.batch) if len(leaves) == len(p.signs) else [None] * len(p.signs)
 
         def moves_of(again):
@@ -397,7 +434,7 @@ class ForwardIndependence:
         if p.again is None and any(move.exceeds for move, _ in moves):
             flat, spec = p.arguments
             with self._rerunning(module, p.devices):
-                again = self._fingerprints_of_rerun(module, tree_unflatten(flat, spec), p.start, p.signs, p.batch)
+                again = self._fingerprints_of_rerun(module, unflatten(flat, spec), p.start, p.signs, p.batch)
             moves = moves_of(again)
         self.last_moves = [move for move, _ in moves]
         found, how = max(((move, how) for move, how in moves if move.exceeds), key=lambda pair: pair[0].relative,
@@ -417,10 +454,11 @@ class ForwardIndependence:
         _with_copies(buffers)
         restore_random_states(states)
         with torch.no_grad(), warnings.catch_warnings():
-            args, kwargs = tree_map_only(torch.Tensor, torch.clone, arguments)
+            flat, spec = flatten(arguments)
+            args, kwargs = unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in flat], spec)
             # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
             warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
-            return _leaves(module(*args, **kwargs))
+            return output_leaves(module(*args, **kwargs))
 
     def _fingerprints_of_rerun(self, module, arguments, start, signs, batch: int, positions=None) -> list:
         """The fingerprints of one rerun (_rerun, from ``start``: the generators' states and the buffers) of
@@ -446,7 +484,7 @@ class ForwardIndependence:
         path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
         tensor goes to the first)."""
         self.last_padding_moves, self.last_removal_moves = [], []
-        arguments = tree_unflatten(flat, spec)
+        arguments = unflatten(flat, spec)
         padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
         removing = checkable and batch > 2
         device = devices[0] if devices else torch.device("cpu")
@@ -465,7 +503,7 @@ class ForwardIndependence:
             if removing_anywhere:
                 try:
                     if removing:
-                        reversed_rows = tree_unflatten(_without_last_reversed(flat, batch), spec)
+                        reversed_rows = unflatten(_without_last_reversed(flat, batch), spec)
                         own = None if padded is None else (outputs, padded[1], attention_mask(module, *reversed_rows))
                         fewer = rerun(reversed_rows, batch - 1, own)
                     else:

@@ -33,6 +33,7 @@ from ..norms.window_bias import adds_window_bias
 from ..sharding import is_sharded, sharded_units
 from ..norms.parameter_uses import ENTRIES as USE_ENTRIES, find_uses, use_of
 from .capture import capturable_now, capture, capture_use, saved_tensor_hooks as _saved_tensor_hooks
+from .leaves import flatten
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .repeated import capture_at_repeats, repeated_by_caller
@@ -313,7 +314,7 @@ class ForwardRecorder:
         # every root forward pushes, its end hook (always called) pops.
         self._collector_pauses.append(recording and not compiling and collector.pause())
         if recording:
-            flat = tree_flatten((args, kwargs))[0]
+            flat = flatten((args, kwargs))[0]  # a batch in a SimpleNamespace or dataclass too (leaves.py)
             self._batch_hint = leading_dim(flat)
             self.broadcast_in_forward.clear()
             self.sunk_in_forward.clear()
@@ -341,8 +342,7 @@ class ForwardRecorder:
         error = sys.exc_info()[1]  # output is None: the forward raised (not a forward inside an except block)
         if self._awaiting_repeat and output is not None:
             awaiting, self._awaiting_repeat = self._awaiting_repeat, []
-            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            capture_at_repeats(awaiting, outputs, self._batch_hint, self.captured_types)
+            capture_at_repeats(awaiting, output, self._batch_hint, self.captured_types)
         if output is not None or error is None:
             return
         if self.sunk_in_forward and isinstance(error, RuntimeError) and LEAF_FLAGS_ERROR in str(error):

@@ -24,6 +24,7 @@ import torch
 
 from ..norms.registry import is_instance_of
 from .capture import hold_at
+from .leaves import ATTRIBUTE_DEPTH, output_tensors
 
 PROMPT_EMBEDDING = "peft.tuners.prompt_tuning.model.PromptEmbedding"
 PROMPT_ENCODER = "peft.tuners.p_tuning.model.PromptEncoder"  # p-tuning's (norms/peft_prompt.py)
@@ -47,10 +48,20 @@ def repeated_by_its_caller(call) -> bool:
     return id(call.module) in call.recorder.repeated_by_caller
 
 
-def capture_at_repeats(awaiting, outputs, batch_size: int, captured_types: set) -> None:
+def capture_at_repeats(awaiting, returned, batch_size: int, captured_types: set) -> None:
     """Captures each awaiting call, (call, its output of batch size 1, the inputs its rule reads), at the one repeat
-    to ``batch_size`` rows through which its output reaches ``outputs`` (the root's tensors); refuses any other use
-    of that output (the module doc)."""
+    to ``batch_size`` rows through which its output reaches what the root forward ``returned``; refuses any other use
+    of that output (the module doc), and an output in which no tensor is found (the repeat is looked for below its
+    tensors: leaves.output_tensors)."""
+    outputs = output_tensors(returned)
+    if not outputs:
+        call = awaiting[0][0]
+        raise RuntimeError(
+            f"ghostdp: the model's forward returned {type(returned).__name__!r}, in which ghostdp found no tensor that "
+            f"requires grad; it looks for peft's repeat of the prompt of module '{call.name}' "
+            f"({type(call.module).__name__}, prompt tuning or p-tuning) in the graph below the forward's outputs. "
+            "Fix: return the outputs as tensors, or as a tuple, list, dict, dataclass or transformers ModelOutput of "
+            f"them (an object's attributes are looked into {ATTRIBUTE_DEPTH} levels deep, not its __slots__).")
     uses = {(output.grad_fn, output.output_nr): [] for _, output, _ in awaiting}
     stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
     while stack:

@@ -6,6 +6,8 @@ shows it, so the layout proof passed it, and one added example moved the others'
 check reruns the forward on checked steps on the first or the last example copied to every row of the batch, the
 random generators and buffers as the forward had them, and refuses a move of that example's output.
 """
+import dataclasses
+import types
 import warnings
 
 import pytest
@@ -451,6 +453,150 @@ def test_the_refusal_names_the_output_that_moved():
     try:
         with pytest.raises(RuntimeError, match=r"output\['logits'\]"):
             controller.loss((model(x)["logits"] * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+@dataclasses.dataclass
+class Logits:
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor
+
+
+class LogitsOfOnesOwn:  # a class with attributes, neither a dataclass nor a namespace
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class SlottedLogits:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class Returns(nn.Module):
+    """DetachedCentring's output returned in ``returns``, which pytree keeps whole (outputs.output_leaves)."""
+
+    def __init__(self, returns):
+        super().__init__()
+        self.body, self.returns = DetachedCentring(), returns
+
+    def forward(self, x):
+        return self.returns(logits=self.body(x))
+
+
+@pytest.mark.parametrize("returns", [types.SimpleNamespace, Logits, LogitsOfOnesOwn])
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_forward_whose_output_pytree_keeps_whole_is_checked(returns, clipping):
+    """Its tensors are found among its attributes: the refusal names the one that moved (trained without a word
+    before 2026-12-03, the check comparing nothing)."""
+    x, v = _neighbouring_batches()[0]
+    model = Returns(returns).train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + r".*output\.logits"):
+            controller.loss((model(x).logits * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class ReadsItsBatch(nn.Module):
+    """DetachedCentring on the batch it is given in a SimpleNamespace or a dataclass (``batch.x``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = DetachedCentring()
+
+    def forward(self, batch):
+        return self.body(batch.x)
+
+
+@pytest.mark.parametrize("make_batch", [lambda x: types.SimpleNamespace(x=x), Inputs], ids=["namespace", "dataclass"])
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_forward_whose_batch_comes_in_an_object_pytree_keeps_whole_is_checked(make_batch, clipping):
+    """The reruns replace the examples inside copies of that object (leaves.flatten and unflatten): trained without
+    a word before 2026-12-03, the check finding no tensor to replace."""
+    x, v = _neighbouring_batches()[0]
+    model = ReadsItsBatch().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss((model(make_batch(x)) * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+def test_a_forward_whose_output_holds_no_tensor_with_the_batch_on_dim_0_is_warned_of_once():
+    model = Returns(SlottedLogits).train()
+    x, v = _neighbouring_batches()[0]
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.warns(UserWarning, match=r"could not check that the model's forward keeps the examples apart "
+                          r"where no gradient flows: no tensor of its output has 8 rows on dim 0.*"
+                          r"output: not a tensor\).*Fix: keep the examples on dim 0"):
+            controller.loss((model(x).logits * v).sum(1), reduction="sum").backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            controller.loss((model(x).logits * v).sum(1), reduction="sum").backward()  # checked again: not warned
+    finally:
+        controller.detach()
+
+
+class PooledSequenceFirst(nn.Module):
+    """A sequence-first encoder layer on (T, B, d), its last position's output, (B, 2): dim 0 of the input is T."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.layer(x)[-1])
+
+
+def test_a_sequence_first_model_whose_output_is_batch_first_is_warned_of_as_unchecked():
+    """The check replaces rows of dim 0, the positions here, and finds no output of T rows to compare."""
+    model = PooledSequenceFirst().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.warns(UserWarning, match=r"could not check.*no tensor of its output has 3 rows on dim 0.*"
+                          r"output: a tensor of shape \(5, 2\)\).*batch_first=True"):
+            controller.loss(model(torch.randn(3, 5, 4)).pow(2).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class FromLists(nn.Module):
+    """A forward that takes its batch as Python lists (or a tensor) and makes the tensor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+
+    def forward(self, rows):
+        return self.lin(torch.as_tensor(rows, dtype=self.lin.weight.dtype)).squeeze(1)
+
+
+def test_a_forward_whose_arguments_hold_no_tensor_is_warned_of_once_and_an_empty_batch_is_not():
+    model = FromLists().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.warns(UserWarning, match=r"could not check.*its arguments hold no tensor with a dim \(float\), "
+                          r"so the check cannot replace the batch's examples.*Fix: pass the batch as tensors"):
+            controller.loss(model(torch.randn(B, D).tolist()), reduction="sum").backward()
+    finally:
+        controller.detach()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            controller.loss(model(torch.empty(0, D)), reduction="sum").backward()  # Poisson sampling drew none
+        assert not [w for w in caught if "could not check" in str(w.message)], [str(w.message) for w in caught]
     finally:
         controller.detach()
 

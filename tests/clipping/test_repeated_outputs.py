@@ -1,6 +1,9 @@
 """peft's prompt tuning and p-tuning: the prompt, looked up (and encoded) once and repeated to the batch by peft
 itself, captured at that repeat (clipping/repeated.py; p-tuning's encoder by its rule, norms/peft_prompt.py). Exact
 against the per-example loop in both modes; any other use of the shared prompt is refused."""
+import dataclasses
+import types
+
 import peft
 import pytest
 import torch
@@ -110,6 +113,60 @@ def test_prompt_tuning_on_gpt2_with_a_causal_lm_loss_is_exact():
         return nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none").sum(1)
 
     assert_exact_model(model, dict(input_ids=ids), loss, B)
+
+
+@dataclasses.dataclass
+class LastLogits:  # a dataclass of one's own, which pytree does not flatten
+    logits: torch.Tensor
+
+
+class SlottedLogits:  # an object whose attributes are slots, not a __dict__
+    __slots__ = ("logits",)
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class LastPosition(nn.Module):
+    """A model of one's own around a peft causal LM: its last position's first logits, returned in ``returns``."""
+
+    def __init__(self, peft_model, returns):
+        super().__init__()
+        self.lm, self.returns = peft_model, returns
+
+    def forward(self, input_ids):
+        return self.returns(logits=self.lm(input_ids=input_ids).logits[:, -1, :3])
+
+
+def _gpt2_with(prompt):
+    config = transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config_of = {"prompt tuning": peft.PromptTuningConfig, "p-tuning, MLP": peft.PromptEncoderConfig}[prompt]
+    extra = {"encoder_hidden_size": 8} if prompt != "prompt tuning" else {}
+    return peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                               config_of(task_type="CAUSAL_LM", num_virtual_tokens=N, **extra))
+
+
+@pytest.mark.parametrize("returns", [types.SimpleNamespace, LastLogits])
+@pytest.mark.parametrize("prompt", ["prompt tuning", "p-tuning, MLP"])
+def test_a_prompt_under_a_model_whose_output_pytree_does_not_flatten_is_exact(prompt, returns):
+    """The repeat is found below the tensors among the root output's attributes (repeated.output_tensors); refused
+    before 2026-12-03 as reaching the output by no path, and the loss read only the last position's logits."""
+    torch.manual_seed(6)
+    model = LastPosition(_gpt2_with(prompt), returns).double()
+    labels = torch.randint(0, 3, (B,))
+    assert_exact_model(model, dict(input_ids=torch.randint(1, V, (B, 5))), _classification(labels), B)
+
+
+def test_a_prompt_under_a_model_whose_output_holds_no_tensor_found_is_refused_with_the_fix():
+    model = LastPosition(_gpt2_with("prompt tuning"), SlottedLogits).double()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match="returned 'SlottedLogits', in which ghostdp found no tensor that "
+                           "requires grad.*Fix: return the outputs as tensors"):
+            model(torch.randint(1, V, (B, 5)))
+    finally:
+        controller.detach()
 
 
 def test_prompt_tuning_on_t5_with_prompts_for_encoder_and_decoder_is_exact():

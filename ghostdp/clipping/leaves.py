@@ -1,0 +1,100 @@
+"""The tensors of a model's forward, its arguments' and its output's, where pytree does not see them all.
+
+``torch.utils._pytree`` flattens tensors, tuples, lists, dicts and transformers' ModelOutput, and keeps anything else
+as one leaf. Three checks read a root forward's tensors through it: the recorder takes the batch size from its
+arguments (recording.py), the forward check reruns it on batches with examples replaced and compares its output's
+tensors with the batch on dim 0 (independence.py), and peft's prompt is captured at its repeat, found in the graph
+below the output's tensors (repeated.py). Until 2026-12-03 a model of one's own returning
+``types.SimpleNamespace(logits=...)`` or a dataclass showed the forward check no tensor: it compared nothing, and a
+forward that mixed its examples without gradient trained without a word; a prompt under such a model was refused as
+reaching the output by no path; and a batch passed in such an object left the batch size unknown, so BERT's position
+embeddings (shared by the batch) were refused.
+
+Here a SimpleNamespace or a dataclass instance among the leaves is looked into, ATTRIBUTE_DEPTH levels deep:
+``flatten`` and ``unflatten`` for the arguments (the forward check rebuilds them with rows replaced, into copies of
+those objects), ``output_leaves`` for the output (where that finds no tensor, any object's attributes are looked into
+too: a class of one's own; not where the output holds tensors besides, as a language model's logits beside its
+DynamicCache, whose key and value tensors no check reads).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+
+import torch
+from torch.utils._pytree import GetAttrKey, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+ATTRIBUTE_DEPTH = 3  # levels of attributes of the objects pytree keeps whole that are looked into
+_NOT_A_CONTAINER = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module)
+
+
+def is_container(leaf) -> bool:
+    """A SimpleNamespace, or an instance of a dataclass with a __dict__ (its attributes can be read and set)."""
+    return isinstance(leaf, types.SimpleNamespace) or (
+        dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and hasattr(leaf, "__dict__"))
+
+
+def flatten(tree, depth: int = ATTRIBUTE_DEPTH) -> tuple[list, tuple]:
+    """(leaves, spec) as ``tree_flatten`` gives them, a container among those (is_container) replaced by its
+    attributes' leaves, ``depth`` levels deep; ``unflatten(leaves, spec)`` rebuilds ``tree``."""
+    flat, spec = tree_flatten(tree)
+    leaves, parts = [], []
+    for leaf in flat:
+        if depth and is_container(leaf):
+            inner, inner_spec = flatten(dict(vars(leaf)), depth - 1)
+            parts.append((leaf, inner_spec, len(inner)))
+            leaves += inner
+        else:
+            parts.append(None)
+            leaves.append(leaf)
+    return leaves, (spec, parts)
+
+
+def unflatten(leaves, spec):
+    """The tree ``flatten`` gave ``spec`` for, with ``leaves``: each container a shallow copy of the original with
+    its attributes set to theirs (a frozen dataclass's too)."""
+    tree_spec, parts = spec
+    flat, k = [], 0
+    for part in parts:
+        if part is None:
+            flat.append(leaves[k])
+            k += 1
+            continue
+        original, inner_spec, n = part
+        rebuilt = copy.copy(original)
+        for name, value in unflatten(leaves[k:k + n], inner_spec).items():
+            object.__setattr__(rebuilt, name, value)
+        flat.append(rebuilt)
+        k += n
+    return tree_unflatten(flat, tree_spec)
+
+
+def output_leaves(output) -> list:
+    """(key path, leaf) of each of ``output``'s leaves, as ``tree_flatten_with_path`` gives them, a container's
+    replaced by its attributes' leaves (keyed ``.name``), ATTRIBUTE_DEPTH levels deep; where that finds no tensor, so
+    is any other object's with attributes (the module doc)."""
+    leaves = _leaves_with_paths(output, ATTRIBUTE_DEPTH, is_container)
+    if any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
+        return leaves
+    return _leaves_with_paths(output, ATTRIBUTE_DEPTH, _has_attributes)
+
+
+def output_tensors(output) -> list:
+    """The tensors with a graph among ``output``'s leaves (output_leaves)."""
+    return [t for _, t in output_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _leaves_with_paths(tree, depth: int, looked_into, path=()) -> list:
+    found = []
+    for key, leaf in tree_flatten_with_path(tree)[0]:
+        if depth and not isinstance(leaf, torch.Tensor) and looked_into(leaf):
+            for name, value in vars(leaf).items():
+                found += _leaves_with_paths(value, depth - 1, looked_into, path + key + (GetAttrKey(name),))
+        else:
+            found.append((path + key, leaf))
+    return found
+
+
+def _has_attributes(leaf) -> bool:
+    return hasattr(leaf, "__dict__") and not isinstance(leaf, _NOT_A_CONTAINER)
