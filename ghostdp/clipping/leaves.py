@@ -1,18 +1,19 @@
 """The tensors of a model's forward, its arguments' and its output's, where pytree does not see them all.
 
 ``torch.utils._pytree`` flattens tensors, tuples, lists, dicts and transformers' ModelOutput, and keeps anything else
-as one leaf. Three checks read a root forward's tensors through it: the recorder takes the batch size from its
-arguments (recording.py), the forward check reruns it on batches with examples replaced and compares its output's
-tensors with the batch on dim 0 (independence.py), and peft's prompt is captured at its repeat, found in the graph
-below the output's tensors (repeated.py). Until 2026-12-03 a model of one's own returning
+as one leaf. The recorder reads a hooked module's output through it (its output grads are taken at its tensors) and
+the batch size from the root forward's arguments (recording.py); the forward check reruns the root forward on
+batches with examples replaced and compares its output's tensors with the batch on dim 0 (independence.py); and
+peft's prompt is captured at its repeat, found in the graph below the output's tensors (repeated.py). Until 2026-12-03 a model of one's own returning
 ``types.SimpleNamespace(logits=...)`` or a dataclass showed the forward check no tensor: it compared nothing, and a
 forward that mixed its examples without gradient trained without a word; a prompt under such a model was refused as
-reaching the output by no path; and a batch passed in such an object left the batch size unknown, so BERT's position
-embeddings (shared by the batch) were refused.
+reaching the output by no path; a batch passed in such an object left the batch size unknown, so BERT's position
+embeddings (shared by the batch) were refused; and a module without a rule returning one was refused, its parameter's
+gradient reaching it outside every recorded call.
 
 Here a SimpleNamespace or a dataclass instance among the leaves is looked into, ATTRIBUTE_DEPTH levels deep:
-``flatten`` and ``unflatten`` for the arguments (the forward check rebuilds them with rows replaced, into copies of
-those objects), ``output_leaves`` for the output (where that finds no tensor, any object's attributes are looked into
+``flatten`` and ``unflatten`` for the arguments and a module's output (rebuilt into copies of those objects: the
+forward check's batches with rows replaced, a module's output with probes), ``output_leaves`` for the root's output (where that finds no tensor, any object's attributes are looked into
 too: a class of one's own; not where the output holds tensors besides, as a language model's logits beside its
 DynamicCache, whose key and value tensors no check reads).
 """

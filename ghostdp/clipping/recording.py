@@ -23,7 +23,6 @@ from collections import defaultdict
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import collector
 from ..norms.fallback import attached_rule, hooked_modules, output_batch_dims, owned_parameters
@@ -33,7 +32,7 @@ from ..norms.window_bias import adds_window_bias
 from ..sharding import is_sharded, sharded_units
 from ..norms.parameter_uses import ENTRIES as USE_ENTRIES, find_uses, use_of
 from .capture import capturable_now, capture, capture_use, saved_tensor_hooks as _saved_tensor_hooks
-from .leaves import flatten
+from .leaves import flatten, unflatten
 from .probe import InputSink, add_probe
 from .records import ModuleCall
 from .repeated import capture_at_repeats, repeated_by_caller
@@ -145,7 +144,7 @@ def _own_or_in_a_container(module, name: str) -> bool:
 
 
 def leading_dim(flat):
-    """Dim 0 of the first tensor of dim > 0 among a forward's flattened arguments (tree_flatten), or None."""
+    """Dim 0 of the first tensor of dim > 0 among a forward's flattened arguments (leaves.flatten), or None."""
     for t in flat:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return t.shape[0]
@@ -456,7 +455,7 @@ class ForwardRecorder:
         if isinstance(output, torch.Tensor):  # the common case, without pytree's per-call work
             flat, spec = [output], None
         else:
-            flat, spec = tree_flatten(output)
+            flat, spec = flatten(output)  # in a SimpleNamespace or a dataclass too (leaves.py)
         slots = [i for i, t in enumerate(flat)
                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
         if not slots:
@@ -467,7 +466,7 @@ class ForwardRecorder:
         if not kwargs and _all_tensors(args):
             inputs = list(args)
         else:
-            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            inputs = [a for a in flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         # What the rule reads: the call's tensors, or those its forward forms from them (RuleEntry.rule_inputs).
         read = inputs if rule is None or entry.rule_inputs is None else entry.rule_inputs(module, args, kwargs, output)
         if read is None:  # the call computed something the rule does not know (RuleEntry.rule_inputs)
@@ -532,7 +531,7 @@ class ForwardRecorder:
                 self.live[id(p)] += 1
         if kind is _IN_REGION or kind is _IN_PROOF:
             self._note_region_call(call, kind)
-        return new_flat[0] if spec is None else tree_unflatten(new_flat, spec)
+        return new_flat[0] if spec is None else unflatten(new_flat, spec)
 
     def _record_uses(self, name, module, params, outputs, inputs) -> bool:
         """A call of a module without a rule whose own trained parameters are each the operand of one elementwise op

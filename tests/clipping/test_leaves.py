@@ -90,3 +90,38 @@ def test_a_bert_whose_batch_comes_in_an_object_is_exact(make_batch):
     mask[1, 4:] = 0
     assert_exact(model, lambda: model(make(ids, mask)).pow(2).sum(1),
                  lambda i: model(make(ids[i:i + 1], mask[i:i + 1])).pow(2).sum(), 4)
+
+
+@dataclasses.dataclass
+class Scaled:
+    h: torch.Tensor
+
+
+class ScalesByItsWeight(nn.Module):
+    """A module without a rule that returns its output in ``returns`` (the exact fallback, through its graph)."""
+
+    def __init__(self, returns):
+        super().__init__()
+        self.weight, self.returns = nn.Parameter(torch.linspace(0.5, 1.5, 4)), returns
+
+    def forward(self, x):
+        return self.returns(h=torch.tanh(x * self.weight))
+
+
+@pytest.mark.parametrize("returns", [types.SimpleNamespace, Scaled], ids=["namespace", "dataclass"])
+def test_a_module_without_a_rule_whose_output_comes_in_an_object_is_exact(returns):
+    """Its output grads are taken inside the object (refused before 2026-12-03, its parameter's gradient reaching it
+    outside every recorded call)."""
+    torch.manual_seed(1)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.head = ScalesByItsWeight(returns), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.scale(x).h)
+
+    net = Net().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert_exact(net, lambda: net(x).pow(2).sum(1), lambda i: net(x[i:i + 1]).pow(2).sum(), 5)
