@@ -24,7 +24,7 @@ import dataclasses
 import types
 
 import torch
-from torch.utils._pytree import GetAttrKey, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import GetAttrKey, tree_flatten_with_path, tree_unflatten
 
 ATTRIBUTE_DEPTH = 3  # levels of attributes of the objects pytree keeps whole that are looked into
 _NOT_A_CONTAINER = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module)
@@ -39,17 +39,27 @@ def is_container(leaf) -> bool:
 def flatten(tree, depth: int = ATTRIBUTE_DEPTH) -> tuple[list, tuple]:
     """(leaves, spec) as ``tree_flatten`` gives them, a container among those (is_container) replaced by its
     attributes' leaves, ``depth`` levels deep; ``unflatten(leaves, spec)`` rebuilds ``tree``."""
-    flat, spec = tree_flatten(tree)
-    leaves, parts = [], []
-    for leaf in flat:
+    _, leaves, spec = flatten_with_paths(tree, depth)
+    return leaves, spec
+
+
+def flatten_with_paths(tree, depth: int = ATTRIBUTE_DEPTH, path: tuple = ()) -> tuple[list, list, tuple]:
+    """(key paths, leaves, spec): ``flatten``'s, with each leaf's pytree key path (a container's attribute keyed
+    GetAttrKey(name))."""
+    flat, spec = tree_flatten_with_path(tree)
+    paths, leaves, parts = [], [], []
+    for key, leaf in flat:
         if depth and is_container(leaf):
-            inner, inner_spec = flatten(dict(vars(leaf)), depth - 1)
+            inner_paths, inner, inner_spec = flatten_with_paths(dict(vars(leaf)), depth - 1, path + key)
             parts.append((leaf, inner_spec, len(inner)))
+            paths += [p[:len(path + key)] + (GetAttrKey(p[len(path + key)].key),) + p[len(path + key) + 1:]
+                      for p in inner_paths]
             leaves += inner
         else:
             parts.append(None)
+            paths.append(path + key)
             leaves.append(leaf)
-    return leaves, (spec, parts)
+    return paths, leaves, (spec, parts)
 
 
 def unflatten(leaves, spec):

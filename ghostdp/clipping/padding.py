@@ -17,8 +17,9 @@ lengths have differed: padded to one fixed length (padding="max_length"), T is n
 check compares the model's outputs; the loss after them is checked where ghostdp forms it: DPTrainer's token losses
 count only the positions the mask keeps, and a DP criterion called without a mask refuses targets that count padded
 positions (``counted_padding``, on the checked forwards). Not covered: losses of one's own that read padded
-positions, forwards without an argument named attention_mask (by keyword, or by position in the forward's
-signature). transformers' BERT, RoBERTa,
+positions, forwards without an argument named attention_mask (by keyword, by position in the forward's signature,
+or inside an argument: a batch dict's key, a SimpleNamespace's or a dataclass's attribute, since 2026-12-03; before,
+a model given its batch as one dict went unchecked for padding, its mean over padded positions trained). transformers' BERT, RoBERTa,
 DistilBERT, ALBERT, ELECTRA, Funnel, GPT-2 and Llama (sdpa and eager, right and left padding, float32 and bfloat16;
 CPU) move by at most 0.0039 of their size in bfloat16 (the floor there: 0.0625), 2e-7 in float32.
 """
@@ -29,6 +30,8 @@ import inspect
 import weakref
 
 import torch
+
+from .leaves import flatten_with_paths, unflatten
 
 LABELS_IGNORED = -100  # transformers' ignore index: a padded label position is not a target
 EXTRA = 8  # positions added: a mean over T + 8 positions instead of T moves far beyond rounding
@@ -88,26 +91,50 @@ _NAMES = weakref.WeakKeyDictionary()  # module class -> the positional parameter
 
 
 def _argument(module, args, kwargs, name: str):
-    """The forward's argument ``name``, by keyword or by its position in the forward's signature, or None. A DDP
-    (or DataParallel) wrapper passes its arguments on: the signature is the wrapped module's."""
+    """The forward's argument ``name``, by keyword or by its position in the forward's signature, or None."""
     if name in kwargs:
         return kwargs[name]
+    names = _positional_names(module)
+    index = names.index(name) if name in names else len(args)
+    return args[index] if index < len(args) else None
+
+
+def _positional_names(module) -> tuple:
+    """The names of the positional parameters of the module's forward. A DDP (or DataParallel) wrapper passes its
+    arguments on: the signature is the wrapped module's."""
     while isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         module = module.module
     names = _NAMES.get(type(module))
     if names is None:
         names = _NAMES[type(module)] = _parameter_names(module.forward)
-    index = names.index(name) if name in names else len(args)
-    return args[index] if index < len(args) else None
+    return names
 
 
 def attention_mask(module, args, kwargs) -> torch.Tensor | None:
-    """The forward's attention_mask argument (by keyword or position) if it is an integer or boolean (B, T)
-    tensor, else None."""
+    """The forward's attention_mask argument (by keyword or position; else one inside an argument, a batch dict's
+    or a SimpleNamespace's: _named) if it is an integer or boolean (B, T) tensor, else None."""
     mask = _argument(module, args, kwargs, "attention_mask")
+    if mask is None and (args or kwargs):
+        mask = next((t for name, t in _named(module, args, kwargs) if name == "attention_mask"), None)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
         return mask
     return None
+
+
+def _named(module, args, kwargs, flat=None) -> list:
+    """(name, leaf) of each leaf of the forward's arguments (leaves.flatten_with_paths, or its ``flat``): the last
+    key of its path (a dict's key, an attribute), or for a positional argument its name in the forward's signature;
+    None for a list's items."""
+    paths, leaves, _ = flatten_with_paths((args, kwargs)) if flat is None else flat
+    names = _positional_names(module)
+    named = []
+    for path, leaf in zip(paths, leaves):
+        key = path[-1]
+        if len(path) == 2 and path[0].idx == 0:  # a positional argument itself
+            named.append((names[key.idx] if key.idx < len(names) else None, leaf))
+        else:
+            named.append((getattr(key, "key", getattr(key, "name", None)), leaf))
+    return named
 
 
 def _pad_id(module, input_ids: torch.Tensor | None, mask: torch.Tensor):
@@ -133,30 +160,29 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA):
     if mask is None or mask.shape[0] != batch:
         return None
     length = mask.shape[1]
-    ids = _argument(module, args, kwargs, "input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.shape != mask.shape:
-        ids = next((a for a in args if isinstance(a, torch.Tensor) and a is not mask and not a.is_floating_point()
-                    and a.shape == mask.shape), None)
+    flat = flatten_with_paths((args, kwargs))
+    named = _named(module, args, kwargs, flat)
+
+    def like_the_ids(t):
+        return isinstance(t, torch.Tensor) and t is not mask and not t.is_floating_point() and t.shape == mask.shape
+
+    ids = next((t for name, t in named if name == "input_ids" and like_the_ids(t)), None)
+    if ids is None:  # the first positional argument of the mask's shape, as before; then any other but labels
+        ids = next((a for a in args if like_the_ids(a)), None)
+    if ids is None:
+        ids = next((t for name, t in named if name != "labels" and like_the_ids(t)), None)
     pad_id = _pad_id(module, ids, mask)
     if pad_id is None:
         return None
 
-    def pad(t, fill):
+    def padded(name, t):
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[:2] != mask.shape:
             return t
-        added = t.new_full((batch, extra, *t.shape[2:]), fill if not t.is_floating_point() else 0)
-        return torch.cat([t, added], 1)
+        fill = 0 if t is mask or t.is_floating_point() else LABELS_IGNORED if name == "labels" else \
+            pad_id if t is ids else 0
+        return torch.cat([t, t.new_full((batch, extra, *t.shape[2:]), fill)], 1)
 
-    def fill_of(key, t):
-        if t is mask:
-            return 0
-        if key == "labels":
-            return LABELS_IGNORED
-        return pad_id if t is ids else 0
-
-    new_args = tuple(pad(a, fill_of(None, a)) for a in args)
-    new_kwargs = {k: pad(v, fill_of(k, v)) for k, v in kwargs.items()}
-    return (new_args, new_kwargs), length
+    return unflatten([padded(name, t) for name, t in named], flat[2]), length
 
 
 def at_real_positions(leaves, original, length: int, mask: torch.Tensor) -> list:

@@ -5,6 +5,8 @@ With dynamic padding an added long example pads every other example further; a m
 attention mask excludes (a mean over all positions) then moves the others' clipped gradients: no gradient and no
 replaced example shows it.
 """
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -58,11 +60,30 @@ def clipped_sum(model, ids, mask, C):
     return torch.cat([t.flatten() for t in total])
 
 
-def train_steps(model, batches, clipping="ghost", positional=False):
+class PooledFromItsBatch(Pooled):
+    """Pooled, its forward given the batch in one argument: a dict, or a SimpleNamespace (the mask found inside it by
+    its name: unchecked for padding before 2026-12-03); or the two tensors, as Pooled's (the per-example loop)."""
+
+    def forward(self, batch, attention_mask=None):
+        if attention_mask is not None:
+            return super().forward(batch, attention_mask)
+        batch = batch if isinstance(batch, dict) else vars(batch)
+        return super().forward(batch["input_ids"], batch["attention_mask"])
+
+
+CALLS = {
+    "by keyword": lambda model, ids, mask: model(input_ids=ids, attention_mask=mask),
+    "positionally": lambda model, ids, mask: model(ids, mask),  # the mask found by its name in the signature
+    "in a batch dict": lambda model, ids, mask: model({"input_ids": ids, "attention_mask": mask}),
+    "in a namespace": lambda model, ids, mask: model(types.SimpleNamespace(input_ids=ids, attention_mask=mask)),
+}
+
+
+def train_steps(model, batches, clipping="ghost", called="by keyword"):
     controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
     try:
         for ids, mask in batches:
-            out = model(ids, mask) if positional else model(input_ids=ids, attention_mask=mask)
+            out = CALLS[called](model, ids, mask)
             controller.loss(out.pow(2).sum(1)).backward()
             model.zero_grad()
     finally:
@@ -70,11 +91,11 @@ def train_steps(model, batches, clipping="ghost", positional=False):
     return controller
 
 
-@pytest.mark.parametrize("called", ["by keyword", "positionally"])
+@pytest.mark.parametrize("called", sorted(CALLS))
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
 def test_a_mean_over_padded_positions_is_refused_once_the_lengths_differ(clipping, called):
     torch.manual_seed(0)
-    model = Pooled(masked=False).double()
+    model = (PooledFromItsBatch if called.startswith("in a") else Pooled)(masked=False).double()
     g = torch.Generator().manual_seed(1)
     # The hole, on the per-example definition: one added example of length 16 pads the 4 others from 6 to 16
     # positions, and moves their clipped sum by more than C (besides its own C).
@@ -85,11 +106,10 @@ def test_a_mean_over_padded_positions_is_refused_once_the_lengths_differ(clippin
     assert float((clipped_sum(model, *longer, C) - clipped_sum(model, ids, mask, C)).norm()) > 1.5 * C
     g = torch.Generator().manual_seed(2)
     same_length = [padded_batch([6, 3, 5, 6], 6, g), padded_batch([2, 6, 6, 4], 6, g)]
-    positional = called == "positionally"  # the mask found by its name in the forward's signature
-    train_steps(model, same_length, clipping, positional)  # one length so far: not refused
+    train_steps(model, same_length, clipping, called)  # one length so far: not refused
     with pytest.raises(RuntimeError, match=REFUSED + r".*length \d+\) by 8 more positions.*lengths differ \(6, 9\)"
                                            r".*check_padding = False"):
-        train_steps(model, same_length + [padded_batch([9, 3, 5, 9], 9, g)], clipping, positional)
+        train_steps(model, same_length + [padded_batch([9, 3, 5, 9], 9, g)], clipping, called)
 
 
 def test_one_fixed_length_and_a_mask_that_pools_are_not_refused():
