@@ -533,6 +533,9 @@ class GhostClipping:
         finally:
             _forget_captured_edges(calls)
         self.independence.refuse_mixing(B, passed.calls, per_example_losses.device)
+        if self.recorder.outside_forward is not None:
+            self.independence.warn_of_calls_outside(self.recorder.outside_forward, type(self.module).__name__)
+            self.recorder.outside_forward = None
         if self._fallback_listed:
             self._log_fallback()
         self.step_modes.measured(passed, mode, checkpointed, saved, footprint, calls)

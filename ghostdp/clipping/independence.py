@@ -51,7 +51,9 @@ buffers.CHANGED_ATTRIBUTE), so training draws and stores what it would have with
 hooks (the user's) do run again. A forward that cannot run again (or takes an iterator, which a rerun would consume
 first) is warned of once and trains unchecked; so does one whose arguments hold no tensor with a dim, or whose output
 has no tensor with dim 0 of the batch's size (UNCHECKED: a sequence-first model pooled to (B, ...), an EmbeddingBag
-given offsets; unsaid before 2026-12-03). The tensors of a batch passed, or an output returned, in a SimpleNamespace
+given offsets; unsaid before 2026-12-03), and a model whose trained layers ran outside its own forward (a method
+such as encode, its submodules called one by one, a LightningModule's self.net(x)), which the check does not rerun:
+such a forward mixing its examples without gradient trained without a word before 2026-12-03. The tensors of a batch passed, or an output returned, in a SimpleNamespace
 or a dataclass are found and replaced there (leaves.py). Not covered: mixing after the model's forward (between its output and
 the DP loss), and data that mixes only on steps off the schedule. Cost: five forwards without gradient on those
 steps (six with an attention mask; four and five before 2026-12-02, when the CPU stand-in with B = 4 and a mask,
@@ -125,6 +127,12 @@ UNCHECKED = (
     "ghostdp could not check that the model's forward keeps the examples apart where no gradient flows: {why}. A "
     "forward that mixes examples without gradient (a batch statistic under torch.no_grad()) would go unnoticed; the "
     "layout proof still checks what the gradients show. Fix: {fix}. Warned once.")
+OUTSIDE_THE_FORWARD = ("module '{name}' trained in a forward that ran outside the forward of the model ghostdp was given "
+                       "({root}): a method of the model (encode, get_text_features) or its submodules called one by "
+                       "one, and the check reruns only the model's own forward")
+CALL_THE_MODEL = ("call the model itself (in a LightningModule's training_step, self(x) with a forward that runs the network, "
+                  "not self.net(x)), or give ghostdp a module whose forward is what you call (class Encoder(nn.Module) "
+                  "with forward(self, x): return model.encode(x), the model its submodule)")
 NO_TENSOR_ARGUMENT = ("its arguments hold no tensor with a dim ({found}), so the check cannot replace the batch's "
                       "examples")
 PASS_TENSORS = ("pass the batch as tensors with the examples on dim 0, or in a tuple, list, dict, dataclass or "
@@ -246,7 +254,7 @@ class ForwardIndependence:
         self._running = False                 # the reruns are running: the hooks stay out
         self._generator = torch.Generator().manual_seed(0x1d3)  # the fingerprints' signs: never the global RNG
         self._warned = False
-        self._warned_unchecked = False  # a checked forward had no output to compare (_warn_unchecked)
+        self._warned_unchecked = set()  # the causes of forwards left unchecked, warned of (_warn_unchecked)
         self._warned_inconclusive = False  # a move found where the examples may lie off dim 0 (_warn_inconclusive)
         self._changed_attributes = set()   # tensor attributes a checked forward changed (warned of once each)
         self._verdict_due = False          # several processes: a forward was checked since the last norm pass
@@ -320,11 +328,18 @@ class ForwardIndependence:
                 self._warned = True
                 warnings.warn(RERUN_FAILED.format(error=error))
 
+    def warn_of_calls_outside(self, name: str, root: str) -> None:
+        """Once, where the check is on: a trained module ran in a training forward outside the root's forward, which
+        the check reruns; nothing checked that forward."""
+        if self.every:
+            self._warn_unchecked(OUTSIDE_THE_FORWARD.format(name=name, root=root), CALL_THE_MODEL)
+
     def _warn_unchecked(self, why: str, fix: str) -> None:
-        """Once: a checked forward whose examples the check cannot replace (no tensor argument), or whose output it
-        cannot compare (no tensor with the batch on dim 0)."""
-        if not self._warned_unchecked:
-            self._warned_unchecked = True
+        """Once for each cause: a checked forward whose examples the check cannot replace (no tensor argument), or whose
+        output it cannot compare (no tensor with the batch on dim 0), or a forward it did not see (outside the
+        root's: warn_of_calls_outside)."""
+        if fix not in self._warned_unchecked:  # once for each cause (its fix)
+            self._warned_unchecked.add(fix)
             warnings.warn(UNCHECKED.format(why=why, fix=fix))
 
     def _warn_of_attributes(self, names) -> None:

@@ -213,6 +213,10 @@ class ForwardRecorder:
         self.gathered = {}  # (id(unit), name) -> the gathered parameter of this step
         self.compiled_forward = False  # a forward ran under torch.compile (set while dynamo traces the root hook)
         self._collector_pauses = []  # per root forward running: whether on_root_forward paused the collector
+        # The first trained module recorded in a training forward while no forward of the root ran (a method of the model
+        # such as encode, or its submodules called one by one), since the last norm pass: the forward check, which
+        # reruns the root's forward, did not see it (independence.ForwardIndependence.warn_of_calls_outside)
+        self.outside_forward = None
         self._warned_of_compiling = False
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
@@ -443,6 +447,8 @@ class ForwardRecorder:
         params = self._trainable_owned(module)
         if not params:
             return None
+        if not self._collector_pauses and self.outside_forward is None and torch._C._current_graph_task_id() == -1:
+            self.outside_forward = name  # no root forward runs (a method of the model, a submodule called alone)
         if entry is not None:
             change = self._changed_since_attaching(module)
             if change is not None:

@@ -601,6 +601,75 @@ def test_a_forward_whose_arguments_hold_no_tensor_is_warned_of_once_and_an_empty
         controller.detach()
 
 
+class WithAnEncodeMethod(nn.Module):
+    """DetachedCentring and a head, also reached through a method of the model's own (``encode``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = DetachedCentring(), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.encode(x)
+
+    def encode(self, x):
+        return self.head(self.body(x))
+
+
+class Encoder(nn.Module):
+    """The fix the warning names: a module whose forward is the method called, the model its submodule."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model.encode(x)
+
+
+OUTSIDE = {"a method": lambda model, x: model.encode(x), "its parts": lambda model, x: model.head(model.body(x))}
+
+
+@pytest.mark.parametrize("called", sorted(OUTSIDE))
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_forward_outside_the_model_s_own_is_warned_of_once_and_the_fix_is_checked(called, clipping):
+    """The check reruns the model's forward: layers called through a method or one by one went unseen, and a forward
+    that mixed examples without gradient trained without a word before 2026-12-03."""
+    x, v = _neighbouring_batches()[0]
+    model = WithAnEncodeMethod().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.warns(UserWarning, match=r"could not check.*module 'body.lin' trained in a forward that ran "
+                          r"outside the forward of the model ghostdp was given \(WithAnEncodeMethod\).*Fix: call the "
+                          r"model itself.*or give ghostdp a module whose forward is what you call"):
+            controller.loss((OUTSIDE[called](model, x) * v).sum(1), reduction="sum").backward()
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            controller.loss((OUTSIDE[called](model, x) * v).sum(1), reduction="sum").backward()  # once
+    finally:
+        controller.detach()
+    wrapped = Encoder(model)
+    controller = ghostdp.GhostClipping(wrapped, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss((wrapped(x) * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+def test_a_forward_outside_the_model_s_own_is_not_warned_of_with_the_check_switched_off():
+    x, v = _neighbouring_batches()[0]
+    model = WithAnEncodeMethod().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.independence.every = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            controller.loss((model.encode(x) * v).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 class RefusesToRunWithoutGradient(nn.Module):
     def __init__(self):
         super().__init__()
