@@ -129,7 +129,8 @@ UNCHECKED = (
     "layout proof still checks what the gradients show. Fix: {fix}. Warned once.")
 OUTSIDE_THE_FORWARD = ("module '{name}' trained in a forward that ran outside the forward of the model ghostdp was given "
                        "({root}): a method of the model (encode, get_text_features) or its submodules called one by "
-                       "one, and the check reruns only the model's own forward")
+                       "one, and the check reruns only the model's own forward (nor did the watch of the buffers a training forward changes "
+                       "see it)")
 CALL_THE_MODEL = ("call the model itself (in a LightningModule's training_step, self(x) with a forward that runs the network, "
                   "not self.net(x)), or give ghostdp a module whose forward is what you call (class Encoder(nn.Module) "
                   "with forward(self, x): return model.encode(x), the model its submodule)")

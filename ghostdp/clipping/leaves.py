@@ -24,7 +24,7 @@ import dataclasses
 import types
 
 import torch
-from torch.utils._pytree import GetAttrKey, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import GetAttrKey, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 ATTRIBUTE_DEPTH = 3  # levels of attributes of the objects pytree keeps whole that are looked into
 _NOT_A_CONTAINER = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module)
@@ -39,8 +39,19 @@ def is_container(leaf) -> bool:
 def flatten(tree, depth: int = ATTRIBUTE_DEPTH) -> tuple[list, tuple]:
     """(leaves, spec) as ``tree_flatten`` gives them, a container among those (is_container) replaced by its
     attributes' leaves, ``depth`` levels deep; ``unflatten(leaves, spec)`` rebuilds ``tree``."""
-    _, leaves, spec = flatten_with_paths(tree, depth)
-    return leaves, spec
+    flat, spec = tree_flatten(tree)  # without key paths: it runs at every root forward (recording.py)
+    if not any(is_container(leaf) for leaf in flat):
+        return flat, (spec, None)
+    leaves, parts = [], []
+    for leaf in flat:
+        if depth and is_container(leaf):
+            inner, inner_spec = flatten(dict(vars(leaf)), depth - 1)
+            parts.append((leaf, inner_spec, len(inner)))
+            leaves += inner
+        else:
+            parts.append(None)
+            leaves.append(leaf)
+    return leaves, (spec, parts)
 
 
 def flatten_with_paths(tree, depth: int = ATTRIBUTE_DEPTH, path: tuple = ()) -> tuple[list, list, tuple]:
@@ -66,6 +77,8 @@ def unflatten(leaves, spec):
     """The tree ``flatten`` gave ``spec`` for, with ``leaves``: each container a shallow copy of the original with
     its attributes set to theirs (a frozen dataclass's too)."""
     tree_spec, parts = spec
+    if parts is None:  # no container
+        return tree_unflatten(leaves, tree_spec)
     flat, k = [], 0
     for part in parts:
         if part is None:

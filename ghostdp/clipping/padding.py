@@ -114,7 +114,7 @@ def attention_mask(module, args, kwargs) -> torch.Tensor | None:
     """The forward's attention_mask argument (by keyword or position; else one inside an argument, a batch dict's
     or a SimpleNamespace's: _named) if it is an integer or boolean (B, T) tensor, else None."""
     mask = _argument(module, args, kwargs, "attention_mask")
-    if mask is None and (args or kwargs):
+    if mask is None and not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
         mask = next((t for name, t in _named(module, args, kwargs) if name == "attention_mask"), None)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
         return mask
