@@ -39,37 +39,32 @@ def is_container(leaf) -> bool:
 def flatten(tree, depth: int = ATTRIBUTE_DEPTH) -> tuple[list, tuple]:
     """(leaves, spec) as ``tree_flatten`` gives them, a container among those (is_container) replaced by its
     attributes' leaves, ``depth`` levels deep; ``unflatten(leaves, spec)`` rebuilds ``tree``."""
-    flat, spec = tree_flatten(tree)  # without key paths: it runs at every root forward (recording.py)
+    flat, spec = tree_flatten(tree)  # without key paths where there is no container: it runs at every root forward
     if not any(is_container(leaf) for leaf in flat):
         return flat, (spec, None)
-    leaves, parts = [], []
-    for leaf in flat:
-        if depth and is_container(leaf):
-            inner, inner_spec = flatten(dict(vars(leaf)), depth - 1)
-            parts.append((leaf, inner_spec, len(inner)))
-            leaves += inner
-        else:
-            parts.append(None)
-            leaves.append(leaf)
-    return leaves, (spec, parts)
+    _, leaves, spec = flatten_with_paths(tree, depth)
+    return leaves, spec
 
 
-def flatten_with_paths(tree, depth: int = ATTRIBUTE_DEPTH, path: tuple = ()) -> tuple[list, list, tuple]:
+def flatten_with_paths(tree, depth: int = ATTRIBUTE_DEPTH, looked_into=is_container, path: tuple = ()) -> tuple:
     """(key paths, leaves, spec): ``flatten``'s, with each leaf's pytree key path (a container's attribute keyed
-    GetAttrKey(name))."""
+    GetAttrKey(name)); ``looked_into``: which leaves that pytree keeps whole are replaced by their attributes'."""
     flat, spec = tree_flatten_with_path(tree)
     paths, leaves, parts = [], [], []
     for key, leaf in flat:
-        if depth and is_container(leaf):
-            inner_paths, inner, inner_spec = flatten_with_paths(dict(vars(leaf)), depth - 1, path + key)
-            parts.append((leaf, inner_spec, len(inner)))
-            paths += [p[:len(path + key)] + (GetAttrKey(p[len(path + key)].key),) + p[len(path + key) + 1:]
-                      for p in inner_paths]
-            leaves += inner
-        else:
+        if not (depth and not isinstance(leaf, torch.Tensor) and looked_into(leaf)):
             parts.append(None)
             paths.append(path + key)
             leaves.append(leaf)
+            continue
+        attributes = []  # (name, its spec, its number of leaves)
+        for name, value in vars(leaf).items():
+            inner_paths, inner, inner_spec = flatten_with_paths(value, depth - 1, looked_into,
+                                                                path + key + (GetAttrKey(name),))
+            attributes.append((name, inner_spec, len(inner)))
+            paths += inner_paths
+            leaves += inner
+        parts.append((leaf, attributes))
     return paths, leaves, (spec, parts)
 
 
@@ -85,12 +80,12 @@ def unflatten(leaves, spec):
             flat.append(leaves[k])
             k += 1
             continue
-        original, inner_spec, n = part
+        original, attributes = part
         rebuilt = copy.copy(original)
-        for name, value in unflatten(leaves[k:k + n], inner_spec).items():
-            object.__setattr__(rebuilt, name, value)
+        for name, inner_spec, n in attributes:
+            object.__setattr__(rebuilt, name, unflatten(leaves[k:k + n], inner_spec))
+            k += n
         flat.append(rebuilt)
-        k += n
     return tree_unflatten(flat, tree_spec)
 
 
@@ -98,26 +93,16 @@ def output_leaves(output) -> list:
     """(key path, leaf) of each of ``output``'s leaves, as ``tree_flatten_with_path`` gives them, a container's
     replaced by its attributes' leaves (keyed ``.name``), ATTRIBUTE_DEPTH levels deep; where that finds no tensor, so
     is any other object's with attributes (the module doc)."""
-    leaves = _leaves_with_paths(output, ATTRIBUTE_DEPTH, is_container)
-    if any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
-        return leaves
-    return _leaves_with_paths(output, ATTRIBUTE_DEPTH, _has_attributes)
+    for looked_into in (is_container, _has_attributes):
+        paths, leaves, _ = flatten_with_paths(output, looked_into=looked_into)
+        if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            break
+    return list(zip(paths, leaves))
 
 
 def output_tensors(output) -> list:
     """The tensors with a graph among ``output``'s leaves (output_leaves)."""
     return [t for _, t in output_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-
-
-def _leaves_with_paths(tree, depth: int, looked_into, path=()) -> list:
-    found = []
-    for key, leaf in tree_flatten_with_path(tree)[0]:
-        if depth and not isinstance(leaf, torch.Tensor) and looked_into(leaf):
-            for name, value in vars(leaf).items():
-                found += _leaves_with_paths(value, depth - 1, looked_into, path + key + (GetAttrKey(name),))
-        else:
-            found.append((path + key, leaf))
-    return found
 
 
 def _has_attributes(leaf) -> bool:

@@ -63,7 +63,7 @@ def test_output_leaves_name_their_paths_and_look_into_any_object_only_where_no_t
     assert output_tensors((logits, cache)) == [logits]
 
 
-def _bert_reading(make_batch):
+def _bert_reading_its_batch():
     config = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0, num_labels=3)
@@ -76,7 +76,7 @@ def _bert_reading(make_batch):
         def forward(self, batch):
             return self.bert(input_ids=batch.ids, attention_mask=batch.mask).logits
 
-    return ReadsItsBatch().double(), make_batch
+    return ReadsItsBatch().double()
 
 
 @pytest.mark.parametrize("make_batch", [lambda ids, mask: types.SimpleNamespace(ids=ids, mask=mask), Batch],
@@ -85,11 +85,11 @@ def test_a_bert_whose_batch_comes_in_an_object_is_exact(make_batch):
     """The batch size is read inside the object: the position embeddings, shared by the batch, are broadcast to it
     (refused before 2026-12-03: an output of batch size 1 with no dim of the batch's size)."""
     torch.manual_seed(0)
-    model, make = _bert_reading(make_batch)
+    model = _bert_reading_its_batch()
     ids, mask = torch.randint(1, 30, (4, 6)), torch.ones(4, 6, dtype=torch.long)
     mask[1, 4:] = 0
-    assert_exact(model, lambda: model(make(ids, mask)).pow(2).sum(1),
-                 lambda i: model(make(ids[i:i + 1], mask[i:i + 1])).pow(2).sum(), 4)
+    assert_exact(model, lambda: model(make_batch(ids, mask)).pow(2).sum(1),
+                 lambda i: model(make_batch(ids[i:i + 1], mask[i:i + 1])).pow(2).sum(), 4)
 
 
 @dataclasses.dataclass
