@@ -19,7 +19,11 @@ prompt tuning 1.29x / 1.26x), book-keeping /
 ghost, against the fallback before: LoHa 3.19x / 3.05x -> 1.81x / 1.76x, LoKr 3.40x / 3.51x -> 1.71x / 1.69x, OFT
 3.10x / 3.06x -> 1.70x / 1.69x, HRA 3.28x -> 1.77x, BOFT 4.51x -> 2.13x, trainable tokens 2.04x / 1.94x -> 1.40x /
 1.36x, prompt tuning and p-tuning (failed before) 1.30x / 1.27x and 1.44x / 1.44x; LoRA 1.46x / 1.43x; on the
-convolution net LoHa 8.62x -> 1.63x, LoKr 9.17x -> 1.44x, OFT 24.6x -> 1.99x (book-keeping). Timings are the shared
+convolution net LoHa 8.62x -> 1.63x, LoKr 9.17x -> 1.44x, OFT 24.6x -> 1.99x (book-keeping). Late 2026-12-03
+(--against 767135b, 20 rounds), the adapters of norms/peft_deltas.py against the fallback before: FourierFT 3.42x /
+3.39x -> 2.16x / 2.24x, WaveFT 3.08x / 3.21x -> 2.27x / 2.13x, RandLoRA 6.14x / 6.03x -> 2.91x / 2.95x, DeLoRA 2.89x /
+2.99x -> 1.95x / 2.08x, GraLoRA 5.65x / 5.70x -> 2.04x / 2.16x, C3A 7.36x / 8.46x -> 1.73x / 2.13x, HiRA 3.22x / 3.17x
+-> 1.86x / 1.98x; VB-LoRA 5.32x / 4.92x and SHiRA 4.73x / 4.72x, still by the fallback. Timings are the shared
 machine's: compare the ratios of one run.
 """
 from __future__ import annotations
@@ -44,6 +48,15 @@ METHODS = {
     "oft": ("bert", lambda peft: peft.OFTConfig(r=8, oft_block_size=0, target_modules=_QV)),
     "hra": ("bert", lambda peft: peft.HRAConfig(r=8, target_modules=_QV)),
     "boft": ("bert", lambda peft: peft.BOFTConfig(boft_block_size=4, target_modules=_QV)),
+    "fourierft": ("bert", lambda peft: peft.FourierFTConfig(n_frequency=256, target_modules=_QV)),
+    "waveft": ("bert", lambda peft: peft.WaveFTConfig(n_frequency=256, target_modules=_QV)),
+    "randlora": ("bert", lambda peft: peft.RandLoraConfig(r=8, target_modules=_QV)),
+    "delora": ("bert", lambda peft: peft.DeloraConfig(r=8, target_modules=_QV)),
+    "gralora": ("bert", lambda peft: peft.GraloraConfig(r=8, gralora_k=2, target_modules=_QV)),
+    "c3a": ("bert", lambda peft: peft.C3AConfig(block_size=16, target_modules=_QV)),
+    "hira": ("bert", lambda peft: peft.HiraConfig(r=8, target_modules=_QV)),
+    "vblora": ("bert", lambda peft: peft.VBLoRAConfig(r=4, num_vectors=64, vector_length=16, target_modules=_QV)),
+    "shira": ("bert", lambda peft: peft.ShiraConfig(r=8, target_modules=_QV)),
     "trainable-tokens": ("bert", lambda peft: peft.TrainableTokensConfig(target_modules=["word_embeddings"],
                                                                          token_indices=list(range(30)))),
     "prompt": ("bert", lambda peft: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=8)),
