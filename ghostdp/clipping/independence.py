@@ -35,7 +35,22 @@ module has batch_first=False or the layout proof placed a call's examples on ano
 dim 0, each example's rows together, keeps them on dim 0: _refusable); such a move is warned of once (INCONCLUSIVE:
 until late 2026-12-02 it went unsaid, and a batch-first model that mixes, with T = B and a GRU built sequence-first,
 trained without a word, as it still does, warned, where no trained layer reads its input; the check concludes on
-steps whose batch size differs). With several processes
+steps whose batch size differs).
+
+A sequence-first batch ((T, B, ...), torch's Transformer and recurrent layers by default) holds its examples on dim 1
+(examples_dim_and_batch). The check takes dim 1 where the model has batch_first=False modules and the first tensor
+of two or more dims is not square in them, unless the first rerun finds those modules called with the batch on dim 0
+(a batch-first model that transposes for them); from the first norm pass on, it takes the dim where the losses'
+count lies (learn_from). There it replaces and removes the examples on dim 1 of the tensors of two or more dims with
+the batch there, on dim 0 of the others (a (B, T) padding mask, lengths), and compares each output on the dim that
+holds them ((T, B, ...) or pooled (B, ...)); no padding rerun. Until 2026-12-03 it replaced rows of dim 0, the
+positions, took T for the batch, and the norm pass, whose losses number B, dropped its finding: a sequence-first
+forward that mixed its examples without gradient trained without a word (T != B; the refusal now says "on dim 1").
+A model with no batch_first=False module fed (T, B, ...) is checked on dim 0 at its first forward and on dim 1 from
+the second (also scheduled): its first step goes unchecked. Where no argument has a dim 0 or 1 of the losses' count
+(a batch flattened to (B * T, d)), the check is warned of once as unchecked (NO_DIM_OF_THE_LOSSES).
+
+With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
 that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
 where a process has nothing to check there; and every process refuses where any one found a move (it would otherwise
@@ -50,8 +65,8 @@ rerun's in-place updates of a buffer go to a copy), and so are the tensors the m
 buffers.CHANGED_ATTRIBUTE), so training draws and stores what it would have without them; the model's other forward
 hooks (the user's) do run again. A forward that cannot run again (or takes an iterator, which a rerun would consume
 first) is warned of once and trains unchecked; so does one whose arguments hold no tensor with a dim, or whose output
-has no tensor with dim 0 of the batch's size (UNCHECKED: a sequence-first model pooled to (B, ...), an EmbeddingBag
-given offsets; unsaid before 2026-12-03), and a model whose trained layers ran outside its own forward (a method
+has no tensor with the batch on the dim it compares (UNCHECKED, said at the norm pass, where the losses confirm
+the batch: an EmbeddingBag given offsets; unsaid before 2026-12-03), and a model whose trained layers ran outside its own forward (a method
 such as encode, its submodules called one by one, a LightningModule's self.net(x)), which the check does not rerun:
 such a forward mixing its examples without gradient trained without a word before 2026-12-03. The tensors of a batch passed, or an output returned, in a SimpleNamespace
 or a dataclass are found and replaced there (leaves.py). Not covered: mixing after the model's forward (between its output and
@@ -138,8 +153,12 @@ NO_TENSOR_ARGUMENT = ("its arguments hold no tensor with a dim ({found}), so the
                       "examples")
 PASS_TENSORS = ("pass the batch as tensors with the examples on dim 0, or in a tuple, list, dict, dataclass or "
                 "SimpleNamespace of them (a model that tokenizes its text itself: tokenize before the forward)")
-NO_BATCH_FIRST_OUTPUT = ("no tensor of its output has {batch} rows on dim 0, the size of dim 0 of the forward's first "
+NO_BATCH_FIRST_OUTPUT = ("no tensor of its output has {batch} rows on {dims}, the size of dim {dim} of the forward's first "
                          "tensor argument, where the check takes the examples to lie ({found})")
+NO_DIM_OF_THE_LOSSES = ("the per-example losses number {losses}, but no tensor argument of the forward has a dim 0 or 1 of "
+                        "that size ({shapes}), so the check could not replace the batch's examples")
+EXAMPLES_ON_DIM_0_OR_1 = ("pass the batch as tensors with the examples on dim 0 (or on dim 1 of every tensor of two or "
+                          "more dims, for a sequence-first model), not flattened or split over several arguments")
 RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor arguments and of its outputs (batch_first=True "
                       "for recurrent and attention layers; a 2-D input for an EmbeddingBag, not offsets), the outputs "
                       "returned as tensors or in a tuple, list, dict, dataclass, SimpleNamespace or transformers "
@@ -162,10 +181,13 @@ class PaddingDependence(NamedTuple):
 
 # How a Mixing was found (MIXING_OUTSIDE_GRADIENTS: "{how} moved ... output by"): the reruns of the replaced batches
 # (_replacements), and the removal in eval() mode.
-REPLACED_BY_FIRST = "copying the first of the {batch} examples to every other row of the batch moved the first one's"
-REPLACED_BY_LAST = "copying the last of the {batch} examples to every other row of the batch moved the last one's"
-REMOVED = ("removing the last of the {batch} examples and reversing the others' order (the forward run again in eval() "
-           "mode) moved the other examples'")
+REPLACED_BY_FIRST = ("copying the first of the {batch} examples to every other row of the batch{where} moved the first "
+                     "one's")
+REPLACED_BY_LAST = "copying the last of the {batch} examples to every other row of the batch{where} moved the last one's"
+REMOVED = ("removing the last of the {batch} examples{where} and reversing the others' order (the forward run again in "
+           "eval() mode) moved the other examples'")
+# {where} of those: the examples' dim, said where it is not dim 0 (a sequence-first batch)
+ON_DIM = {0: "", 1: " (on dim 1 of its tensors: a sequence-first batch)"}
 REPLACEMENT_RERUNS = 2  # one per replaced batch: every process runs as many (a forward may gather or broadcast)
 
 
@@ -178,6 +200,21 @@ class Mixing(NamedTuple):
     threshold: float  # the move allowed there, relative likewise
     square: frozenset  # ids of the replaced arguments with another dim of the batch's size (examples may lie there)
     how: str = REPLACED_BY_FIRST
+    dim: int = 0       # the dim of the batch's tensors of two or more dims that the check replaced examples on
+
+    def said(self) -> str:
+        """How it was found, for a message."""
+        return self.how.format(batch=self.batch, where=ON_DIM[self.dim])
+
+
+class Checked(NamedTuple):
+    """What the norm pass after a checked forward reads of it (ForwardIndependence.learn_from): the shapes of the
+    forward's tensor arguments, the dim and size of the batch the check took, and, where it found no output to
+    compare, what it found instead (a message of the unchecked warning, given where its batch was the losses')."""
+    shapes: list
+    dim: int
+    batch: int | None
+    unchecked: str | None = None
 
 
 class _Pending(NamedTuple):
@@ -194,6 +231,8 @@ class _Pending(NamedTuple):
     again: list | None  # ... of the batch once more (several processes), else None
     square: frozenset   # _replacements'
     arguments: tuple    # (flat, spec) of the forward's arguments
+    dims: list          # per output leaf: the dim its examples lie on (fingerprinted there), or None
+    dim: int            # the dim of the arguments' examples (examples_dim_and_batch)
 
 
 def _accelerators(module, args, kwargs) -> list:
@@ -209,23 +248,84 @@ def _kinds(flat) -> str:
     return ", ".join(kinds[:4]) + (", ..." if len(kinds) > 4 else "") if kinds else "no argument"
 
 
-def _without_last_reversed(flat, batch: int) -> list:
-    """The batch's tensors without row ``batch - 1`` on dim 0 (those _replacements replaces rows of), the other rows
-    in reverse order: row k holds example batch - 2 - k."""
-    return [t[:batch - 1].flip(0) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
-            for t in flat]
+def examples_dim_and_batch(flat, learned: int | None, sequence_first: bool):
+    """The dim that a checked forward's examples lie on in its tensor arguments of two or more dims, and their count:
+    dim 1 where an earlier norm pass found them there (``learned``: ForwardIndependence.learn_from) or, before any,
+    where the model has sequence-first modules and the first such tensor is not square in its first two dims (its
+    dim 1 the batch); otherwise dim 0 of the first tensor of dim > 0 (the recorder's batch hint). A guess wrong for
+    the first checked forward (a batch-first model with a sequence-first layer inside) is put right at its norm pass,
+    for the next: checked forwards 0 and 1 are both scheduled."""
+    matrices = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 1]
+    if matrices and (learned == 1 or learned is None and sequence_first and matrices[0].shape[0] != matrices[0].shape[1]):
+        return 1, matrices[0].shape[1]
+    return 0, leading_dim(flat)
 
 
-def _replacements(flat, batch: int):
-    """The check's replaced batches (module doc): [(the batch's tensors with every row on dim 0 a copy of one
-    example's, that example (a slice), how)] for the first example and the last, or none (fewer than two examples, or
-    no tensor with the batch's size on dim 0); and the ids of the replaced tensors with another dim of size ``batch``
-    (``square``: their examples may lie there)."""
-    perturbed = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in flat]
-    if batch < 2 or not any(perturbed):
+def _example_dims(flat, batch: int, dim: int) -> list:
+    """Per leaf of the arguments: the dim its examples lie on, or None (not a tensor of the batch). On dim 1 (a
+    sequence-first batch), a tensor of two or more dims with the batch's size there; else one with it on dim 0 (a
+    padding mask (B, T) or lengths (B,) beside sequence-first data, as torch's Transformer takes them)."""
+    out = []
+    for t in flat:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            out.append(None)
+        elif dim == 1 and t.dim() > 1 and t.shape[1] == batch:
+            out.append(1)
+        else:
+            out.append(0 if t.shape[0] == batch else None)
+    return out
+
+
+def _output_dims(leaves, batch: int, dim: int) -> list:
+    """Per output leaf: the dim the check compares its examples on, by the rule of _example_dims (a floating tensor),
+    or None. On dim 1, an output with the batch's size on both dim 0 and dim 1 is not compared: (T, B, ...) at T = B
+    or pooled (B, C) at C = B, the wrong one would compare positions or classes (both mix as they should)."""
+    return [None if not isinstance(t, torch.Tensor) or not t.is_floating_point()
+            or dim == 1 and t.dim() > 1 and t.shape[0] == t.shape[1] == batch else d
+            for d, (_, t) in zip(_example_dims([t for _, t in leaves], batch, dim), leaves)]
+
+
+def _examples_first(leaves, dims) -> list:
+    """The output leaves with each tensor's examples moved to dim 0 (a view), where ``dims`` places them on dim 1."""
+    return [(path, t.movedim(d, 0) if d else t) for (path, t), d in zip(leaves, dims)]
+
+
+@contextlib.contextmanager
+def _batches_of_calls(modules):
+    """Inside, the sequence-first ``modules``' calls note their batch, dim 1 of their first tensor argument of two or
+    more dims, in the list yielded (a rerun's: where the batch's tensors are (T, B, ...) for such a layer, or (B, T,
+    ...) that the model transposes for it, examples_dim_and_batch's guess of dim 1 is put right)."""
+    found = []
+
+    def note(module, args, kwargs):
+        first = next((t for t in flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        if first is not None:
+            found.append(first.shape[1])
+
+    handles = [m.register_forward_pre_hook(note, with_kwargs=True) for m in modules]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _without_last_reversed(flat, dims, batch: int) -> list:
+    """The batch's tensors without example ``batch - 1`` on their examples' dim (``dims``: _example_dims; those
+    _replacements replaces examples of), the others in reverse order: place k holds example batch - 2 - k."""
+    return [t if d is None else t.narrow(d, 0, batch - 1).flip(d) for t, d in zip(flat, dims)]
+
+
+def _replacements(flat, dims, batch: int):
+    """The check's replaced batches (module doc): [(the batch's tensors with every example on its dim (``dims``:
+    _example_dims) a copy of one example's, that example (a slice), how)] for the first example and the last, or none
+    (fewer than two examples, or no tensor of the batch); and the ids of the replaced tensors with another dim of size
+    ``batch`` (``square``: their examples may lie there)."""
+    if batch < 2 or all(d is None for d in dims):
         return [], frozenset()
-    square = frozenset(id(t) for t, replaced in zip(flat, perturbed) if replaced and batch in t.shape[1:])
-    return [([t[kept:kept + 1].expand_as(t).contiguous() if replaced else t for t, replaced in zip(flat, perturbed)],
+    square = frozenset(id(t) for t, d in zip(flat, dims)
+                       if d is not None and batch in t.shape[:d] + t.shape[d + 1:])
+    return [([t if d is None else t.narrow(d, kept, 1).expand_as(t).contiguous() for t, d in zip(flat, dims)],
              slice(kept, kept + 1), how)
             for kept, how in ((0, REPLACED_BY_FIRST), (batch - 1, REPLACED_BY_LAST))], square
 
@@ -239,6 +339,9 @@ class ForwardIndependence:
         # Modules that may take their examples on another dim than 0 (batch_first=False: torch's recurrent and
         # attention layers, ghostdp.layers): where the batch's tensors are square, dim 0 may be their sequence.
         self.sequence_first = [name for name, m in module.named_modules() if getattr(m, "batch_first", True) is False]
+        self._sequence_first_modules = [module.get_submodule(name) for name in self.sequence_first]
+        self.examples_dim = None  # the dim of the arguments' examples that a norm pass found (learn_from), or None
+        self._checked = None      # the Checked of the last checked forward, until its norm pass reads it
         self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
         self.forwards = 0                     # training forwards begun
         self.finding = None
@@ -381,9 +484,13 @@ class ForwardIndependence:
         add to the activations it saves): a _Pending of their fingerprints for _compare at its end, or None where
         there is nothing to compare."""
         flat, spec = flatten((args, kwargs))
-        first_dim = leading_dim(flat)
-        batch = first_dim or 0  # the first tensor argument's dim 0, as the recorder reads it
-        replacements, square = _replacements(flat, batch)
+        dim, first_dim = examples_dim_and_batch(flat, self.examples_dim, bool(self.sequence_first))
+        guessed = dim == 1 and self.examples_dim is None  # put right by the first rerun's sequence-first calls
+        batch = first_dim or 0
+        arguments_dims = _example_dims(flat, batch, dim)
+        replacements, square = _replacements(flat, arguments_dims, batch)
+        shapes = [tuple(t.shape) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
+        self._checked = Checked(shapes, dim, first_dim)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
@@ -399,27 +506,38 @@ class ForwardIndependence:
         devices = _accelerators(module, args, kwargs)
         start = (random_states(*devices), _buffers(module))
         with self._rerunning(module, devices):
-            leaves = self._rerun(module, (args, kwargs), *start)
-            signs = [self._signs(t) if per_example_output(t, batch) else None for _, t in leaves]
+            with _batches_of_calls(self._sequence_first_modules if guessed else []) as batches:
+                leaves = self._rerun(module, (args, kwargs), *start)
+            if guessed and batches and batches[0] != batch:  # a batch-first model that transposes for such a layer
+                dim, first_dim = 0, leading_dim(flat)
+                batch = first_dim or 0
+                arguments_dims = _example_dims(flat, batch, dim)
+                replacements, square = _replacements(flat, arguments_dims, batch)
+                self._checked = Checked(shapes, dim, first_dim)
+            outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
+            dims = _output_dims(leaves, batch, dim)
+            leaves = _examples_first(leaves, dims)
+            signs = [self._signs(t) if d is not None and per_example_output(t, batch) else None
+                     for (_, t), d in zip(leaves, dims)]
             with torch.no_grad():
                 same = fingerprints_of(leaves, signs, batch)
-            outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
             del leaves  # a language model's logits
             checkable = batch > 1 and any(f is not None for f in same)
-            if not checkable and batch > 1:
+            if not checkable and batch > 1:  # warned of at the norm pass, where the losses say whether it was the batch
                 found = ", ".join(f"output{keystr(path)}: " + ("not a tensor" if shape is None else
                                                                 f"a tensor of shape {tuple(shape)}")
                                   for path, shape in outputs[:4])
-                self._warn_unchecked(NO_BATCH_FIRST_OUTPUT.format(batch=batch, found=found or "none"),
-                                     RETURN_BATCH_FIRST)
+                self._checked = self._checked._replace(unchecked=NO_BATCH_FIRST_OUTPUT.format(
+                    batch=batch, dims="dim 0 or 1" if dim else "dim 0", dim=dim, found=found or "none"))
             if not checkable and not several:
-                return None  # no output with the batch on dim 0: nothing to compare
+                return None  # no output with the batch on its dim: nothing to compare
 
             def rerun(arguments):
-                return self._fingerprints_of_rerun(module, unflatten(arguments, spec), start, signs, batch)
+                return self._fingerprints_of_rerun(module, unflatten(arguments, spec), start, signs, dims, batch)
 
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            self._check_in_eval_mode(module, flat, spec, outputs, start, signs, floors, batch, checkable, devices)
+            self._check_in_eval_mode(module, flat, spec, arguments_dims, outputs, start, signs, dims, floors, batch,
+                                     checkable, devices)
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             moved = [(rerun(replaced), compared, how) for replaced, compared, how in replacements]
             for _ in range(REPLACEMENT_RERUNS - len(replacements) if several else 0):
@@ -429,9 +547,10 @@ class ForwardIndependence:
             again = rerun(flat) if several else None
         if not checkable:
             return None
-        self.recorder.watched_arguments = {key: key for key in square}  # the training forward's calls note which
-        # they read
-        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec))
+        if dim == 0:  # the training forward's calls note which they read (_read_batch_first)
+            self.recorder.watched_arguments = {key: key for key in square}
+        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec), dims,
+                        dim)
 
     def _compare(self, module, pending, output):
         """At the checked forward's end: its fingerprints against the reruns' (``pending``, _rerun_before); a
@@ -439,7 +558,8 @@ class ForwardIndependence:
         move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
         p = pending
         leaves = output_leaves(output)
-        forward = fingerprints_of(leaves, p.signs, p.batch) if len(leaves) == len(p.signs) else [None] * len(p.signs)
+        forward = (fingerprints_of(_examples_first(leaves, p.dims), p.signs, p.batch) if len(leaves) == len(p.signs)
+                   else [None] * len(p.signs))
 
         def moves_of(again):
             """Every replacement's Moves, each with how it replaced."""
@@ -450,7 +570,7 @@ class ForwardIndependence:
         if p.again is None and any(move.exceeds for move, _ in moves):
             flat, spec = p.arguments
             with self._rerunning(module, p.devices):
-                again = self._fingerprints_of_rerun(module, unflatten(flat, spec), p.start, p.signs, p.batch)
+                again = self._fingerprints_of_rerun(module, unflatten(flat, spec), p.start, p.signs, p.dims, p.batch)
             moves = moves_of(again)
         self.last_moves = [move for move, _ in moves]
         found, how = max(((move, how) for move, how in moves if move.exceeds), key=lambda pair: pair[0].relative,
@@ -460,7 +580,7 @@ class ForwardIndependence:
         if found is None:
             return None
         return Mixing(p.batch, "output" + keystr(p.outputs[found.output][0]), found.relative, found.threshold,
-                      p.square, how)
+                      p.square, how, p.dim)
 
     @staticmethod
     def _rerun(module, arguments, states, buffers) -> list:
@@ -476,20 +596,21 @@ class ForwardIndependence:
             warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
             return output_leaves(module(*args, **kwargs))
 
-    def _fingerprints_of_rerun(self, module, arguments, start, signs, batch: int, positions=None) -> list:
+    def _fingerprints_of_rerun(self, module, arguments, start, signs, dims, batch: int, positions=None) -> list:
         """The fingerprints of one rerun (_rerun, from ``start``: the generators' states and the buffers) of
-        ``batch`` examples. ``positions``: (the forward's outputs, T, attention mask) of a padding check
-        (padding.py): the outputs are read at the real positions."""
+        ``batch`` examples, each output's on its ``dims``. ``positions``: (the forward's outputs, T, attention mask)
+        of a padding check (padding.py; examples on dim 0): the outputs are read at the real positions."""
         leaves = self._rerun(module, arguments, *start)
         if len(leaves) != len(signs):  # an output of another structure: nothing to compare
             return [None] * len(signs)
         if positions is not None:
             leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
+        leaves = _examples_first(leaves, dims)
         with torch.no_grad():
             return fingerprints_of(leaves, signs, batch)
 
-    def _check_in_eval_mode(self, module, flat, spec, outputs, start, signs, floors, batch: int, checkable: bool,
-                            devices):
+    def _check_in_eval_mode(self, module, flat, spec, arguments_dims, outputs, start, signs, dims, floors, batch: int,
+                            checkable: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example and the others reversed, where there are three or more (a forward that
         depends on the batch's size alone, or on another example than the first and the last: replacing them does
@@ -498,10 +619,13 @@ class ForwardIndependence:
         its reversed row, go to ``last_removal_moves``. With several processes each rerun runs on every process
         where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
         path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
-        tensor goes to the first)."""
+        tensor goes to the first); ``arguments_dims`` and ``dims``: where the arguments' and the outputs' examples lie
+        (_example_dims; a batch with its examples on dim 1 is not padded: padding.py reads a batch-first mask)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = unflatten(flat, spec)
-        padded = padded_arguments(module, *arguments, batch) if checkable and self.check_padding else None
+        batch_first = 1 not in arguments_dims
+        padded = (padded_arguments(module, *arguments, batch) if checkable and self.check_padding and batch_first
+                  else None)
         removing = checkable and batch > 2
         device = devices[0] if devices else torch.device("cpu")
         removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
@@ -512,14 +636,14 @@ class ForwardIndependence:
         def rerun(arguments, examples=batch, positions=positions):
             """The fingerprints of a rerun on ``arguments``; with padding checked, read at the real positions
             (``positions``: the batch's, or the rerun's own where it holds other rows)."""
-            return self._fingerprints_of_rerun(module, arguments, start, signs, examples, positions)
+            return self._fingerprints_of_rerun(module, arguments, start, signs, dims, examples, positions)
 
         with in_eval_mode(module):
             plain = rerun(arguments)
             if removing_anywhere:
                 try:
                     if removing:
-                        reversed_rows = unflatten(_without_last_reversed(flat, batch), spec)
+                        reversed_rows = unflatten(_without_last_reversed(flat, arguments_dims, batch), spec)
                         own = None if padded is None else (outputs, padded[1], attention_mask(module, *reversed_rows))
                         fewer = rerun(reversed_rows, batch - 1, own)
                     else:
@@ -574,6 +698,7 @@ class ForwardIndependence:
         forward, and on every process where any refuses (module doc; ``device``: the losses')."""
         padding = self.padding_finding
         finding, self.finding = self.finding, None
+        self.learn_from(batch_size)
         mixing = finding if self._refusable(finding, batch_size, calls) else None
         if mixing is None and finding is not None and finding.batch == batch_size:
             self._warn_inconclusive(finding, calls)
@@ -597,6 +722,32 @@ class ForwardIndependence:
         if mixing is not None:
             raise RuntimeError(_mixing_refusal(mixing))
 
+    def learn_from(self, batch_size: int) -> None:
+        """At the norm pass after a checked forward: where its tensor arguments hold the examples (the dim of the
+        losses' count in the first of two or more dims, dim 0 where both are; else dim 0 of any), kept as
+        ``examples_dim`` for the next checked forward (examples_dim_and_batch). Where the check took another batch
+        than the losses' (a sequence-first model without a batch_first=False module, perturbed along its positions:
+        until 2026-12-03 it trained without a word, mixing or not) the next checked forward takes the dim found;
+        where no dim has the losses' size, or the check found no output to compare on the right one, warned of once
+        (UNCHECKED)."""
+        checked, self._checked = self._checked, None
+        if checked is None:
+            return
+        first = next((shape for shape in checked.shapes if len(shape) > 1), None)  # examples_dim_and_batch's
+        if first is not None and batch_size in first[:2]:
+            found = first.index(batch_size)
+        else:
+            found = 0 if any(shape[0] == batch_size for shape in checked.shapes) else None
+        if found is not None:
+            self.examples_dim = found
+        if checked.batch is None or batch_size < 2 or not self.every:
+            return
+        if found is None:
+            shapes = ", ".join(str(shape) for shape in checked.shapes[:4])
+            self._warn_unchecked(NO_DIM_OF_THE_LOSSES.format(losses=batch_size, shapes=shapes), EXAMPLES_ON_DIM_0_OR_1)
+        elif checked.unchecked is not None and checked.batch == batch_size and checked.dim == found:
+            self._warn_unchecked(checked.unchecked, RETURN_BATCH_FIRST)
+
     def _refusable(self, finding, batch_size: int, calls) -> bool:
         """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on dim 0 of
         the arguments the check replaced a row of. They did where no such argument has another dim of the batch's
@@ -611,6 +762,8 @@ class ForwardIndependence:
         detached batch mean before one trained with its clipped sum 0.1-1.1 of its size off."""
         if finding is None or finding.batch != batch_size:
             return False
+        if finding.square and finding.dim != 0:
+            return False  # dim 0 of the same size: which of the two holds the examples, the proof does not say
         if not finding.square or _read_batch_first(finding.square, calls):
             return True
         return not self.sequence_first and not _laid_out_off_dim_0(calls)
@@ -620,12 +773,14 @@ class ForwardIndependence:
         if self._warned_inconclusive:
             return
         self._warned_inconclusive = True
-        if self.sequence_first:
+        if finding.dim != 0:
+            why = "the check took them on dim 1 (a sequence-first batch), and dim 0 has the same size"
+        elif self.sequence_first:
             named = [name or "<root>" for name in self.sequence_first[:3]]
             why = f"the model has modules with batch_first=False ({', '.join(named)})"
         else:
             why = f"the layout proof placed the examples of {', '.join(_laid_out_off_dim_0(calls)[:3])} off dim 0"
-        warnings.warn(INCONCLUSIVE.format(how=finding.how.format(batch=finding.batch), output=finding.output,
+        warnings.warn(INCONCLUSIVE.format(how=finding.said(), output=finding.output,
                                           moved=finding.moved, threshold=finding.threshold, batch=finding.batch,
                                           why=why))
 
@@ -672,7 +827,7 @@ def _padding_refusal(padding: PaddingDependence, lengths: str) -> str:
 
 
 def _mixing_refusal(mixing: Mixing) -> str:
-    return MIXING_OUTSIDE_GRADIENTS.format(how=mixing.how.format(batch=mixing.batch), output=mixing.output,
+    return MIXING_OUTSIDE_GRADIENTS.format(how=mixing.said(), output=mixing.output,
                                            moved=mixing.moved, threshold=mixing.threshold)
 
 def _buffers(module, values: bool = True) -> list:

@@ -559,14 +559,21 @@ class PooledSequenceFirst(nn.Module):
         return self.head(self.layer(x)[-1])
 
 
-def test_a_sequence_first_model_whose_output_is_batch_first_is_warned_of_as_unchecked():
-    """The check replaces rows of dim 0, the positions here, and finds no output of T rows to compare."""
+def test_a_sequence_first_model_whose_output_is_batch_first_is_checked_on_dim_1():
+    """Its batch_first=False layer and the (T, B, d) call it gets put the examples on dim 1 of the input and dim 0 of
+    the (B, 2) output, where the check compares them (unchecked and warned of before 2026-12-03, when it replaced rows
+    of dim 0, the positions; tests/clipping/test_sequence_first_independence.py has the refusals)."""
     model = PooledSequenceFirst().train()
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
-        with pytest.warns(UserWarning, match=r"could not check.*no tensor of its output has 3 rows on dim 0.*"
-                          r"output: a tensor of shape \(5, 2\)\).*batch_first=True"):
-            controller.loss(model(torch.randn(3, 5, 4)).pow(2).sum(1), reduction="sum").backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(torch.randn(3, 5, 4))
+            assert [move.output for move in controller.independence.last_moves] == [0, 0]  # both replacements
+            assert controller.independence.finding is None
+            controller.loss(out.pow(2).sum(1), reduction="sum").backward()
+        assert not [w for w in caught if "could not check" in str(w.message)]
+        assert controller.independence.examples_dim == 1
     finally:
         controller.detach()
 

@@ -1,0 +1,241 @@
+"""The forward check on a sequence-first batch (clipping/independence.py: examples_dim_and_batch, learn_from).
+
+A model fed (T, B, ...) tensors (torch's Transformer and recurrent layers with their default batch_first=False) holds
+its examples on dim 1. Until 2026-12-03 the check replaced rows of dim 0, positions, took the batch to be T, and at the
+norm pass, whose losses number B, dropped what it found: such a forward that mixed its examples without gradient
+trained without a word. The check now takes dim 1 where the model has sequence-first layers (put right by the calls
+those layers receive), or where an earlier norm pass found the examples there, and compares each output on the dim
+that holds them ((T, B, ...) or pooled (B, ...)).
+"""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ghostdp
+from conftest import CLIPPING_MODES, assert_exact, clipped_sum_through_the_batch
+
+REFUSED = "the model's forward mixes examples where no gradient flows"
+UNSURE = ("could not check", "cannot tell whether")
+T, B, D = 5, 4, 6  # no two alike: a tensor with another dim of the batch's size is inconclusive
+
+
+def centred_on_the_batch(h):
+    """h (T, B, d) minus its detached mean over the batch (dim 1): every example moved by the others' data."""
+    return h - h.detach().mean(1, keepdim=True)
+
+
+class SequenceFirstEncoder(nn.Module):
+    """A Linear, optionally the batch's detached mean taken off, a sequence-first encoder (attention or LSTM), a head
+    on every position (T, B, 2) or on the last one (B, 2)."""
+
+    def __init__(self, layer="attention", mix=False, pooled=False, classes=2):
+        super().__init__()
+        self.read = nn.Linear(D, D)
+        self.layer = (nn.TransformerEncoderLayer(D, 2, dim_feedforward=8, dropout=0.0) if layer == "attention"
+                      else nn.LSTM(D, D))
+        self.head = nn.Linear(D, classes)
+        self.mix, self.pooled = mix, pooled
+
+    def forward(self, x, padding_mask=None):  # x (T, B, D); padding_mask (B, T), True at padding
+        h = self.read(x)
+        if self.mix:
+            h = centred_on_the_batch(h)
+        if isinstance(self.layer, nn.LSTM):
+            h = self.layer(h)[0]
+        else:
+            h = self.layer(h, src_key_padding_mask=padding_mask)
+        return self.head(h[0] if self.pooled else h)
+
+
+def losses_of(out, pooled):
+    return out.pow(2).sum(1) if pooled else out.pow(2).sum((0, 2))
+
+
+def step(controller, model, x, pooled, **kwargs):
+    controller.loss(losses_of(model(x, **kwargs), pooled), reduction="sum").backward()
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("layer", ["attention", "lstm"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_sequence_first_forward_that_mixes_without_gradient_is_refused_at_its_first_step(clipping, layer, pooled):
+    model = SequenceFirstEncoder(layer, mix=True, pooled=pooled).train()
+    x = torch.randn(T, B, D)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*exact per-example fallback")  # torch's attention
+            with pytest.raises(RuntimeError, match=REFUSED + r".*\(on dim 1 of its tensors: a sequence-first batch\)"):
+                step(controller, model, x, pooled)
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
+def test_the_mixing_refused_moves_the_others_clipped_sum_by_more_than_c():
+    """Not a degenerate model: one example changed moves the clipped sum of the other three by more than C = 1."""
+    model = SequenceFirstEncoder("lstm", mix=True).train()
+    params = [p for p in model.parameters()]
+    x = 3 * torch.randn(T, B, D)
+    changed = x.clone()
+    changed[:, -1] = 3 * torch.randn(T, D) + 5
+    kept = slice(0, B - 1)
+    first, second = (clipped_sum_through_the_batch(losses_of(model(batch), False)[kept], params)
+                     for batch in (x, changed))
+    assert float((first - second).norm()) > 1.0
+
+
+@pytest.mark.parametrize("layer", ["attention", "lstm"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_sequence_first_forward_that_keeps_its_examples_apart_is_checked_and_exact(layer, pooled):
+    """Checked on dim 1 without a warning (pooled to (B, 2) it went unchecked before, warned of), and exact against
+    the per-example loop; the attention's (B, T) padding mask is replaced on its dim 0."""
+    model = SequenceFirstEncoder(layer, pooled=pooled).train()
+    x = torch.randn(T, B, D)
+    kwargs = {}
+    if layer == "attention":
+        padding_mask = torch.zeros(B, T, dtype=torch.bool)
+        padding_mask[1, -2:] = padding_mask[3, -1] = True
+        kwargs = {"padding_mask": padding_mask}
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # forwards 0 and 1 are both checked
+                model(x, **kwargs)
+                assert controller.independence.last_moves, "the check compared nothing"
+                assert controller.independence.finding is None
+                step(controller, model, x, pooled, **kwargs)
+                model.zero_grad(set_to_none=True)
+        unsure = [str(w.message) for w in caught if any(u in str(w.message) for u in UNSURE)]
+        assert not unsure, unsure
+        assert controller.independence.examples_dim == 1
+    finally:
+        controller.detach()
+
+    def example(i):
+        return {k: v[i:i + 1] for k, v in kwargs.items()}
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*exact per-example fallback")
+        assert_exact(model, lambda: losses_of(model(x, **kwargs), pooled),
+                     lambda i: losses_of(model(x[:, i:i + 1], **example(i)), pooled).sum(), B)
+
+
+def test_a_pooled_output_with_as_many_classes_as_examples_is_not_compared_and_is_warned_of():
+    """(B, C) at C = B: dim 1 of the output might hold the examples, and comparing the classes there refused an exact
+    LSTM classifier (seen in the sensitivity audit's sequence-first zoo): such an output is left out, warned of."""
+    model = SequenceFirstEncoder("lstm", pooled=True, classes=B).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.warns(UserWarning, match=rf"could not check.*no tensor of its output has {B} rows on dim 0 or 1, "
+                                             rf"the size of dim 1 .*a tensor of shape \({B}, {B}\)"):
+            step(controller, model, torch.randn(T, B, D), pooled=True)
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        controller.detach()
+
+
+class CentresThenTransposesForAGRU(nn.Module):
+    """A batch-first model (B, T, d), T != B: a detached batch mean, then a GRU built sequence-first that it
+    transposes for. The sequence-first layer suggests dim 1; the GRU's own calls show the batch on dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.read, self.gru = nn.Linear(D, D), nn.GRU(D, D)
+
+    def forward(self, x):  # (B, T, D)
+        h = self.read(x)
+        return self.gru((h - h.detach().mean(0, keepdim=True)).transpose(0, 1))[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_batch_first_model_that_transposes_for_a_sequence_first_layer_is_checked_on_dim_0(clipping):
+    model = CentresThenTransposesForAGRU().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*exact per-example fallback")
+            with pytest.raises(RuntimeError, match=r"copying the (first|last) of the 4 examples to every other row of "
+                                                   r"the batch moved"):
+                controller.loss(model(torch.randn(B, T, D)).pow(2).sum((1, 2)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class SequenceFirstLinears(nn.Module):
+    """Sequence-first (T, B, d) with no batch_first=False layer to say so: Linears, the batch's detached mean."""
+
+    def __init__(self, mix=True):
+        super().__init__()
+        self.read, self.head = nn.Linear(D, D), nn.Linear(D, 1)
+        self.mix = mix
+
+    def forward(self, x):
+        h = self.read(x)
+        return self.head(centred_on_the_batch(h) if self.mix else h)
+
+
+def test_a_sequence_first_model_without_sequence_first_layers_is_checked_on_dim_1_from_its_second_forward():
+    """Nothing before the first norm pass says where the examples lie: the first forward is checked on dim 0 (its
+    positions), its norm pass finds the losses' B on dim 1, and the second forward, scheduled too, is refused. The
+    first step trains (the check's limit, said in independence.py)."""
+    model = SequenceFirstLinears().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        x = torch.randn(T, B, D)
+        controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+        assert controller.independence.examples_dim == 1
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
+class ReadsItsBatchSize(SequenceFirstEncoder):
+    """Sequence-first, divides by the batch's size (x.shape[1]): replacing examples keeps it, removing one shows it."""
+
+    def forward(self, x, padding_mask=None):
+        return super().forward(x / x.shape[1])
+
+
+def test_a_sequence_first_forward_that_reads_its_batch_size_is_refused_by_the_removal():
+    model = ReadsItsBatchSize("lstm").train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*exact per-example fallback")
+            with pytest.raises(RuntimeError, match=REFUSED + r": removing the last of the 4 examples \(on dim 1"):
+                step(controller, model, torch.randn(T, B, D), pooled=False)
+    finally:
+        controller.detach()
+
+
+class Flattened(nn.Module):
+    """Takes its batch flattened to (B * T, d) rows and returns (B, T): no argument has a dim of B."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+
+    def forward(self, rows):
+        return self.lin(rows).view(B, T)
+
+
+def test_a_batch_with_no_dim_of_the_losses_size_is_warned_of_once():
+    model = Flattened().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                controller.loss(model(torch.randn(B * T, D)).pow(2).sum(1), reduction="sum").backward()
+        said = [str(w.message) for w in caught if "could not check" in str(w.message)]
+        assert len(said) == 1, said
+        assert f"the per-example losses number {B}, but no tensor argument of the forward has a dim 0 or 1" in said[0]
+        assert f"({B * T}, {D})" in said[0] and "not flattened" in said[0]
+    finally:
+        controller.detach()
