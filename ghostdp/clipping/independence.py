@@ -43,8 +43,8 @@ of two or more dims is not square in them, unless the first rerun finds those mo
 (a batch-first model that transposes for them); from the first norm pass on, it takes the dim where the losses'
 count lies (learn_from). There it replaces and removes the examples on dim 1 of the tensors of two or more dims with
 the batch there, on dim 0 of the others (a (B, T) padding mask, lengths), and compares each output on the dim that
-holds them ((T, B, ...) or pooled (B, ...)); no padding rerun. Until 2026-12-03 it replaced rows of dim 0, the
-positions, took T for the batch, and the norm pass, whose losses number B, dropped its finding: a sequence-first
+holds them ((T, B, ...) or pooled (B, ...)); padding.py pads it on dim 0. Until 2026-12-03 it replaced rows of dim 0,
+the positions, took T for the batch, and the norm pass, whose losses number B, dropped its finding: a sequence-first
 forward that mixed its examples without gradient trained without a word (T != B; the refusal now says "on dim 1").
 A model with no batch_first=False module fed (T, B, ...) is checked on dim 0 at its first forward and on dim 1 from
 the second (also scheduled): its first step goes unchecked. Where no argument has a dim 0 or 1 of the losses' count
@@ -183,7 +183,8 @@ class PaddingDependence(NamedTuple):
 # (_replacements), and the removal in eval() mode.
 REPLACED_BY_FIRST = ("copying the first of the {batch} examples to every other row of the batch{where} moved the first "
                      "one's")
-REPLACED_BY_LAST = "copying the last of the {batch} examples to every other row of the batch{where} moved the last one's"
+REPLACED_BY_LAST = ("copying the last of the {batch} examples to every other row of the batch{where} moved the last "
+                    "one's")
 REMOVED = ("removing the last of the {batch} examples{where} and reversing the others' order (the forward run again in "
            "eval() mode) moved the other examples'")
 # {where} of those: the examples' dim, said where it is not dim 0 (a sequence-first batch)
@@ -256,7 +257,8 @@ def examples_dim_and_batch(flat, learned: int | None, sequence_first: bool):
     the first checked forward (a batch-first model with a sequence-first layer inside) is put right at its norm pass,
     for the next: checked forwards 0 and 1 are both scheduled."""
     matrices = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 1]
-    if matrices and (learned == 1 or learned is None and sequence_first and matrices[0].shape[0] != matrices[0].shape[1]):
+    guess = learned is None and sequence_first and matrices and matrices[0].shape[0] != matrices[0].shape[1]
+    if matrices and (learned == 1 or guess):
         return 1, matrices[0].shape[1]
     return 0, leading_dim(flat)
 
@@ -603,9 +605,9 @@ class ForwardIndependence:
         leaves = self._rerun(module, arguments, *start)
         if len(leaves) != len(signs):  # an output of another structure: nothing to compare
             return [None] * len(signs)
-        if positions is not None:
-            leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
         leaves = _examples_first(leaves, dims)
+        if positions is not None:  # (the outputs' shapes with their examples first too)
+            leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
         with torch.no_grad():
             return fingerprints_of(leaves, signs, batch)
 
@@ -620,17 +622,21 @@ class ForwardIndependence:
         where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
         path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
         tensor goes to the first); ``arguments_dims`` and ``dims``: where the arguments' and the outputs' examples lie
-        (_example_dims; a batch with its examples on dim 1 is not padded: padding.py reads a batch-first mask)."""
+        (_example_dims; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
+        padding.py)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = unflatten(flat, spec)
-        batch_first = 1 not in arguments_dims
-        padded = (padded_arguments(module, *arguments, batch) if checkable and self.check_padding and batch_first
-                  else None)
+        sequence_first = 1 in arguments_dims
+        padded = (padded_arguments(module, *arguments, batch, sequence_first=sequence_first)
+                  if checkable and self.check_padding else None)
         removing = checkable and batch > 2
         device = devices[0] if devices else torch.device("cpu")
         removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
             return
+        # The outputs' shapes with their examples first (dims), as the reruns' outputs are compared (at_real_positions)
+        outputs = [(path, shape if d != 1 else (shape[1], shape[0], *shape[2:]))
+                   for (path, shape), d in zip(outputs, dims)]
         positions = None if padded is None else (outputs, padded[1], attention_mask(module, *arguments))
 
         def rerun(arguments, examples=batch, positions=positions):
@@ -663,7 +669,8 @@ class ForwardIndependence:
                 if not pending:
                     rerun(arguments)  # in step with the processes that pad
                     continue
-                longer_batch = padded[0] if extra == EXTRA else padded_arguments(module, *arguments, batch, extra)[0]
+                longer_batch = padded[0] if extra == EXTRA else padded_arguments(
+                    module, *arguments, batch, extra, sequence_first)[0]
                 try:  # more positions than the model has: one more, then unchecked for padding here
                     longer = rerun(longer_batch)
                 except (IndexError, RuntimeError, ValueError):

@@ -16,10 +16,14 @@ either goes unchecked for padding on that step. A model found to move is refused
 lengths have differed: padded to one fixed length (padding="max_length"), T is no property of the batch. The
 check compares the model's outputs; the loss after them is checked where ghostdp forms it: DPTrainer's token losses
 count only the positions the mask keeps, and a DP criterion called without a mask refuses targets that count padded
-positions (``counted_padding``, on the checked forwards). Not covered: losses of one's own that read padded
-positions, forwards without an argument named attention_mask (by keyword, by position in the forward's signature,
-or inside an argument: a batch dict's key, a SimpleNamespace's or a dataclass's attribute, since 2026-12-03; before,
-a model given its batch as one dict went unchecked for padding, its mean over padded positions trained). transformers' BERT, RoBERTa,
+positions (``counted_padding``, on the checked forwards). The mask is found by its name (MASK_NAMES: transformers'
+attention_mask, and since 2026-12-03 torch's src_key_padding_mask, key_padding_mask and padding_mask, True at padding:
+before, a model of torch's nn.TransformerEncoder layers given a key padding mask went unchecked, and its mean over
+all positions trained), by keyword, by position in the forward's signature, or inside an argument (a batch dict's
+key, a SimpleNamespace's or a dataclass's attribute, since 2026-12-03; before, a model given its batch as one dict
+went unchecked for padding, its mean over padded positions trained). Not covered: losses of one's own that read
+padded positions, forwards without such an argument. Sequence-first batches ((T, B, ...) beside a (B, T) mask) are
+padded on dim 0 (since 2026-12-03; not where T = B). transformers' BERT, RoBERTa,
 DistilBERT, ALBERT, ELECTRA, Funnel, GPT-2 and Llama (sdpa and eager, right and left padding, float32 and bfloat16;
 CPU) move by at most 0.0039 of their size in bfloat16 (the floor there: 0.0625), 2e-7 in float32.
 """
@@ -38,7 +42,7 @@ EXTRA = 8  # positions added: a mean over T + 8 positions instead of T moves far
 
 DEPENDS_ON_PADDING = (
     "the model's outputs depend on how far the batch is padded: padding the batch of {batch} examples (length "
-    "{length}) by {extra} more positions with attention_mask 0 moved {output} at the real positions by "
+    "{length}) by {extra} more positions, masked out, moved {output} at the real positions by "
     "{moved:.3g} of its size (beyond {threshold:.3g}, what rounding allows; eval() mode, no gradient), and the "
     "batches' lengths differ ({lengths}): each batch is padded to its longest example, so one "
     "example's length moves the others' outputs and clipped gradients, and one example can move the update by "
@@ -110,15 +114,36 @@ def _positional_names(module) -> tuple:
     return names
 
 
-def attention_mask(module, args, kwargs) -> torch.Tensor | None:
-    """The forward's attention_mask argument (by keyword or position; else one inside an argument, a batch dict's
-    or a SimpleNamespace's: _named) if it is an integer or boolean (B, T) tensor, else None."""
-    mask = _argument(module, args, kwargs, "attention_mask")
-    if mask is None and not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
-        mask = next((t for name, t in _named(module, args, kwargs) if name == "attention_mask"), None)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
-        return mask
+# The masks looked for, by name: transformers' attention_mask (1 or True where a position is real, 0 at padding), and
+# torch's key padding masks (nn.TransformerEncoder's src_key_padding_mask, nn.MultiheadAttention's key_padding_mask;
+# boolean, True at padding), each with the value it takes at an added position.
+MASK_NAMES = {"attention_mask": 0, "src_key_padding_mask": True, "key_padding_mask": True, "padding_mask": True}
+
+
+def _mask_argument(module, args, kwargs):
+    """(the forward's mask argument, its value at padding) for the first of MASK_NAMES found (by keyword or position;
+    else inside an argument, a batch dict's or a SimpleNamespace's: _named) as a (B, T) tensor, integer or boolean
+    (torch's: boolean), else None."""
+    inside = None
+    for name, padding in MASK_NAMES.items():
+        mask = _argument(module, args, kwargs, name)
+        if mask is None and not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            inside = _named(module, args, kwargs) if inside is None else inside
+            mask = next((t for found, t in inside if found == name), None)
+        if (isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point()
+                and (padding == 0 or mask.dtype == torch.bool)):
+            return mask, padding
     return None
+
+
+def attention_mask(module, args, kwargs) -> torch.Tensor | None:
+    """The forward's mask (_mask_argument) as transformers has it, nonzero at the real positions: a key padding
+    mask (True at padding) negated; or None."""
+    found = _mask_argument(module, args, kwargs)
+    if found is None:
+        return None
+    mask, padding = found
+    return mask if padding == 0 else ~mask
 
 
 def _named(module, args, kwargs, flat=None) -> list:
@@ -152,35 +177,53 @@ def _pad_id(module, input_ids: torch.Tensor | None, mask: torch.Tensor):
     return None
 
 
-def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA):
+def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA, sequence_first: bool = False):
     """(args, kwargs) with every tensor of leading shape (batch, T) padded by ``extra`` positions on dim 1
-    (attention_mask with 0, labels with -100, the input ids with the pad id, others with 0), and T; or None where
-    the forward has no attention_mask of shape (batch, T) or the pad id is unknown."""
-    mask = attention_mask(module, args, kwargs)
-    if mask is None or mask.shape[0] != batch:
+    (the mask with its value at padding, labels with -100, the input ids with the pad id, others with 0), and T; or
+    None where the forward has no mask of MASK_NAMES of shape (batch, T) or the pad id is unknown. A
+    ``sequence_first`` batch (its examples on dim 1: independence.py) has its tensors of leading shape (T, batch)
+    padded on dim 0 (the mask stays (B, T), as torch's Transformer takes it); None where T = batch (which is which?)."""
+    found = _mask_argument(module, args, kwargs)
+    if found is None or found[0].shape[0] != batch:
         return None
+    given, padding = found
+    mask = given if padding == 0 else ~given  # nonzero at the real positions
     length = mask.shape[1]
+    if sequence_first and length == batch:
+        return None
     flat = flatten_with_paths((args, kwargs))
     named = _named(module, args, kwargs, flat)
 
+    def positions_dim(t) -> int | None:
+        """The dim of ``t`` that holds the mask's positions, where ``t`` is laid out as the batch (else None)."""
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            return None
+        if t.shape[:2] == mask.shape:
+            return 1
+        return 0 if sequence_first and t.shape[:2] == mask.shape[::-1] else None
+
     def like_the_ids(t):
-        return isinstance(t, torch.Tensor) and t is not mask and not t.is_floating_point() and t.shape == mask.shape
+        return (positions_dim(t) is not None and t is not given and not t.is_floating_point()
+                and t.dim() == 2)
 
     ids = next((t for name, t in named if name == "input_ids" and like_the_ids(t)), None)
     if ids is None:  # the first positional argument of the mask's shape, as before; then any other but labels
         ids = next((a for a in args if like_the_ids(a)), None)
     if ids is None:
         ids = next((t for name, t in named if name != "labels" and like_the_ids(t)), None)
-    pad_id = _pad_id(module, ids, mask)
+    pad_id = _pad_id(module, None if ids is None else ids if positions_dim(ids) == 1 else ids.t(), mask)
     if pad_id is None:
         return None
 
     def padded(name, t):
-        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[:2] != mask.shape:
+        dim = positions_dim(t)
+        if dim is None:
             return t
-        fill = 0 if t is mask or t.is_floating_point() else LABELS_IGNORED if name == "labels" else \
+        fill = padding if t is given else 0 if t.is_floating_point() else LABELS_IGNORED if name == "labels" else \
             pad_id if t is ids else 0
-        return torch.cat([t, t.new_full((batch, extra, *t.shape[2:]), fill)], 1)
+        added = list(t.shape)
+        added[dim] = extra
+        return torch.cat([t, t.new_full(added, fill)], dim)
 
     return unflatten([padded(name, t) for name, t in named], flat[2]), length
 

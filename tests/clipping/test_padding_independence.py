@@ -139,6 +139,91 @@ def test_the_switch_the_refusal_names_turns_the_padding_check_off():
     controller.detach()
 
 
+class TorchEncoderPooled(nn.Module):
+    """torch's own encoder, batch-first, given its key padding mask (True at padding) as nn.TransformerEncoder takes
+    it; a mean over all positions (``masked`` False) or over the real ones."""
+
+    def __init__(self, masked: bool, batch_first: bool = True):
+        super().__init__()
+        self.masked, self.batch_first = masked, batch_first
+        self.embed, self.head = nn.Embedding(V, D), nn.Linear(D, 2)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(D, 2, dim_feedforward=8, dropout=0.0, batch_first=batch_first), 1,
+            enable_nested_tensor=False)
+
+    def forward(self, input_ids, src_key_padding_mask):  # ids (B, T), or (T, B) sequence-first; the mask (B, T)
+        h = self.encoder(self.embed(input_ids), src_key_padding_mask=src_key_padding_mask)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        if not self.masked:
+            return self.head(h.mean(1))
+        kept = (~src_key_padding_mask)[..., None].to(h.dtype)
+        return self.head((h * kept).sum(1) / kept.sum(1))
+
+
+class FedTransposed(nn.Module):
+    """A sequence-first model called with (B, T) ids, for clipped_sum's examples (rows of dim 0)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, mask):
+        return self.model(input_ids.t(), mask)
+
+
+def key_padded_batch(lengths, T, generator, batch_first=True):
+    ids, mask = padded_batch(lengths, T, generator)
+    return ids if batch_first else ids.t(), mask == 0  # True at padding
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_torch_encoder_given_a_key_padding_mask_is_checked_for_padding(clipping, batch_first):
+    """The mask found by torch's name (src_key_padding_mask, True at padding): before 2026-12-03 only attention_mask
+    was looked for, and this encoder's mean over padded positions trained without a word. Sequence-first, the ids
+    (T, B) are padded on dim 0 beside the (B, T) mask."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    model = ghostdp.validate.fix(TorchEncoderPooled(masked=False, batch_first=batch_first)).double()
+    ids, mask = key_padded_batch([6, 4, 5, 6], 6, g, batch_first)
+    longer = (torch.cat([ids, torch.zeros(*ids.shape[:-1], 10, dtype=torch.long)], -1) if batch_first else
+              torch.cat([ids, torch.zeros(10, B, dtype=torch.long)], 0),
+              torch.cat([mask, torch.ones(B, 10, dtype=torch.bool)], 1))
+
+    def clipped_sum_of(ids, mask):  # the per-example definition, each example alone, given (B, T) ids
+        return clipped_sum(model if batch_first else FedTransposed(model), ids if batch_first else ids.t(), mask, C)
+
+    C = 0.01
+    assert float((clipped_sum_of(*longer) - clipped_sum_of(ids, mask)).norm()) > 1.5 * C
+    batches = [key_padded_batch([6, 3, 5, 6], 6, g, batch_first), key_padded_batch([9, 3, 5, 9], 9, g, batch_first)]
+    with pytest.raises(RuntimeError, match=REFUSED + r".*by 8 more positions, masked out.*lengths differ \(6, 9\)"):
+        train_steps(model, batches, clipping, called="positionally")
+    masked = ghostdp.validate.fix(TorchEncoderPooled(masked=True, batch_first=batch_first)).double()
+    controller = train_steps(masked, batches + [key_padded_batch([2, 5, 3, 1], 5, g, batch_first)], clipping,
+                             "positionally")
+    assert controller.independence.last_padding_moves and not any(
+        m.exceeds for m in controller.independence.last_padding_moves)
+
+
+def test_a_key_padding_mask_is_padded_with_true_and_read_as_its_negation():
+    model = TorchEncoderPooled(masked=True)
+    ids, mask = key_padded_batch([3, 2], 3, torch.Generator().manual_seed(6))
+    (args, _), length = padded_arguments(model, (ids, mask), {}, 2, extra=2)
+    assert length == 3 and args[1].dtype == torch.bool
+    assert torch.equal(args[1], torch.cat([mask, torch.ones(2, 2, dtype=torch.bool)], 1))
+    assert torch.equal(args[0][:, 3:], torch.zeros(2, 2, dtype=torch.long))  # the batch's own pad id
+    float_mask = torch.zeros(2, 3)  # an additive float mask is no key padding mask: not padded
+    assert padded_arguments(model, (ids, float_mask), {}, 2) is None
+    # sequence-first: the (T, B) ids padded on dim 0 with the pad id read at a padded position; not where T == B
+    ids[1, 2] = 7  # example 1's padding, as the batch gives it
+    (args, _), length = padded_arguments(model, (ids.t(), mask), {}, 2, extra=2, sequence_first=True)
+    assert length == 3 and torch.equal(args[0], torch.cat([ids.t(), torch.full((2, 2), 7)], 0))
+    assert torch.equal(args[1], torch.cat([mask, torch.ones(2, 2, dtype=torch.bool)], 1))
+    square = key_padded_batch([2, 1], 2, torch.Generator().manual_seed(7), batch_first=False)
+    assert padded_arguments(model, square, {}, 2, sequence_first=True) is None
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2-classifier", "llama-left-padded"])
 def test_transformers_models_with_dynamic_padding_train(name):
     """A sequence classifier that finds each example's last token by the pad id (GPT-2) is padded with the batch's
