@@ -155,10 +155,12 @@ PASS_TENSORS = ("pass the batch as tensors with the examples on dim 0, or in a t
                 "SimpleNamespace of them (a model that tokenizes its text itself: tokenize before the forward)")
 NO_BATCH_FIRST_OUTPUT = ("no tensor of its output has {batch} rows on {dims}, the size of dim {dim} of the forward's first "
                          "tensor argument, where the check takes the examples to lie ({found})")
-NO_DIM_OF_THE_LOSSES = ("the per-example losses number {losses}, but no tensor argument of the forward has a dim 0 or 1 of "
-                        "that size ({shapes}), so the check could not replace the batch's examples")
+NO_DIM_OF_THE_LOSSES = ("the per-example losses number {losses}, but the check took the {batch} rows of dim {dim} of the "
+                        "forward's first tensor argument for the examples (the tensor arguments' shapes: {shapes}), and "
+                        "no other dim of it has the losses' size, so it could not replace the batch's examples")
 EXAMPLES_ON_DIM_0_OR_1 = ("pass the batch as tensors with the examples on dim 0 (or on dim 1 of every tensor of two or "
-                          "more dims, for a sequence-first model), not flattened or split over several arguments")
+                          "more dims, for a sequence-first model), the data first, not flattened (a PackedSequence: pass "
+                          "the padded batch and its lengths, and pack inside the forward)")
 RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor arguments and of its outputs (batch_first=True "
                       "for recurrent and attention layers; a 2-D input for an EmbeddingBag, not offsets), the outputs "
                       "returned as tensors or in a tuple, list, dict, dataclass, SimpleNamespace or transformers "
@@ -735,7 +737,8 @@ class ForwardIndependence:
         ``examples_dim`` for the next checked forward (examples_dim_and_batch). Where the check took another batch
         than the losses' (a sequence-first model without a batch_first=False module, perturbed along its positions:
         until 2026-12-03 it trained without a word, mixing or not) the next checked forward takes the dim found;
-        where no dim has the losses' size, or the check found no output to compare on the right one, warned of once
+        where none would put it right (no dim of the first tensor argument has the losses' size: a PackedSequence, a
+        batch flattened to (B * T, d)), or the check found no output to compare on the right one, warned of once
         (UNCHECKED)."""
         checked, self._checked = self._checked, None
         if checked is None:
@@ -749,11 +752,13 @@ class ForwardIndependence:
             self.examples_dim = found
         if checked.batch is None or batch_size < 2 or not self.every:
             return
-        if found is None:
+        if checked.batch == batch_size:
+            if checked.unchecked is not None and found == checked.dim:
+                self._warn_unchecked(checked.unchecked, RETURN_BATCH_FIRST)
+        elif found is None or found == checked.dim:  # the next checked forward would take the same rows
             shapes = ", ".join(str(shape) for shape in checked.shapes[:4])
-            self._warn_unchecked(NO_DIM_OF_THE_LOSSES.format(losses=batch_size, shapes=shapes), EXAMPLES_ON_DIM_0_OR_1)
-        elif checked.unchecked is not None and checked.batch == batch_size and checked.dim == found:
-            self._warn_unchecked(checked.unchecked, RETURN_BATCH_FIRST)
+            self._warn_unchecked(NO_DIM_OF_THE_LOSSES.format(losses=batch_size, batch=checked.batch, dim=checked.dim,
+                                                             shapes=shapes), EXAMPLES_ON_DIM_0_OR_1)
 
     def _refusable(self, finding, batch_size: int, calls) -> bool:
         """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on dim 0 of

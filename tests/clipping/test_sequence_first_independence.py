@@ -235,7 +235,35 @@ def test_a_batch_with_no_dim_of_the_losses_size_is_warned_of_once():
                 controller.loss(model(torch.randn(B * T, D)).pow(2).sum(1), reduction="sum").backward()
         said = [str(w.message) for w in caught if "could not check" in str(w.message)]
         assert len(said) == 1, said
-        assert f"the per-example losses number {B}, but no tensor argument of the forward has a dim 0 or 1" in said[0]
+        assert f"the per-example losses number {B}, but the check took the {B * T} rows of dim 0" in said[0]
         assert f"({B * T}, {D})" in said[0] and "not flattened" in said[0]
+    finally:
+        controller.detach()
+
+
+class PackedLSTM(nn.Module):
+    """An LSTM on a PackedSequence (Opacus' DPLSTM habit): its data (tokens, d) and its index vectors (B,)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = ghostdp.layers.LSTM(D, D, batch_first=True), nn.Linear(D, 2)
+
+    def forward(self, packed):
+        return self.head(self.lstm(packed)[1][0][-1])
+
+
+def test_a_packed_sequence_is_warned_of_as_unchecked_with_the_fix():
+    """The check takes the packed tokens for the examples; the losses number B. Unsorted, the packed sequence's
+    (B,) index vectors have the losses' size on dim 0, which kept the refusal's batch from being questioned: its
+    finding was dropped without a word before this warning."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    model = PackedLSTM().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    lengths = torch.tensor([3, 5, 2, 4])
+    try:
+        with pytest.warns(UserWarning, match=r"could not check.*losses number 4, but the check took the 14 rows of dim 0"
+                                             r".*a PackedSequence: pass the padded batch and its lengths"):
+            packed = pack_padded_sequence(torch.randn(B, T, D), lengths, batch_first=True, enforce_sorted=False)
+            controller.loss(model(packed).pow(2).sum(1), reduction="sum").backward()
     finally:
         controller.detach()
