@@ -93,6 +93,7 @@ from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per
 from .generators import random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, proof_scheduled
 from .leaves import flatten, output_leaves, unflatten
+from .packed import repacked, unpacked
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
@@ -159,8 +160,7 @@ NO_DIM_OF_THE_LOSSES = ("the per-example losses number {losses}, but the check t
                         "forward's first tensor argument for the examples (the tensor arguments' shapes: {shapes}), and "
                         "no other dim of it has the losses' size, so it could not replace the batch's examples")
 EXAMPLES_ON_DIM_0_OR_1 = ("pass the batch as tensors with the examples on dim 0 (or on dim 1 of every tensor of two or "
-                          "more dims, for a sequence-first model), the data first, not flattened (a PackedSequence: pass "
-                          "the padded batch and its lengths, and pack inside the forward)")
+                          "more dims, for a sequence-first model), the data first, not flattened")
 RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor arguments and of its outputs (batch_first=True "
                       "for recurrent and attention layers; a 2-D input for an EmbeddingBag, not offsets), the outputs "
                       "returned as tensors or in a tuple, list, dict, dataclass, SimpleNamespace or transformers "
@@ -487,7 +487,7 @@ class ForwardIndependence:
         """The reruns of the module doc, before the training forward (so that their largest temporaries do not
         add to the activations it saves): a _Pending of their fingerprints for _compare at its end, or None where
         there is nothing to compare."""
-        flat, spec = flatten((args, kwargs))
+        flat, spec = flatten(unpacked((args, kwargs)))  # a PackedSequence as its padded batch (packed.py)
         dim, first_dim = examples_dim_and_batch(flat, self.examples_dim, bool(self.sequence_first))
         guessed = dim == 1 and self.examples_dim is None  # put right by the first rerun's sequence-first calls
         batch = first_dim or 0
@@ -595,7 +595,7 @@ class ForwardIndependence:
         restore_random_states(states)
         with torch.no_grad(), warnings.catch_warnings():
             flat, spec = flatten(arguments)
-            args, kwargs = unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+            args, kwargs = repacked(unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in flat], spec))
             # A reentrant checkpoint warns of inputs without grad, which a rerun's all are.
             warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
             return output_leaves(module(*args, **kwargs))
@@ -737,9 +737,9 @@ class ForwardIndependence:
         ``examples_dim`` for the next checked forward (examples_dim_and_batch). Where the check took another batch
         than the losses' (a sequence-first model without a batch_first=False module, perturbed along its positions:
         until 2026-12-03 it trained without a word, mixing or not) the next checked forward takes the dim found;
-        where none would put it right (no dim of the first tensor argument has the losses' size: a PackedSequence, a
-        batch flattened to (B * T, d)), or the check found no output to compare on the right one, warned of once
-        (UNCHECKED)."""
+        where none would put it right (no dim of the first tensor argument has the losses' size: a batch flattened
+        to (B * T, d), the tokens of a PackedSequence before packed.py), or the check found no output to compare on
+        the right one, warned of once (UNCHECKED)."""
         checked, self._checked = self._checked, None
         if checked is None:
             return

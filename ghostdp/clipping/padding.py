@@ -17,7 +17,7 @@ lengths have differed: padded to one fixed length (padding="max_length"), T is n
 check compares the model's outputs; the loss after them is checked where ghostdp forms it: DPTrainer's token losses
 count only the positions the mask keeps, and a DP criterion called without a mask refuses targets that count padded
 positions (``counted_padding``, on the checked forwards). The mask is found by its name (MASK_NAMES: transformers'
-attention_mask, and since 2026-12-03 torch's src_key_padding_mask, key_padding_mask and padding_mask, True at padding:
+attention_mask, and since 2026-12-03 torch's src_key_padding_mask and key_padding_mask, True at padding:
 before, a model of torch's nn.TransformerEncoder layers given a key padding mask went unchecked, and its mean over
 all positions trained), by keyword, by position in the forward's signature, or inside an argument (a batch dict's
 key, a SimpleNamespace's or a dataclass's attribute, since 2026-12-03; before, a model given its batch as one dict
@@ -116,8 +116,9 @@ def _positional_names(module) -> tuple:
 
 # The masks looked for, by name: transformers' attention_mask (1 or True where a position is real, 0 at padding), and
 # torch's key padding masks (nn.TransformerEncoder's src_key_padding_mask, nn.MultiheadAttention's key_padding_mask;
-# boolean, True at padding), each with the value it takes at an added position.
-MASK_NAMES = {"attention_mask": 0, "src_key_padding_mask": True, "key_padding_mask": True, "padding_mask": True}
+# boolean, True at padding), each with the value it takes at an added position. Not "padding_mask", which some of
+# transformers' models take (Encodec, PE Audio, Moonshine, VITS) and Encodec's means True at the real positions.
+MASK_NAMES = {"attention_mask": 0, "src_key_padding_mask": True, "key_padding_mask": True}
 
 
 def _mask_argument(module, args, kwargs):

@@ -242,28 +242,62 @@ def test_a_batch_with_no_dim_of_the_losses_size_is_warned_of_once():
 
 
 class PackedLSTM(nn.Module):
-    """An LSTM on a PackedSequence (Opacus' DPLSTM habit): its data (tokens, d) and its index vectors (B,)."""
+    """An LSTM on a PackedSequence (Opacus' DPLSTM habit): its data (tokens, d) and, unsorted, its index vectors (B,);
+    optionally the batch's detached mean taken off the last hidden state."""
 
-    def __init__(self):
+    def __init__(self, cell=ghostdp.layers.LSTM, mix=False):
         super().__init__()
-        self.lstm, self.head = ghostdp.layers.LSTM(D, D, batch_first=True), nn.Linear(D, 2)
+        self.rnn, self.head = cell(D, D, batch_first=True), nn.Linear(D, 2)
+        self.mix = mix
 
     def forward(self, packed):
-        return self.head(self.lstm(packed)[1][0][-1])
+        h = self.rnn(packed)[1]
+        h = (h[0] if isinstance(h, tuple) else h)[-1]
+        return self.head(centred_on_the_batch(h.unsqueeze(0))[0] if self.mix else h)
 
 
-def test_a_packed_sequence_is_warned_of_as_unchecked_with_the_fix():
-    """The check takes the packed tokens for the examples; the losses number B. Unsorted, the packed sequence's
-    (B,) index vectors have the losses' size on dim 0, which kept the refusal's batch from being questioned: its
-    finding was dropped without a word before this warning."""
+def packed_batch(lengths):
     from torch.nn.utils.rnn import pack_padded_sequence
-    model = PackedLSTM().train()
-    controller = ghostdp.GhostClipping(model, 1.0)
-    lengths = torch.tensor([3, 5, 2, 4])
+    x = torch.randn(len(lengths), max(lengths), D)
+    return x, torch.tensor(lengths), pack_padded_sequence(x, torch.tensor(lengths), batch_first=True,
+                                                          enforce_sorted=False)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("cell", [ghostdp.layers.LSTM, nn.GRU], ids=["ghostdp-lstm", "torch-gru"])
+def test_a_forward_on_packed_sequences_is_checked(clipping, cell):
+    """Unpacked to (B, T, d) and lengths for the check, packed again for each rerun (packed.py): a mean over the batch
+    refused, both modes (before 2026-12-03 the check took the 14 packed tokens for the examples and its finding went
+    unused); without it, no warning."""
+    lengths = [3, 5, 2, 4]
+    controller = ghostdp.GhostClipping(PackedLSTM(cell, mix=True).train(), 1.0, clipping=clipping)
     try:
-        with pytest.warns(UserWarning, match=r"could not check.*losses number 4, but the check took the 14 rows of dim 0"
-                                             r".*a PackedSequence: pass the padded batch and its lengths"):
-            packed = pack_padded_sequence(torch.randn(B, T, D), lengths, batch_first=True, enforce_sorted=False)
-            controller.loss(model(packed).pow(2).sum(1), reduction="sum").backward()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*exact per-example fallback")
+            with pytest.raises(RuntimeError, match=REFUSED + r": copying the (first|last) of the 4 examples"):
+                controller.loss(controller.module(packed_batch(lengths)[2]).pow(2).sum(1), reduction="sum").backward()
     finally:
         controller.detach()
+    model = PackedLSTM(cell).train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                out = model(packed_batch(lengths)[2])
+                assert controller.independence.last_moves and controller.independence.finding is None
+                controller.loss(out.pow(2).sum(1), reduction="sum").backward()
+                model.zero_grad(set_to_none=True)
+        unsure = [str(w.message) for w in caught if any(u in str(w.message) for u in UNSURE)]
+        assert not unsure, unsure
+    finally:
+        controller.detach()
+
+
+def test_a_packed_lstm_checked_stays_exact():
+    from torch.nn.utils.rnn import pack_padded_sequence
+    model = PackedLSTM().train()
+    x, lengths, packed = packed_batch([3, 5, 2, 4])
+    assert_exact(model, lambda: model(packed).pow(2).sum(1),
+                 lambda i: model(pack_padded_sequence(x[i:i + 1, :lengths[i]], lengths[i:i + 1],
+                                                      batch_first=True)).pow(2).sum(), B)
