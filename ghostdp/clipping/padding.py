@@ -137,6 +137,11 @@ def _mask_argument(module, args, kwargs):
     return None
 
 
+def _key_padding(name, t) -> bool:
+    """Whether ``t`` is a torch key padding mask by its name and dtype (True at padding: padded with True)."""
+    return isinstance(name, str) and name.endswith("key_padding_mask") and t.dtype == torch.bool
+
+
 def attention_mask(module, args, kwargs) -> torch.Tensor | None:
     """The forward's mask (_mask_argument) as transformers has it, nonzero at the real positions: a key padding
     mask (True at padding) negated; or None."""
@@ -180,7 +185,8 @@ def _pad_id(module, input_ids: torch.Tensor | None, mask: torch.Tensor):
 
 def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA, sequence_first: bool = False):
     """(args, kwargs) with every tensor of leading shape (batch, T) padded by ``extra`` positions on dim 1
-    (the mask with its value at padding, labels with -100, the input ids with the pad id, others with 0), and T; or
+    (the mask with its value at padding, another boolean ``*key_padding_mask`` with True, labels with -100, the input
+    ids with the pad id, others with 0), and T; or
     None where the forward has no mask of MASK_NAMES of shape (batch, T) or the pad id is unknown. A
     ``sequence_first`` batch (its examples on dim 1: independence.py) has its tensors of leading shape (T, batch)
     padded on dim 0 (the mask stays (B, T), as torch's Transformer takes it); None where T = batch (which is which?)."""
@@ -220,8 +226,10 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA, seque
         dim = positions_dim(t)
         if dim is None:
             return t
-        fill = padding if t is given else 0 if t.is_floating_point() else LABELS_IGNORED if name == "labels" else \
-            pad_id if t is ids else 0
+        if t is given or _key_padding(name, t):  # another key padding mask of the batch's length (a decoder's)
+            fill = True if t is not given else padding
+        else:
+            fill = 0 if t.is_floating_point() else LABELS_IGNORED if name == "labels" else pad_id if t is ids else 0
         added = list(t.shape)
         added[dim] = extra
         return torch.cat([t, t.new_full(added, fill)], dim)

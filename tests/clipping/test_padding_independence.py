@@ -206,6 +206,41 @@ def test_a_torch_encoder_given_a_key_padding_mask_is_checked_for_padding(clippin
         m.exceeds for m in controller.independence.last_padding_moves)
 
 
+class EncoderDecoder(nn.Module):
+    """torch's nn.Transformer, sequence-first, given the source's and the target's key padding masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(D, 2, 1, 1, 8, dropout=0.0)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, src, tgt, src_key_padding_mask, tgt_key_padding_mask):
+        return self.head(self.transformer(src, tgt, src_key_padding_mask=src_key_padding_mask,
+                                          tgt_key_padding_mask=tgt_key_padding_mask,
+                                          memory_key_padding_mask=src_key_padding_mask))
+
+
+def test_an_encoder_decoder_s_target_key_padding_mask_is_padded_with_true_too():
+    """Source and target of one length: the target (T, B, d) is padded beside the source, and its key padding mask
+    with True (padding), as the source's; with False the decoder attended the added positions, and this exact model
+    was refused as depending on the padding."""
+    torch.manual_seed(0)
+    model = ghostdp.validate.fix(EncoderDecoder())
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        for T in (6, 7, 5):
+            src, tgt = torch.randn(T, B, D), torch.randn(T, B, D)
+            src_padding, tgt_padding = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool)
+            src_padding[1, -2:] = tgt_padding[2, -1] = True
+            out = model(src, tgt, src_padding, tgt_padding)
+            assert controller.independence.last_padding_moves, "the padding check did not run"
+            controller.loss(out.pow(2).sum((0, 2)), reduction="sum").backward()
+            model.zero_grad(set_to_none=True)
+        assert controller.independence.padding_finding is None
+    finally:
+        controller.detach()
+
+
 def test_a_key_padding_mask_is_padded_with_true_and_read_as_its_negation():
     model = TorchEncoderPooled(masked=True)
     ids, mask = key_padded_batch([3, 2], 3, torch.Generator().manual_seed(6))
