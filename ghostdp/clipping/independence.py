@@ -158,7 +158,8 @@ NO_BATCH_FIRST_OUTPUT = ("no tensor of its output has {batch} rows on {dims}, th
                          "tensor argument, where the check takes the examples to lie ({found})")
 NO_DIM_OF_THE_LOSSES = ("the per-example losses number {losses}, but the check took the {batch} rows of dim {dim} of the "
                         "forward's first tensor argument for the examples (the tensor arguments' shapes: {shapes}), and "
-                        "no other dim of it has the losses' size, so it could not replace the batch's examples")
+                        "no tensor argument has the losses' size on dim 0 (nor the first of two or more dims on dim 1), "
+                        "so it could not replace the batch's examples")
 EXAMPLES_ON_DIM_0_OR_1 = ("pass the batch as tensors with the examples on dim 0 (or on dim 1 of every tensor of two or "
                           "more dims, for a sequence-first model), the data first, not flattened")
 RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor arguments and of its outputs (batch_first=True "
@@ -211,8 +212,8 @@ class Mixing(NamedTuple):
 
 
 class Checked(NamedTuple):
-    """What the norm pass after a checked forward reads of it (ForwardIndependence.learn_from): the shapes of the
-    forward's tensor arguments, the dim and size of the batch the check took, and, where it found no output to
+    """What the norm pass after a checked forward reads of it (ForwardIndependence.learn_from): (index among the
+    flattened arguments, shape) of the forward's tensor arguments, the dim and size of the batch the check took, and, where it found no output to
     compare, what it found instead (a message of the unchecked warning, given where its batch was the losses')."""
     shapes: list
     dim: int
@@ -251,18 +252,24 @@ def _kinds(flat) -> str:
     return ", ".join(kinds[:4]) + (", ..." if len(kinds) > 4 else "") if kinds else "no argument"
 
 
-def examples_dim_and_batch(flat, learned: int | None, sequence_first: bool):
-    """The dim that a checked forward's examples lie on in its tensor arguments of two or more dims, and their count:
-    dim 1 where an earlier norm pass found them there (``learned``: ForwardIndependence.learn_from) or, before any,
-    where the model has sequence-first modules and the first such tensor is not square in its first two dims (its
-    dim 1 the batch); otherwise dim 0 of the first tensor of dim > 0 (the recorder's batch hint). A guess wrong for
-    the first checked forward (a batch-first model with a sequence-first layer inside) is put right at its norm pass,
-    for the next: checked forwards 0 and 1 are both scheduled."""
-    matrices = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 1]
-    guess = learned is None and sequence_first and matrices and matrices[0].shape[0] != matrices[0].shape[1]
-    if matrices and (learned == 1 or guess):
-        return 1, matrices[0].shape[1]
-    return 0, leading_dim(flat)
+def examples_dim_and_batch(flat, learned: tuple | None, sequence_first: bool):
+    """(the dim that a checked forward's examples lie on in its tensor arguments of two or more dims, their count):
+    where an earlier norm pass found them (``learned``: (index in ``flat`` of the tensor, dim),
+    ForwardIndependence.learn_from), there; before any, dim 1 of the first such tensor where the model has
+    sequence-first modules and that tensor is not square in its first two dims; otherwise dim 0 of the first tensor of
+    dim > 0 (the recorder's batch hint). A guess wrong for the first checked forward (a batch-first model with a
+    sequence-first layer inside, one whose first argument is not its batch's) is put right at its norm pass, for the
+    next: checked forwards 0 and 1 are both scheduled."""
+    if learned is not None:
+        index, dim = learned
+        if index < len(flat) and isinstance(flat[index], torch.Tensor) and flat[index].dim() > dim:
+            return dim, flat[index].shape[dim]
+    tensors = [(k, t) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    first_matrix = next(((k, t) for k, t in tensors if t.dim() > 1), None)
+    if learned is None and sequence_first and first_matrix is not None and \
+            first_matrix[1].shape[0] != first_matrix[1].shape[1]:
+        return 1, first_matrix[1].shape[1]
+    return 0, tensors[0][1].shape[0] if tensors else None
 
 
 def _example_dims(flat, batch: int, dim: int) -> list:
@@ -345,6 +352,7 @@ class ForwardIndependence:
         self.sequence_first = [name for name, m in module.named_modules() if getattr(m, "batch_first", True) is False]
         self._sequence_first_modules = [module.get_submodule(name) for name in self.sequence_first]
         self.examples_dim = None  # the dim of the arguments' examples that a norm pass found (learn_from), or None
+        self.examples_leaf = None  # ... and the index, among the flattened arguments, of the tensor it found them in
         self._checked = None      # the Checked of the last checked forward, until its norm pass reads it
         self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
         self.forwards = 0                     # training forwards begun
@@ -488,12 +496,13 @@ class ForwardIndependence:
         add to the activations it saves): a _Pending of their fingerprints for _compare at its end, or None where
         there is nothing to compare."""
         flat, spec = flatten(unpacked((args, kwargs)))  # a PackedSequence as its padded batch (packed.py)
-        dim, first_dim = examples_dim_and_batch(flat, self.examples_dim, bool(self.sequence_first))
-        guessed = dim == 1 and self.examples_dim is None  # put right by the first rerun's sequence-first calls
+        learned = None if self.examples_dim is None else (self.examples_leaf, self.examples_dim)
+        dim, first_dim = examples_dim_and_batch(flat, learned, bool(self.sequence_first))
+        guessed = dim == 1 and learned is None  # put right by the first rerun's sequence-first calls
         batch = first_dim or 0
         arguments_dims = _example_dims(flat, batch, dim)
         replacements, square = _replacements(flat, arguments_dims, batch)
-        shapes = [tuple(t.shape) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
+        shapes = [(k, tuple(t.shape)) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
         self._checked = Checked(shapes, dim, first_dim)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
@@ -734,7 +743,8 @@ class ForwardIndependence:
     def learn_from(self, batch_size: int) -> None:
         """At the norm pass after a checked forward: where its tensor arguments hold the examples (the dim of the
         losses' count in the first of two or more dims, dim 0 where both are; else dim 0 of any), kept as
-        ``examples_dim`` for the next checked forward (examples_dim_and_batch). Where the check took another batch
+        ``examples_dim`` and ``examples_leaf`` (which tensor) for the next checked forward (examples_dim_and_batch:
+        a forward whose first tensor argument is no batch, ``model(condition, x)``, is checked from its second). Where the check took another batch
         than the losses' (a sequence-first model without a batch_first=False module, perturbed along its positions:
         until 2026-12-03 it trained without a word, mixing or not) the next checked forward takes the dim found;
         where none would put it right (no dim of the first tensor argument has the losses' size: a batch flattened
@@ -743,20 +753,20 @@ class ForwardIndependence:
         checked, self._checked = self._checked, None
         if checked is None:
             return
-        first = next((shape for shape in checked.shapes if len(shape) > 1), None)  # examples_dim_and_batch's
-        if first is not None and batch_size in first[:2]:
-            found = first.index(batch_size)
+        first = next(((k, shape) for k, shape in checked.shapes if len(shape) > 1), None)  # examples_dim_and_batch's
+        if first is not None and batch_size in first[1][:2]:
+            found = first[0], first[1].index(batch_size)
         else:
-            found = 0 if any(shape[0] == batch_size for shape in checked.shapes) else None
+            found = next(((k, 0) for k, shape in checked.shapes if shape[0] == batch_size), None)
         if found is not None:
-            self.examples_dim = found
+            self.examples_leaf, self.examples_dim = found
         if checked.batch is None or batch_size < 2 or not self.every:
             return
         if checked.batch == batch_size:
-            if checked.unchecked is not None and found == checked.dim:
+            if checked.unchecked is not None and found is not None and found[1] == checked.dim:
                 self._warn_unchecked(checked.unchecked, RETURN_BATCH_FIRST)
-        elif found is None or found == checked.dim:  # the next checked forward would take the same rows
-            shapes = ", ".join(str(shape) for shape in checked.shapes[:4])
+        elif found is None:  # no tensor argument the next checked forward could take the examples from
+            shapes = ", ".join(str(shape) for _, shape in checked.shapes[:4])
             self._warn_unchecked(NO_DIM_OF_THE_LOSSES.format(losses=batch_size, batch=checked.batch, dim=checked.dim,
                                                              shapes=shapes), EXAMPLES_ON_DIM_0_OR_1)
 

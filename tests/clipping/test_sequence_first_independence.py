@@ -195,6 +195,42 @@ def test_a_sequence_first_model_without_sequence_first_layers_is_checked_on_dim_
         controller.detach()
 
 
+class ConditionFirst(nn.Module):
+    """forward(condition, x): a (1, d) condition shared by the batch, then the (B, d) batch, centred on its detached
+    mean. The first tensor argument's dim 0 is 1: the first forward's check has no batch to replace."""
+
+    def __init__(self, mix=True):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+        self.mix = mix
+
+    def forward(self, condition, x):
+        h = x + condition
+        return self.lin(h - h.detach().mean(0, keepdim=True) if self.mix else h)
+
+
+@pytest.mark.parametrize("mix", [True, False])
+def test_a_batch_that_is_not_the_first_argument_is_checked_from_the_second_forward(mix):
+    model = ConditionFirst(mix).train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    condition = torch.randn(1, D)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            controller.loss(model(condition, torch.randn(B, D)).pow(2).sum(1), reduction="sum").backward()
+            assert (controller.independence.examples_leaf, controller.independence.examples_dim) == (1, 0)
+            model.zero_grad(set_to_none=True)
+            if mix:
+                with pytest.raises(RuntimeError, match=REFUSED):
+                    controller.loss(model(condition, torch.randn(B, D)).pow(2).sum(1), reduction="sum").backward()
+            else:
+                controller.loss(model(condition, torch.randn(B, D)).pow(2).sum(1), reduction="sum").backward()
+                assert controller.independence.last_moves
+        assert not [w for w in caught if "could not check" in str(w.message)]
+    finally:
+        controller.detach()
+
+
 class ReadsItsBatchSize(SequenceFirstEncoder):
     """Sequence-first, divides by the batch's size (x.shape[1]): replacing examples keeps it, removing one shows it."""
 
