@@ -37,18 +37,8 @@ until late 2026-12-02 it went unsaid, and a batch-first model that mixes, with T
 trained without a word, as it still does, warned, where no trained layer reads its input; the check concludes on
 steps whose batch size differs).
 
-A sequence-first batch ((T, B, ...), torch's Transformer and recurrent layers by default) holds its examples on dim 1
-(examples_dim_and_batch). The check takes dim 1 where the model has batch_first=False modules and the first tensor
-of two or more dims is not square in them, unless the first rerun finds those modules called with the batch on dim 0
-(a batch-first model that transposes for them); from the first norm pass on, it takes the dim where the losses'
-count lies (learn_from). There it replaces and removes the examples on dim 1 of the tensors of two or more dims with
-the batch there, on dim 0 of the others (a (B, T) padding mask, lengths), and compares each output on the dim that
-holds them ((T, B, ...) or pooled (B, ...)); padding.py pads it on dim 0. Until 2026-12-03 it replaced rows of dim 0,
-the positions, took T for the batch, and the norm pass, whose losses number B, dropped its finding: a sequence-first
-forward that mixed its examples without gradient trained without a word (T != B; the refusal now says "on dim 1").
-A model with no batch_first=False module fed (T, B, ...) is checked on dim 0 at its first forward and on dim 1 from
-the second (also scheduled): its first step goes unchecked. Where no argument has a dim 0 or 1 of the losses' count
-(a batch flattened to (B * T, d)), the check is warned of once as unchecked (NO_DIM_OF_THE_LOSSES).
+A sequence-first batch ((T, B, ...)), a PackedSequence, and a batch that is not the forward's first argument: where
+the check replaces examples and compares outputs, replacements.py says.
 
 With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
@@ -97,6 +87,9 @@ from .packed import repacked, unpacked
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
+from .replacements import (ON_DIM, REMOVED, REPLACED_BY_FIRST, batches_of_calls, example_dims,
+                           examples_dim_and_batch, examples_first, output_dims, replaced_batches,
+                           without_last_reversed)
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} {output} by "
@@ -182,16 +175,6 @@ class PaddingDependence(NamedTuple):
     threshold: float
 
 
-# How a Mixing was found (MIXING_OUTSIDE_GRADIENTS: "{how} moved ... output by"): the reruns of the replaced batches
-# (_replacements), and the removal in eval() mode.
-REPLACED_BY_FIRST = ("copying the first of the {batch} examples to every other row of the batch{where} moved the first "
-                     "one's")
-REPLACED_BY_LAST = ("copying the last of the {batch} examples to every other row of the batch{where} moved the last "
-                    "one's")
-REMOVED = ("removing the last of the {batch} examples{where} and reversing the others' order (the forward run again in "
-           "eval() mode) moved the other examples'")
-# {where} of those: the examples' dim, said where it is not dim 0 (a sequence-first batch)
-ON_DIM = {0: "", 1: " (on dim 1 of its tensors: a sequence-first batch)"}
 REPLACEMENT_RERUNS = 2  # one per replaced batch: every process runs as many (a forward may gather or broadcast)
 
 
@@ -231,9 +214,9 @@ class _Pending(NamedTuple):
     floors: list
     outputs: list       # per output leaf: (key path, shape or None)
     same: list          # fingerprints of the batch
-    moved: list         # per replacement (_replacements): (its fingerprints, the examples compared, how)
+    moved: list         # per replacement (replaced_batches): (its fingerprints, the examples compared, how)
     again: list | None  # ... of the batch once more (several processes), else None
-    square: frozenset   # _replacements'
+    square: frozenset   # replaced_batches'
     arguments: tuple    # (flat, spec) of the forward's arguments
     dims: list          # per output leaf: the dim its examples lie on (fingerprinted there), or None
     dim: int            # the dim of the arguments' examples (examples_dim_and_batch)
@@ -250,95 +233,6 @@ def _kinds(flat) -> str:
     """What the forward's arguments hold, for a message: their leaves' types, the first few."""
     kinds = list(dict.fromkeys(type(x).__name__ for x in flat))
     return ", ".join(kinds[:4]) + (", ..." if len(kinds) > 4 else "") if kinds else "no argument"
-
-
-def examples_dim_and_batch(flat, learned: tuple | None, sequence_first: bool):
-    """(the dim that a checked forward's examples lie on in its tensor arguments of two or more dims, their count):
-    where an earlier norm pass found them (``learned``: (index in ``flat`` of the tensor, dim),
-    ForwardIndependence.learn_from), there; before any, dim 1 of the first such tensor where the model has
-    sequence-first modules and that tensor is not square in its first two dims; otherwise dim 0 of the first tensor of
-    dim > 0 (the recorder's batch hint). A guess wrong for the first checked forward (a batch-first model with a
-    sequence-first layer inside, one whose first argument is not its batch's) is put right at its norm pass, for the
-    next: checked forwards 0 and 1 are both scheduled."""
-    if learned is not None:
-        index, dim = learned
-        if index < len(flat) and isinstance(flat[index], torch.Tensor) and flat[index].dim() > dim:
-            return dim, flat[index].shape[dim]
-    tensors = [(k, t) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    first_matrix = next(((k, t) for k, t in tensors if t.dim() > 1), None)
-    if learned is None and sequence_first and first_matrix is not None and \
-            first_matrix[1].shape[0] != first_matrix[1].shape[1]:
-        return 1, first_matrix[1].shape[1]
-    return 0, tensors[0][1].shape[0] if tensors else None
-
-
-def _example_dims(flat, batch: int, dim: int) -> list:
-    """Per leaf of the arguments: the dim its examples lie on, or None (not a tensor of the batch). On dim 1 (a
-    sequence-first batch), a tensor of two or more dims with the batch's size there; else one with it on dim 0 (a
-    padding mask (B, T) or lengths (B,) beside sequence-first data, as torch's Transformer takes them)."""
-    out = []
-    for t in flat:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            out.append(None)
-        elif dim == 1 and t.dim() > 1 and t.shape[1] == batch:
-            out.append(1)
-        else:
-            out.append(0 if t.shape[0] == batch else None)
-    return out
-
-
-def _output_dims(leaves, batch: int, dim: int) -> list:
-    """Per output leaf: the dim the check compares its examples on, by the rule of _example_dims (a floating tensor),
-    or None. On dim 1, an output with the batch's size on both dim 0 and dim 1 is not compared: (T, B, ...) at T = B
-    or pooled (B, C) at C = B, the wrong one would compare positions or classes (both mix as they should)."""
-    return [None if not isinstance(t, torch.Tensor) or not t.is_floating_point()
-            or dim == 1 and t.dim() > 1 and t.shape[0] == t.shape[1] == batch else d
-            for d, (_, t) in zip(_example_dims([t for _, t in leaves], batch, dim), leaves)]
-
-
-def _examples_first(leaves, dims) -> list:
-    """The output leaves with each tensor's examples moved to dim 0 (a view), where ``dims`` places them on dim 1."""
-    return [(path, t.movedim(d, 0) if d else t) for (path, t), d in zip(leaves, dims)]
-
-
-@contextlib.contextmanager
-def _batches_of_calls(modules):
-    """Inside, the sequence-first ``modules``' calls note their batch, dim 1 of their first tensor argument of two or
-    more dims, in the list yielded (a rerun's: where the batch's tensors are (T, B, ...) for such a layer, or (B, T,
-    ...) that the model transposes for it, examples_dim_and_batch's guess of dim 1 is put right)."""
-    found = []
-
-    def note(module, args, kwargs):
-        first = next((t for t in flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 1), None)
-        if first is not None:
-            found.append(first.shape[1])
-
-    handles = [m.register_forward_pre_hook(note, with_kwargs=True) for m in modules]
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _without_last_reversed(flat, dims, batch: int) -> list:
-    """The batch's tensors without example ``batch - 1`` on their examples' dim (``dims``: _example_dims; those
-    _replacements replaces examples of), the others in reverse order: place k holds example batch - 2 - k."""
-    return [t if d is None else t.narrow(d, 0, batch - 1).flip(d) for t, d in zip(flat, dims)]
-
-
-def _replacements(flat, dims, batch: int):
-    """The check's replaced batches (module doc): [(the batch's tensors with every example on its dim (``dims``:
-    _example_dims) a copy of one example's, that example (a slice), how)] for the first example and the last, or none
-    (fewer than two examples, or no tensor of the batch); and the ids of the replaced tensors with another dim of size
-    ``batch`` (``square``: their examples may lie there)."""
-    if batch < 2 or all(d is None for d in dims):
-        return [], frozenset()
-    square = frozenset(id(t) for t, d in zip(flat, dims)
-                       if d is not None and batch in t.shape[:d] + t.shape[d + 1:])
-    return [([t if d is None else t.narrow(d, kept, 1).expand_as(t).contiguous() for t, d in zip(flat, dims)],
-             slice(kept, kept + 1), how)
-            for kept, how in ((0, REPLACED_BY_FIRST), (batch - 1, REPLACED_BY_LAST))], square
 
 
 class ForwardIndependence:
@@ -500,8 +394,8 @@ class ForwardIndependence:
         dim, first_dim = examples_dim_and_batch(flat, learned, bool(self.sequence_first))
         guessed = dim == 1 and learned is None  # put right by the first rerun's sequence-first calls
         batch = first_dim or 0
-        arguments_dims = _example_dims(flat, batch, dim)
-        replacements, square = _replacements(flat, arguments_dims, batch)
+        arguments_dims = example_dims(flat, batch, dim)
+        replacements, square = replaced_batches(flat, arguments_dims, batch)
         shapes = [(k, tuple(t.shape)) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
         self._checked = Checked(shapes, dim, first_dim)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
@@ -519,17 +413,17 @@ class ForwardIndependence:
         devices = _accelerators(module, args, kwargs)
         start = (random_states(*devices), _buffers(module))
         with self._rerunning(module, devices):
-            with _batches_of_calls(self._sequence_first_modules if guessed else []) as batches:
+            with batches_of_calls(self._sequence_first_modules if guessed else []) as batches:
                 leaves = self._rerun(module, (args, kwargs), *start)
             if guessed and batches and batches[0] != batch:  # a batch-first model that transposes for such a layer
                 dim, first_dim = 0, leading_dim(flat)
                 batch = first_dim or 0
-                arguments_dims = _example_dims(flat, batch, dim)
-                replacements, square = _replacements(flat, arguments_dims, batch)
+                arguments_dims = example_dims(flat, batch, dim)
+                replacements, square = replaced_batches(flat, arguments_dims, batch)
                 self._checked = Checked(shapes, dim, first_dim)
             outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
-            dims = _output_dims(leaves, batch, dim)
-            leaves = _examples_first(leaves, dims)
+            dims = output_dims(leaves, batch, dim)
+            leaves = examples_first(leaves, dims)
             signs = [self._signs(t) if d is not None and per_example_output(t, batch) else None
                      for (_, t), d in zip(leaves, dims)]
             with torch.no_grad():
@@ -571,7 +465,7 @@ class ForwardIndependence:
         move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
         p = pending
         leaves = output_leaves(output)
-        forward = (fingerprints_of(_examples_first(leaves, p.dims), p.signs, p.batch) if len(leaves) == len(p.signs)
+        forward = (fingerprints_of(examples_first(leaves, p.dims), p.signs, p.batch) if len(leaves) == len(p.signs)
                    else [None] * len(p.signs))
 
         def moves_of(again):
@@ -616,7 +510,7 @@ class ForwardIndependence:
         leaves = self._rerun(module, arguments, *start)
         if len(leaves) != len(signs):  # an output of another structure: nothing to compare
             return [None] * len(signs)
-        leaves = _examples_first(leaves, dims)
+        leaves = examples_first(leaves, dims)
         if positions is not None:  # (the outputs' shapes with their examples first too)
             leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
         with torch.no_grad():
@@ -633,7 +527,7 @@ class ForwardIndependence:
         where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
         path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
         tensor goes to the first); ``arguments_dims`` and ``dims``: where the arguments' and the outputs' examples lie
-        (_example_dims; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
+        (example_dims; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
         padding.py)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = unflatten(flat, spec)
@@ -660,7 +554,7 @@ class ForwardIndependence:
             if removing_anywhere:
                 try:
                     if removing:
-                        reversed_rows = unflatten(_without_last_reversed(flat, arguments_dims, batch), spec)
+                        reversed_rows = unflatten(without_last_reversed(flat, arguments_dims, batch), spec)
                         own = None if padded is None else (outputs, padded[1], attention_mask(module, *reversed_rows))
                         fewer = rerun(reversed_rows, batch - 1, own)
                     else:
@@ -808,7 +702,7 @@ class ForwardIndependence:
 
 
 def _read_batch_first(square, calls) -> bool:
-    """Whether every ``square`` argument (ids: _replacements) is read by a trained tokenwise layer with a rule (an
+    """Whether every ``square`` argument (ids: replaced_batches) is read by a trained tokenwise layer with a rule (an
     Embedding of the token ids, a first Linear), or by a module without a rule whose inputs' proof ran on it, and each
     such call's proven layout (for the module without a rule: that input's) has its examples on dim 0: those
     arguments' dim 0 then holds the examples, and the check perturbed examples there (until late 2026-12-02 a

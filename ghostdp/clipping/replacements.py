@@ -1,0 +1,131 @@
+"""Where the forward check (independence.py) replaces, removes and compares a batch's examples.
+
+The check copies the first example, and the last, to every other place of the batch, and removes the last, and
+compares each output's examples. Which dim holds them:
+
+A sequence-first batch ((T, B, ...), torch's Transformer and recurrent layers by default) holds its examples on dim 1
+(examples_dim_and_batch). The check takes dim 1 where the model has batch_first=False modules and the first tensor of
+two or more dims is not square in them, unless the first rerun finds those modules called with the batch on dim 0 (a
+batch-first model that transposes for them); from the first norm pass on, it takes the dim where the losses' count
+lies (independence.ForwardIndependence.learn_from). There it replaces and removes the examples on dim 1 of the tensors
+of two or more dims with the batch there, on dim 0 of the others (a (B, T) padding mask, lengths), and compares each
+output on the dim that holds them ((T, B, ...) or pooled (B, ...)); padding.py pads it on dim 0. Until 2026-12-03 it
+replaced rows of dim 0, the positions, took T for the batch, and the norm pass, whose losses number B, dropped its
+finding: a sequence-first forward that mixed its examples without gradient trained without a word (T != B; the refusal
+now says "on dim 1"). A model with no batch_first=False module fed (T, B, ...) is checked on dim 0 at its first
+forward and on dim 1 from the second (also scheduled): its first step goes unchecked. Where no argument has a dim 0 or
+1 of the losses' count (a batch flattened to (B * T, d)), the check is warned of once as unchecked
+(independence.NO_DIM_OF_THE_LOSSES).
+
+A PackedSequence is taken as its padded batch (packed.py). A forward whose first tensor argument is not the batch's
+(``model(condition, x)``, a (1, d) condition) is checked from its second forward, where the norm pass found which
+argument holds the examples (``learned``): before 2026-12-03 it went unchecked on every step, without a word.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .leaves import flatten
+from .recording import leading_dim
+
+# How a Mixing was found (independence.MIXING_OUTSIDE_GRADIENTS: "{how} moved ... output by"): the reruns of the
+# replaced batches (replaced_batches), and the removal in eval() mode.
+REPLACED_BY_FIRST = ("copying the first of the {batch} examples to every other row of the batch{where} moved the first "
+                     "one's")
+REPLACED_BY_LAST = ("copying the last of the {batch} examples to every other row of the batch{where} moved the last "
+                    "one's")
+REMOVED = ("removing the last of the {batch} examples{where} and reversing the others' order (the forward run again in "
+           "eval() mode) moved the other examples'")
+# {where} of those: the examples' dim, said where it is not dim 0 (a sequence-first batch)
+ON_DIM = {0: "", 1: " (on dim 1 of its tensors: a sequence-first batch)"}
+
+
+def examples_dim_and_batch(flat, learned: tuple | None, sequence_first: bool):
+    """(the dim that a checked forward's examples lie on in its tensor arguments of two or more dims, their count):
+    where an earlier norm pass found them (``learned``: (index in ``flat`` of the tensor, dim),
+    ForwardIndependence.learn_from), there; before any, dim 1 of the first such tensor where the model has
+    sequence-first modules and that tensor is not square in its first two dims; otherwise dim 0 of the first tensor of
+    dim > 0 (the recorder's batch hint). A guess wrong for the first checked forward (a batch-first model with a
+    sequence-first layer inside, one whose first argument is not its batch's) is put right at its norm pass, for the
+    next: checked forwards 0 and 1 are both scheduled."""
+    if learned is not None:
+        index, dim = learned
+        if index < len(flat) and isinstance(flat[index], torch.Tensor) and flat[index].dim() > dim:
+            return dim, flat[index].shape[dim]
+    tensors = [(k, t) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    first_matrix = next(((k, t) for k, t in tensors if t.dim() > 1), None)
+    if learned is None and sequence_first and first_matrix is not None and \
+            first_matrix[1].shape[0] != first_matrix[1].shape[1]:
+        return 1, first_matrix[1].shape[1]
+    return 0, tensors[0][1].shape[0] if tensors else None
+
+
+def example_dims(flat, batch: int, dim: int) -> list:
+    """Per leaf of the arguments: the dim its examples lie on, or None (not a tensor of the batch). On dim 1 (a
+    sequence-first batch), a tensor of two or more dims with the batch's size there; else one with it on dim 0 (a
+    padding mask (B, T) or lengths (B,) beside sequence-first data, as torch's Transformer takes them)."""
+    out = []
+    for t in flat:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            out.append(None)
+        elif dim == 1 and t.dim() > 1 and t.shape[1] == batch:
+            out.append(1)
+        else:
+            out.append(0 if t.shape[0] == batch else None)
+    return out
+
+
+def output_dims(leaves, batch: int, dim: int) -> list:
+    """Per output leaf: the dim the check compares its examples on, by the rule of example_dims (a floating tensor),
+    or None. On dim 1, an output with the batch's size on both dim 0 and dim 1 is not compared: (T, B, ...) at T = B
+    or pooled (B, C) at C = B, the wrong one would compare positions or classes (both mix as they should)."""
+    return [None if not isinstance(t, torch.Tensor) or not t.is_floating_point()
+            or dim == 1 and t.dim() > 1 and t.shape[0] == t.shape[1] == batch else d
+            for d, (_, t) in zip(example_dims([t for _, t in leaves], batch, dim), leaves)]
+
+
+def examples_first(leaves, dims) -> list:
+    """The output leaves with each tensor's examples moved to dim 0 (a view), where ``dims`` places them on dim 1."""
+    return [(path, t.movedim(d, 0) if d else t) for (path, t), d in zip(leaves, dims)]
+
+
+@contextlib.contextmanager
+def batches_of_calls(modules):
+    """Inside, the sequence-first ``modules``' calls note their batch, dim 1 of their first tensor argument of two or
+    more dims, in the list yielded (a rerun's: where the batch's tensors are (T, B, ...) for such a layer, or (B, T,
+    ...) that the model transposes for it, examples_dim_and_batch's guess of dim 1 is put right)."""
+    found = []
+
+    def note(module, args, kwargs):
+        first = next((t for t in flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        if first is not None:
+            found.append(first.shape[1])
+
+    handles = [m.register_forward_pre_hook(note, with_kwargs=True) for m in modules]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def without_last_reversed(flat, dims, batch: int) -> list:
+    """The batch's tensors without example ``batch - 1`` on their examples' dim (``dims``: example_dims; those
+    replaced_batches replaces examples of), the others in reverse order: place k holds example batch - 2 - k."""
+    return [t if d is None else t.narrow(d, 0, batch - 1).flip(d) for t, d in zip(flat, dims)]
+
+
+def replaced_batches(flat, dims, batch: int):
+    """The check's replaced batches (module doc): [(the batch's tensors with every example on its dim (``dims``:
+    example_dims) a copy of one example's, that example (a slice), how)] for the first example and the last, or none
+    (fewer than two examples, or no tensor of the batch); and the ids of the replaced tensors with another dim of size
+    ``batch`` (``square``: their examples may lie there)."""
+    if batch < 2 or all(d is None for d in dims):
+        return [], frozenset()
+    square = frozenset(id(t) for t, d in zip(flat, dims)
+                       if d is not None and batch in t.shape[:d] + t.shape[d + 1:])
+    return [([t if d is None else t.narrow(d, kept, 1).expand_as(t).contiguous() for t, d in zip(flat, dims)],
+             slice(kept, kept + 1), how)
+            for kept, how in ((0, REPLACED_BY_FIRST), (batch - 1, REPLACED_BY_LAST))], square
