@@ -28,7 +28,6 @@ import contextlib
 import torch
 
 from .leaves import flatten
-from .recording import leading_dim
 
 # How a Mixing was found (independence.MIXING_OUTSIDE_GRADIENTS: "{how} moved ... output by"): the reruns of the
 # replaced batches (replaced_batches), and the removal in eval() mode.
