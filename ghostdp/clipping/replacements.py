@@ -18,8 +18,9 @@ forward and on dim 1 from the second (also scheduled): its first step goes unche
 (independence.NO_DIM_OF_THE_LOSSES).
 
 A PackedSequence is taken as its padded batch (packed.py). A forward whose first tensor argument is not the batch's
-(``model(condition, x)``, a (1, d) condition) is checked from its second forward, where the norm pass found which
-argument holds the examples (``learned``): before 2026-12-03 it went unchecked on every step, without a word.
+is checked where the norm pass found which argument holds the examples (``learned``), from its second forward; a
+(1, ...) first argument (``model(condition, x)``) is passed over from the first: before 2026-12-03 such a forward went
+unchecked on every step, without a word.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def examples_dim_and_batch(flat, learned: tuple | None, sequence_first: bool):
     where an earlier norm pass found them (``learned``: (index in ``flat`` of the tensor, dim),
     ForwardIndependence.learn_from), there; before any, dim 1 of the first such tensor where the model has
     sequence-first modules and that tensor is not square in its first two dims; otherwise dim 0 of the first tensor of
-    dim > 0 (the recorder's batch hint). A guess wrong for the first checked forward (a batch-first model with a
+    dim > 0 (the recorder's batch hint), or of the first one with more than one row where that one has one (a
+    condition shared by the batch, passed before it). A guess wrong for the first checked forward (a batch-first model with a
     sequence-first layer inside, one whose first argument is not its batch's) is put right at its norm pass, for the
     next: checked forwards 0 and 1 are both scheduled."""
     if learned is not None:
@@ -58,6 +60,8 @@ def examples_dim_and_batch(flat, learned: tuple | None, sequence_first: bool):
     if learned is None and sequence_first and first_matrix is not None and \
             first_matrix[1].shape[0] != first_matrix[1].shape[1]:
         return 1, first_matrix[1].shape[1]
+    if tensors and tensors[0][1].shape[0] == 1:  # a (1, ...) condition shared by the batch before it: model(c, x)
+        return 0, next((t.shape[0] for _, t in tensors if t.shape[0] > 1), 1)
     return 0, tensors[0][1].shape[0] if tensors else None
 
 

@@ -210,23 +210,53 @@ class ConditionFirst(nn.Module):
 
 
 @pytest.mark.parametrize("mix", [True, False])
-def test_a_batch_that_is_not_the_first_argument_is_checked_from_the_second_forward(mix):
+def test_a_condition_passed_before_the_batch_is_passed_over(mix):
+    """The (1, d) condition before the (B, d) batch: the check takes x's B from the first forward (before 2026-12-03
+    its batch of 1 had nothing to replace, on every step, without a word), and the norm pass learns x's place."""
     model = ConditionFirst(mix).train()
     controller = ghostdp.GhostClipping(model, 1.0)
     condition = torch.randn(1, D)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            controller.loss(model(condition, torch.randn(B, D)).pow(2).sum(1), reduction="sum").backward()
-            assert (controller.independence.examples_leaf, controller.independence.examples_dim) == (1, 0)
-            model.zero_grad(set_to_none=True)
             if mix:
-                with pytest.raises(RuntimeError, match=REFUSED):
+                with pytest.raises(RuntimeError, match=REFUSED + rf": copying the (first|last) of the {B} examples"):
                     controller.loss(model(condition, torch.randn(B, D)).pow(2).sum(1), reduction="sum").backward()
             else:
-                controller.loss(model(condition, torch.randn(B, D)).pow(2).sum(1), reduction="sum").backward()
-                assert controller.independence.last_moves
+                for _ in range(2):
+                    out = model(condition, torch.randn(B, D))
+                    assert controller.independence.last_moves
+                    controller.loss(out.pow(2).sum(1), reduction="sum").backward()
+                    model.zero_grad(set_to_none=True)
+                assert (controller.independence.examples_leaf, controller.independence.examples_dim) == (1, 0)
         assert not [w for w in caught if "could not check" in str(w.message)]
+    finally:
+        controller.detach()
+
+
+class TokensAfterAWindow(nn.Module):
+    """forward(window, ids): a (W, d) table of W != B rows before the (B, T) ids: the first forward's check takes W
+    rows for the examples; its norm pass finds the losses' B in the ids, and the second forward is checked there."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, D), nn.Linear(D, 1)
+
+    def forward(self, window, ids):
+        h = self.embed(ids).mean(1) + window.mean(0)
+        return self.head(h - h.detach().mean(0, keepdim=True))
+
+
+def test_a_batch_that_is_not_the_first_argument_is_checked_from_the_second_forward():
+    model = TokensAfterAWindow().train()
+    controller = ghostdp.GhostClipping(model, 1.0)
+    window = torch.randn(3, D)
+    try:
+        controller.loss(model(window, torch.randint(0, 10, (B, T))).pow(2).sum(1), reduction="sum").backward()
+        assert (controller.independence.examples_leaf, controller.independence.examples_dim) == (1, 0)
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss(model(window, torch.randint(0, 10, (B, T))).pow(2).sum(1), reduction="sum").backward()
     finally:
         controller.detach()
 
