@@ -370,8 +370,10 @@ GEMMA_NORM_METHOD_BODY = "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
 GEMMA4_RMS_NORM_BODY = (
     "normed_output = self._norm(hidden_states.float()) ; if self.with_scale:\n    normed_output = normed_output * "
     "self.weight.float() ; return normed_output.type_as(hidden_states)")
-GEMMA4_NORM_METHOD_BODY = ("mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps ; return "
-                           "hidden_states * torch.pow(mean_squared, -0.5)")
+# Its _norm reads self.eps up to transformers 5.24 and self.variance_epsilon from 5.25 (_hf_xhat reads either).
+GEMMA4_NORM_METHOD_BODY = tuple(
+    f"mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.{eps} ; return "
+    "hidden_states * torch.pow(mean_squared, -0.5)" for eps in ("eps", "variance_epsilon"))
 _BODY_STYLES = {LLAMA_RMS_NORM_BODY: "llama", FLOAT32_PRODUCT_RMS_NORM_BODY: "gemma", T5_LAYER_NORM_BODY: "t5",
                 GEMMA_RMS_NORM_BODY: "gemma", GEMMA4_RMS_NORM_BODY: "gemma4"}
 _NORM_METHODS = {GEMMA_RMS_NORM_BODY: GEMMA_NORM_METHOD_BODY, GEMMA4_RMS_NORM_BODY: GEMMA4_NORM_METHOD_BODY}

@@ -132,10 +132,10 @@ def register_forward_rule(body: str, rule: Rule, params=("weight", "bias"),
                           rule_inputs: Callable[..., tuple] | None = None, unbatched_output: bool = False) -> None:
     """Register ``rule`` for every module class whose ``forward`` has the body ``body``: its statements as
     ``forward_body`` gives them (the docstring left out, formatting and comments normalised by ``ast``). The
-    names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body} of the methods
-    of the module that the forward calls, which must have those bodies too (Gemma's forward calls self._norm,
-    whose body differs between classes with that forward). ``base``: for a body that calls ``super().forward``,
-    the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's).
+    names in the body (the argument's, the attributes') are part of it. ``methods``: {name: body, or a tuple of the
+    bodies accepted} of the methods of the module that the forward calls, which must have those bodies too (Gemma's
+    forward calls self._norm, whose body differs between classes with that forward). ``base``: for a body that calls
+    ``super().forward``, the class whose forward that must be (``super_forward``; ConvNext's LayerNorm: nn.LayerNorm's).
     ``accepts(module, args, kwargs)``: for a forward with branches the rule does not know (ViT's embeddings: mask
     tokens, interpolated positions, dropout), whether this call took the known ones; a call it declines takes
     the exact fallback. ``rule_inputs(module, args, kwargs, output)``: the tensors the rule reads as its ``inputs``,
@@ -199,7 +199,14 @@ def super_forward(cls):
 
 def has_bodies(cls: type, bodies) -> bool:
     """Whether each method of ``cls`` named in ``bodies`` ((name, body) pairs) has that body (forward_body)."""
-    return all(forward_body(getattr(cls, name, None)) == body for name, body in bodies)
+    return all(body_matches(forward_body(getattr(cls, name, None)), body) for name, body in bodies)
+
+
+def body_matches(found: str | None, expected) -> bool:
+    """Whether a method's body ``found`` is ``expected``: one body, or a tuple of the bodies accepted (transformers
+    renamed an attribute a method reads between releases: Gemma 4's ``_norm``, self.eps in 5.24, self.variance_epsilon
+    in 5.25)."""
+    return found in expected if isinstance(expected, tuple) else found == expected
 
 
 # Wrappers that run the function they wrap or another implementation of the same products, chosen by a setting: a
