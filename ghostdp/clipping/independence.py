@@ -196,8 +196,9 @@ class Mixing(NamedTuple):
 
 class Checked(NamedTuple):
     """What the norm pass after a checked forward reads of it (ForwardIndependence.learn_from): (index among the
-    flattened arguments, shape) of the forward's tensor arguments, the dim and size of the batch the check took, and, where it found no output to
-    compare, what it found instead (a message of the unchecked warning, given where its batch was the losses')."""
+    flattened arguments, shape) of the forward's tensor arguments, the dim and size of the batch the check took, and,
+    where it found no output to compare, what it found instead (a message of the unchecked warning, given where its
+    batch was the losses')."""
     shapes: list
     dim: int
     batch: int | None
@@ -391,13 +392,18 @@ class ForwardIndependence:
         there is nothing to compare."""
         flat, spec = flatten(unpacked((args, kwargs)))  # a PackedSequence as its padded batch (packed.py)
         learned = None if self.examples_dim is None else (self.examples_leaf, self.examples_dim)
+        shapes = [(k, tuple(t.shape)) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+        def examples_on(dim, first_dim):
+            """(batch, the arguments' dims, the replaced batches, square) with the examples on ``dim``."""
+            self._checked = Checked(shapes, dim, first_dim)
+            batch = first_dim or 0
+            arguments_dims = example_dims(flat, batch, dim)
+            return (batch, arguments_dims, *replaced_batches(flat, arguments_dims, batch))
+
         dim, first_dim = examples_dim_and_batch(flat, learned, bool(self.sequence_first))
         guessed = dim == 1 and learned is None  # put right by the first rerun's sequence-first calls
-        batch = first_dim or 0
-        arguments_dims = example_dims(flat, batch, dim)
-        replacements, square = replaced_batches(flat, arguments_dims, batch)
-        shapes = [(k, tuple(t.shape)) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
-        self._checked = Checked(shapes, dim, first_dim)
+        batch, arguments_dims, replacements, square = examples_on(dim, first_dim)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
@@ -417,10 +423,7 @@ class ForwardIndependence:
                 leaves = self._rerun(module, (args, kwargs), *start)
             if guessed and batches and batches[0] != batch:  # a batch-first model that transposes for such a layer
                 dim, first_dim = 0, leading_dim(flat)
-                batch = first_dim or 0
-                arguments_dims = example_dims(flat, batch, dim)
-                replacements, square = replaced_batches(flat, arguments_dims, batch)
-                self._checked = Checked(shapes, dim, first_dim)
+                batch, arguments_dims, replacements, square = examples_on(dim, first_dim)
             outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
             dims = output_dims(leaves, batch, dim)
             leaves = examples_first(leaves, dims)
