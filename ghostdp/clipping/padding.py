@@ -146,9 +146,11 @@ def attention_mask(module, args, kwargs) -> torch.Tensor | None:
     """The forward's mask (_mask_argument) as transformers has it, nonzero at the real positions: a key padding
     mask (True at padding) negated; or None."""
     found = _mask_argument(module, args, kwargs)
-    if found is None:
-        return None
-    mask, padding = found
+    return None if found is None else _real_positions(*found)
+
+
+def _real_positions(mask, padding) -> torch.Tensor:
+    """A mask of _mask_argument, nonzero at the real positions (``padding``: its value at padding)."""
     return mask if padding == 0 else ~mask
 
 
@@ -194,7 +196,7 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA, seque
     if found is None or found[0].shape[0] != batch:
         return None
     given, padding = found
-    mask = given if padding == 0 else ~given  # nonzero at the real positions
+    mask = _real_positions(given, padding)
     length = mask.shape[1]
     if sequence_first and length == batch:
         return None
@@ -226,8 +228,10 @@ def padded_arguments(module, args, kwargs, batch: int, extra: int = EXTRA, seque
         dim = positions_dim(t)
         if dim is None:
             return t
-        if t is given or _key_padding(name, t):  # another key padding mask of the batch's length (a decoder's)
-            fill = True if t is not given else padding
+        if t is given:
+            fill = padding
+        elif _key_padding(name, t):  # another key padding mask of the batch's length (a decoder's)
+            fill = True
         else:
             fill = 0 if t.is_floating_point() else LABELS_IGNORED if name == "labels" else pad_id if t is ids else 0
         added = list(t.shape)
