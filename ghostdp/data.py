@@ -168,6 +168,7 @@ class Chunk:
     expected_size: float | None = None  # q * N over all ranks: the divisor of the noisy sum
     pass_index: int | None = None       # the loader's own batches: which pass over its sampler (an example is
                                         # in at most one batch of a pass); None with Poisson sampling
+    size: int | None = None             # examples in this physical batch (1 for a padding chunk's stand-in row)
 
     @property
     def is_last(self) -> bool:
@@ -234,7 +235,7 @@ class ChunkedBatchSampler(Sampler):
                 rows = indices[index * size:(index + 1) * size]
                 padding = distributed and not rows
                 self.tracker.pending.append(Chunk(logical_id, index, count, len(indices), position, padding,
-                                                  rate, expected, pass_index))
+                                                  rate, expected, pass_index, 1 if padding else len(rows)))
                 yield [0] if padding else rows
 
 
@@ -306,6 +307,7 @@ class DPDataLoader(DataLoader):
             self.tracker.iterated = True
             if self.controller is not None:
                 self.controller.ledger.mark_next_loss(padding=chunk.padding)
+                self.controller.ledger.mark_next_batch(chunk.size)
             if chunk.is_last and chunk.position is not None:
                 self.position = self.logical_batches.position_after(chunk.position)
             yield batch

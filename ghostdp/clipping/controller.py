@@ -225,7 +225,7 @@ class GhostClipping:
         self._handles = self.recorder.attach(module) + BufferWatch(module).attach(module)
         self._handles += self.accumulation.watch(self._parameters.values())
         # A forward that mixes examples where no gradient flows (a batch statistic under no_grad): independence.py.
-        self.independence = ForwardIndependence(module, self.recorder)
+        self.independence = ForwardIndependence(module, self.recorder, self.ledger)
         self._handles += self.independence.attach(module)
         _ATTACHED[module] = self
         slow = validate.fallback_modules(module)

@@ -88,8 +88,8 @@ from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positio
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
 from .replacements import (ON_DIM, REMOVED, REPLACED_BY_FIRST, batches_of_calls, example_dims,
-                           examples_dim_and_batch, examples_first, output_dims, replaced_batches,
-                           without_last_reversed)
+                           examples_dim_and_batch, examples_first, examples_of_the_loaders_batch, output_dims,
+                           replaced_batches, without_last_reversed)
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} {output} by "
@@ -240,8 +240,9 @@ class ForwardIndependence:
     """The check of the module doc, for one attached model. ``finding``: the Mixing of a checked forward, until
     the norm pass that follows reads it (``refuse_mixing``)."""
 
-    def __init__(self, module, recorder):
+    def __init__(self, module, recorder, ledger=None):
         self.recorder = recorder
+        self.ledger = ledger  # the controller's StepLedger: the examples of the batch the DP loader handed out
         # Modules that may take their examples on another dim than 0 (batch_first=False: torch's recurrent and
         # attention layers, ghostdp.layers): where the batch's tensors are square, dim 0 may be their sequence.
         self.sequence_first = [name for name, m in module.named_modules() if getattr(m, "batch_first", True) is False]
@@ -403,6 +404,11 @@ class ForwardIndependence:
 
         dim, first_dim = examples_dim_and_batch(flat, learned, bool(self.sequence_first))
         guessed = dim == 1 and learned is None  # put right by the first rerun's sequence-first calls
+        handed_out = self.ledger.examples_of_next_batch if self.ledger is not None else None
+        if learned is None and first_dim != handed_out:  # the guess has not the loader's count of examples
+            found = examples_of_the_loaders_batch(flat, handed_out)
+            if found is not None:
+                (dim, first_dim), guessed = found, False
         batch, arguments_dims, replacements, square = examples_on(dim, first_dim)
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.

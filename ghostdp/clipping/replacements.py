@@ -12,14 +12,16 @@ of two or more dims with the batch there, on dim 0 of the others (a (B, T) paddi
 output on the dim that holds them ((T, B, ...) or pooled (B, ...)); padding.py pads it on dim 0. Until 2026-12-03 it
 replaced rows of dim 0, the positions, took T for the batch, and the norm pass, whose losses number B, dropped its
 finding: a sequence-first forward that mixed its examples without gradient trained without a word (T != B; the refusal
-now says "on dim 1"). A model with no batch_first=False module fed (T, B, ...) is checked on dim 0 at its first
-forward and on dim 1 from the second (also scheduled): its first step goes unchecked. Where no argument has a dim 0 or
-1 of the losses' count (a batch flattened to (B * T, d)), the check is warned of once as unchecked
+now says "on dim 1"). A model with no batch_first=False module fed (T, B, ...) is checked on dim 1 from its first
+forward where a DP loader (or DPTrainer) handed the batch out and said how many examples it holds
+(examples_of_the_loaders_batch; since 2026-12-07); without one (GhostClipping in a loop of one's own) on dim 0 at its
+first forward and on dim 1 from the second (also scheduled): its first step goes unchecked. Where no argument has a
+dim 0 or 1 of the losses' count (a batch flattened to (B * T, d)), the check is warned of once as unchecked
 (independence.NO_DIM_OF_THE_LOSSES).
 
 A PackedSequence is taken as its padded batch (packed.py). A forward whose first tensor argument is not the batch's
-is checked where the norm pass found which argument holds the examples (``learned``), from its second forward; a
-(1, ...) first argument (``model(condition, x)``) is passed over from the first: before 2026-12-03 such a forward went
+is checked where the loader's count of examples lies in its rows, from its first forward, else where the norm pass
+found which argument holds the examples (``learned``), from its second forward; a (1, ...) first argument (``model(condition, x)``) is passed over from the first: before 2026-12-03 such a forward went
 unchecked on every step, without a word.
 """
 from __future__ import annotations
@@ -63,6 +65,23 @@ def examples_dim_and_batch(flat, learned: tuple | None, sequence_first: bool):
     if tensors and tensors[0][1].shape[0] == 1:  # a (1, ...) condition shared by the batch before it: model(c, x)
         return 0, next((t.shape[0] for _, t in tensors if t.shape[0] > 1), 1)
     return 0, tensors[0][1].shape[0] if tensors else None
+
+
+def examples_of_the_loaders_batch(flat, examples: int | None):
+    """(dim, ``examples``) where the batch the DP loader (or the Trainer) handed out, of ``examples`` examples, lies in
+    the forward's tensor arguments (StepLedger.examples_of_next_batch), or None (no count given, fewer than 2, or no
+    tensor with that size on dim 0 or 1): dim 0 where any tensor has that many rows (the first one alone, not square in
+    its first two dims); else dim 1 of the first tensor of two or more dims with that size there, not on dim 0 (a
+    sequence-first (T, B, ...) batch). Rows first: a tensor the model takes before its batch ((k, d) with d = B)
+    is not taken for a sequence-first batch. Used where examples_dim_and_batch's guess does not have the
+    loader's count, for the first checked forward, before any norm pass has said where the examples lie."""
+    if examples is None or examples < 2:
+        return None
+    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
+    rows = next((t for t in tensors if t.shape[0] == examples), None)
+    if rows is not None:
+        return None if rows.dim() > 1 and rows.shape[1] == examples else (0, examples)
+    return next(((1, examples) for t in tensors if t.dim() > 1 and t.shape[1] == examples), None)
 
 
 def example_dims(flat, batch: int, dim: int) -> list:

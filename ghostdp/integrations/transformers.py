@@ -398,6 +398,7 @@ class DPTrainerMixin:
                 chunk = self._prepare_inputs(dict(self._padding_row))
                 chunk_labels = _pop_labels(chunk)
                 self.controller.ledger.mark_next_loss(padding=True)
+            self.controller.ledger.mark_next_batch(chunk_labels.shape[0])
             with self.compute_loss_context_manager():
                 outputs = model(**chunk)
                 losses = per_example_losses(self.dp_args.loss, outputs, chunk_labels, num_labels,

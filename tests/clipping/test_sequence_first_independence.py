@@ -181,7 +181,7 @@ class SequenceFirstLinears(nn.Module):
 def test_a_sequence_first_model_without_sequence_first_layers_is_checked_on_dim_1_from_its_second_forward():
     """Nothing before the first norm pass says where the examples lie: the first forward is checked on dim 0 (its
     positions), its norm pass finds the losses' B on dim 1, and the second forward, scheduled too, is refused. The
-    first step trains (the check's limit, said in independence.py)."""
+    first step trains (the check's limit without a DP loader, said in replacements.py; with one, see below)."""
     model = SequenceFirstLinears().train()
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
@@ -193,6 +193,111 @@ def test_a_sequence_first_model_without_sequence_first_layers_is_checked_on_dim_
             controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
     finally:
         controller.detach()
+
+
+def sequence_first_batches(rows):
+    """A collate_fn stacking the examples on dim 1: x (T, B, D), y (B,)."""
+    return torch.stack([x for x, _ in rows], 1), torch.stack([y for _, y in rows])
+
+
+def private_through_the_loader(model, batch_size=B, poisson=False, collate_fn=sequence_first_batches,
+                               examples=3 * B):
+    """model made private with a DP loader over ``examples`` random (T, D) sequences, batched by ``collate_fn``."""
+    data = torch.utils.data.TensorDataset(torch.randn(examples, T, D), torch.randn(examples))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, collate_fn=collate_fn)
+    engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
+    model, optimizer, _, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson)
+    return engine, optimizer, loader
+
+
+@pytest.mark.parametrize("poisson", [False, True])
+def test_through_the_dp_loader_a_sequence_first_model_is_refused_at_its_first_step(poisson):
+    """The DP loader says how many examples the batch it hands out holds (StepLedger.examples_of_next_batch): the
+    first forward, whose (T, B, D) batch has that count on dim 1 only, is checked there, and its mixing is refused at
+    its own norm pass, before any update (until 2026-12-07 the first step trained, checked along its positions)."""
+    torch.manual_seed(0)
+    model = SequenceFirstLinears().train()
+    before = [p.detach().clone() for p in model.parameters()]
+    engine, optimizer, loader = private_through_the_loader(model, poisson=poisson, examples=64 if poisson else 3 * B)
+    x, _ = next(b for b in loader if b[0].shape[1] > 1 and b[0].shape[1] not in (T, D))
+    with pytest.raises(RuntimeError, match=REFUSED + r".*on dim 1 of its tensors"):
+        engine.controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_through_the_dp_loader_a_sequence_first_model_that_keeps_its_examples_apart_is_checked_from_its_first_step():
+    torch.manual_seed(0)
+    model = SequenceFirstLinears(mix=False).train()
+    engine, optimizer, loader = private_through_the_loader(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, _ in loader:
+            optimizer.zero_grad()
+            out = model(x)
+            if engine.controller.independence.forwards == 1:
+                assert engine.controller.independence.last_moves  # the first forward compared, on dim 1
+                assert engine.controller.independence._checked.dim == 1
+            engine.controller.loss(out.pow(2).sum((0, 2)), reduction="sum").backward()
+            optimizer.step()
+    assert not [w for w in caught if any(u in str(w.message) for u in UNSURE)]
+    assert engine.controller.independence.examples_dim == 1
+
+
+def rows_after_a_table(rows):
+    """A collate_fn giving (table, x): a (3, B) table shared by the batch (as many columns as examples), then x (B, T,
+    D) batch-first."""
+    return torch.randn(3, len(rows)), torch.stack([x for x, _ in rows])
+
+
+class TableThenBatch(nn.Module):
+    """forward(table, x): a table of 3 rows and B columns before the batch, which is centred on its detached mean or
+    not. Its B columns are not a sequence-first batch: the loader's count is found in x's rows first."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+        self.mix = mix
+
+    def forward(self, table, x):
+        h = x.mean(1) + table.sum()
+        return self.lin(h - h.detach().mean(0, keepdim=True) if self.mix else h)
+
+
+@pytest.mark.parametrize("mix", [True, False])
+def test_through_the_dp_loader_a_table_before_the_batch_is_passed_over_at_the_first_step(mix):
+    """The first tensor argument is no batch, and its dim 1 has the loader's count: the check takes x's rows, where
+    the loader's count lies on dim 0 (not the table's columns, which would move every output: a false refusal), and
+    refuses the mixing forward, or trains the one that keeps its examples apart, at the first step."""
+    torch.manual_seed(0)
+    model = TableThenBatch(mix).train()
+    engine, optimizer, loader = private_through_the_loader(model, collate_fn=rows_after_a_table)
+    table, x = next(iter(loader))
+    losses = lambda: model(table, x).pow(2).sum(1)  # noqa: E731
+    if mix:
+        with pytest.raises(RuntimeError, match=REFUSED):
+            engine.controller.loss(losses(), reduction="sum").backward()
+    else:
+        engine.controller.loss(losses(), reduction="sum").backward()
+        assert engine.controller.independence.last_moves
+        optimizer.step()
+
+
+@pytest.mark.parametrize("shapes, examples, expected", [
+    ([(T, B, D)], B, (1, B)),            # sequence-first
+    ([(B, T, D)], B, (0, B)),            # batch-first
+    ([(T, B, D), (B, T)], B, (0, B)),    # a (B, T) padding mask beside it: rows first, as example_dims reads them
+    ([(3, B), (B, T)], B, (0, B)),       # a table of B columns before the batch: its rows first
+    ([(B, B, D)], B, None),              # square: which dim, the count does not say
+    ([(T * B, D)], B, None),             # flattened: no dim of that size
+    ([(T, B, D)], 1, None),              # one example: nothing to check
+    ([(T, B, D)], None, None),           # no loader's count
+])
+def test_the_loaders_count_of_examples_places_the_batch(shapes, examples, expected):
+    from ghostdp.clipping.replacements import examples_of_the_loaders_batch
+    assert examples_of_the_loaders_batch([torch.zeros(s) for s in shapes], examples) == expected
 
 
 class ConditionFirst(nn.Module):
