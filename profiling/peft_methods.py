@@ -23,8 +23,10 @@ convolution net LoHa 8.62x -> 1.63x, LoKr 9.17x -> 1.44x, OFT 24.6x -> 1.99x (bo
 (--against 767135b, 20 rounds), the adapters of norms/peft_deltas.py against the fallback before: FourierFT 3.42x /
 3.39x -> 2.16x / 2.24x, WaveFT 3.08x / 3.21x -> 2.27x / 2.13x, RandLoRA 6.14x / 6.03x -> 2.91x / 2.95x, DeLoRA 2.89x /
 2.99x -> 1.95x / 2.08x, GraLoRA 5.65x / 5.70x -> 2.04x / 2.16x, C3A 7.36x / 8.46x -> 1.73x / 2.13x, HiRA 3.22x / 3.17x
--> 1.86x / 1.98x; VB-LoRA 5.32x / 4.92x and SHiRA 4.73x / 4.72x, still by the fallback. Timings are the shared
-machine's: compare the ratios of one run.
+-> 1.86x / 1.98x; VB-LoRA 5.32x / 4.92x and SHiRA 4.73x / 4.72x, still by the fallback. 2026-12-07 (--against
+a62ea1b, 20 rounds), the rest of them by that module's rule against the fallback: SHiRA 6.57x / 6.49x -> 1.74x / 1.88x,
+VB-LoRA 5.38x / 5.34x -> 2.15x / 2.25x, UniLoRA 5.11x / 5.37x -> 1.90x / 2.08x. Timings are the shared machine's:
+compare the ratios of one run.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ METHODS = {
     "hira": ("bert", lambda peft: peft.HiraConfig(r=8, target_modules=_QV)),
     "vblora": ("bert", lambda peft: peft.VBLoRAConfig(r=4, num_vectors=64, vector_length=16, target_modules=_QV)),
     "shira": ("bert", lambda peft: peft.ShiraConfig(r=8, target_modules=_QV)),
+    "unilora": ("bert", lambda peft: peft.UniLoraConfig(r=8, theta_d_length=1024, target_modules=_QV)),
     "trainable-tokens": ("bert", lambda peft: peft.TrainableTokensConfig(target_modules=["word_embeddings"],
                                                                          token_indices=list(range(30)))),
     "prompt": ("bert", lambda peft: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=8)),

@@ -15,7 +15,11 @@ CONFIGS = {
     "gralora": lambda **o: peft.GraloraConfig(r=4, gralora_k=2, **o),
     "c3a": lambda **o: peft.C3AConfig(block_size=4, **o),
     "hira": lambda **o: peft.HiraConfig(r=2, **o),
+    "shira": lambda **o: peft.ShiraConfig(r=2, **o),
+    "vblora": lambda **o: peft.VBLoRAConfig(r=2, num_vectors=8, vector_length=4, topk=2, **o),
+    "unilora": lambda **o: peft.UniLoraConfig(r=2, theta_d_length=16, **o),
 }
+SHARED = ("vblora", "unilora")  # one vector bank (or vector) for every adapted layer
 
 
 class TwoLayers(nn.Module):
@@ -58,3 +62,51 @@ def test_an_adapter_with_a_dropout_in_training_takes_the_exact_fallback():
     model = _adapted("randlora", randlora_dropout=0.5)
     x = torch.randn(B, D_IN, dtype=torch.float64)
     assert took_fallback(model, x) == {"base_model.model.proj"}
+
+
+class ThreeLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.head = nn.Linear(D_IN, D_OUT), nn.Linear(D_OUT, D_OUT), nn.Linear(D_OUT, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))).mean(1))
+
+
+@pytest.mark.parametrize("through_the_tuner", [False, True])
+@pytest.mark.parametrize("kind", SHARED)
+def test_a_bank_shared_by_two_adapted_layers_is_exact_by_the_rule(kind, through_the_tuner):
+    """VB-LoRA's vector bank (UniLoRA's vector) is one parameter of both layers: its per-example gradient is the sum of
+    both calls' (a use each), and its norm takes their cross terms. The tuner model that holds it for them owns none of
+    it (fallback.LENT_CONTAINERS): a forward through it, as a PeftModel with a task type runs, took the exact fallback of
+    the whole model before 2026-12-07."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(ThreeLayers(), CONFIGS[kind](target_modules=["first", "second"])).double().train()
+    if through_the_tuner:
+        model = model.base_model
+    for p in model.parameters():
+        if p.requires_grad:
+            nn.init.normal_(p, std=0.3)
+    banks = [p for n, p in model.named_parameters() if p.requires_grad and ("vector_bank" in n or "theta_d" in n)]
+    assert len({id(p) for p in banks}) == 1
+    x = torch.randn(B, 3, D_IN, dtype=torch.float64)
+    _assert_exact(model, x)
+    assert took_fallback(model, x) == set()
+
+
+@pytest.mark.parametrize("kind", SHARED)
+def test_a_bank_used_by_its_holder_itself_is_refused(kind):
+    """The tuner model does not own the bank it lends its layers: were its own forward to read the bank, that gradient
+    would lie outside every call of an owner, and the audit refuses it (not a zero that no norm counts)."""
+    import ghostdp
+    torch.manual_seed(0)
+    model = peft.get_peft_model(ThreeLayers(), CONFIGS[kind](target_modules=["first", "second"])).base_model.train()
+    bank = next(p for n, p in model.named_parameters() if "vector_bank" in n or "theta_d" in n)
+    forward = type(model).forward
+    model.forward = lambda x: forward(model, x) + bank.sum()  # the holder's own forward reads the bank
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        with pytest.raises(RuntimeError, match="outside the forward of the module that owns it"):
+            controller.loss(model(torch.randn(B, 3, D_IN)).pow(2).sum(1), reduction="sum").backward()
+    finally:
+        controller.detach()
