@@ -16,10 +16,19 @@ block of k features of x (..., n k) by an orthogonal R_j (k, k), the Cayley tran
 of a skew-symmetric matrix whose upper triangle is row j of its ``weight``, every block by the same R where
 ``block_share``: y[..., j, c] = sum_k x[..., j, k] R_j[k, c], so g_i(R_j) = sum_t x_t[j]^T G_t[j], (B, n, k, k).
 Row j of ``weight`` forms R_j alone, so the B examples' pullbacks are one backward of the module's own transform
-over B copies of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain). On a convolution's 4-D input the
-module rotates x's unfolded patches and folds them back (peft's own fold, linear but not laid out as the unfold's
-adjoint): x is the patches and G the fold's VJP of the output grad. Declined (``_rotates_its_input``): other
+over B copies of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain). Up to peft 0.21, on a convolution's 4-D input
+the module rotated x's unfolded patches and folded them back (peft's own fold, linear but not laid out as the unfold's
+adjoint): x is the patches and G the fold's VJP of the output grad. From peft 0.22 a 4-D input is rotated along its last
+dim, as any other, and OFT's Conv2d rotates its base's weight instead (below). Declined (``_rotates_its_input``): other
 arguments, inputs of more than 4 dims, and COFT (``coft``: the forward projects ``weight`` in place before using it).
+
+**OFT on a convolution, peft 0.22** (``peft.tuners.oft.layer.Conv2d``, whose rotation modules have ``rotate``). y is the
+frozen base's convolution of x by W_R, the base's weight (out, in k k) rotated by each active adapter's block-diagonal
+R (``OFTRotationModule.rotate``, from the right of W viewed (out, in k k)), so g_i(W_R) is the convolution rule's factor
+(conv.py), pulled back to each adapter's ``weight`` by batched VJPs of W_R as the layer forms it
+(batched_vjp.grads_through). The layer owns its rotation modules' parameters (fallback.ABSORBED_CHILDREN: they are
+not called). Declined: adapters disabled or merged, other arguments, a base that is not a frozen nn.Conv2d with zeros
+padding, and COFT (its rotation projects ``weight`` in place).
 
 **HRA** (``peft.tuners.hra.layer.HRALinear``). y = x (W H)^T + b with W, b the frozen base's and H (in, in) the product
 of each active adapter's reflections (``get_delta_weight``), so g_i(H) = W^T g_i(W H) = sum_t (G_t W)^T x_t: an
@@ -45,7 +54,9 @@ import torch
 
 from .batched_vjp import grads_through, pulled_back
 from .elementwise import scale_grads
+from .conv import conv_rule
 from .factors import Instantiated, OuterProduct
+from .fallback import ABSORBED_CHILDREN
 from .peft_layers import adapter_parameters, plain_adapted_call
 from .registry import register_norm_rule
 
@@ -86,7 +97,8 @@ def oft_rotation_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
         return {}
     x, dtype = inputs[0], module.weight.dtype
     batch, blocks, k = x.shape[0], _blocks(module), module.block_size
-    if x.dim() == 4:  # a convolution's input: its patches are rotated, then folded back by peft's fold (linear)
+    if x.dim() == 4 and hasattr(module, "_unfold"):  # up to peft 0.21, a convolution's input: its patches are
+        # rotated, then folded back by peft's fold (linear); from 0.22 rotated along its last dim, as any other
         patches = module._unfold(x.to(dtype))
         with torch.enable_grad():  # G at the rotated patches: the fold's VJP (exact, however the fold lays them out)
             rotated = torch.zeros_like(patches, requires_grad=True)
@@ -100,6 +112,56 @@ def oft_rotation_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
 
 def _active(module, held: str) -> list:
     return [a for a in module.active_adapters if a in getattr(module, held)]
+
+
+OFT_CONV2D = "peft.tuners.oft.layer.Conv2d"
+
+
+def _rotates_its_weight(module) -> bool:
+    """Whether this OFT Conv2d rotates its base's weight (peft 0.22 on: its rotation modules have ``rotate``), not its
+    input's patches through them (up to 0.21: the rotation modules' own calls, by the OFT rule)."""
+    return all(hasattr(rotation, "rotate") for rotation in module.oft_R.values())
+
+
+ABSORBED_CHILDREN[OFT_CONV2D] = lambda module: ("oft_R",) if _rotates_its_weight(module) else ()
+
+
+def _rotates_a_frozen_conv(module, args, kwargs) -> bool:
+    """Whether this call convolves x by its frozen base's weight rotated by the active adapters, as the rule assumes."""
+    if not (_rotates_its_weight(module) and plain_adapted_call(module, args, kwargs)):
+        return False
+    base = module.get_base_layer()
+    return (type(base) is torch.nn.Conv2d and base.padding_mode == "zeros"
+            and not any(p.requires_grad for p in base.parameters())
+            and not any(module.oft_R[a].coft for a in _active(module, "oft_R")))
+
+
+def _rotated_weight(module) -> torch.Tensor:
+    """W_R as the layer's forward forms it, with grad (the rule's VJP runs through it)."""
+    weight = module.get_base_weight()
+    rotated = weight.view(weight.shape[0], -1).t()
+    for adapter in reversed(module.active_adapters):
+        if adapter in module.oft_R:
+            rotation = module.oft_R[adapter]
+            rotated = rotation.rotate(rotated.to(rotation.weight.dtype))
+    return rotated.t().reshape(weight.shape)
+
+
+def _oft_conv_parameters(module) -> frozenset:
+    return frozenset(f"oft_R.{a}.weight" for a in module.oft_R)
+
+
+@register_norm_rule(OFT_CONV2D, params=_oft_conv_parameters, accepts=_rotates_a_frozen_conv)
+def oft_conv_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
+                  trainable: set[str]) -> dict:
+    names = [f"oft_R.{a}.weight" for a in _active(module, "oft_R") if f"oft_R.{a}.weight" in trainable]
+    if not names:
+        return {}
+    with torch.enable_grad():
+        rotated = _rotated_weight(module)
+    base, dtype = module.get_base_layer(), rotated.dtype
+    factor = conv_rule(base, (inputs[0].to(dtype),), output_grad.to(dtype), {"weight"})["weight"]
+    return dict(zip(names, grads_through(rotated, [module.get_parameter(n) for n in names], factor)))
 
 
 def _adapts_a_frozen_linear(module, args, kwargs) -> bool:

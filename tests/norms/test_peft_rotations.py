@@ -10,6 +10,10 @@ from ghostdp.norms.fallback import attached_rule
 from ghostdp.norms.peft_rotations import _adapts_a_frozen_linear, _boft_without_dropout, _rotates_its_input
 
 D_IN, D_OUT, B = 8, 5, 4
+# From peft 0.22 OFT rotates a 4-D input along its last dim and OFT's Conv2d rotates its base's weight (up to 0.21: the
+# patches of a convolution's 4-D input, through the rotation module): the shapes and forms each version has.
+ROTATES_WEIGHTS = hasattr(peft.tuners.oft.layer.OFTRotationModule, "rotate")
+LINEAR_SHAPES = [(B, D_IN), (B, 3, D_IN)] + ([(B, 2, 3, D_IN)] if ROTATES_WEIGHTS else [])
 
 
 class TwoLayers(nn.Module):
@@ -20,7 +24,7 @@ class TwoLayers(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.proj(x))
-        return self.head(h if h.dim() == 2 else h.mean(1))
+        return self.head(h if h.dim() == 2 else h.flatten(1, -2).mean(1))
 
 
 CONFIGS = {"oft": peft.OFTConfig, "hra": peft.HRAConfig, "boft": peft.BOFTConfig}
@@ -52,7 +56,7 @@ def _rotation(model):
     {"oft_block_size": 4, "block_share": True},
     {"r": 2, "oft_block_size": 0, "use_cayley_neumann": False},  # the exact Cayley transform, by a solve
     {"r": 4, "oft_block_size": 0, "num_cayley_neumann_terms": 3}])
-@pytest.mark.parametrize("shape", [(B, D_IN), (B, 3, D_IN)])
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
 def test_the_rotation_is_exact_in_both_modes_by_its_rule(options, shape):
     torch.manual_seed(0)
     _assert_exact_by_rules(_adapted(**options), torch.randn(*shape, dtype=torch.float64))
@@ -97,10 +101,28 @@ class Convolved(nn.Module):
 @pytest.mark.parametrize("conv", [{}, {"stride": 2, "padding": 1}])
 @pytest.mark.parametrize("options", [{"r": 2, "oft_block_size": 0}, {"oft_block_size": 6, "block_share": True}])
 def test_the_rotation_of_a_convolutions_patches_is_exact_by_its_rule(conv, options):
-    """OFT on a Conv2d rotates the input's unfolded patches (of the kernel's size) and folds them back."""
+    """OFT on a Conv2d rotates the input's unfolded patches (of the kernel's size) and folds them back, up to peft 0.21;
+    from 0.22 it rotates the base's weight (peft_rotations.oft_conv_rule), which until 2026-12-07 was refused: the
+    rotation modules, which the layer no longer calls, owned its parameters."""
     torch.manual_seed(3)
     config = peft.OFTConfig(target_modules=["conv"], init_weights=False, modules_to_save=["head"], **options)
     model = peft.get_peft_model(Convolved(**conv), config).double().train()
+    _assert_exact_by_rules(model, torch.randn(B, 4, 7, 7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("second_trains", [True, False])
+def test_two_rotations_of_a_convolution_are_exact_by_its_rule(second_trains):
+    """Two active adapters on a Conv2d, the second frozen or not (peft 0.22: W rotated by each in turn; up to 0.21:
+    the patches rotated by each rotation module's call)."""
+    torch.manual_seed(4)
+    options = {"r": 2, "oft_block_size": 0}
+    config = peft.OFTConfig(target_modules=["conv"], init_weights=False, modules_to_save=["head"], **options)
+    model = peft.get_peft_model(Convolved(), config)
+    model.add_adapter("second", peft.OFTConfig(target_modules=["conv"], init_weights=False, **options))
+    model.base_model.set_adapter(["default", "second"])
+    model.double().train()
+    if not second_trains:
+        next(p for n, p in model.named_parameters() if "oft_R.second" in n).requires_grad_(False)
     _assert_exact_by_rules(model, torch.randn(B, 4, 7, 7, dtype=torch.float64))
 
 
