@@ -38,11 +38,10 @@ from .ledger import StepLedger
 from .loss import DPCriterion, clipped_loss
 from .modes import ClippedSums, StepModes, clipping_mode, new_factor_store
 from .precision import ImpreciseExampleError, exact_sums, imprecise_examples
-from .probe import compiled_code_note
 from .pass_one import PassOne
 from .recording import ForwardRecorder, zero_size_leaf
+from .refusals import AuditRefusals, listed as _listed
 from .reentrant import NON_REENTRANT_FIX, USE_NON_REENTRANT, RegionWatch
-from .repeated import repeated_by_its_caller
 from .samples import SampleRequest
 from .saved_bytes import saved_bytes, storage_keys
 
@@ -72,11 +71,6 @@ SWAPPABLE_MODULES = (
     "inside one functional call that no norm rule sees: {names} ({kinds}). Fix: ghostdp.validate.fix(model) "
     "before making it private swaps them for their ghostdp.layers twins (same weights, state_dict keys and "
     "outputs), whose projections the Linear rule covers.")
-
-IN_A_REENTRANT_REGION = (
-    "This gradient arose inside a reentrant activation checkpoint, whose forward ghostdp sees only as its backward "
-    "recomputes it: a module's own parameters that its forward applies by elementwise ops (layer scales, a class "
-    "token: norms/parameter_uses.py) are captured only in an ordinary forward. Fix: " + USE_NON_REENTRANT)
 
 # model -> its controller, while attached: a second attachment would clip and hook everything twice.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GhostClipping]" = weakref.WeakKeyDictionary()
@@ -133,12 +127,6 @@ def _forget_captured_edges(calls) -> None:
         if call.captured is not None:
             call.edges = ()
         call.fallback_stops = None
-
-
-def _listed(names, shown=5, quoted=True) -> str:
-    """The first ``shown`` names (quoted), and how many there are where there are more."""
-    written = ", ".join(f"'{n}'" if quoted else n for n in names[:shown])
-    return written + (f", ... ({len(names)})" if len(names) > shown else "")
 
 
 def _attached_controller(module):
@@ -230,15 +218,16 @@ class GhostClipping:
         _ATTACHED[module] = self
         slow = validate.fallback_modules(module)
         swappable = validate.swappable_modules(module)
-        self._refused_twins = [n for n in swappable if twins.twin_of(module.get_submodule(n)) is not None]
-        if self._refused_twins:  # a step would be refused: the one-line fix, said where the user sees it
-            warnings.warn(self._twins_fix(self._refused_twins), stacklevel=3)
-        self._shared_by_the_batch = deberta.shared_by_the_batch(module)
-        if self._shared_by_the_batch:
-            warnings.warn(deberta.SHARED.format(names=_listed(self._shared_by_the_batch)), stacklevel=3)
+        refusals = self.refusals = AuditRefusals(
+            module, [n for n in swappable if twins.twin_of(module.get_submodule(n)) is not None],
+            deberta.shared_by_the_batch(module))
+        if refusals.refused_twins:  # a step would be refused: the one-line fix, said where the user sees it
+            warnings.warn(refusals.twins_fix(refusals.refused_twins), stacklevel=3)
+        if refusals.shared_by_the_batch:
+            warnings.warn(deberta.SHARED.format(names=_listed(refusals.shared_by_the_batch)), stacklevel=3)
         for dropped in validate.dropped_losses(module):  # a term of peft's loss that the per-example losses leave out
             warnings.warn(dropped, stacklevel=3)
-        swappable = [n for n in swappable if n not in self._refused_twins] if slow else []
+        swappable = [n for n in swappable if n not in refusals.refused_twins] if slow else []
         if swappable:  # a one-line fix for an O(B) cost: said where the user sees it
             kinds = sorted({type(module.get_submodule(n)).__name__ for n in swappable})
             warnings.warn(SWAPPABLE_MODULES.format(names=_listed(swappable), kinds=", ".join(kinds)), stacklevel=3)
@@ -320,7 +309,7 @@ class GhostClipping:
         checkpoints' nodes, the nodes visited and the graph's signature (audit.py)."""
         trainable = self._trainable()
         self._handles += self.accumulation.watch(self._parameters.values())
-        self._refuse_gradient_hooks(trainable)
+        self.refusals.refuse_gradient_hooks(trainable, self.accumulation.others_hooks)
         seen, kinds = set(), []
         types = self.recorder.captured_types
         found = audit_graph([per_example_losses.grad_fn], trainable, seen=seen, captured_types=types, kinds=kinds)
@@ -347,7 +336,7 @@ class GhostClipping:
                 if self._has_sharded_parameters() or distributed_rank_and_size()[1] > 1:
                     raise NotImplementedError(REENTRANT_DISTRIBUTED)
                 self._regions.watch(regions)
-            self._refuse_what_the_audit_found(found, calls)
+            self.refusals.refuse(found, calls, nothing_live=not self.recorder.live)
         except BaseException:
             _forget_captured_edges(calls)
             raise
@@ -371,124 +360,11 @@ class GhostClipping:
                 raise NotImplementedError(
                     "a reentrant activation checkpoint inside another one is not supported: ghostdp cannot see the "
                     "inner region's graph. " + NON_REENTRANT_FIX)
-            self._refuse_what_the_audit_found(found, calls=True)
+            self.refusals.refuse(found, calls=True)
             self.pass_one.region_audited(calls, ("region",) + tuple(kinds))
         finally:
             for call in calls:
                 call.edges, call.input_nodes = (), frozenset()
-
-    def _refuse_what_the_audit_found(self, found, calls):
-        """Raise for what the graph audit found wrong (audit.GraphAudit), if anything: stray, uncounted, frequency-
-        scaled or foreign. ``calls``: the step's recorded calls, for the stray refusal's message (True in a
-        reentrant region, where the step recorded some)."""
-        if found.stray:
-            self._refuse_stray(found.stray, calls)
-        if found.uncounted:
-            self._refuse_uncounted(found.uncounted)
-        if found.frequency_scaled:
-            self._refuse_frequency_scaling(found.frequency_scaled)
-        if found.foreign:
-            self._refuse_foreign(found.foreign)
-
-    def _described(self, params) -> str:
-        """The parameters by their names in the model (by shape where they have none), quoted, for an error."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return ", ".join(f"'{names.get(id(p), tuple(p.shape))}'" for p in params)
-
-    def _refuse_gradient_hooks(self, trainable: dict) -> None:
-        """Refuse a trainable parameter with a gradient hook of its own (``register_hook``,
-        ``register_post_accumulate_grad_hook``): the norms of pass 1 never see what it does to the gradient,
-        so in two passes it changes the clipped sum after clipping (a hook that scales it by 10^4 took the
-        update 10^4 times past C), and book-keeping, which writes p.grad itself, never runs it."""
-        hooked = [p for p in trainable.values() if p._backward_hooks or self.accumulation.others_hooks(p)]
-        if not hooked:
-            return
-        described = self._described(hooked[:5])
-        raise RuntimeError(
-            f"the trainable parameter(s) {described} have a gradient hook (Tensor.register_hook or "
-            "register_post_accumulate_grad_hook). ghostdp bounds each example's gradient before any such hook "
-            "runs, so a hook that changes the gradient would move the update past the clipping norm (two "
-            "passes), and book-keeping, which writes p.grad itself, would skip it silently. Fix: remove the "
-            "hook (handle.remove()); to train only some rows of a parameter, freeze it and train a separate "
-            "parameter for those rows, or zero their update after optimizer.step().")
-
-    def _refuse_stray(self, stray, calls):
-        """Raise for parameters with gradient edges outside every recorded call of their modules."""
-        unrecorded = not calls and not self.recorder.live
-        if unrecorded and not self.module.training:
-            raise RuntimeError(
-                "no call of a trainable layer was recorded for this loss: the forward ran with the model in "
-                "eval() mode (ghostdp records only in train mode). Fix: call model.train() before the forward of "
-                "a training step." + compiled_code_note())
-        # In train mode with nothing recorded: every trained parameter is read outside its module's call (peft's
-        # TinyLoRA: one vector that every adapted layer reads), or the forward ran before attaching.
-        described = self._described(stray)
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        in_twins = sorted({w for p in stray for w in self._refused_twins if names.get(id(p), "").startswith(w + ".")})
-        shared = [n for n in self._shared_by_the_batch if n in {names.get(id(p)) for p in stray}]
-        raise RuntimeError(
-            f"gradient reaches the parameter(s) {described} outside the forward of the module that owns "
-            "it (e.g. a parent reads child.weight directly, on every step or only for some inputs, or the loss "
-            "adds a penalty on the weights), so ghostdp cannot bound its per-example norm. Fix: call the owning "
-            "module instead of reading its parameter, freeze the parameter, or register a norm rule for the "
-            "parent module; for a weight penalty (L2), use the optimizer's weight_decay, which acts on the "
-            "weights and not on the data."
-            + (" " + self._twins_fix(in_twins) if in_twins else "")
-            + (" " + deberta.SHARED.format(names=_listed(shared)) if shared else "")
-            + (" " + IN_A_REENTRANT_REGION if calls is True else "")
-            + (" No call of a trainable layer was recorded at all: if this forward ran before the controller was "
-               "attached, run it again after attaching." if unrecorded else "") + compiled_code_note())
-
-    def _twins_fix(self, names) -> str:
-        """layers/twins.py's REFUSED for these modules of the model, each of a class with a twin."""
-        return twins.REFUSED.format(names=_listed(names), why=twins.why_refused(self.module, names))
-
-    def _refuse_uncounted(self, uncounted):
-        """Raise for parameters of modules without a rule that a gradient path reaches past every call's outputs
-        (fallback_paths.py)."""
-        _, call = uncounted[0]
-        described = self._described([p for p, _ in uncounted[:5]])
-        if repeated_by_its_caller(call):  # captured at the model's repeat of its shared output (repeated.py)
-            raise RuntimeError(
-                f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}, "
-                "the prompt of peft's prompt tuning or p-tuning) along a path that does not go through the model's "
-                "repeat of the prompt to the batch, where ghostdp takes its per-example gradients: the prompt (or "
-                "a tensor computed from it) was kept and used after the forward, so that part of each example's "
-                "gradient would escape clipping. Fix: use the prompt only through the model's forward (or detach() "
-                "what is kept).")
-        raise RuntimeError(
-            f"gradient reaches the parameter(s) {described} of module '{call.name}' ({type(call.module).__name__}), "
-            "which has no norm rule, along a path that does not go through the outputs its forward returned: a "
-            "tensor computed inside its forward was kept (on the module, or in an output container that is not a "
-            "tuple, list or dict) and used after the forward. ghostdp takes such a module's per-example gradients "
-            "from its returned outputs, so that part of each example's gradient would escape clipping. Fix: use "
-            "the value the forward returns (return the kept tensor too, as part of a tuple or dict), pass it to "
-            "the next call as an argument, or detach() what is kept; or register a norm rule for the module "
-            "(ghostdp.register_norm_rule).")
-
-    def _refuse_foreign(self, params):
-        """Raise for nn.Parameters that get gradient from the DP loss but are not the attached model's
-        (audit.GraphAudit.foreign)."""
-        named = self._described(params[:5])  # by name where the model holds them now, else by shape
-        raise RuntimeError(
-            f"the parameter(s) {named} get gradient from the DP loss but were not parameters of the model when it "
-            "was made private (a module added or replaced afterwards, e.g. a new classification head, or a "
-            "parameter held outside the model, e.g. a learned temperature): no per-example norm counts them, so "
-            "two passes would give them an unclipped gradient and book-keeping none. Fix: make every trained "
-            "parameter part of the model before make_private / GhostClipping (or make it private again), or "
-            "freeze or detach the others.")
-
-    def _refuse_frequency_scaling(self, lookups):
-        """Raise for embedding lookups whose backward scales by index counts over the batch (audit.frequency_scaled)."""
-        tables = {id(t): t for t in (getattr(node.next_functions[0][0], "variable", None) for node in lookups)
-                  if t is not None}
-        tables = list(tables.values())
-        into = f" of {self._described(tables[:5])}" if tables else ""
-        raise RuntimeError(
-            f"an embedding lookup scales the gradient{into} by how often each index occurs in the whole batch "
-            "(F.embedding, F.embedding_bag or nn.EmbeddingBag with scale_grad_by_freq=True): each example's gradient "
-            "then depends on the other examples' indices, so one example changes the others' clipped gradients and "
-            "can move the update by more than the clipping norm. Fix: scale_grad_by_freq=False.")
 
     @torch.no_grad()  # called by a user outside a backward too: no graph from the activations to the norms
     def per_example_norms(self, per_example_losses: torch.Tensor, mode=None, pass_two: bool = False) -> torch.Tensor:
