@@ -79,7 +79,7 @@ class AuditRefusals:
                 "eval() mode (ghostdp records only in train mode). Fix: call model.train() before the forward of "
                 "a training step." + compiled_code_note())
         # In train mode with nothing recorded: every trained parameter is read outside its module's call (peft's
-        # TinyLoRA: one vector that every adapted layer reads), or the forward ran before attaching.
+        # Lily: the layers read their lily_B's weight without calling it), or the forward ran before attaching.
         described = self.described(stray)
         names = {id(p): n for n, p in self.module.named_parameters()}
         in_twins = sorted({w for p in stray for w in self.refused_twins if names.get(id(p), "").startswith(w + ".")})

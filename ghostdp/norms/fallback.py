@@ -51,13 +51,14 @@ _T5_ATTENTIONS = ("t5.modeling_t5.T5Attention", "mt5.modeling_mt5.MT5Attention",
 ABSORBED_CHILDREN: dict = {f"transformers.models.{name}": ("relative_attention_bias",) for name in _T5_ATTENTIONS}
 
 # Parameter containers that a module holds for its descendants, which apply them, by the holder's class (qualified
-# name): peft's VB-LoRA vector bank and UniLoRA's vector, one ParameterDict that the tuner model and every adapted
+# name): peft's VB-LoRA vector bank, UniLoRA's vector and TinyLoRA's vectors, one container that the tuner model and every adapted
 # layer hold. The layers own its parameters (each call a use, norms/peft_deltas.py); the holder does not, so that a
 # forward through it (a PeftModel with a task type calls the tuner model) is not the exact fallback of the whole model
 # (VB-LoRA on a 2-layer BERT: 51 ms a step against 12 ms). A use by the holder's own forward would be a gradient
 # outside every call of an owner, which the graph audit refuses.
 LENT_CONTAINERS: dict = {"peft.tuners.vblora.model.VBLoRAModel": frozenset({"vblora_vector_bank"}),
-                         "peft.tuners.unilora.model.UniLoraModel": frozenset({"unilora_theta_d"})}
+                         "peft.tuners.unilora.model.UniLoraModel": frozenset({"unilora_theta_d"}),
+                         "peft.tuners.tinylora.model.TinyLoraModel": frozenset({"tinylora_v"})}
 
 
 def absorbed_children(module: torch.nn.Module) -> list:
@@ -76,6 +77,20 @@ def absorbed_children(module: torch.nn.Module) -> list:
     return []
 
 
+_PARAMETER_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
+def is_parameter_container(module: torch.nn.Module) -> bool:
+    """A ParameterList or ParameterDict, or a ModuleDict or ModuleList of those alone (peft's AdaMSS keeps a
+    ParameterList per adapter in a ModuleDict, TinyLoRA a ParameterDict): it holds parameters for the module that holds
+    it, and has no forward of its own. Until 2026-12-07 a nested one owned its parameters itself, which no call used:
+    every step was refused (a gradient outside every call of their owner)."""
+    if isinstance(module, _PARAMETER_CONTAINERS):
+        return True
+    return (isinstance(module, (torch.nn.ModuleDict, torch.nn.ModuleList)) and len(module) > 0
+            and all(isinstance(m, _PARAMETER_CONTAINERS) for m in module.children()))
+
+
 def owned_parameters(module: torch.nn.Module) -> dict:
     """Parameters a hook on ``module`` is responsible for, by qualified name. Those of a parametrization
     (torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal) are its module's: the module's forward
@@ -86,7 +101,7 @@ def owned_parameters(module: torch.nn.Module) -> dict:
     owned = dict(module.named_parameters(recurse=False))
     lent = LENT_CONTAINERS.get(qualified_name(type(module)), ())
     for child_name, child in module.named_children():
-        if isinstance(child, (torch.nn.ParameterList, torch.nn.ParameterDict)) and child_name not in lent:
+        if is_parameter_container(child) and child_name not in lent:
             owned.update({f"{child_name}.{n}": p for n, p in child.named_parameters()})
     if parametrize.is_parametrized(module):
         owned.update({f"parametrizations.{n}": p for n, p in module.parametrizations.named_parameters()})
@@ -103,7 +118,8 @@ def hooked_modules(root: torch.nn.Module):
     for name, module in root.named_modules():
         if name in absorbed or any(name.startswith(p) for p in opaque_prefixes):
             continue
-        if isinstance(module, (torch.nn.ParameterList, torch.nn.ParameterDict)):
+        if is_parameter_container(module):  # its parameters are the holder's (owned_parameters)
+            opaque_prefixes.append(name + ".")
             continue
         if isinstance(module, parametrize.ParametrizationList):
             opaque_prefixes.append(name + ".")

@@ -110,3 +110,59 @@ def test_a_bank_used_by_its_holder_itself_is_refused(kind):
             controller.loss(model(torch.randn(B, 3, D_IN)).pow(2).sum(1), reduction="sum").backward()
     finally:
         controller.detach()
+
+
+
+class NestedContainers(nn.Module):
+    """A Linear plus x A_0 + x A_1, its A_k in a ModuleDict of ParameterLists (as peft's AdaMSS keeps its subspaces),
+    and a scale in a ModuleList of ParameterDicts."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, D_OUT)
+        self.subspaces = nn.ModuleDict({"default": nn.ParameterList([nn.Parameter(torch.randn(D_IN, D_OUT))
+                                                                    for _ in range(2)])})
+        self.scales = nn.ModuleList([nn.ParameterDict({"s": nn.Parameter(torch.randn(D_OUT))})])
+
+    def forward(self, x):
+        return (self.lin(x) + sum(x @ a for a in self.subspaces["default"])) * self.scales[0]["s"]
+
+
+class WithNestedContainers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = NestedContainers(), nn.Linear(D_OUT, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(x)).mean(1))
+
+
+def test_parameters_in_nested_containers_are_their_holders_and_exact():
+    """A ModuleDict (or ModuleList) of ParameterLists and ParameterDicts holds parameters for the module that holds it
+    (fallback.is_parameter_container). Until 2026-12-07 the ModuleDict owned them, which no call used, and every step
+    was refused (peft's AdaMSS, TinyLoRA); now its holder does, exact by the fallback."""
+    from ghostdp.norms.fallback import owned_parameters
+    torch.manual_seed(0)
+    model = WithNestedContainers().double().train()
+    assert set(owned_parameters(model.block)) == {"subspaces.default.0", "subspaces.default.1", "scales.0.s"}
+    x = torch.randn(B, 3, D_IN, dtype=torch.float64)
+    _assert_exact(model, x)
+    assert took_fallback(model, x) == {"block"}
+
+
+@pytest.mark.parametrize("through_the_tuner", [False, True])
+def test_tinylora_vectors_shared_by_the_layers_are_exact(through_the_tuner):
+    """TinyLoRA's vectors: a ParameterDict in a ModuleDict that every adapted layer and the tuner model hold
+    (fallback.LENT_CONTAINERS); refused on every step before 2026-12-07, exact by the fallback now."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(ThreeLayers(), peft.TinyLoraConfig(r=2, target_modules=["first", "second"]))
+    model = model.double().train()
+    if through_the_tuner:
+        model = model.base_model
+    for p in model.parameters():
+        if p.requires_grad:
+            nn.init.normal_(p, std=0.3)
+    x = torch.randn(B, 3, D_IN, dtype=torch.float64)
+    _assert_exact(model, x)
+    prefix = "" if through_the_tuner else "base_model."
+    assert took_fallback(model, x) == {f"{prefix}model.first", f"{prefix}model.second"}
