@@ -61,18 +61,22 @@ LENT_CONTAINERS: dict = {"peft.tuners.vblora.model.VBLoRAModel": frozenset({"vbl
                          "peft.tuners.tinylora.model.TinyLoraModel": frozenset({"tinylora_v"})}
 
 
+# Where an absorbing parent owns its children's parameters only on some condition of the module (peft's OFT on a
+# convolution, from peft 0.22 on: norms/peft_rotations.py): qualified name -> predicate(module).
+ABSORBED_WHEN: dict = {}
+
+
 def absorbed_children(module: torch.nn.Module) -> list:
-    """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN: names, or a function of
-    the module giving them), through its MRO; none
+    """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN, where ABSORBED_WHEN says
+    so), through its MRO; none
     where the bias is looked up per example instead (relative_bias.py: the table is then an Embedding call of its
     own)."""
     if looks_up_per_example(type(module)):
         return []
     for cls in type(module).__mro__:
         names = ABSORBED_CHILDREN.get(qualified_name(cls))
-        if callable(names):  # which children, the module says (peft's OFT on a convolution: by peft's version)
-            names = names(module)
-        if names:
+        when = ABSORBED_WHEN.get(qualified_name(cls))
+        if names and (when is None or when(module)):
             return [(n, module._modules[n]) for n in names if module._modules.get(n) is not None]
     return []
 

@@ -56,7 +56,7 @@ from .batched_vjp import grads_through, pulled_back
 from .elementwise import scale_grads
 from .conv import conv_rule
 from .factors import Instantiated, OuterProduct
-from .fallback import ABSORBED_CHILDREN
+from .fallback import ABSORBED_CHILDREN, ABSORBED_WHEN
 from .peft_layers import adapter_parameters, plain_adapted_call
 from .registry import register_norm_rule
 
@@ -123,7 +123,8 @@ def _rotates_its_weight(module) -> bool:
     return all(hasattr(rotation, "rotate") for rotation in module.oft_R.values())
 
 
-ABSORBED_CHILDREN[OFT_CONV2D] = lambda module: ("oft_R",) if _rotates_its_weight(module) else ()
+ABSORBED_CHILDREN[OFT_CONV2D] = ("oft_R",)
+ABSORBED_WHEN[OFT_CONV2D] = _rotates_its_weight
 
 
 def _rotates_a_frozen_conv(module, args, kwargs) -> bool:
