@@ -11,6 +11,9 @@ it queues them (``NormQueue``) and reduces them in groups:
   and the token masses sqrt(tr(L L^T) tr(R R^T)) and sqrt(T tr(G G^T)) (precision.py) come from a
   handful of reductions over strided views of the stacked Grams (indexed copies only where the layers'
   Grams do not lie at equal steps);
+- weights of one token (a Linear on (B, d) rows: MLPs, heads, poolers), with their biases: g_i = G_i A_i^T has
+  rank one, so |g_i|^2 = |G_i|^2 |A_i|^2 and a bias's |G_i|^2; each distinct side's squared norms by one stacked
+  reduction per width, for all such layers (until 2026-12-07 each was reduced alone, about ten ops a layer);
 - weights whose norm is that of their explicit gradients (rank r << T: LoRA factors), of one shape: their
   sides stacked, one batched matmul L_i^T R_i, one dot product per example;
 - LayerNorms of one shape (``AffineGrad``): their per-example gradients formed in one stacked
@@ -201,8 +204,10 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None, flush=None) 
         return _reduce_alone(factors, range(len(factors)), grams, deferred, groups, flush)
     if _one_layer_norm_call(factors):
         return _layer_norm_batch(factors, list(range(len(factors))), deferred, groups)
-    by_gram, by_product, by_shape, by_layer_norm, alone = _partition(factors)
+    by_gram, by_product, by_shape, by_layer_norm, by_rank_one, alone = _partition(factors)
     out = []
+    for (_, _, dt, _), rows in by_rank_one.items():
+        out.extend(_rank_one_batch([factors[r] for r in rows], rows, dt))
     for rows in by_layer_norm.values():
         out.extend(_layer_norm_batch([factors[r] for r in rows], rows, deferred, groups))
     for rows in by_gram.values():
@@ -294,22 +299,28 @@ def _gram_key(f: OuterProduct):
 
 
 def _partition(factors):
-    by_gram, by_product, by_shape, by_layer_norm, alone = {}, {}, {}, {}, []
+    by_gram, by_product, by_shape, by_layer_norm, by_rank_one, alone = {}, {}, {}, {}, {}, []
     tokens_of = {}  # id(output grad) -> the gram batch of a weight that has it as a side
+    rank_one_of = {}  # id(output grad) -> the rank-one batch of a one-token weight that has it as a side
     rest = []
     for r, f in enumerate(factors):
         kind = type(f)
         if kind is OuterProduct:
             key = _gram_key(f)
-            if key is None:
-                key = _product_key(f)
-                if key is None:
-                    alone.append(r)
-                else:
-                    by_product.setdefault(key, []).append(r)
-            else:
+            if key is not None:
                 by_gram.setdefault(key, []).append(r)
                 tokens_of[id(f.left)] = tokens_of[id(f.right)] = key
+                continue
+            key = _rank_one_key(f)
+            if key is not None:
+                by_rank_one.setdefault(key, []).append(r)
+                rank_one_of[id(f.left)] = key
+                continue
+            key = _product_key(f)
+            if key is None:
+                alone.append(r)
+            else:
+                by_product.setdefault(key, []).append(r)
         else:
             rest.append(r)
     for r in rest:
@@ -317,8 +328,11 @@ def _partition(factors):
         kind = type(f)
         if kind is SummedTokens:
             key = tokens_of.get(id(f.tokens))
+            one = rank_one_of.get(id(f.tokens))
             if key is not None and f.tokens.shape[1] > 1 and acc_dtype(f.tokens) == key[4]:
                 by_gram[key].append(r)
+            elif one is not None and acc_dtype(f.tokens) == one[2]:  # its weight's G, one token: that G's norm
+                by_rank_one[one].append(r)
             else:
                 alone.append(r)
         elif kind is AffineGrad and f.call.stacked is None:
@@ -327,7 +341,47 @@ def _partition(factors):
             by_shape.setdefault(("grads", f.grads.shape, f.grads.dtype, f.grads.device, f.mass is None), []).append(r)
         else:
             alone.append(r)
-    return by_gram, by_product, by_shape, by_layer_norm, alone
+    return by_gram, by_product, by_shape, by_layer_norm, by_rank_one, alone
+
+
+def _rank_one_key(f: OuterProduct):
+    """The batch of a one-token OuterProduct (a Linear on (B, d) rows), or None (more tokens, or sides cast)."""
+    B, T, _ = f.left.shape
+    if T != 1 or f.operand_dtype is not None:
+        return None
+    return ("rank one", B, acc_dtype(f.left, f.right), f.left.device)
+
+
+def _rank_one_batch(factors, rows, dt) -> list[Reduced]:
+    """One-token weights (OuterProduct) and their biases (SummedTokens of the weight's G): |g_i|^2 = |G_i|^2 |A_i|^2
+    (a rank-one gradient) and |G_i|^2, from each distinct side's squared norms, one stacked reduction per width
+    (within a stack budget). No token mass: one token, nothing cancels (precision.py)."""
+    column, widths = {}, {}  # id(side) -> its column; width -> [(column, side)]
+
+    def col(x):
+        if id(x) not in column:
+            column[id(x)] = len(column)
+            widths.setdefault(x.shape[-1], []).append((column[id(x)], x))
+        return column[id(x)]
+
+    weights = [(r, col(f.left), col(f.right)) for r, f in zip(rows, factors) if type(f) is OuterProduct]
+    biases = [(r, column[id(f.tokens)]) for r, f in zip(rows, factors) if type(f) is SummedTokens]
+    norms = [None] * len(column)  # per column: (B,) squared norms
+    budget = stack_budget(factors[0].left.device if type(factors[0]) is OuterProduct else factors[0].tokens.device)
+    for members in widths.values():
+        for run in within_budget(members, [x.numel() for _, x in members], budget):
+            x = stacked([side for _, side in run]).to(dt)  # (k, B, 1, width)
+            squares = (x * x).sum((2, 3))  # (k, B)
+            for k, (c, _) in enumerate(run):
+                norms[c] = squares[k]
+    out = []
+    if weights:
+        left = torch.stack([norms[w[1]] for w in weights])
+        right = torch.stack([norms[w[2]] for w in weights])
+        out.append(Reduced([w[0] for w in weights], left * right, None, None))
+    if biases:
+        out.append(Reduced([b[0] for b in biases], torch.stack([norms[b[1]] for b in biases]), None, None))
+    return out
 
 
 def _product_key(f: OuterProduct):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ghostdp
+from conftest import assert_exact
 from ghostdp.norms import batched, batched_sums, deferred
 from ghostdp.norms.factors import Instantiated, OuterProduct, SqrtProduct, SummedTokens, acc_dtype_of
 from ghostdp.norms.normalization import AffineGrad, LayerNormCall
@@ -14,7 +15,8 @@ B, T = 3, 5
 
 def _mixed_factors():
     """Linear-like layers sharing an input (query, key, value), one with another width, a Conv1D-like one
-    (input on the left), biases, explicit gradients with and without masses, a one-token layer, and, last,
+    (input on the left), biases, explicit gradients with and without masses, one-token layers (two sharing an input,
+    one with its bias), and, last,
     low-rank factors on the instantiation path (LoRA-like: two of one shape, one of another)."""
     g = torch.Generator().manual_seed(0)
 
@@ -22,6 +24,7 @@ def _mixed_factors():
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     x, wide = randn(B, T, 16), randn(B, T, 24)
+    one_x, one_g = randn(B, 1, 3), randn(B, 1, 4)  # one-token layers ((B, d) rows), one input shared, with a bias
     out_q, out_k, out_v, out_w = randn(B, T, 16), randn(B, T, 12), randn(B, T, 20), randn(B, T, 16)
     # Two LayerNorm calls formed together, and one with a frozen weight (another batch key).
     norms = [LayerNormCall(randn(B, T, 16), randn(B, T, 16), (16,), 1e-5, {"weight", "bias"}) for _ in range(2)]
@@ -33,7 +36,7 @@ def _mixed_factors():
         OuterProduct(out_k, x, (12, 16), input_side="right"), SummedTokens(out_k),
         OuterProduct(out_v, x, (20, 16), input_side="right"),
         OuterProduct(wide, out_w, (24, 16), input_side="left"), SummedTokens(out_w),
-        OuterProduct(randn(B, 1, 4), randn(B, 1, 3), (4, 3)),
+        OuterProduct(one_g, one_x, (4, 3)), SummedTokens(one_g), OuterProduct(randn(B, 1, 5), one_x, (5, 3)),
         Instantiated(randn(B, 16), mass=randn(B).abs()), Instantiated(randn(B, 16), mass=randn(B).abs()),
         Instantiated(randn(B, 7)),
         OuterProduct(randn(B, T, 2), x, (2, 16)), OuterProduct(randn(B, T, 2), randn(B, T, 16), (2, 16)),
@@ -66,6 +69,39 @@ def test_reductions_equal_each_factor_alone(monkeypatch, budget):
             assert mass is None
         else:
             torch.testing.assert_close(mass, expected, rtol=1e-12, atol=0)
+
+
+def test_one_token_layers_and_their_biases_are_reduced_together():
+    """Weights of one token (a Linear on (B, d) rows) have rank-one gradients, |g_i|^2 = |G_i|^2 |A_i|^2: all of them
+    in one Reduced, their biases in another, whatever their widths (until 2026-12-07 each was reduced alone)."""
+    factors = _mixed_factors()
+    one_token = [r for r, f in enumerate(factors) if type(f) is OuterProduct and f.left.shape[1] == 1]
+    biases = [r for r, f in enumerate(factors) if type(f) is SummedTokens and f.tokens.shape[1] == 1]
+    assert len(one_token) == 2 and len(biases) == 1
+    rows = [sorted(done.rows) for done in batched.reduce_factors(factors)]
+    assert one_token in rows and biases in rows
+
+
+def test_an_mlp_on_rows_is_exact_in_both_modes():
+    """Linears of several widths on (B, d) rows, a shared input, biases frozen in one: the rank-one batch."""
+    torch.manual_seed(0)
+
+    class Rows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(6, 8), torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)
+            self.head = torch.nn.Linear(5, 3, bias=False)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.head(torch.tanh(self.b(h)) * torch.tanh(self.c(h)))
+
+    model = Rows().double().train()
+    model.c.bias.requires_grad_(False)
+    x, labels = torch.randn(B, 6, dtype=torch.float64), torch.randint(0, 3, (B,))
+    criterion = torch.nn.CrossEntropyLoss(reduction="none")
+    assert_exact(model, lambda: criterion(model(x), labels), lambda i: criterion(model(x[i:i + 1]), labels[i:i + 1]).sum(),
+                 B)
 
 
 def test_low_rank_factors_of_one_shape_are_reduced_from_one_stacked_product(monkeypatch):
