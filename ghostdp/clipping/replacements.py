@@ -21,8 +21,9 @@ dim 0 or 1 of the losses' count (a batch flattened to (B * T, d)), the check is 
 
 A PackedSequence is taken as its padded batch (packed.py). A forward whose first tensor argument is not the batch's
 is checked where the loader's count of examples lies in its rows, from its first forward, else where the norm pass
-found which argument holds the examples (``learned``), from its second forward; a (1, ...) first argument (``model(condition, x)``) is passed over from the first: before 2026-12-03 such a forward went
-unchecked on every step, without a word.
+found which argument holds the examples (``learned``), from its second forward; a (1, ...) first argument
+(``model(condition, x)``) is passed over from the first: before 2026-12-03 such a forward went unchecked on every step,
+without a word.
 """
 from __future__ import annotations
 
