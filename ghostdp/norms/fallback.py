@@ -51,11 +51,11 @@ _T5_ATTENTIONS = ("t5.modeling_t5.T5Attention", "mt5.modeling_mt5.MT5Attention",
 ABSORBED_CHILDREN: dict = {f"transformers.models.{name}": ("relative_attention_bias",) for name in _T5_ATTENTIONS}
 
 # Parameter containers that a module holds for its descendants, which apply them, by the holder's class (qualified
-# name): peft's VB-LoRA vector bank, UniLoRA's vector and TinyLoRA's vectors, one container that the tuner model and every adapted
-# layer hold. The layers own its parameters (each call a use, norms/peft_deltas.py); the holder does not, so that a
-# forward through it (a PeftModel with a task type calls the tuner model) is not the exact fallback of the whole model
-# (VB-LoRA on a 2-layer BERT: 51 ms a step against 12 ms). A use by the holder's own forward would be a gradient
-# outside every call of an owner, which the graph audit refuses.
+# name): peft's VB-LoRA vector bank, UniLoRA's vector and TinyLoRA's vectors, one container that the tuner model and
+# every adapted layer hold. The layers own its parameters (each call a use, norms/peft_deltas.py); the holder does not,
+# so that a forward through it (a PeftModel with a task type calls the tuner model) is not the exact fallback of the
+# whole model (VB-LoRA on a 2-layer BERT: 51 ms a step against 12 ms). A use by the holder's own forward would be a
+# gradient outside every call of an owner, which the graph audit refuses.
 LENT_CONTAINERS: dict = {"peft.tuners.vblora.model.VBLoRAModel": frozenset({"vblora_vector_bank"}),
                          "peft.tuners.unilora.model.UniLoraModel": frozenset({"unilora_theta_d"}),
                          "peft.tuners.tinylora.model.TinyLoraModel": frozenset({"tinylora_v"})}

@@ -4,20 +4,20 @@ factors), GraLoRA (a grid of low-rank blocks), C3A (a block-circulant kernel), H
 times a low-rank product), SHiRA (a sparse dW: its values at fixed positions), VB-LoRA (low-rank factors mixed from a
 vector bank by each layer's top-k logits) and UniLoRA (low-rank factors read from one shared vector at fixed indices).
 VB-LoRA's bank and UniLoRA's vector are one parameter for every adapted layer: each layer's call is one of its uses,
-whose per-example gradients are summed over the step's calls before its norm (as a tied weight's). Registered by qualified name, so ``import ghostdp`` imports no peft module; a call the rule
-does not know takes the exact fallback.
+whose per-example gradients are summed over the step's calls before its norm (as a tied weight's). Registered by
+qualified name, so ``import ghostdp`` imports no peft module; a call the rule does not know takes the exact fallback.
 
-With G_t the output grad at position t, each example's gradient of dW is g_i(dW) = sum_t G_t x_t^T (an OuterProduct
-of G and x, a Linear's weight gradient), and each parameter's is J^T g_i(dW), J the Jacobian of dW in it: one batched
-VJP of dW's graph, as the layer forms dW (``get_delta_weight``; HiRA's from its forward's own formula, which its
-``get_delta_weight`` does not follow; SHiRA's as the dense tensor its sparse one adds to the base's weight, whose
-VJP gathers each example's gradient at the adapter's positions), per chunk of examples (batched_vjp.grads_through). The forward adds each adapter's
-x dW^T to the base's output (FourierFT, WaveFT, HiRA, C3A through F.linear with dW or an FFT of the kernel; RandLoRA,
-DeLoRA and GraLoRA through their factors, whose product dW is): ``_DELTAS`` checks each in float64 against the
-per-example loop (tests/norms/test_peft_deltas.py). The exact fallback ran a batched VJP of the whole layer per chunk
-of examples (a tiny BERT, L=2, H=64, B=16, T=32, one CPU thread, book-keeping, on query and value: FourierFT 2.77x
-plain, WaveFT 2.61x, RandLoRA 5.21x, DeLoRA 2.62x, GraLoRA 4.11x, C3A 7.92x, HiRA 3.16x, SHiRA 4.7x, VB-LoRA 4.9-5.3x; by this rule:
-the module's ``profiling.peft_methods`` rows).
+With G_t the output grad at position t, each example's gradient of dW is g_i(dW) = sum_t G_t x_t^T (an OuterProduct of G
+and x, a Linear's weight gradient), and each parameter's is J^T g_i(dW), J the Jacobian of dW in it: one batched VJP of
+dW's graph, as the layer forms dW (``get_delta_weight``; HiRA's from its forward's own formula, which its
+``get_delta_weight`` does not follow; SHiRA's as the dense tensor its sparse one adds to the base's weight, whose VJP
+gathers each example's gradient at the adapter's positions), per chunk of examples (batched_vjp.grads_through). The
+forward adds each adapter's x dW^T to the base's output (FourierFT, WaveFT, HiRA, C3A through F.linear with dW or an FFT
+of the kernel; RandLoRA, DeLoRA and GraLoRA through their factors, whose product dW is): ``_DELTAS`` checks each in
+float64 against the per-example loop (tests/norms/test_peft_deltas.py). The exact fallback ran a batched VJP of the
+whole layer per chunk of examples (a tiny BERT, L=2, H=64, B=16, T=32, one CPU thread, book-keeping, on query and value:
+FourierFT 2.77x plain, WaveFT 2.61x, RandLoRA 5.21x, DeLoRA 2.62x, GraLoRA 4.11x, C3A 7.92x, HiRA 3.16x, SHiRA 4.7x,
+VB-LoRA 4.9-5.3x; by this rule: the module's ``profiling.peft_methods`` rows).
 
 Declined, so that such a call takes the fallback (``_adds_its_deltas``): adapters disabled or merged, other arguments, a
 base that is not an nn.Linear or that trains, fan_in_fan_out (a transposed base weight), in training an active

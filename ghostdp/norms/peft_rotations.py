@@ -12,12 +12,12 @@ value: OFT 3.10x plain, HRA 3.28x, BOFT 4.51x; by these rules 1.70x, 1.77x, 2.13
 output grad at position t:
 
 **OFT** (``peft.tuners.oft.layer.OFTRotationModule``, which peft's OFT layers call on their input). It rotates each
-block of k features of x (..., n k) by an orthogonal R_j (k, k), the Cayley transform (exact, or its Neumann series)
-of a skew-symmetric matrix whose upper triangle is row j of its ``weight``, every block by the same R where
-``block_share``: y[..., j, c] = sum_k x[..., j, k] R_j[k, c], so g_i(R_j) = sum_t x_t[j]^T G_t[j], (B, n, k, k).
-Row j of ``weight`` forms R_j alone, so the B examples' pullbacks are one backward of the module's own transform
-over B copies of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain). Up to peft 0.21, on a convolution's 4-D input
-the module rotated x's unfolded patches and folded them back (peft's own fold, linear but not laid out as the unfold's
+block of k features of x (..., n k) by an orthogonal R_j (k, k), the Cayley transform (exact, or its Neumann series) of
+a skew-symmetric matrix whose upper triangle is row j of its ``weight``, every block by the same R where
+``block_share``: y[..., j, c] = sum_k x[..., j, k] R_j[k, c], so g_i(R_j) = sum_t x_t[j]^T G_t[j], (B, n, k, k). Row j
+of ``weight`` forms R_j alone, so the B examples' pullbacks are one backward of the module's own transform over B copies
+of the rows (``_pulled_to_weight``; by batched VJPs, 1.86x plain). Up to peft 0.21, on a convolution's 4-D input the
+module rotated x's unfolded patches and folded them back (peft's own fold, linear but not laid out as the unfold's
 adjoint): x is the patches and G the fold's VJP of the output grad. From peft 0.22 a 4-D input is rotated along its last
 dim, as any other, and OFT's Conv2d rotates its base's weight instead (below). Declined (``_rotates_its_input``): other
 arguments, inputs of more than 4 dims, and COFT (``coft``: the forward projects ``weight`` in place before using it).

@@ -100,8 +100,8 @@ def test_an_mlp_on_rows_is_exact_in_both_modes():
     model.c.bias.requires_grad_(False)
     x, labels = torch.randn(B, 6, dtype=torch.float64), torch.randint(0, 3, (B,))
     criterion = torch.nn.CrossEntropyLoss(reduction="none")
-    assert_exact(model, lambda: criterion(model(x), labels), lambda i: criterion(model(x[i:i + 1]), labels[i:i + 1]).sum(),
-                 B)
+    assert_exact(model, lambda: criterion(model(x), labels),
+                 lambda i: criterion(model(x[i:i + 1]), labels[i:i + 1]).sum(), B)
 
 
 def test_low_rank_factors_of_one_shape_are_reduced_from_one_stacked_product(monkeypatch):

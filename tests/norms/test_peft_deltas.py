@@ -77,9 +77,9 @@ class ThreeLayers(nn.Module):
 @pytest.mark.parametrize("kind", SHARED)
 def test_a_bank_shared_by_two_adapted_layers_is_exact_by_the_rule(kind, through_the_tuner):
     """VB-LoRA's vector bank (UniLoRA's vector) is one parameter of both layers: its per-example gradient is the sum of
-    both calls' (a use each), and its norm takes their cross terms. The tuner model that holds it for them owns none of
-    it (fallback.LENT_CONTAINERS): a forward through it, as a PeftModel with a task type runs, took the exact fallback of
-    the whole model before 2026-12-07."""
+    both calls' (a use each), and its norm takes their cross terms. The tuner model that holds it for them owns none
+    of it (fallback.LENT_CONTAINERS): a forward through it, as a PeftModel with a task type runs, took the exact
+    fallback of the whole model before 2026-12-07."""
     torch.manual_seed(0)
     model = peft.get_peft_model(ThreeLayers(), CONFIGS[kind](target_modules=["first", "second"])).double().train()
     if through_the_tuner:
