@@ -60,6 +60,7 @@ METHODS = {
     "vblora": ("bert", lambda peft: peft.VBLoRAConfig(r=4, num_vectors=64, vector_length=16, target_modules=_QV)),
     "shira": ("bert", lambda peft: peft.ShiraConfig(r=8, target_modules=_QV)),
     "unilora": ("bert", lambda peft: peft.UniLoraConfig(r=8, theta_d_length=1024, target_modules=_QV)),
+    "tinylora": ("bert", lambda peft: peft.TinyLoraConfig(r=8, target_modules=_QV)),
     "trainable-tokens": ("bert", lambda peft: peft.TrainableTokensConfig(target_modules=["word_embeddings"],
                                                                          token_indices=list(range(30)))),
     "prompt": ("bert", lambda peft: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=8)),

@@ -2,7 +2,8 @@
 FourierFT and WaveFT (a spectrum's inverse transform), RandLoRA (scaled random bases), DeLoRA (normalised low-rank
 factors), GraLoRA (a grid of low-rank blocks), C3A (a block-circulant kernel), HiRA (W * (B A), the base's weight
 times a low-rank product), SHiRA (a sparse dW: its values at fixed positions), VB-LoRA (low-rank factors mixed from a
-vector bank by each layer's top-k logits) and UniLoRA (low-rank factors read from one shared vector at fixed indices).
+vector bank by each layer's top-k logits) UniLoRA (low-rank factors read from one shared vector at fixed indices) and TinyLoRA (B R A,
+R = sum_k v_k P_k of a small vector v that layers share by groups, frozen SVD factors A and B).
 VB-LoRA's bank and UniLoRA's vector are one parameter for every adapted layer: each layer's call is one of its uses,
 whose per-example gradients are summed over the step's calls before its norm (as a tied weight's). Registered by
 qualified name, so ``import ghostdp`` imports no peft module; a call the rule does not know takes the exact fallback.
@@ -32,7 +33,7 @@ import torch
 
 from .batched_vjp import grads_through
 from .factors import OuterProduct
-from .peft_layers import adapter_parameters, plain_adapted_call
+from .peft_layers import adapter_names, adapter_parameters, plain_adapted_call
 from .registry import qualified_name, register_norm_rule
 
 C3A_LINEAR = "peft.tuners.c3a.layer.C3ALinear"
@@ -50,6 +51,7 @@ _DELTAS = {
     SHIRA_LINEAR: ("shira_weight", None),
     "peft.tuners.vblora.layer.Linear": ("vblora_logits_A", "vblora_dropout"),
     "peft.tuners.unilora.layer.Linear": ("unilora_theta_d", "unilora_dropout"),
+    "peft.tuners.tinylora.layer.Linear": ("tinylora_A", "tinylora_dropout"),
 }
 
 
@@ -92,8 +94,7 @@ def _delta_weight(module, adapter) -> torch.Tensor:
 def delta_weight_rule(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output_grad: torch.Tensor,
                       trainable: set[str]) -> dict:
     active = _active(module)
-    names = [f"{kind}.{a}" for a in active for kind in module.adapter_layer_names
-             if a in getattr(module, kind) and f"{kind}.{a}" in trainable]
+    names = [name for a in active for name in adapter_names(module, a, trainable)]
     if not names:
         return {}
     with torch.enable_grad():
