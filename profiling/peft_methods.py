@@ -25,8 +25,9 @@ convolution net LoHa 8.62x -> 1.63x, LoKr 9.17x -> 1.44x, OFT 24.6x -> 1.99x (bo
 2.99x -> 1.95x / 2.08x, GraLoRA 5.65x / 5.70x -> 2.04x / 2.16x, C3A 7.36x / 8.46x -> 1.73x / 2.13x, HiRA 3.22x / 3.17x
 -> 1.86x / 1.98x; VB-LoRA 5.32x / 4.92x and SHiRA 4.73x / 4.72x, still by the fallback. 2026-12-07 (--against
 a62ea1b, 20 rounds), the rest of them by that module's rule against the fallback: SHiRA 6.57x / 6.49x -> 1.74x / 1.88x,
-VB-LoRA 5.38x / 5.34x -> 2.15x / 2.25x, UniLoRA 5.11x / 5.37x -> 1.90x / 2.08x. Timings are the shared machine's:
-compare the ratios of one run.
+VB-LoRA 5.38x / 5.34x -> 2.15x / 2.25x, UniLoRA 5.11x / 5.37x -> 1.90x / 2.08x; TinyLoRA (refused before 54bed3f,
+then by the fallback) 3.98x / 4.37x -> 1.91x / 2.32x (--against 54bed3f, a test run sharing the cores). Timings are the
+shared machine's: compare the ratios of one run.
 """
 from __future__ import annotations
 
