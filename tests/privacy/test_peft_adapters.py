@@ -132,3 +132,49 @@ def test_each_adapter_is_exact_or_refused(name):
         else:
             assert error is None, f"{clipping}: {type(error).__name__}: {error}"
             assert sum_error < tolerance and norm_error < tolerance, (clipping, sum_error, norm_error)
+
+
+WITH_DROPOUT = {  # adapters whose dropout draws in training: the reference is the batch's own backward, same draws
+    "lora": lambda: peft.LoraConfig(r=2, init_lora_weights=False, lora_dropout=0.3, **_LINEARS),
+    "lora-dora": lambda: peft.LoraConfig(r=2, init_lora_weights=False, lora_dropout=0.3, use_dora=True, **_LINEARS),
+    "loha": lambda: peft.LoHaConfig(r=2, init_weights=False, rank_dropout=0.3, **_LINEARS),
+    "vera": lambda: peft.VeraConfig(r=2, vera_dropout=0.3, **_LINEARS),
+    "randlora": lambda: peft.RandLoraConfig(r=2, randlora_dropout=0.3, **_LINEARS),
+    "hira": lambda: peft.HiraConfig(r=2, hira_dropout=0.3, **_LINEARS),
+}
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("name", sorted(WITH_DROPOUT))
+def test_each_adapter_with_its_dropout_drawing_is_exact_for_the_batchs_own_draws(name, clipping):
+    """With the dropout active the per-example loop draws other masks, so the reference is each example's gradient
+    through the batch's own forward (clipped_sum_through_the_batch, one-hot cotangents), from the same generator
+    state: the forward check's reruns put it back, so the training forward draws what it would without ghostdp."""
+    from conftest import clipped_sum_through_the_batch
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(TwoLinears(), WITH_DROPOUT[name]())
+    finally:
+        torch.set_default_dtype(default)
+    model = model.double().train()
+    for n, p in model.named_parameters():
+        if p.requires_grad and "head" not in n:
+            nn.init.normal_(p, std=0.3)
+    state = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    torch.manual_seed(123)
+    reference = clipped_sum_through_the_batch(criterion(model(x), y), [p for _, p in trained], C=0.5)
+    model.load_state_dict(state)
+    torch.manual_seed(123)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, _ = ghost_clipped_sum(model, lambda: criterion(model(x), y), 0.5, clipping)
+    got = torch.cat([got[n].flatten() for n, _ in trained])
+    assert float(reference.norm()) > 0
+    assert float((got - reference).norm() / reference.norm()) < 1e-10
