@@ -206,8 +206,8 @@ def reduce_factors(factors, grams=None, deferred=None, groups=None, flush=None) 
         return _layer_norm_batch(factors, list(range(len(factors))), deferred, groups)
     by_gram, by_product, by_shape, by_layer_norm, by_rank_one, alone = _partition(factors)
     out = []
-    for (_, _, dt, _), rows in by_rank_one.items():
-        out.extend(_rank_one_batch([factors[r] for r in rows], rows, dt))
+    for (_, _, dt, device), rows in by_rank_one.items():
+        out.extend(_rank_one_batch([factors[r] for r in rows], rows, dt, device))
     for rows in by_layer_norm.values():
         out.extend(_layer_norm_batch([factors[r] for r in rows], rows, deferred, groups))
     for rows in by_gram.values():
@@ -352,7 +352,7 @@ def _rank_one_key(f: OuterProduct):
     return ("rank one", B, acc_dtype(f.left, f.right), f.left.device)
 
 
-def _rank_one_batch(factors, rows, dt) -> list[Reduced]:
+def _rank_one_batch(factors, rows, dt, device) -> list[Reduced]:
     """One-token weights (OuterProduct) and their biases (SummedTokens of the weight's G): |g_i|^2 = |G_i|^2 |A_i|^2
     (a rank-one gradient) and |G_i|^2, from each distinct side's squared norms, one stacked reduction per width
     (within a stack budget). No token mass: one token, nothing cancels (precision.py)."""
@@ -367,7 +367,7 @@ def _rank_one_batch(factors, rows, dt) -> list[Reduced]:
     weights = [(r, col(f.left), col(f.right)) for r, f in zip(rows, factors) if type(f) is OuterProduct]
     biases = [(r, column[id(f.tokens)]) for r, f in zip(rows, factors) if type(f) is SummedTokens]
     norms = [None] * len(column)  # per column: (B,) squared norms
-    budget = stack_budget(factors[0].left.device if type(factors[0]) is OuterProduct else factors[0].tokens.device)
+    budget = stack_budget(device)
     for members in widths.values():
         for run in within_budget(members, [x.numel() for _, x in members], budget):
             x = stacked([side for _, side in run]).to(dt)  # (k, B, 1, width)

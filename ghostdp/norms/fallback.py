@@ -68,14 +68,13 @@ ABSORBED_WHEN: dict = {}
 
 def absorbed_children(module: torch.nn.Module) -> list:
     """(name, child) of each child of ``module`` whose parameters it owns (ABSORBED_CHILDREN, where ABSORBED_WHEN says
-    so), through its MRO; none
-    where the bias is looked up per example instead (relative_bias.py: the table is then an Embedding call of its
-    own)."""
+    so), through its MRO; none where the bias is looked up per example instead (relative_bias.py: the table is then an
+    Embedding call of its own)."""
     if looks_up_per_example(type(module)):
         return []
     for cls in type(module).__mro__:
-        names = ABSORBED_CHILDREN.get(qualified_name(cls))
-        when = ABSORBED_WHEN.get(qualified_name(cls))
+        name = qualified_name(cls)
+        names, when = ABSORBED_CHILDREN.get(name), ABSORBED_WHEN.get(name)
         if names and (when is None or when(module)):
             return [(n, module._modules[n]) for n in names if module._modules.get(n) is not None]
     return []

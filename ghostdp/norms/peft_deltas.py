@@ -2,11 +2,12 @@
 FourierFT and WaveFT (a spectrum's inverse transform), RandLoRA (scaled random bases), DeLoRA (normalised low-rank
 factors), GraLoRA (a grid of low-rank blocks), C3A (a block-circulant kernel), HiRA (W * (B A), the base's weight
 times a low-rank product), SHiRA (a sparse dW: its values at fixed positions), VB-LoRA (low-rank factors mixed from a
-vector bank by each layer's top-k logits) UniLoRA (low-rank factors read from one shared vector at fixed indices) and TinyLoRA (B R A,
-R = sum_k v_k P_k of a small vector v that layers share by groups, frozen SVD factors A and B).
-VB-LoRA's bank and UniLoRA's vector are one parameter for every adapted layer: each layer's call is one of its uses,
-whose per-example gradients are summed over the step's calls before its norm (as a tied weight's). Registered by
-qualified name, so ``import ghostdp`` imports no peft module; a call the rule does not know takes the exact fallback.
+vector bank by each layer's top-k logits), UniLoRA (low-rank factors read from one shared vector at fixed indices) and
+TinyLoRA (B R A, R = sum_k v_k P_k of a small vector v that layers share by groups, frozen SVD factors A and B).
+VB-LoRA's bank, UniLoRA's vector and TinyLoRA's vectors are parameters of several adapted layers: each layer's call is
+one of their uses, whose per-example gradients are summed over the step's calls before the norm (as a tied weight's).
+Registered by qualified name, so ``import ghostdp`` imports no peft module; a call the rule does not know takes the
+exact fallback.
 
 With G_t the output grad at position t, each example's gradient of dW is g_i(dW) = sum_t G_t x_t^T (an OuterProduct of G
 and x, a Linear's weight gradient), and each parameter's is J^T g_i(dW), J the Jacobian of dW in it: one batched VJP of

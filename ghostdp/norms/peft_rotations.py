@@ -53,8 +53,8 @@ import functools
 import torch
 
 from .batched_vjp import grads_through, pulled_back
-from .elementwise import scale_grads
 from .conv import conv_rule
+from .elementwise import scale_grads
 from .factors import Instantiated, OuterProduct
 from .fallback import ABSORBED_CHILDREN, ABSORBED_WHEN
 from .peft_layers import adapter_parameters, plain_adapted_call

@@ -79,21 +79,28 @@ class TwoLinears(nn.Module):
         return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))).mean(1))
 
 
-def _outcomes(name):
-    """[(mode, error or None, sum error, norm error)] for both modes."""
+def _adapted(config):
+    """TwoLinears adapted by ``config()`` (a function making the peft config), in float64, in train mode, every adapter
+    parameter random."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # built as users build them (PSOFT's and FourierFT's set-up need it)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's notes on custom models, ghostdp's on the fallback
-            model = peft.get_peft_model(TwoLinears(), ADAPTERS[name]())
+            model = peft.get_peft_model(TwoLinears(), config())
     finally:
         torch.set_default_dtype(default)
     model = model.double().train()
     for n, p in model.named_parameters():
         if p.requires_grad and "head" not in n:  # several adapters start at zero (or the identity)
             nn.init.normal_(p, std=0.3)
+    return model
+
+
+def _outcomes(name):
+    """[(mode, error or None, sum error, norm error)] for both modes."""
+    model = _adapted(ADAPTERS[name])
     x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
     criterion = nn.CrossEntropyLoss(reduction="none")
     state = copy.deepcopy(model.state_dict())
@@ -151,19 +158,7 @@ def test_each_adapter_with_its_dropout_drawing_is_exact_for_the_batchs_own_draws
     through the batch's own forward (clipped_sum_through_the_batch, one-hot cotangents), from the same generator
     state: the forward check's reruns put it back, so the training forward draws what it would without ghostdp."""
     from conftest import clipped_sum_through_the_batch
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = peft.get_peft_model(TwoLinears(), WITH_DROPOUT[name]())
-    finally:
-        torch.set_default_dtype(default)
-    model = model.double().train()
-    for n, p in model.named_parameters():
-        if p.requires_grad and "head" not in n:
-            nn.init.normal_(p, std=0.3)
+    model = _adapted(WITH_DROPOUT[name])
     state = copy.deepcopy(model.state_dict())
     x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
     criterion = nn.CrossEntropyLoss(reduction="none")
