@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -205,6 +206,18 @@ class Checked(NamedTuple):
     unchecked: str | None = None
 
 
+_GUESSED_FORWARD = "ghostdp_guessed_forward"  # the key of a _GuessedForward in its outputs' nodes' metadata
+
+
+class _GuessedForward:
+    """A checked forward whose examples the check guessed (ForwardIndependence.recheck_where_guessed): its module,
+    arguments and Checked, held by its outputs' autograd nodes."""
+    __slots__ = ("module", "args", "kwargs", "checked", "__weakref__")
+
+    def __init__(self, module, args, kwargs, checked):
+        self.module, self.args, self.kwargs, self.checked = module, args, kwargs, checked
+
+
 class _Pending(NamedTuple):
     """The reruns of a checked forward, run before it (ForwardIndependence._rerun_before), for the comparison at its
     end."""
@@ -250,6 +263,12 @@ class ForwardIndependence:
         self.examples_dim = None  # the dim of the arguments' examples that a norm pass found (learn_from), or None
         self.examples_leaf = None  # ... and the index, among the flattened arguments, of the tensor it found them in
         self._checked = None      # the Checked of the last checked forward, until its norm pass reads it
+        # Weak references to the _GuessedForward of checked forwards whose examples were guessed with no count to go
+        # by (no dim learned, no DP loader's count), until the losses give theirs (recheck_where_guessed); each lives
+        # as long as its forward's graph.
+        self._guessed = []
+        self._guessing = False  # the last _rerun_before took its examples with no count to go by
+        self._guessed_now = None  # (module, args, kwargs, Checked) of the forward running, for its end
         self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
         self.forwards = 0                     # training forwards begun
         self.finding = None
@@ -295,6 +314,7 @@ class ForwardIndependence:
         if self._running or not self.recorder._recording(module) or torch._C._current_graph_task_id() != -1:
             return  # not a training forward, or a checkpoint's recomputation
         self.recorder.watched_arguments = {}  # set again below where this forward is checked
+        self._guessed_now = None
         n, self.forwards = self.forwards, self.forwards + 1
         scheduled = self.every and (n == 0 or proof_scheduled(n, self.every))
         mask = attention_mask(module, args, kwargs) if scheduled or len(self.lengths) < 2 else None
@@ -304,14 +324,20 @@ class ForwardIndependence:
         self._pending = self._attributes = None
         if not scheduled:
             return
+        self._guessing = False
         with self._unchecked_where_a_rerun_fails():
             self._pending = self._rerun_before(module, args, kwargs)
+        if self._guessing and self._checked is not None:  # rechecked where the losses have another count
+            self._guessed_now = (module, args, kwargs, self._checked)
         self._attributes = tensor_attributes(module)  # as the forward finds them, after the reruns put them back
 
     def _on_forward_end(self, module, args, kwargs, output):
         if self._running:
             return  # a rerun's
         self.recorder.watched_arguments = {}
+        guessed, self._guessed_now = self._guessed_now, None
+        if guessed is not None:
+            self._keep_with_the_graph(_GuessedForward(*guessed), output)
         pending, self._pending = self._pending, None
         attributes, self._attributes = self._attributes, None
         if attributes is None:
@@ -322,7 +348,7 @@ class ForwardIndependence:
         # Kept until a norm pass reads it: a step of several forwards (a contrastive pair of views) may check one of
         # them and backpropagate after the next.
         with self._unchecked_where_a_rerun_fails():
-            self.finding = self._compare(module, pending, output) or self.finding
+            self.finding = self._compare(module, pending, output_leaves(output)) or self.finding
 
     @contextlib.contextmanager
     def _unchecked_where_a_rerun_fails(self):
@@ -413,6 +439,7 @@ class ForwardIndependence:
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
+        self._guessing = learned is None and handed_out is None and not several  # no count to go by
         self._verdict_due = self._verdict_due or several
         self.last_moves = []
         if first_dim is None:  # not an empty batch (Poisson sampling may draw one)
@@ -468,12 +495,11 @@ class ForwardIndependence:
         return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec), dims,
                         dim)
 
-    def _compare(self, module, pending, output):
-        """At the checked forward's end: its fingerprints against the reruns' (``pending``, _rerun_before); a
-        Mixing, or None. A nondeterministic kernel may differ between the forward and its reruns only: where a
-        move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
+    def _compare(self, module, pending, leaves):
+        """At the checked forward's end: the fingerprints of its output ``leaves`` against the reruns' (``pending``,
+        _rerun_before); a Mixing, or None. A nondeterministic kernel may differ between the forward and its reruns
+        only: where a move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
         p = pending
-        leaves = output_leaves(output)
         forward = (fingerprints_of(examples_first(leaves, p.dims), p.signs, p.batch) if len(leaves) == len(p.signs)
                    else [None] * len(p.signs))
 
@@ -617,6 +643,7 @@ class ForwardIndependence:
         batch the forward was perturbed in and every call's proven layout has the examples on dim 0; refuse a
         PaddingDependence once the lengths differ. With several processes, only at the pass after a checked
         forward, and on every process where any refuses (module doc; ``device``: the losses')."""
+        self.recheck_where_guessed(batch_size)
         padding = self.padding_finding
         finding, self.finding = self.finding, None
         self.learn_from(batch_size)
@@ -654,13 +681,10 @@ class ForwardIndependence:
         to (B * T, d), the tokens of a PackedSequence before packed.py), or the check found no output to compare on
         the right one, warned of once (UNCHECKED)."""
         checked, self._checked = self._checked, None
+        self._guessed = []
         if checked is None:
             return
-        first = next(((k, shape) for k, shape in checked.shapes if len(shape) > 1), None)  # examples_dim_and_batch's
-        if first is not None and batch_size in first[1][:2]:
-            found = first[0], first[1].index(batch_size)
-        else:
-            found = next(((k, 0) for k, shape in checked.shapes if shape[0] == batch_size), None)
+        found = _where_the_losses_count_lies(checked, batch_size)
         if found is not None:
             self.examples_leaf, self.examples_dim = found
         if checked.batch is None or batch_size < 2 or not self.every:
@@ -672,6 +696,43 @@ class ForwardIndependence:
             shapes = ", ".join(str(shape) for _, shape in checked.shapes[:4])
             self._warn_unchecked(NO_DIM_OF_THE_LOSSES.format(losses=batch_size, batch=checked.batch, dim=checked.dim,
                                                              shapes=shapes), EXAMPLES_ON_DIM_0_OR_1)
+
+    def _keep_with_the_graph(self, guessed, output) -> None:
+        """``guessed`` kept by the autograd nodes of the forward's outputs (so as long as a loss can be built on
+        them, and no longer: a forward without backward frees its batch with its graph), a weak reference here."""
+        nodes = [t.grad_fn for _, t in output_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        for node in nodes:
+            node.metadata[_GUESSED_FORWARD] = guessed
+        if nodes:
+            self._guessed.append(weakref.ref(guessed))
+
+    def recheck_where_guessed(self, batch_size: int) -> None:
+        """Where a checked forward of this step took its examples from a guess (before any norm pass, with no DP
+        loader's count: ``GhostClipping`` in a loop of one's own) and the per-example losses number another
+        ``batch_size``, its check runs again, before the norm pass that follows, on the tensor and dim that hold the
+        losses' count (learn_from's choice): a sequence-first model without a batch_first=False module was checked
+        along its positions, whose finding the norm pass drops, so that its first step trained, mixing or not (a
+        detached batch mean before Linears on (T, B, D) moved the other examples' clipped sum by up to 2.17 C), until
+        2026-12-07. Called by the DP loss as it is built (controller.loss, DPCriterion), outside any backward, and at
+        the norm pass (per_example_norms alone). The forward itself has run: its reruns start from the generators and
+        buffers as they are now, and the batch itself, rerun once more, stands for the forward's output. One process
+        only (several would have to agree on which forwards to rerun)."""
+        guessed, self._guessed = self._guessed, []
+        if not self.every or batch_size < 2:
+            return
+        for forward in filter(None, (ref() for ref in guessed)):  # those whose graph lives
+            module, args, kwargs, checked = forward.module, forward.args, forward.kwargs, forward.checked
+            found = None if checked.batch in (None, batch_size) else _where_the_losses_count_lies(checked, batch_size)
+            if found is None:
+                continue
+            self.examples_leaf, self.examples_dim = found
+            with self._unchecked_where_a_rerun_fails():
+                pending = self._rerun_before(module, args, kwargs)
+                if pending is not None:
+                    with self._rerunning(module, pending.devices):
+                        leaves = self._rerun(module, (args, kwargs), *pending.start)
+                    self.finding = self._compare(module, pending, leaves) or self.finding
+            self.recorder.watched_arguments = {}  # the forward's calls have run: nothing reads the arguments now
 
     def _refusable(self, finding, batch_size: int, calls) -> bool:
         """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on dim 0 of
@@ -708,6 +769,15 @@ class ForwardIndependence:
         warnings.warn(INCONCLUSIVE.format(how=finding.said(), output=finding.output,
                                           moved=finding.moved, threshold=finding.threshold, batch=finding.batch,
                                           why=why))
+
+
+def _where_the_losses_count_lies(checked, batch_size: int):
+    """(index among the flattened arguments, dim) of the checked forward's tensor argument holding the losses'
+    count: the dim of that size in the first of two or more dims, dim 0 where both are; else dim 0 of any; or None."""
+    first = next(((k, shape) for k, shape in checked.shapes if len(shape) > 1), None)  # examples_dim_and_batch's
+    if first is not None and batch_size in first[1][:2]:
+        return first[0], first[1].index(batch_size)
+    return next(((k, 0) for k, shape in checked.shapes if shape[0] == batch_size), None)
 
 
 def _read_batch_first(square, calls) -> bool:

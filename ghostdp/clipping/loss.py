@@ -64,6 +64,7 @@ def clipped_loss(controller, per_example_losses, reduction="mean", expected_batc
     if expected_batch_size is not None and not expected_batch_size > 0:
         raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
     examples = per_example_losses.shape[0]
+    controller.independence.recheck_where_guessed(examples)  # before the backward: it may rerun the forward
     if controller.ledger.take_padding():
         # A stand-in row that keeps DDP's collectives in step on a rank with fewer examples: its loss
         # times 0 has gradient exactly 0 and norm 0, so it adds nothing to the clipped sum.

@@ -15,13 +15,16 @@ finding: a sequence-first forward that mixed its examples without gradient train
 now says "on dim 1"). A model with no batch_first=False module fed (T, B, ...) is checked on dim 1 from its first
 forward where a DP loader (or DPTrainer) handed the batch out and said how many examples it holds
 (examples_of_the_loaders_batch; since 2026-12-07); without one (GhostClipping in a loop of one's own) on dim 0 at its
-first forward and on dim 1 from the second (also scheduled): its first step goes unchecked. Where no argument has a
+first forward, then again on dim 1 when the DP loss is given the losses' count, before its backward
+(independence.ForwardIndependence.recheck_where_guessed; until later on 2026-12-07 that first step went unchecked), and
+on dim 1 from the second forward (also scheduled). Where no argument has a
 dim 0 or 1 of the losses' count (a batch flattened to (B * T, d)), the check is warned of once as unchecked
 (independence.NO_DIM_OF_THE_LOSSES).
 
 A PackedSequence is taken as its padded batch (packed.py). A forward whose first tensor argument is not the batch's
-is checked where the loader's count of examples lies in its rows, from its first forward, else where the norm pass
-found which argument holds the examples (``learned``), from its second forward; a (1, ...) first argument
+is checked where the loader's count of examples lies in its rows, from its first forward, else on the first
+forward's guess, again where the losses' count lies once the DP loss has it, and from the second forward where the
+norm pass found which argument holds the examples (``learned``); a (1, ...) first argument
 (``model(condition, x)``) is passed over from the first: before 2026-12-03 such a forward went unchecked on every step,
 without a word.
 """

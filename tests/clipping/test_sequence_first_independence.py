@@ -7,6 +7,7 @@ trained without a word. The check now takes dim 1 where the model has sequence-f
 those layers receive), or where an earlier norm pass found the examples there, and compares each output on the dim
 that holds them ((T, B, ...) or pooled (B, ...)).
 """
+import copy
 import warnings
 
 import pytest
@@ -178,19 +179,61 @@ class SequenceFirstLinears(nn.Module):
         return self.head(centred_on_the_batch(h) if self.mix else h)
 
 
-def test_a_sequence_first_model_without_sequence_first_layers_is_checked_on_dim_1_from_its_second_forward():
-    """Nothing before the first norm pass says where the examples lie: the first forward is checked on dim 0 (its
-    positions), its norm pass finds the losses' B on dim 1, and the second forward, scheduled too, is refused. The
-    first step trains (the check's limit without a DP loader, said in replacements.py; with one, see below)."""
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_in_a_loop_of_ones_own_a_sequence_first_model_is_refused_at_its_first_step(clipping):
+    """Nothing before the losses says where the examples lie: the first forward is checked on dim 0 (its positions);
+    the DP loss, given B losses, finds B on dim 1 and checks the forward again there, before its backward, which
+    refuses it before any update (until 2026-12-07 the first step trained and the second was refused)."""
+    torch.manual_seed(0)
+    model = SequenceFirstLinears().train()
+    before = [p.detach().clone() for p in model.parameters()]
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        out = model(torch.randn(T, B, D))
+        assert controller.independence._checked.dim == 0  # the guess: the positions
+        with pytest.raises(RuntimeError, match=REFUSED + r".*on dim 1 of its tensors"):
+            controller.loss(out.pow(2).sum((0, 2)), reduction="sum").backward()
+        assert controller.independence.examples_dim == 1
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    finally:
+        controller.detach()
+
+
+def test_the_norm_pass_alone_rechecks_a_guessed_forward():
+    """per_example_norms without the DP loss: the recheck runs at the norm pass."""
+    torch.manual_seed(0)
     model = SequenceFirstLinears().train()
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
-        x = torch.randn(T, B, D)
-        controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
-        assert controller.independence.examples_dim == 1
-        model.zero_grad(set_to_none=True)
         with pytest.raises(RuntimeError, match=REFUSED):
+            controller.per_example_norms(model(torch.randn(T, B, D)).pow(2).sum((0, 2)))
+    finally:
+        controller.detach()
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_in_a_loop_of_ones_own_a_sequence_first_model_that_keeps_its_examples_apart_trains_checked(clipping):
+    """The recheck on dim 1 compares (its moves are kept) and finds nothing; the step trains exactly (the gradients
+    equal each example's own, clipped, as without the recheck: it put the generators and buffers back)."""
+    torch.manual_seed(0)
+    model = SequenceFirstLinears(mix=False).double().train()
+    reference = copy.deepcopy(model)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    x = torch.randn(T, B, D, dtype=torch.float64)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+        assert not [w for w in caught if any(u in str(w.message) for u in UNSURE)]
+        assert controller.independence.last_moves and controller.independence.examples_dim == 1
+        clipped = [torch.zeros_like(p) for p in reference.parameters()]
+        for i in range(B):
+            grads = torch.autograd.grad(reference(x[:, i:i + 1]).pow(2).sum(), list(reference.parameters()))
+            scale = min(1.0, 1.0 / (float(torch.sqrt(sum(g.pow(2).sum() for g in grads))) + 1e-6))  # conftest's
+            clipped = [c + scale * g for c, g in zip(clipped, grads)]
+        for p, c in zip(model.parameters(), clipped):
+            torch.testing.assert_close(p.grad, c, rtol=1e-10, atol=1e-12)
     finally:
         controller.detach()
 
@@ -341,27 +384,36 @@ def test_a_condition_passed_before_the_batch_is_passed_over(mix):
 
 class TokensAfterAWindow(nn.Module):
     """forward(window, ids): a (W, d) table of W != B rows before the (B, T) ids: the first forward's check takes W
-    rows for the examples; its norm pass finds the losses' B in the ids, and the second forward is checked there."""
+    rows for the examples; the DP loss finds the losses' B in the ids and checks the forward again there."""
 
-    def __init__(self):
+    def __init__(self, mix=True):
         super().__init__()
         self.embed, self.head = nn.Embedding(10, D), nn.Linear(D, 1)
+        self.mix = mix
 
     def forward(self, window, ids):
         h = self.embed(ids).mean(1) + window.mean(0)
-        return self.head(h - h.detach().mean(0, keepdim=True))
+        return self.head(h - h.detach().mean(0, keepdim=True) if self.mix else h)
 
 
-def test_a_batch_that_is_not_the_first_argument_is_checked_from_the_second_forward():
-    model = TokensAfterAWindow().train()
+@pytest.mark.parametrize("mix", [True, False])
+def test_a_batch_that_is_not_the_first_argument_is_checked_at_the_first_step(mix):
+    """Refused before the first update where it mixes (until 2026-12-07: from the second forward); trained where it
+    does not, the recheck's comparisons made on the ids' rows and the examples learned there."""
+    model = TokensAfterAWindow(mix).train()
     controller = ghostdp.GhostClipping(model, 1.0)
     window = torch.randn(3, D)
     try:
-        controller.loss(model(window, torch.randint(0, 10, (B, T))).pow(2).sum(1), reduction="sum").backward()
+        out = model(window, torch.randint(0, 10, (B, T)))
+        assert controller.independence._checked.batch == 3  # the guess: the window's rows
+        if mix:
+            with pytest.raises(RuntimeError, match=REFUSED):
+                controller.loss(out.pow(2).sum(1), reduction="sum").backward()
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            controller.loss(out.pow(2).sum(1), reduction="sum").backward()
+            assert controller.independence.last_moves
         assert (controller.independence.examples_leaf, controller.independence.examples_dim) == (1, 0)
-        model.zero_grad(set_to_none=True)
-        with pytest.raises(RuntimeError, match=REFUSED):
-            controller.loss(model(window, torch.randint(0, 10, (B, T))).pow(2).sum(1), reduction="sum").backward()
     finally:
         controller.detach()
 
