@@ -52,6 +52,7 @@ ADAPTERS = {
     "psoft": lambda: peft.PsoftConfig(r=2, **_LINEARS),
     "supertuning": lambda: peft.SupertuningConfig(**_LINEARS),
     "c3a": lambda: peft.C3AConfig(block_size=4, **_LINEARS),
+    "fourierft": lambda: peft.FourierFTConfig(n_frequency=8, **_LINEARS),
     "deft": lambda: peft.DeftConfig(**_LINEARS),
     # refused: a parameter read outside every call of its owner, or a gradient hook of its own (OSF's projection)
     "lily": lambda: peft.LilyConfig(**_LINEARS),
@@ -62,12 +63,13 @@ ADAPTERS = {
                                            **_LINEARS),
 }
 REFUSED = {"lily", "peanut", "glora", "osf", "lora-velora"}
-# Not here: FourierFT, whose forward builds its dense spectrum in the default dtype, so that it runs in float64 only
-# where float64 is the default, and its set-up only where it is not (peft's; measured by profiling.peft_methods, in
-# float32); PVeRA, which draws noise in training (the per-example loop is no reference); Shadow, which needs a
+# Not here: PVeRA, which draws noise in training (the per-example loop is no reference); Shadow, which needs a
 # transformers backbone; LoRA with MonteCLoRA, which samples in training too.
 REFUSALS = ("outside the forward of the module that owns it", "have a gradient hook", "whose gradient has no dimension")
 IN_FLOAT32 = {"c3a", "deft"}  # their forwards compute in float32 whatever the model's dtype
+# FourierFT's forward builds its dense spectrum in the default dtype, and its set-up runs only where that is not
+# float64 (peft's): model, batch, per-example loop and default dtype stay in float32.
+BUILT_IN_FLOAT32 = {"fourierft"}
 
 
 class TwoLinears(nn.Module):
@@ -79,9 +81,9 @@ class TwoLinears(nn.Module):
         return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))).mean(1))
 
 
-def _adapted(config):
-    """TwoLinears adapted by ``config()`` (a function making the peft config), in float64, in train mode, every adapter
-    parameter random."""
+def _adapted(config, dtype=torch.float64):
+    """TwoLinears adapted by ``config()`` (a function making the peft config), in ``dtype``, in train mode, every
+    adapter parameter random."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # built as users build them (PSOFT's and FourierFT's set-up need it)
@@ -91,7 +93,7 @@ def _adapted(config):
             model = peft.get_peft_model(TwoLinears(), config())
     finally:
         torch.set_default_dtype(default)
-    model = model.double().train()
+    model = model.to(dtype).train()
     for n, p in model.named_parameters():
         if p.requires_grad and "head" not in n:  # several adapters start at zero (or the identity)
             nn.init.normal_(p, std=0.3)
@@ -100,8 +102,9 @@ def _adapted(config):
 
 def _outcomes(name):
     """[(mode, error or None, sum error, norm error)] for both modes."""
-    model = _adapted(ADAPTERS[name])
-    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    dtype = torch.float32 if name in BUILT_IN_FLOAT32 else torch.float64
+    model = _adapted(ADAPTERS[name], dtype)
+    x, y = torch.randn(B, T, D, dtype=dtype), torch.randint(0, 3, (B,))
     criterion = nn.CrossEntropyLoss(reduction="none")
     state = copy.deepcopy(model.state_dict())
 
@@ -131,8 +134,14 @@ def _outcomes(name):
 
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_each_adapter_is_exact_or_refused(name):
-    tolerance = 1e-5 if name in IN_FLOAT32 else 1e-8
-    for clipping, error, sum_error, norm_error in _outcomes(name):
+    tolerance = 1e-5 if name in IN_FLOAT32 | BUILT_IN_FLOAT32 else 1e-8
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if name in BUILT_IN_FLOAT32 else default)
+    try:
+        outcomes = _outcomes(name)
+    finally:
+        torch.set_default_dtype(default)
+    for clipping, error, sum_error, norm_error in outcomes:
         if name in REFUSED:
             assert error is not None, f"{clipping}: trained, expected a refusal"
             assert any(cause in str(error) for cause in REFUSALS), (clipping, error)
