@@ -11,7 +11,8 @@ then depends on the other examples' data, and an added example moves all of thei
 So on the training forwards that the layout proof's schedule names (the first; then 1, 2, 4, ..., REPROOF_EVERY and
 every REPROOF_EVERY-th), the model runs three more times without gradient just before the forward itself (from its
 start, in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the
-forward saves), from the random generators' and buffers' states it starts with: on the same batch, and on two batches
+forward saves), from the random generators' (the global ones and those its modules hold: generators.own_generators)
+and buffers' states it starts with: on the same batch, and on two batches
 of one example each, the first or the last example copied to every row (dim 0 of every tensor argument of the batch's
 size). That example's output must not move: no other example's data reaches it. Until 2026-12-02 the check replaced the
 last example by a copy of the first and compared the others: a forward that gives every example something of the
@@ -81,7 +82,7 @@ from .. import collector
 from ..data import distributed_rank_and_size, maxima_across_ranks
 from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
-from .generators import random_states, restore_random_states
+from .generators import own_generators, random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, proof_scheduled
 from .leaves import flatten, output_leaves, unflatten
 from .packed import repacked, unpacked
@@ -395,7 +396,8 @@ class ForwardIndependence:
         parametrized weight a rerun computed without gradient under parametrize.cached() is dropped from the
         cache, where the forward would have taken it and sent no gradient to the parametrization: its clipped
         gradients were wrong by 14%, tests/norms/test_parametrizations.py)."""
-        states, buffers = random_states(*devices), _buffers(module, values=False)
+        states = random_states(*devices, generators=own_generators(module))
+        buffers = _buffers(module, values=False)
         checkpointed = self.recorder.forward_checkpointed
         cached = dict(parametrize._cache)  # torch's module-level cache, replaced by a new dict as cached() ends
         with torch.no_grad():
@@ -450,7 +452,7 @@ class ForwardIndependence:
         if consumed is not None:  # the forward would get what the reruns left of it
             raise TypeError(AN_ITERATOR_ARGUMENT.format(kind=type(consumed).__name__))
         devices = _accelerators(module, args, kwargs)
-        start = (random_states(*devices), _buffers(module))
+        start = (random_states(*devices, generators=own_generators(module)), _buffers(module))
         with self._rerunning(module, devices):
             with batches_of_calls(self._sequence_first_modules if guessed else []) as batches:
                 leaves = self._rerun(module, (args, kwargs), *start)

@@ -23,7 +23,7 @@ from ..norms.factors import combined_sq_norm
 from ..norms.fallback import fallback_grads, output_batch_dims
 from ..norms.registry import ROWS
 from .capture import check_inputs_unchanged, hooked_output_grad, sink_below
-from .generators import random_states, same_random_states
+from .generators import own_generators, random_states, same_random_states
 from . import pass_two as pass_two_module
 from .layout import ROWS_LAYOUT, LayoutProver, flattened_batch
 from .records import NormPass
@@ -41,10 +41,12 @@ CHECKPOINTING_UNSUPPORTED = (
 RANDOM_DRAWS_IN_PASS_ONE = (
     "random numbers were drawn during the norm pass's backward: an activation checkpoint recomputed random "
     "ops (dropout) without restoring the forward's random state (torch.utils.checkpoint(..., "
-    "preserve_rng_state=False)), or a backward draws random numbers. A second backward (the layout proof; "
-    "pass 2 with clipping='ghost', or book-keeping under checkpointing) would draw others: the norms that set "
-    "each example's clip coefficient would belong to one gradient and the clipped sum to another, which can "
-    "exceed the clipping norm (measured: 1.14 C). Fix: keep preserve_rng_state=True (torch's default), or "
+    "preserve_rng_state=False); a checkpointed module drawing from a torch.Generator of its own, as peft's PVeRA "
+    "with a generator_seed does, which no checkpoint restores), or a backward draws random numbers. A second "
+    "backward (the layout proof; pass 2 with clipping='ghost', or book-keeping under checkpointing) would draw "
+    "others: the norms that set each example's clip coefficient would belong to one gradient and the clipped sum "
+    "to another, which can exceed the clipping norm (measured: 1.14 C). Fix: keep preserve_rng_state=True "
+    "(torch's default) and draw from the global generator inside checkpoints (PVeRA: generator_seed=None), or "
     "make the backward deterministic.")
 
 
@@ -106,7 +108,8 @@ class PassOne:
         self.took_fallback = set()       # the names of the modules whose calls took the exact fallback, ever
         self.in_pass_two = 0             # pass 2 of a DP loss is running (running_pass_two), nested that deep
         self._reprove = False            # this pass proves every call's layout again (run)
-        self._random_before = None       # the global generators' states at the start of the pass (run)
+        self._random_before = None       # the generators' states at the start of the pass (run)
+        self._own_generators = None      # the torch.Generators the model's modules hold (found at the first pass)
         self.layouts = LayoutProver()
         self._shared_in_regions = set()  # ids of parameters seen with several calls in a reentrant step
         self._proof_region_calls = None  # a reentrant step proven before pass 1: the proof's region calls, in order
@@ -135,7 +138,10 @@ class PassOne:
         # must see the same backward, which a random draw in one would not repeat in the other. (A book-keeping
         # step without a proof has one backward: nothing to compare.)
         second_backward = bool(unproven) or bool(regions) or mode.continues_backward
-        self._random_before = random_states(per_example_losses.device) if second_backward else None
+        if second_backward and self._own_generators is None:  # a module's own (PVeRA's) draws in a recomputation too
+            self._own_generators = own_generators(self.controller.module)
+        self._random_before = (random_states(per_example_losses.device, generators=self._own_generators)
+                               if second_backward else None)
         if unproven and not regions:
             self._prove_layouts(per_example_losses, probes, captured)
             self._prove_fallback_inputs(per_example_losses, unproven)
@@ -198,7 +204,7 @@ class PassOne:
 
     def _refuse_random_draws(self, device):
         """Refuse a backward of this pass that drew random numbers (RANDOM_DRAWS_IN_PASS_ONE)."""
-        if not same_random_states(self._random_before, random_states(device)):
+        if not same_random_states(self._random_before, random_states(device, generators=self._own_generators)):
             raise RuntimeError(RANDOM_DRAWS_IN_PASS_ONE)
 
     def receives_output_grads(self) -> bool:

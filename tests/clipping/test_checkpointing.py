@@ -362,6 +362,38 @@ class DropoutInRegion(nn.Module):
                                     preserve_rng_state=self.preserve))
 
 
+class NoiseOfItsOwnInRegion(DropoutInRegion):
+    """The region adds noise in training from a generator the module holds (peft's PVeRA with a generator_seed): no
+    checkpoint restores it, so each recomputation draws other noise, preserve_rng_state or not."""
+
+    def __init__(self, reentrant):
+        super().__init__(reentrant, preserve_rng_state=True, below=True)
+        self.generators = {"default": torch.Generator().manual_seed(3)}
+
+    def forward(self, x):
+        def region(h):
+            h = self.up(h)
+            return torch.tanh(h + torch.randn(h.shape, generator=self.generators["default"]) if self.training else h)
+        return self.head(checkpoint(region, self.below(x), use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_that_draws_from_a_generator_of_its_own_is_refused(clipping, reentrant):
+    """The norm pass compares the model's own generators too (generators.own_generators): until 2026-12-07 only the
+    global ones, and a second backward drew other noise from it than the first, unseen."""
+    torch.manual_seed(1)
+    model = NoiseOfItsOwnInRegion(reentrant).train()
+    controller = ghostdp.GhostClipping(model, 1e-3, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match="random numbers were drawn.*generator_seed=None"):
+            for _ in range(3):
+                controller.loss(model(torch.randn(1, 4) * 10).pow(2).sum(1), "sum").backward()
+                model.zero_grad()
+    finally:
+        controller.detach()
+
+
 @pytest.mark.parametrize("clipping", ["ghost", "bookkeeping"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_checkpoint_that_recomputes_dropout_with_other_random_numbers_is_refused(clipping, reentrant):

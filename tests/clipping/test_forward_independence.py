@@ -232,6 +232,57 @@ def test_dropout_is_not_mixing_and_the_random_stream_is_put_back(clipping):
         controller.detach()
 
 
+class NoiseOfItsOwn(nn.Module):
+    """Adds noise in training, drawn from generators it holds itself, in a dict (as peft's PVeRA with a generator_seed
+    does), and centres on the batch's detached mean or not."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.generators = {"default": torch.Generator().manual_seed(7)}
+        self.mix = mix
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training:  # as dropout does
+            h = h + torch.randn(h.shape, generator=self.generators["default"])
+        return (h - h.detach().mean(0) if self.mix else h).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_generator_the_model_holds_is_put_back_after_the_reruns(clipping):
+    """The reruns draw from the module's own generator as the forward does, and put it back: the forward draws what
+    it would without ghostdp, and the check compares like with like (until 2026-12-07 each rerun drew other noise
+    from it, the training forward others again)."""
+    x = torch.randn(B, D)
+    model = NoiseOfItsOwn(mix=False).train()
+    plain_losses = model(x)
+    plain_next = torch.rand(4, generator=model.generators["default"])
+    model.generators["default"].manual_seed(7)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        losses = model(x)
+        assert controller.independence.forwards == 1 and controller.independence.finding is None
+        assert controller.independence.last_moves
+        assert max(move.relative for move in controller.independence.last_moves) < 1e-6
+        controller.loss(losses, reduction="sum").backward()
+        assert torch.equal(losses, plain_losses)
+        assert torch.equal(torch.rand(4, generator=model.generators["default"]), plain_next)
+    finally:
+        controller.detach()
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_mixing_forward_that_draws_from_a_generator_of_its_own_is_refused(clipping):
+    model = NoiseOfItsOwn(mix=True).train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED):
+            controller.loss(model(torch.randn(B, D)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 class CountsForwards(nn.Module):
     """A buffer that each train() forward increments (harmless: no data in it)."""
 

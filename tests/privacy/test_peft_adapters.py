@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from conftest import clipped_sum, ghost_clipped_sum, reference_per_example_grads, relative_error
+from ghostdp.clipping.generators import own_generators, random_states, restore_random_states
 
 D, T, B = 16, 4, 4
 _LINEARS = {"target_modules": ["a", "b"]}
@@ -63,8 +64,8 @@ ADAPTERS = {
                                            **_LINEARS),
 }
 REFUSED = {"lily", "peanut", "glora", "osf", "lora-velora"}
-# Not here: PVeRA, which draws noise in training (the per-example loop is no reference); Shadow, which needs a
-# transformers backbone; LoRA with MonteCLoRA, which samples in training too.
+# Not here: PVeRA, which draws noise in training (the per-example loop is no reference: it is among those with
+# dropout below); Shadow, which needs a transformers backbone; LoRA with MonteCLoRA, which samples in training too.
 REFUSALS = ("outside the forward of the module that owns it", "have a gradient hook", "whose gradient has no dimension")
 IN_FLOAT32 = {"c3a", "deft"}  # their forwards compute in float32 whatever the model's dtype
 # FourierFT's forward builds its dense spectrum in the default dtype, and its set-up runs only where that is not
@@ -157,6 +158,9 @@ WITH_DROPOUT = {  # adapters whose dropout draws in training: the reference is t
     "vera": lambda: peft.VeraConfig(r=2, vera_dropout=0.3, **_LINEARS),
     "randlora": lambda: peft.RandLoraConfig(r=2, randlora_dropout=0.3, **_LINEARS),
     "hira": lambda: peft.HiraConfig(r=2, hira_dropout=0.3, **_LINEARS),
+    # PVeRA samples its noise in training, from the global generator or (generator_seed) from one of its own
+    "pvera": lambda: peft.PveraConfig(r=2, pvera_dropout=0.3, **_LINEARS),
+    "pvera-seeded": lambda: peft.PveraConfig(r=2, generator_seed=0, **_LINEARS),
 }
 
 
@@ -172,9 +176,11 @@ def test_each_adapter_with_its_dropout_drawing_is_exact_for_the_batchs_own_draws
     x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
     criterion = nn.CrossEntropyLoss(reduction="none")
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    own = random_states(generators=own_generators(model))  # and the model's own generators (PVeRA's)
     torch.manual_seed(123)
     reference = clipped_sum_through_the_batch(criterion(model(x), y), [p for _, p in trained], C=0.5)
     model.load_state_dict(state)
+    restore_random_states(own)
     torch.manual_seed(123)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
