@@ -11,8 +11,8 @@ then depends on the other examples' data, and an added example moves all of thei
 So on the training forwards that the layout proof's schedule names (the first; then 1, 2, 4, ..., REPROOF_EVERY and
 every REPROOF_EVERY-th), the model runs three more times without gradient just before the forward itself (from its
 start, in the model's first forward pre-hook: the reruns' largest temporaries never lie beside the activations the
-forward saves), from the random generators' (the global ones and those its modules hold: generators.own_generators)
-and buffers' states it starts with: on the same batch, and on two batches
+forward saves), from the random generators' (torch's, NumPy's and Python's global ones and those its modules hold:
+generators.py) and buffers' states it starts with: on the same batch, and on two batches
 of one example each, the first or the last example copied to every row (dim 0 of every tensor argument of the batch's
 size). That example's output must not move: no other example's data reaches it. Until 2026-12-02 the check replaced the
 last example by a copy of the first and compared the others: a forward that gives every example something of the
