@@ -268,8 +268,7 @@ class ForwardIndependence:
         # by (no dim learned, no DP loader's count), until the losses give theirs (recheck_where_guessed); each lives
         # as long as its forward's graph.
         self._guessed = []
-        self._guessing = False  # the last _rerun_before took its examples with no count to go by
-        self._guessed_now = None  # (module, args, kwargs, Checked) of the forward running, for its end
+        self._guessed_now = None  # (module, args, kwargs) of the forward running where it guessed, for its end
         self.every = REPROOF_EVERY            # 0: no forward is checked (tests of what a step does without it)
         self.forwards = 0                     # training forwards begun
         self.finding = None
@@ -325,11 +324,8 @@ class ForwardIndependence:
         self._pending = self._attributes = None
         if not scheduled:
             return
-        self._guessing = False
         with self._unchecked_where_a_rerun_fails():
             self._pending = self._rerun_before(module, args, kwargs)
-        if self._guessing and self._checked is not None:  # rechecked where the losses have another count
-            self._guessed_now = (module, args, kwargs, self._checked)
         self._attributes = tensor_attributes(module)  # as the forward finds them, after the reruns put them back
 
     def _on_forward_end(self, module, args, kwargs, output):
@@ -337,8 +333,8 @@ class ForwardIndependence:
             return  # a rerun's
         self.recorder.watched_arguments = {}
         guessed, self._guessed_now = self._guessed_now, None
-        if guessed is not None:
-            self._keep_with_the_graph(_GuessedForward(*guessed), output)
+        if guessed is not None and self._checked is not None:  # with the Checked its _rerun_before left
+            self._keep_with_the_graph(_GuessedForward(*guessed, self._checked), output)
         pending, self._pending = self._pending, None
         attributes, self._attributes = self._attributes, None
         if attributes is None:
@@ -389,14 +385,15 @@ class ForwardIndependence:
                 warnings.warn(CHANGED_ATTRIBUTE.format(name=name))
 
     @contextlib.contextmanager
-    def _rerunning(self, module, devices):
+    def _rerunning(self, module, devices, generators=None):
         """Inside, the reruns run; after, the random generators, the buffers, the tensor attributes, the recorder's
         checkpoint flag and parametrize.cached()'s cache are as they were before (a rerun's in-place updates of a
         buffer went to a copy; an attribute a rerun replaced, changed in place or added is put back or removed; a
         parametrized weight a rerun computed without gradient under parametrize.cached() is dropped from the
         cache, where the forward would have taken it and sent no gradient to the parametrization: its clipped
-        gradients were wrong by 14%, tests/norms/test_parametrizations.py)."""
-        states = random_states(*devices, generators=own_generators(module))
+        gradients were wrong by 14%, tests/norms/test_parametrizations.py). ``generators``: the model's own
+        (own_generators), where the caller has found them."""
+        states = random_states(*devices, generators=own_generators(module) if generators is None else generators)
         buffers = _buffers(module, values=False)
         checkpointed = self.recorder.forward_checkpointed
         cached = dict(parametrize._cache)  # torch's module-level cache, replaced by a new dict as cached() ends
@@ -441,7 +438,8 @@ class ForwardIndependence:
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
-        self._guessing = learned is None and handed_out is None and not several  # no count to go by
+        if learned is None and handed_out is None and not several:  # no count to go by: rechecked by the losses'
+            self._guessed_now = (module, args, kwargs)
         self._verdict_due = self._verdict_due or several
         self.last_moves = []
         if first_dim is None:  # not an empty batch (Poisson sampling may draw one)
@@ -452,8 +450,9 @@ class ForwardIndependence:
         if consumed is not None:  # the forward would get what the reruns left of it
             raise TypeError(AN_ITERATOR_ARGUMENT.format(kind=type(consumed).__name__))
         devices = _accelerators(module, args, kwargs)
-        start = (random_states(*devices, generators=own_generators(module)), _buffers(module))
-        with self._rerunning(module, devices):
+        generators = own_generators(module)
+        start = (random_states(*devices, generators=generators), _buffers(module))
+        with self._rerunning(module, devices, generators):
             with batches_of_calls(self._sequence_first_modules if guessed else []) as batches:
                 leaves = self._rerun(module, (args, kwargs), *start)
             if guessed and batches and batches[0] != batch:  # a batch-first model that transposes for such a layer

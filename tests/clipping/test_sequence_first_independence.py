@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import ghostdp
-from conftest import CLIPPING_MODES, assert_exact, clipped_sum_through_the_batch
+from conftest import (CLIPPING_MODES, assert_exact, clipped_sum, clipped_sum_through_the_batch,
+                      reference_per_example_grads)
 
 REFUSED = "the model's forward mixes examples where no gradient flows"
 UNSURE = ("could not check", "cannot tell whether")
@@ -227,13 +228,10 @@ def test_in_a_loop_of_ones_own_a_sequence_first_model_that_keeps_its_examples_ap
             controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
         assert not [w for w in caught if any(u in str(w.message) for u in UNSURE)]
         assert controller.independence.last_moves and controller.independence.examples_dim == 1
-        clipped = [torch.zeros_like(p) for p in reference.parameters()]
-        for i in range(B):
-            grads = torch.autograd.grad(reference(x[:, i:i + 1]).pow(2).sum(), list(reference.parameters()))
-            scale = min(1.0, 1.0 / (float(torch.sqrt(sum(g.pow(2).sum() for g in grads))) + 1e-6))  # conftest's
-            clipped = [c + scale * g for c, g in zip(clipped, grads)]
-        for p, c in zip(model.parameters(), clipped):
-            torch.testing.assert_close(p.grad, c, rtol=1e-10, atol=1e-12)
+        per_example = reference_per_example_grads(reference, lambda i: reference(x[:, i:i + 1]).pow(2).sum(), B)
+        clipped, _ = clipped_sum(per_example, 1.0)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, clipped[n], rtol=1e-10, atol=1e-12)
     finally:
         controller.detach()
 
