@@ -29,14 +29,17 @@ move there either. The reversal puts every example in another row: a forward tha
 another reaches neither the first one's output nor the last's, and trained until late 2026-12-02; one that treats an
 example by its row (an offset per row) is refused too, since removing an example moves those after it to other rows.
 A forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
-follows, for the batch of its per-example losses, unless the examples might not lie on dim 0, where a sequence-first
-model would have been perturbed along its positions: a replaced argument has another dim of the batch's size, no
-trained tokenwise layer reading it (an Embedding of the ids, a first Linear) has its proven examples on dim 0, and a
-module has batch_first=False or the layout proof placed a call's examples on another dim (a batch flattened into
-dim 0, each example's rows together, keeps them on dim 0: _refusable); such a move is warned of once (INCONCLUSIVE:
-until late 2026-12-02 it went unsaid, and a batch-first model that mixes, with T = B and a GRU built sequence-first,
-trained without a word, as it still does, warned, where no trained layer reads its input; the check concludes on
-steps whose batch size differs).
+follows, for the batch of its per-example losses, unless the examples might not lie on the dim the check replaced
+them on: a replaced argument has another dim of the batch's size ((T, B, ...) at T = B), no trained tokenwise layer
+reading it (an Embedding of the ids, a first Linear; a fallback through the proof of its inputs) has its proven
+examples on that dim, and, on dim 0, a module has batch_first=False or the layout proof placed a call's examples on
+another dim (a batch flattened into dim 0, each example's rows together, keeps them on dim 0: _refusable); such a
+move is warned of once (INCONCLUSIVE; until late 2026-12-02 it went unsaid). Where those readers' proof places the
+examples on the other dim (a sequence-first model at T = B, checked along its positions at its first forward), the
+check runs again there at that norm pass, before any gradient is written, and from then on
+(recheck_where_square; until 2026-12-07 every step with T = B of such a model was warned of as inconclusive, mixing
+or not). Still warned, not refused: a batch-first model that mixes, with T = B and a GRU built sequence-first, where
+no trained layer reads its input; the check concludes on steps whose batch size differs.
 
 A sequence-first batch ((T, B, ...)), a PackedSequence, and a batch that is not the forward's first argument: where
 the check replaces examples and compares outputs, replacements.py says.
@@ -89,8 +92,8 @@ from .packed import repacked, unpacked
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
-from .replacements import (ON_DIM, REMOVED, REPLACED_BY_FIRST, batches_of_calls, example_dims,
-                           examples_dim_and_batch, examples_first, examples_of_the_loaders_batch, output_dims,
+from .replacements import (ON_DIM, REMOVED, REPLACED_BY_FIRST, OutputViews, argument_dims, batches_of_calls,
+                           examples_dim_and_batch, examples_of_the_loaders_batch,
                            replaced_batches, without_last_reversed)
 
 MIXING_OUTSIDE_GRADIENTS = (
@@ -164,6 +167,7 @@ RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor argume
 
 _MISSING = object()
 _EXAMPLES_ON_DIM_0 = (BATCH_FIRST, ROWS_LAYOUT)  # the layouts under which the check perturbed examples (_refusable)
+_DIM_OF_LAYOUT = {BATCH_FIRST: 0, ROWS_LAYOUT: 0, ("dim", 1): 1}  # a square argument's examples' dim (_dims_read)
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.checkpoint's warning
 
 
@@ -187,7 +191,7 @@ class Mixing(NamedTuple):
     output: str     # where in the model's output: 'output', "output['logits']", ...
     moved: float    # the largest move of a fingerprint, relative to the largest fingerprint
     threshold: float  # the move allowed there, relative likewise
-    square: frozenset  # ids of the replaced arguments with another dim of the batch's size (examples may lie there)
+    square: frozenset  # (id, dim replaced on) of the replaced arguments with another dim of the batch's size
     how: str = REPLACED_BY_FIRST
     dim: int = 0       # the dim of the batch's tensors of two or more dims that the check replaced examples on
 
@@ -205,6 +209,8 @@ class Checked(NamedTuple):
     dim: int
     batch: int | None
     unchecked: str | None = None
+    square: frozenset = frozenset()  # replaced_batches': where set, the proof of the calls says which dim holds them
+    leaf_id: int | None = None       # the id of the tensor argument the examples' dim goes by (argument_dims)
 
 
 _GUESSED_FORWARD = "ghostdp_guessed_forward"  # the key of a _GuessedForward in its outputs' nodes' metadata
@@ -233,7 +239,7 @@ class _Pending(NamedTuple):
     again: list | None  # ... of the batch once more (several processes), else None
     square: frozenset   # replaced_batches'
     arguments: tuple    # (flat, spec) of the forward's arguments
-    dims: list          # per output leaf: the dim its examples lie on (fingerprinted there), or None
+    views: OutputViews  # where each output's examples lie (fingerprinted there)
     dim: int            # the dim of the arguments' examples (examples_dim_and_batch)
 
 
@@ -419,13 +425,19 @@ class ForwardIndependence:
         flat, spec = flatten(unpacked((args, kwargs)))  # a PackedSequence as its padded batch (packed.py)
         learned = None if self.examples_dim is None else (self.examples_leaf, self.examples_dim)
         shapes = [(k, tuple(t.shape)) for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 0]
+        # The tensor whose examples' dim the check goes by: the one a norm pass found, else the first of two or more
+        # dims (examples_dim_and_batch's)
+        leaf = learned[0] if learned is not None and learned[0] < len(flat) else next(
+            (k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
 
         def examples_on(dim, first_dim):
             """(batch, the arguments' dims, the replaced batches, square) with the examples on ``dim``."""
-            self._checked = Checked(shapes, dim, first_dim)
             batch = first_dim or 0
-            arguments_dims = example_dims(flat, batch, dim)
-            return (batch, arguments_dims, *replaced_batches(flat, arguments_dims, batch))
+            arguments_dims = argument_dims(flat, batch, dim, leaf)
+            replaced, square = replaced_batches(flat, arguments_dims, batch)
+            self._checked = Checked(shapes, dim, first_dim, square=square,
+                                    leaf_id=None if leaf is None else id(flat[leaf]))
+            return batch, arguments_dims, replaced, square
 
         dim, first_dim = examples_dim_and_batch(flat, learned, bool(self.sequence_first))
         guessed = dim == 1 and learned is None  # put right by the first rerun's sequence-first calls
@@ -438,7 +450,9 @@ class ForwardIndependence:
         # With several processes every rank reruns on the same forwards, whatever its own batch holds: a forward
         # may gather (FSDP2) or broadcast (DDP's buffers) across them.
         several = distributed_rank_and_size()[1] > 1
-        if learned is None and handed_out is None and not several:  # no count to go by: rechecked by the losses'
+        # Kept for a recheck on the dim the losses' count (no count to go by) or the norm pass's proof (a square
+        # batch, (T, B, ...) at T = B) places the examples on: recheck_where_guessed, recheck_where_square.
+        if (learned is None and handed_out is None or square) and not several:
             self._guessed_now = (module, args, kwargs)
         self._verdict_due = self._verdict_due or several
         self.last_moves = []
@@ -459,10 +473,9 @@ class ForwardIndependence:
                 dim, first_dim = 0, leading_dim(flat)
                 batch, arguments_dims, replacements, square = examples_on(dim, first_dim)
             outputs = [(path, t.shape if isinstance(t, torch.Tensor) else None) for path, t in leaves]
-            dims = output_dims(leaves, batch, dim)
-            leaves = examples_first(leaves, dims)
-            signs = [self._signs(t) if d is not None and per_example_output(t, batch) else None
-                     for (_, t), d in zip(leaves, dims)]
+            views = OutputViews.of_outputs(leaves, batch, dim)
+            leaves = views.examples_first(leaves)
+            signs = [self._signs(t) if per_example_output(t, batch) else None for _, t in leaves]
             with torch.no_grad():
                 same = fingerprints_of(leaves, signs, batch)
             del leaves  # a language model's logits
@@ -477,10 +490,10 @@ class ForwardIndependence:
                 return None  # no output with the batch on its dim: nothing to compare
 
             def rerun(arguments):
-                return self._fingerprints_of_rerun(module, unflatten(arguments, spec), start, signs, dims, batch)
+                return self._fingerprints_of_rerun(module, unflatten(arguments, spec), start, signs, views, batch)
 
             floors = [None if s is None else relative_floor(s.dtype) for s in signs]
-            self._check_in_eval_mode(module, flat, spec, arguments_dims, outputs, start, signs, dims, floors, batch,
+            self._check_in_eval_mode(module, flat, spec, arguments_dims, outputs, start, signs, views, floors, batch,
                                      checkable, devices)
             # Where this process's batch cannot be checked, another's may: it reruns with them (``several``).
             moved = [(rerun(replaced), compared, how) for replaced, compared, how in replacements]
@@ -491,9 +504,9 @@ class ForwardIndependence:
             again = rerun(flat) if several else None
         if not checkable:
             return None
-        if dim == 0:  # the training forward's calls note which they read (_read_batch_first)
-            self.recorder.watched_arguments = {key: key for key in square}
-        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec), dims,
+        square_ids = {key for key, _ in square}  # the forward's calls note which they read
+        self.recorder.watched_arguments = {id(t): (id(t), t) for t in flat if id(t) in square_ids}
+        return _Pending(batch, devices, start, signs, floors, outputs, same, moved, again, square, (flat, spec), views,
                         dim)
 
     def _compare(self, module, pending, leaves):
@@ -501,19 +514,19 @@ class ForwardIndependence:
         _rerun_before); a Mixing, or None. A nondeterministic kernel may differ between the forward and its reruns
         only: where a move exceeds its allowance, the batch runs once more and the reruns' spread is measured too."""
         p = pending
-        forward = (fingerprints_of(examples_first(leaves, p.dims), p.signs, p.batch) if len(leaves) == len(p.signs)
-                   else [None] * len(p.signs))
+        first = p.views.examples_first(leaves)
+        forward = [None] * len(p.signs) if first is None else fingerprints_of(first, p.signs, p.batch)
 
         def moves_of(again):
             """Every replacement's Moves, each with how it replaced."""
             return [(move, how) for moved, compared, how in p.moved
-                    for move in moves_between(forward, p.same, moved, compared, p.floors, again)]
+                    for move in p.views.per_output(moves_between(forward, p.same, moved, compared, p.floors, again))]
 
         moves = moves_of(p.again)
         if p.again is None and any(move.exceeds for move, _ in moves):
             flat, spec = p.arguments
             with self._rerunning(module, p.devices):
-                again = self._fingerprints_of_rerun(module, unflatten(flat, spec), p.start, p.signs, p.dims, p.batch)
+                again = self._fingerprints_of_rerun(module, unflatten(flat, spec), p.start, p.signs, p.views, p.batch)
             moves = moves_of(again)
         self.last_moves = [move for move, _ in moves]
         found, how = max(((move, how) for move, how in moves if move.exceeds), key=lambda pair: pair[0].relative,
@@ -539,20 +552,20 @@ class ForwardIndependence:
             warnings.filterwarnings("ignore", message=_NO_GRAD_INPUTS)
             return output_leaves(module(*args, **kwargs))
 
-    def _fingerprints_of_rerun(self, module, arguments, start, signs, dims, batch: int, positions=None) -> list:
+    def _fingerprints_of_rerun(self, module, arguments, start, signs, views, batch: int, positions=None) -> list:
         """The fingerprints of one rerun (_rerun, from ``start``: the generators' states and the buffers) of
-        ``batch`` examples, each output's on its ``dims``. ``positions``: (the forward's outputs, T, attention mask)
-        of a padding check (padding.py; examples on dim 0): the outputs are read at the real positions."""
-        leaves = self._rerun(module, arguments, *start)
-        if len(leaves) != len(signs):  # an output of another structure: nothing to compare
+        ``batch`` examples, each output's on the dims of its ``views`` (OutputViews). ``positions``: (the forward's
+        outputs, T, attention mask) of a padding check (padding.py; examples on dim 0): the outputs are read at the
+        real positions."""
+        leaves = views.examples_first(self._rerun(module, arguments, *start))
+        if leaves is None:  # an output of another structure: nothing to compare
             return [None] * len(signs)
-        leaves = examples_first(leaves, dims)
         if positions is not None:  # (the outputs' shapes with their examples first too)
             leaves = [(None, t) for t in at_real_positions(leaves, *positions)]
         with torch.no_grad():
             return fingerprints_of(leaves, signs, batch)
 
-    def _check_in_eval_mode(self, module, flat, spec, arguments_dims, outputs, start, signs, dims, floors, batch: int,
+    def _check_in_eval_mode(self, module, flat, spec, arguments_dims, outputs, start, signs, views, floors, batch: int,
                             checkable: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example and the others reversed, where there are three or more (a forward that
@@ -562,8 +575,8 @@ class ForwardIndependence:
         its reversed row, go to ``last_removal_moves``. With several processes each rerun runs on every process
         where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
         path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
-        tensor goes to the first); ``arguments_dims`` and ``dims``: where the arguments' and the outputs' examples lie
-        (example_dims; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
+        tensor goes to the first); ``arguments_dims`` and ``views``: where the arguments' and the outputs' examples lie
+        (example_dims, OutputViews; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
         padding.py)."""
         self.last_padding_moves, self.last_removal_moves = [], []
         arguments = unflatten(flat, spec)
@@ -576,14 +589,13 @@ class ForwardIndependence:
         if not (removing_anywhere or padding_anywhere):
             return
         # The outputs' shapes with their examples first (dims), as the reruns' outputs are compared (at_real_positions)
-        outputs = [(path, shape if d != 1 else (shape[1], shape[0], *shape[2:]))
-                   for (path, shape), d in zip(outputs, dims)]
-        positions = None if padded is None else (outputs, padded[1], attention_mask(module, *arguments))
+        first = views.shapes_first(outputs)
+        positions = None if padded is None else (first, padded[1], attention_mask(module, *arguments))
 
         def rerun(arguments, examples=batch, positions=positions):
             """The fingerprints of a rerun on ``arguments``; with padding checked, read at the real positions
             (``positions``: the batch's, or the rerun's own where it holds other rows)."""
-            return self._fingerprints_of_rerun(module, arguments, start, signs, dims, examples, positions)
+            return self._fingerprints_of_rerun(module, arguments, start, signs, views, examples, positions)
 
         with in_eval_mode(module):
             plain = rerun(arguments)
@@ -591,7 +603,7 @@ class ForwardIndependence:
                 try:
                     if removing:
                         reversed_rows = unflatten(without_last_reversed(flat, arguments_dims, batch), spec)
-                        own = None if padded is None else (outputs, padded[1], attention_mask(module, *reversed_rows))
+                        own = None if padded is None else (first, padded[1], attention_mask(module, *reversed_rows))
                         fewer = rerun(reversed_rows, batch - 1, own)
                     else:
                         fewer = None
@@ -602,7 +614,8 @@ class ForwardIndependence:
                     fewer = None
                 if fewer is not None:  # each example's fingerprint back in its row (every row has the same signs)
                     fewer = [None if f is None else f.flip(0) for f in fewer]
-                    self.last_removal_moves = moves_between(plain, plain, fewer, slice(0, batch - 1), floors)
+                    self.last_removal_moves = views.per_output(moves_between(plain, plain, fewer, slice(0, batch - 1),
+                                                                             floors))
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():
                 if extra != EXTRA and not maxima_across_ranks([pending], device)[0]:
@@ -617,7 +630,8 @@ class ForwardIndependence:
                 except (IndexError, RuntimeError, ValueError):
                     continue
                 pending = False
-                self.last_padding_moves = moves_between(plain, plain, longer, slice(0, batch), floors)  # no draws
+                self.last_padding_moves = views.per_output(moves_between(plain, plain, longer, slice(0, batch),
+                                                                         floors))  # no draws
                 found = largest_exceeding(self.last_padding_moves)
                 if found is not None:
                     self.padding_finding = PaddingDependence(
@@ -645,9 +659,10 @@ class ForwardIndependence:
         PaddingDependence once the lengths differ. With several processes, only at the pass after a checked
         forward, and on every process where any refuses (module doc; ``device``: the losses')."""
         self.recheck_where_guessed(batch_size)
+        self.recheck_where_square(batch_size, calls)
         padding = self.padding_finding
         finding, self.finding = self.finding, None
-        self.learn_from(batch_size)
+        self.learn_from(batch_size, calls)
         mixing = finding if self._refusable(finding, batch_size, calls) else None
         if mixing is None and finding is not None and finding.batch == batch_size:
             self._warn_inconclusive(finding, calls)
@@ -671,11 +686,13 @@ class ForwardIndependence:
         if mixing is not None:
             raise RuntimeError(_mixing_refusal(mixing))
 
-    def learn_from(self, batch_size: int) -> None:
+    def learn_from(self, batch_size: int, calls=()) -> None:
         """At the norm pass after a checked forward: where its tensor arguments hold the examples (the dim of the
-        losses' count in the first of two or more dims, dim 0 where both are; else dim 0 of any), kept as
-        ``examples_dim`` and ``examples_leaf`` (which tensor) for the next checked forward (examples_dim_and_batch:
-        a forward whose first tensor argument is no batch, ``model(condition, x)``, is checked from its second). Where the check took another batch
+        losses' count in the first of two or more dims, where both are the dim the proof of this pass's ``calls``
+        reads its examples on (_dim_read; else dim 0); else dim 0 of any), kept as ``examples_dim`` and
+        ``examples_leaf`` (which tensor) for the next checked forward (examples_dim_and_batch: a forward whose first
+        tensor argument is no batch, ``model(condition, x)``, is checked from its second). Where the check took another
+        batch
         than the losses' (a sequence-first model without a batch_first=False module, perturbed along its positions:
         until 2026-12-03 it trained without a word, mixing or not) the next checked forward takes the dim found;
         where none would put it right (no dim of the first tensor argument has the losses' size: a batch flattened
@@ -686,8 +703,9 @@ class ForwardIndependence:
         if checked is None:
             return
         found = _where_the_losses_count_lies(checked, batch_size)
+        proven = _dim_read(checked, batch_size, calls)
         if found is not None:
-            self.examples_leaf, self.examples_dim = found
+            self.examples_leaf, self.examples_dim = found if proven is None else (found[0], proven)
         if checked.batch is None or batch_size < 2 or not self.every:
             return
         if checked.batch == batch_size:
@@ -722,25 +740,62 @@ class ForwardIndependence:
         if not self.every or batch_size < 2:
             return
         for forward in filter(None, (ref() for ref in guessed)):  # those whose graph lives
-            module, args, kwargs, checked = forward.module, forward.args, forward.kwargs, forward.checked
+            checked = forward.checked
             found = None if checked.batch in (None, batch_size) else _where_the_losses_count_lies(checked, batch_size)
             if found is None:
+                if checked.square:  # for the norm pass's proof (recheck_where_square)
+                    self._guessed.append(weakref.ref(forward))
                 continue
             self.examples_leaf, self.examples_dim = found
+            self.finding = self._recheck(forward) or self.finding
+
+    def recheck_where_square(self, batch_size: int, calls) -> None:
+        """At the norm pass, before any gradient is written: where a checked forward of this step replaced examples
+        of tensors with another dim of the batch's size (``square``: (T, B, ...) at T = B) and the proof of this
+        pass's ``calls`` reads the examples of its leaf (Checked.leaf_id) on the other dim (_dim_read), its
+        check runs again on that dim, and what it found on the first replaces what the first found. A sequence-first
+        model at T = B is checked along its positions at its first forward (examples_dim_and_batch guesses dim 0
+        there), and where the losses' count lies on both dims, learn_from took dim 0 from then on: until 2026-12-07
+        such a model was only warned of (INCONCLUSIVE), mixing or not, on every step with T = B (a detached batch
+        mean before its first Linear trained). One process only (as recheck_where_guessed)."""
+        kept, self._guessed = self._guessed, []
+        if not self.every or batch_size < 2:
+            return
+        for forward in filter(None, (ref() for ref in kept)):
+            checked = forward.checked
+            proven = _dim_read(checked, batch_size, calls)
+            if proven is None or proven == checked.dim:
+                continue
+            first = next(k for k, t in enumerate(flatten(unpacked((forward.args, forward.kwargs)))[0])
+                         if id(t) == checked.leaf_id)
+            wrong = self.finding is not None and self.finding.square == checked.square  # this forward's
+            self.examples_leaf, self.examples_dim = first, proven
+            self.finding = self._recheck(forward) or (None if wrong else self.finding)
+
+    def _recheck(self, forward):
+        """The check of a ``forward`` that has run (a _GuessedForward) on the examples dim and tensor set now
+        (examples_dim, examples_leaf): its reruns start from the generators and buffers as they are now, and the
+        batch itself, rerun once more, stands for the forward's output. A Mixing, or None."""
+        module, args, kwargs = forward.module, forward.args, forward.kwargs
+        try:
             with self._unchecked_where_a_rerun_fails():
                 pending = self._rerun_before(module, args, kwargs)
                 if pending is not None:
                     with self._rerunning(module, pending.devices):
                         leaves = self._rerun(module, (args, kwargs), *pending.start)
-                    self.finding = self._compare(module, pending, leaves) or self.finding
-            self.recorder.watched_arguments = {}  # the forward's calls have run: nothing reads the arguments now
+                    return self._compare(module, pending, leaves)
+        finally:  # the forward's calls have run: nothing reads the arguments now, nothing keeps them
+            self.recorder.watched_arguments = {}
+            self._guessed_now = None
+        return None
 
     def _refusable(self, finding, batch_size: int, calls) -> bool:
-        """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on dim 0 of
-        the arguments the check replaced a row of. They did where no such argument has another dim of the batch's
+        """Whether a Mixing is refused at this norm pass: its batch is the losses', and the examples lay on the dim
+        of the arguments the check replaced them on. They did where no such argument has another dim of the batch's
         size (``square``); where one has, if a trained tokenwise layer reads each such argument and its proof put the
-        examples on dim 0 (_read_batch_first), and otherwise unless a module is sequence-first or a call's proven
-        layout has its examples off dim 0 (a sequence-first model of length B, perturbed along its positions). A
+        examples on that dim (_proven: dim 0, or dim 1 of a sequence-first batch), and otherwise, on dim 0, unless a
+        module is sequence-first or a call's proven layout has its examples off dim 0 (a sequence-first model of
+        length B, perturbed along its positions). A
         batch flattened
         into dim 0 (ROWS_LAYOUT: each example's rows together, as a router's or an expert's tokens, a raw weight's
         product on (B * T, d) rows, Swin's windows) keeps them on dim 0: its proof fails on a sequence-first
@@ -749,11 +804,9 @@ class ForwardIndependence:
         detached batch mean before one trained with its clipped sum 0.1-1.1 of its size off."""
         if finding is None or finding.batch != batch_size:
             return False
-        if finding.square and finding.dim != 0:
-            return False  # dim 0 of the same size: which of the two holds the examples, the proof does not say
-        if not finding.square or _read_batch_first(finding.square, calls):
+        if not finding.square or _proven(finding.square, calls):
             return True
-        return not self.sequence_first and not _laid_out_off_dim_0(calls)
+        return finding.dim == 0 and not self.sequence_first and not _laid_out_off_dim_0(calls)
 
     def _warn_inconclusive(self, finding, calls) -> None:
         """Once per controller: a move the check found but does not refuse (``_refusable``: square arguments)."""
@@ -781,24 +834,42 @@ def _where_the_losses_count_lies(checked, batch_size: int):
     return next(((k, 0) for k, shape in checked.shapes if shape[0] == batch_size), None)
 
 
-def _read_batch_first(square, calls) -> bool:
-    """Whether every ``square`` argument (ids: replaced_batches) is read by a trained tokenwise layer with a rule (an
-    Embedding of the token ids, a first Linear), or by a module without a rule whose inputs' proof ran on it, and each
-    such call's proven layout (for the module without a rule: that input's) has its examples on dim 0: those
-    arguments' dim 0 then holds the examples, and the check perturbed examples there (until late 2026-12-02 a
-    batch-first model with a sequence-first GRU inside, at T = B, was only warned of: _warn_inconclusive)."""
-    readers = {}
+def _dims_read(calls) -> dict:
+    """Per square argument of the checked forward (its id: replaced_batches) that a trained tokenwise layer with a
+    rule reads (an Embedding of the token ids, a first Linear), or a module without a rule whose inputs' proof ran on
+    it: the dims its readers' proven layouts (for the module without a rule: that input's) put the examples on, 0
+    (_EXAMPLES_ON_DIM_0), 1 (("dim", 1): a sequence-first batch), or None (another layout, or none proven)."""
+    read = {}
     for call in calls:
         if call.reads_argument is None:
             continue
         if call.rule is None:  # (its id, its input's edge): placed where the proof of its inputs ran on it
-            if call.argument_layout is not None:
-                readers.setdefault(call.reads_argument[0], []).append((call.argument_layout,))
+            key, layouts = call.reads_argument[0], None if call.argument_layout is None else (call.argument_layout,)
+            if layouts is None:
+                continue
         elif call.tokenwise is True:
-            readers.setdefault(call.reads_argument, []).append(call.layouts)
-    return (all(key in readers for key in square)
-            and all(layouts is not None and all(l in _EXAMPLES_ON_DIM_0 for l in layouts)
-                    for found in readers.values() for layouts in found))
+            key, layouts = call.reads_argument, call.layouts
+        else:
+            continue
+        read.setdefault(key, set()).update(_DIM_OF_LAYOUT.get(layout) for layout in layouts or (None,))
+    return read
+
+
+def _proven(square, calls) -> bool:
+    """Whether every ``square`` argument ((id, dim replaced on) pairs) is read (_dims_read) with its examples on the
+    dim the check replaced: it then perturbed examples there (until late 2026-12-02 a batch-first model with a
+    sequence-first GRU inside, at T = B, was only warned of; until 2026-12-07 every sequence-first one was)."""
+    read = _dims_read(calls)
+    return all(read.get(key) == {dim} for key, dim in square)
+
+
+def _dim_read(checked, batch_size: int, calls):
+    """The dim on which the readers of a square checked forward's leaf (the tensor its examples' dim goes by: Checked)
+    put its examples (_dims_read: one dim, 0 or 1), where its batch is the losses'; else None."""
+    if not checked.square or checked.batch != batch_size:
+        return None
+    dims = _dims_read(calls).get(checked.leaf_id)
+    return next(iter(dims)) if dims in ({0}, {1}) else None
 
 
 def _laid_out_off_dim_0(calls) -> list:

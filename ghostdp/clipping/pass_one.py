@@ -627,7 +627,10 @@ class PassOne:
             # of every example: recording.on_forward gives its call the ROWS layouts).
             rows = (call.tokenwise == ROWS and flattened_batch(g_1.shape, B)
                     and g_1.shape[0] in {s[0] for s in call.shapes})
-            if not rows and (g_1.dim() <= d or g_1.shape[d] != B):
+            # The dims a layout can name once layout.project takes the last (features) away: a (B, T) padding mask
+            # that torch's sequence-first attention takes beside (T, B, d) has its batch dim 1 projected away (at
+            # T = B until 2026-12-07 its proof raised IndexError).
+            if not rows and (d >= max(g_1.dim() - 1, 1) or g_1.shape[d] != B):
                 continue  # no batch dim to check: a tensor shared by the batch
             if rows:  # each example's rows together; a sequence-first flattening, (T * B, ...), is not a mixing one
                 kept_apart = (self._holds([ROWS_LAYOUT], g_v, g_1)

@@ -221,10 +221,13 @@ class ForwardRecorder:
         # id(Swin's relative position bias module) -> the rows (B * windows) of the attention about to call it
         # (on_window_attention_forward; norms/window_bias.py)
         self.window_rows = {}
-        # The checked forward's arguments that are square in the batch size (independence.py), id -> that id (and an
-        # input sink's id -> its argument's): a ruled call reading one notes which, so that its proven layout says
-        # where that argument's examples lie; a call without a rule notes (which, the input's place among its
-        # input_edges), which the proof of its inputs places (PassOne._prove_fallback_inputs)
+        # The checked forward's arguments that are square in the batch size (independence.py), id -> (that id, the
+        # tensor) (and an input sink's id -> (its argument's, the sink)): a ruled call reading one notes which, so that
+        # its proven layout says where that argument's examples lie; a call without a rule notes (which, the input's
+        # place among its input_edges), which the proof of its inputs places (PassOne._prove_fallback_inputs). The
+        # tensors are held so that no other takes their ids while watched: a sink freed after its module's call gave
+        # its id to a transposed activation, whose Linear then placed the batch's examples on dim 1 (the fuzzer at
+        # B = T, seed 493, found it on 2026-12-07)
         self.watched_arguments = {}
         # (id(module), parameter name, kind, its shape at the op, the functions of it the op reads) -> its
         # norms.parameter_uses.ElementwiseUse, the "module" of the calls that capture it: one object across steps, so
@@ -423,7 +426,7 @@ class ForwardRecorder:
             if id(x) not in sunk:
                 sunk[id(x)] = InputSink.apply(x, zero_size_leaf(self.sinks, x.device))
                 if id(x) in self.watched_arguments:  # the call's proof of this input places the argument's examples
-                    self.watched_arguments[id(sunk[id(x)])] = self.watched_arguments[id(x)]
+                    self.watched_arguments[id(sunk[id(x)])] = (self.watched_arguments[id(x)][0], sunk[id(x)])
             return sunk[id(x)]
 
         new_args = tuple([through_sink(a) for a in args])
@@ -528,8 +531,8 @@ class ForwardRecorder:
                 call.input_edges = tuple([_edge(t) for t in graded.values()])
                 if self.watched_arguments:  # the watched argument its sink passed on, and that input's edge
                     watched = self.watched_arguments
-                    call.reads_argument = next(((watched[key], k) for k, key in enumerate(graded) if key in watched),
-                                               None)
+                    call.reads_argument = next(((watched[key][0], k) for k, key in enumerate(graded)
+                                                if key in watched), None)
             # The nodes that bound the call's region below (the audit stops there); a leaf input has
             # only its gradient accumulator below, where the audit stops anyway.
             call.input_nodes = _grad_fns(inputs)
@@ -622,7 +625,7 @@ class ForwardRecorder:
         call = ModuleCall(self, name, module, entry, params)
         if self.watched_arguments:
             watched = self.watched_arguments
-            call.reads_argument = next((watched[id(a)] for a in args if id(a) in watched), None)
+            call.reads_argument = next((watched[id(a)][0] for a in args if id(a) in watched), None)
         B = self._batch_hint
         t, saved = output, args
         if (self.repeated_by_caller and id(module) in self.repeated_by_caller and B is not None and B > 1

@@ -21,6 +21,12 @@ on dim 1 from the second forward (also scheduled). Where no argument has a
 dim 0 or 1 of the losses' count (a batch flattened to (B * T, d)), the check is warned of once as unchecked
 (independence.NO_DIM_OF_THE_LOSSES).
 
+At T = B every tensor of such a batch is square in its first two dims, and the first forward is checked on dim 0;
+where the norm pass's proof reads the examples on dim 1, the check runs again there and goes by dim 1 from then on
+(independence.ForwardIndependence.recheck_where_square). On dim 1 a square tensor other than the one whose dim was
+found is left as it is (argument_dims), and an output square in the batch's size is compared on both dims
+(OutputViews).
+
 A PackedSequence is taken as its padded batch (packed.py). A forward whose first tensor argument is not the batch's
 is checked where the loader's count of examples lies in its rows, from its first forward, else on the first
 forward's guess, again where the losses' count lies once the DP loss has it, and from the second forward where the
@@ -31,6 +37,7 @@ without a word.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -103,18 +110,62 @@ def example_dims(flat, batch: int, dim: int) -> list:
     return out
 
 
-def output_dims(leaves, batch: int, dim: int) -> list:
-    """Per output leaf: the dim the check compares its examples on, by the rule of example_dims (a floating tensor),
-    or None. On dim 1, an output with the batch's size on both dim 0 and dim 1 is not compared: (T, B, ...) at T = B
-    or pooled (B, C) at C = B, the wrong one would compare positions or classes (both mix as they should)."""
-    return [None if not isinstance(t, torch.Tensor) or not t.is_floating_point()
-            or dim == 1 and t.dim() > 1 and t.shape[0] == t.shape[1] == batch else d
-            for d, (_, t) in zip(example_dims([t for _, t in leaves], batch, dim), leaves)]
+def argument_dims(flat, batch: int, dim: int, leaf: int | None) -> list:
+    """example_dims of the forward's arguments, the check's replacements' (replaced_batches): on dim 1, a tensor
+    other than the ``leaf`` (an index in ``flat``: the tensor the examples' dim was found in, examples_leaf, else the
+    first of two or more dims) with the batch's size on both dim 0 and dim 1 is left as it is (None): at T = B
+    a (B, T) padding mask beside (T, B, d) data, as torch's sequence-first attention takes it, or more (T, B, ...)
+    data, which the leaf's examples do not place. Replacing the examples of some of the tensors alone still leaves
+    the kept example's whole input as it was, and another's data changed. Until 2026-12-07 such a mask was replaced
+    along its positions, which moved every example's output."""
+    dims = example_dims(flat, batch, dim)
+    if dim != 1:
+        return dims
+    return [None if k != leaf and d is not None and t.dim() > 1 and t.shape[0] == t.shape[1] == batch else d
+            for k, (t, d) in enumerate(zip(flat, dims))]
 
 
-def examples_first(leaves, dims) -> list:
-    """The output leaves with each tensor's examples moved to dim 0 (a view), where ``dims`` places them on dim 1."""
-    return [(path, t.movedim(d, 0) if d else t) for (path, t), d in zip(leaves, dims)]
+class OutputViews(NamedTuple):
+    """Where the check compares each output's examples: ``of``, per view, (the index of its output leaf, the dim
+    its examples lie on), a view per floating output with the batch on that dim (example_dims' rule); two, dim 0
+    and dim 1, for one with the batch's size on both ((T, B, ...) at T = B, or pooled (B, C) at C = B): one of the
+    two compares positions or classes, which move with any example, so an output moved only where both views moved
+    (per_output). Until 2026-12-07 such an output was compared on dim 0 only where the batch lay on dim 0 (a batch-first
+    model returning (T, B, ...) at T = B was refused for its positions) and not at all on dim 1. ``count``: the
+    number of output leaves (a rerun's output of another structure is not compared)."""
+    count: int
+    of: tuple
+
+    @classmethod
+    def of_outputs(cls, leaves, batch: int, dim: int) -> OutputViews:
+        views = []
+        for k, ((_, t), d) in enumerate(zip(leaves, example_dims([t for _, t in leaves], batch, dim))):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or d is None:
+                continue
+            views += [(k, 0), (k, 1)] if t.dim() > 1 and t.shape[0] == t.shape[1] == batch else [(k, d)]
+        return cls(len(leaves), tuple(views))
+
+    def examples_first(self, leaves):
+        """Per view, (key path, its output with the examples moved to dim 0: a view), or None where ``leaves`` are
+        not ``count`` outputs."""
+        if len(leaves) != self.count:
+            return None
+        return [(leaves[k][0], leaves[k][1].movedim(d, 0) if d else leaves[k][1]) for k, d in self.of]
+
+    def shapes_first(self, outputs) -> list:
+        """Per view, (key path, shape or None) of ``outputs`` (per leaf) with the view's examples first."""
+        return [(outputs[k][0], outputs[k][1] if d != 1 else (outputs[k][1][1], outputs[k][1][0], *outputs[k][1][2:]))
+                for k, d in self.of]
+
+    def per_output(self, moves) -> list:
+        """The Moves of the views (fingerprints.moves_between, ``output``: a view's index) as a Move per output leaf:
+        a leaf's one view's, or, of two, the smaller move, exceeding where both exceed (a view without fingerprints,
+        of a shape another rerun does not keep, leaves the other's)."""
+        by_leaf = {}
+        for move in moves:
+            by_leaf.setdefault(self.of[move.output][0], []).append(move)
+        return [min(found, key=lambda m: (m.exceeds, m.relative))._replace(output=leaf)
+                for leaf, found in by_leaf.items()]
 
 
 @contextlib.contextmanager
@@ -147,10 +198,10 @@ def replaced_batches(flat, dims, batch: int):
     """The check's replaced batches (module doc): [(the batch's tensors with every example on its dim (``dims``:
     example_dims) a copy of one example's, that example (a slice), how)] for the first example and the last, or none
     (fewer than two examples, or no tensor of the batch); and the ids of the replaced tensors with another dim of size
-    ``batch`` (``square``: their examples may lie there)."""
+    ``batch`` (``square``: their examples may lie there), as (id, the dim replaced on) pairs."""
     if batch < 2 or all(d is None for d in dims):
         return [], frozenset()
-    square = frozenset(id(t) for t, d in zip(flat, dims)
+    square = frozenset((id(t), d) for t, d in zip(flat, dims)
                        if d is not None and batch in t.shape[:d] + t.shape[d + 1:])
     return [([t if d is None else t.narrow(d, kept, 1).expand_as(t).contiguous() for t, d in zip(flat, dims)],
              slice(kept, kept + 1), how)

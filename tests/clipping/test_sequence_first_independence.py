@@ -91,14 +91,18 @@ def test_the_mixing_refused_moves_the_others_clipped_sum_by_more_than_c():
 
 @pytest.mark.parametrize("layer", ["attention", "lstm"])
 @pytest.mark.parametrize("pooled", [False, True])
-def test_a_sequence_first_forward_that_keeps_its_examples_apart_is_checked_and_exact(layer, pooled):
+@pytest.mark.parametrize("length", [T, B])
+def test_a_sequence_first_forward_that_keeps_its_examples_apart_is_checked_and_exact(layer, pooled, length):
     """Checked on dim 1 without a warning (pooled to (B, 2) it went unchecked before, warned of), and exact against
-    the per-example loop; the attention's (B, T) padding mask is replaced on its dim 0."""
+    the per-example loop; the attention's (B, T) padding mask is replaced on its dim 0, or, at T = B, left as it is
+    (replacements.argument_dims). At T = B the first forward is checked along its positions, which the model mixes
+    as it should, and again on dim 1 once the norm pass's proof has placed the examples there (before 2026-12-07
+    warned of as inconclusive on every step)."""
     model = SequenceFirstEncoder(layer, pooled=pooled).train()
-    x = torch.randn(T, B, D)
+    x = torch.randn(length, B, D)
     kwargs = {}
     if layer == "attention":
-        padding_mask = torch.zeros(B, T, dtype=torch.bool)
+        padding_mask = torch.zeros(B, length, dtype=torch.bool)
         padding_mask[1, -2:] = padding_mask[3, -1] = True
         kwargs = {"padding_mask": padding_mask}
     controller = ghostdp.GhostClipping(model, 1.0)
@@ -106,10 +110,10 @@ def test_a_sequence_first_forward_that_keeps_its_examples_apart_is_checked_and_e
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):  # forwards 0 and 1 are both checked
-                model(x, **kwargs)
-                assert controller.independence.last_moves, "the check compared nothing"
-                assert controller.independence.finding is None
                 step(controller, model, x, pooled, **kwargs)
+                moves = controller.independence.last_moves  # the check's on dim 1, the forward's own or again
+                assert moves, "the check compared nothing"
+                assert not any(move.exceeds for move in moves), moves
                 model.zero_grad(set_to_none=True)
         unsure = [str(w.message) for w in caught if any(u in str(w.message) for u in UNSURE)]
         assert not unsure, unsure
@@ -126,16 +130,26 @@ def test_a_sequence_first_forward_that_keeps_its_examples_apart_is_checked_and_e
                      lambda i: losses_of(model(x[:, i:i + 1], **example(i)), pooled).sum(), B)
 
 
-def test_a_pooled_output_with_as_many_classes_as_examples_is_not_compared_and_is_warned_of():
-    """(B, C) at C = B: dim 1 of the output might hold the examples, and comparing the classes there refused an exact
-    LSTM classifier (seen in the sensitivity audit's sequence-first zoo): such an output is left out, warned of."""
-    model = SequenceFirstEncoder("lstm", pooled=True, classes=B).train()
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_pooled_output_with_as_many_classes_as_examples_is_compared_on_both_dims(mix):
+    """(B, C) at C = B: dim 0 or dim 1 of the output may hold the examples, and the other compares classes, which
+    move with any example. Compared on both, a move counts where both moved (replacements.OutputViews): an exact
+    LSTM classifier trains checked, one that mixes is refused (until 2026-12-07 such an output was left out, warned
+    of as unchecked, after comparing the classes alone had refused an exact one in the sensitivity audit)."""
+    model = SequenceFirstEncoder("lstm", mix=mix, pooled=True, classes=B).train()
     controller = ghostdp.GhostClipping(model, 1.0)
     try:
-        with pytest.warns(UserWarning, match=rf"could not check.*no tensor of its output has {B} rows on dim 0 or 1, "
-                                             rf"the size of dim 1 .*a tensor of shape \({B}, {B}\)"):
-            step(controller, model, torch.randn(T, B, D), pooled=True)
-        assert all(p.grad is not None for p in model.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mix:
+                with pytest.raises(RuntimeError, match=REFUSED):
+                    step(controller, model, torch.randn(T, B, D), pooled=True)
+            else:
+                step(controller, model, torch.randn(T, B, D), pooled=True)
+                assert controller.independence.last_moves
+                assert all(p.grad is not None for p in model.parameters())
+        unsure = [str(w.message) for w in caught if any(u in str(w.message) for u in UNSURE)]
+        assert not unsure, unsure
     finally:
         controller.detach()
 
@@ -242,9 +256,10 @@ def sequence_first_batches(rows):
 
 
 def private_through_the_loader(model, batch_size=B, poisson=False, collate_fn=sequence_first_batches,
-                               examples=3 * B):
-    """model made private with a DP loader over ``examples`` random (T, D) sequences, batched by ``collate_fn``."""
-    data = torch.utils.data.TensorDataset(torch.randn(examples, T, D), torch.randn(examples))
+                               examples=3 * B, length=T):
+    """model made private with a DP loader over ``examples`` random (length, D) sequences, batched by
+    ``collate_fn``."""
+    data = torch.utils.data.TensorDataset(torch.randn(examples, length, D), torch.randn(examples))
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, collate_fn=collate_fn)
     engine = ghostdp.PrivacyEngine(accountant="rdp", seed=0)
     model, optimizer, _, loader = engine.make_private(
@@ -285,6 +300,99 @@ def test_through_the_dp_loader_a_sequence_first_model_that_keeps_its_examples_ap
             optimizer.step()
     assert not [w for w in caught if any(u in str(w.message) for u in UNSURE)]
     assert engine.controller.independence.examples_dim == 1
+
+
+# As many positions as examples (T = B): dim 0 and dim 1 of every tensor of the batch have the batch's size, and
+# nothing before the norm pass says which holds the examples. The first forward is checked along dim 0 (for a
+# sequence-first batch, its positions); the norm pass's proof reads the examples of the batch where its first trained
+# layer reads them, and where that is dim 1 the check runs again there, before any gradient is written
+# (independence.ForwardIndependence.recheck_where_square), and from then on. Until 2026-12-07 every step with T = B
+# was warned of as inconclusive, mixing or not.
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+@pytest.mark.parametrize("layer", ["attention", "lstm"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_with_as_many_positions_as_examples_a_sequence_first_forward_that_mixes_is_refused_at_its_first_step(
+        clipping, layer, pooled):
+    torch.manual_seed(0)
+    model = SequenceFirstEncoder(layer, mix=True, pooled=pooled).train()
+    before = [p.detach().clone() for p in model.parameters()]
+    kwargs = {}
+    if layer == "attention":  # (B, T) beside (T, B, D), square too: left as it is (replacements.argument_dims)
+        kwargs = {"padding_mask": torch.zeros(B, B, dtype=torch.bool)}
+        kwargs["padding_mask"][1, -2:] = True
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*exact per-example fallback")
+            for k in range(3):  # refused on each step, from the second checked on dim 1 from its start
+                with pytest.raises(RuntimeError, match=REFUSED + r".*\(on dim 1 of its tensors: a sequence-first"):
+                    step(controller, model, torch.randn(B, B, D), pooled, **kwargs)
+                assert controller.independence.forwards == k + 1
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    finally:
+        controller.detach()
+
+
+@pytest.mark.parametrize("through", ["own loop", "dp loader"])
+def test_with_as_many_positions_as_examples_a_sequence_first_model_without_a_sequence_first_module_is_refused(
+        through):
+    """Linears on (T, B, d) at T = B: no batch_first=False module says so, and the loader's count lies on both dims."""
+    torch.manual_seed(0)
+    model = SequenceFirstLinears().train()
+    if through == "own loop":
+        controller, x = ghostdp.GhostClipping(model, 1.0), torch.randn(B, B, D)
+    else:
+        engine, _, loader = private_through_the_loader(model, batch_size=T, length=T)
+        controller, (x, _) = engine.controller, next(iter(loader))
+        assert x.shape[:2] == (T, T)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + r".*on dim 1 of its tensors"):
+            controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+        assert controller.independence.examples_dim == 1
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        if through == "own loop":
+            controller.detach()
+
+
+class TransposedOutput(nn.Module):
+    """A batch-first model (B, T, d) that returns its outputs sequence-first, (T, B, 2), optionally with the batch's
+    detached mean taken off."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.read, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+        self.mix = mix
+
+    def forward(self, x):
+        h = self.read(x)
+        return self.head(h - h.detach().mean(0, keepdim=True) if self.mix else h).transpose(0, 1)
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_batch_first_model_returning_its_output_sequence_first_at_as_many_positions_as_examples(mix):
+    """Its (T, B, 2) output at T = B is compared on both dims (replacements.OutputViews): until 2026-12-07 it was
+    compared on dim 0 alone, its positions, and the model that keeps its examples apart was refused."""
+    torch.manual_seed(0)
+    model = TransposedOutput(mix).train()
+    x = torch.randn(B, B, D)
+    controller = ghostdp.GhostClipping(model, 1.0)
+    try:
+        if mix:
+            with pytest.raises(RuntimeError, match=REFUSED):
+                controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            controller.loss(model(x).pow(2).sum((0, 2)), reduction="sum").backward()
+        assert controller.independence.last_moves
+        assert not [w for w in caught if any(u in str(w.message) for u in UNSURE)]
+    finally:
+        controller.detach()
+    assert_exact(model, lambda: model(x).pow(2).sum((0, 2)), lambda i: model(x[i:i + 1]).pow(2).sum(), B)
 
 
 def rows_after_a_table(rows):

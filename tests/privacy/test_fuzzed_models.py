@@ -180,6 +180,26 @@ def test_random_models_with_as_many_examples_as_positions_are_exact_or_refused()
     assert exact >= SQUARE_MODELS // 2, exact
 
 
+def test_a_sink_freed_during_the_forward_lends_its_id_to_no_reader_of_the_batch():
+    """Seed 493 at B = T: a learned token concatenated (a module without a rule: its input goes through a sink, whose
+    id the forward check watches as the batch's), then a Linear on the transposed batch. The sink died after its
+    module's call, and the transposed activation took its id: that Linear's layout, (T, B, d), was read as the
+    batch's, the check rerun on dim 1 and the exact model refused (the fuzzer, 2026-12-07). Watched tensors are now
+    held while watched."""
+    model = Fuzzed(493, batch=T).train()
+    assert [type(b).__name__ for b in model.blocks] == ["ClassToken", "Residual", "ClassToken"]
+    assert [kind for kind, _ in _outcome_of(model, model.inputs, model.labels)] == ["exact", "exact"]
+    controller = ghostdp.GhostClipping(model, 1.0)
+    held = []
+    model.blocks[1].register_forward_pre_hook(lambda m, a: held.append(dict(controller.recorder.watched_arguments)))
+    try:
+        model(model.inputs)  # the reruns' calls first, then the training forward's
+        assert held[-1], "the batch was not watched"
+        assert all(key == id(tensor) for key, (_, tensor) in held[-1].items())
+    finally:
+        controller.detach()
+
+
 def test_lora_on_random_models_is_exact_or_refused():
     """peft's adapters on the fuzzed models: only the adapters (and a head) train, through the peft layers' own
     forwards. Exact or refused, as above."""
