@@ -167,7 +167,7 @@ RETURN_BATCH_FIRST = ("keep the examples on dim 0 of the forward's tensor argume
 
 _MISSING = object()
 _EXAMPLES_ON_DIM_0 = (BATCH_FIRST, ROWS_LAYOUT)  # the layouts under which the check perturbed examples (_refusable)
-_DIM_OF_LAYOUT = {BATCH_FIRST: 0, ROWS_LAYOUT: 0, ("dim", 1): 1}  # a square argument's examples' dim (_dims_read)
+_DIM_OF_LAYOUT = {**dict.fromkeys(_EXAMPLES_ON_DIM_0, 0), ("dim", 1): 1}  # an argument's examples' dim (_dims_read)
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"  # torch.utils.checkpoint's warning
 
 
@@ -210,7 +210,8 @@ class Checked(NamedTuple):
     batch: int | None
     unchecked: str | None = None
     square: frozenset = frozenset()  # replaced_batches': where set, the proof of the calls says which dim holds them
-    leaf_id: int | None = None       # the id of the tensor argument the examples' dim goes by (argument_dims)
+    leaf: int | None = None          # the index among the flattened arguments of the tensor the examples' dim goes
+    leaf_id: int | None = None       # by (argument_dims), and its id (its readers' proof: _dim_read)
 
 
 _GUESSED_FORWARD = "ghostdp_guessed_forward"  # the key of a _GuessedForward in its outputs' nodes' metadata
@@ -436,7 +437,7 @@ class ForwardIndependence:
             arguments_dims = argument_dims(flat, batch, dim, leaf)
             replaced, square = replaced_batches(flat, arguments_dims, batch)
             self._checked = Checked(shapes, dim, first_dim, square=square,
-                                    leaf_id=None if leaf is None else id(flat[leaf]))
+                                    leaf=leaf, leaf_id=None if leaf is None else id(flat[leaf]))
             return batch, arguments_dims, replaced, square
 
         dim, first_dim = examples_dim_and_batch(flat, learned, bool(self.sequence_first))
@@ -705,7 +706,7 @@ class ForwardIndependence:
         found = _where_the_losses_count_lies(checked, batch_size)
         proven = _dim_read(checked, batch_size, calls)
         if found is not None:
-            self.examples_leaf, self.examples_dim = found if proven is None else (found[0], proven)
+            self.examples_leaf, self.examples_dim = found if proven is None else (checked.leaf, proven)
         if checked.batch is None or batch_size < 2 or not self.every:
             return
         if checked.batch == batch_size:
@@ -766,10 +767,8 @@ class ForwardIndependence:
             proven = _dim_read(checked, batch_size, calls)
             if proven is None or proven == checked.dim:
                 continue
-            first = next(k for k, t in enumerate(flatten(unpacked((forward.args, forward.kwargs)))[0])
-                         if id(t) == checked.leaf_id)
             wrong = self.finding is not None and self.finding.square == checked.square  # this forward's
-            self.examples_leaf, self.examples_dim = first, proven
+            self.examples_leaf, self.examples_dim = checked.leaf, proven
             self.finding = self._recheck(forward) or (None if wrong else self.finding)
 
     def _recheck(self, forward):
@@ -795,13 +794,12 @@ class ForwardIndependence:
         size (``square``); where one has, if a trained tokenwise layer reads each such argument and its proof put the
         examples on that dim (_proven: dim 0, or dim 1 of a sequence-first batch), and otherwise, on dim 0, unless a
         module is sequence-first or a call's proven layout has its examples off dim 0 (a sequence-first model of
-        length B, perturbed along its positions). A
-        batch flattened
-        into dim 0 (ROWS_LAYOUT: each example's rows together, as a router's or an expert's tokens, a raw weight's
-        product on (B * T, d) rows, Swin's windows) keeps them on dim 0: its proof fails on a sequence-first
-        flattening, whose rows interleave the examples. Until 2026-12-02 any call laid out off dim 0 or in rows
-        switched the refusal off, square or not (an RNN's h_n, (layers, B, H), or a router's rows), and a
-        detached batch mean before one trained with its clipped sum 0.1-1.1 of its size off."""
+        length B, perturbed along its positions). A batch flattened into dim 0 (ROWS_LAYOUT: each example's rows
+        together, as a router's or an expert's tokens, a raw weight's product on (B * T, d) rows, Swin's windows)
+        keeps them on dim 0: its proof fails on a sequence-first flattening, whose rows interleave the examples.
+        Until 2026-12-02 any call laid out off dim 0 or in rows switched the refusal off, square or not (an RNN's
+        h_n, (layers, B, H), or a router's rows), and a detached batch mean before one trained with its clipped sum
+        0.1-1.1 of its size off."""
         if finding is None or finding.batch != batch_size:
             return False
         if not finding.square or _proven(finding.square, calls):
@@ -844,9 +842,9 @@ def _dims_read(calls) -> dict:
         if call.reads_argument is None:
             continue
         if call.rule is None:  # (its id, its input's edge): placed where the proof of its inputs ran on it
-            key, layouts = call.reads_argument[0], None if call.argument_layout is None else (call.argument_layout,)
-            if layouts is None:
+            if call.argument_layout is None:
                 continue
+            key, layouts = call.reads_argument[0], (call.argument_layout,)
         elif call.tokenwise is True:
             key, layouts = call.reads_argument, call.layouts
         else:
