@@ -15,7 +15,8 @@ two steps each (the second a steady one), every example clipped: ghostdp either 
 the problem) or its clipped sum and norms equal the loop's in float64. Anything else, a trained model off the loop,
 is a privacy hole: one example could move the update by more than C. In 16 bits (bfloat16 weights, or bfloat16
 autocast), where the loop in float64 is no reference, the bound itself is checked: removing one example moves the
-clipped sum by at most C and rounding. With peft's LoRA on the models' layers: exact or refused, as without.
+clipped sum by at most C and rounding. With peft's LoRA on the models' layers, or fed a sequence-first batch (T, B, D),
+at B = T too: exact or refused, as without.
 
 The first runs of this fuzzer (2026-12-02, 3,500 models) found three such holes, each in the forward check
 (clipping/independence.py), each now refused and tested there: a call laid out in blocks of rows on dim 0, or one off
@@ -88,14 +89,15 @@ def _outcome(seed, batch=B):
     return _outcome_of(model, model.inputs, model.labels), model
 
 
-def _outcome_of(model, x, y):
-    """_outcome's comparison for ``model`` on inputs ``x`` and labels ``y``: [(kind, message)], one per mode."""
+def _outcome_of(model, x, y, examples_dim=0):
+    """_outcome's comparison for ``model`` on inputs ``x`` (its examples on ``examples_dim``) and labels ``y``:
+    [(kind, message)], one per mode."""
     state = copy.deepcopy(model.state_dict())
     criterion = nn.CrossEntropyLoss(reduction="none")
 
     def example_loss(i):
         model.load_state_dict(state)
-        return criterion(model(x[i:i + 1]), y[i:i + 1]).sum()
+        return criterion(model(x.narrow(examples_dim, i, 1)), y[i:i + 1]).sum()
 
     per_example = reference_per_example_grads(model, example_loss, len(y))
     _, norms = clipped_sum(per_example, 1.0)
@@ -178,6 +180,43 @@ def test_random_models_with_as_many_examples_as_positions_are_exact_or_refused()
         exact += all(kind == "exact" for kind, _ in outcomes)
     assert not off, "trained off the per-example loop:\n" + "\n".join(off)
     assert exact >= SQUARE_MODELS // 2, exact
+
+
+class SequenceFirst(nn.Module):
+    """A fuzzed model fed (T, B, D): a Linear reads the sequence-first batch, its output transposed into the model's
+    batch-first blocks (as torch's Transformer layers with batch_first=False hand on to a batch-first head)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.read = nn.Linear(D, D)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(self.read(x).transpose(0, 1))
+
+
+SEQUENCE_FIRST_MODELS = 40  # ~8 s each batch size on one thread
+
+
+@pytest.mark.parametrize("batch", [B, T])
+def test_sequence_first_random_models_are_exact_or_refused(batch):
+    """The fuzzed models (those on activations, not tokens) behind a sequence-first input: the forward check must find
+    the examples on dim 1 (independence.py), at B = T too, where every tensor of the batch is square. Before
+    2026-12-07 two of the first 200 seeds at B = T (23 here, and 141) trained off the loop: the check replaced rows of
+    dim 0 on every such step."""
+    off, exact, tried = [], 0, 0
+    for seed in range(SEQUENCE_FIRST_MODELS):
+        inner = Fuzzed(seed, batch)
+        if inner.tokens:
+            continue
+        torch.manual_seed(seed + 7)
+        model = SequenceFirst(inner).train()
+        outcomes = _outcome_of(model, inner.inputs.transpose(0, 1).contiguous(), inner.labels, examples_dim=1)
+        off += [f"seed {seed}: {message}\n  {model}" for kind, message in outcomes if kind == "off"]
+        exact += all(kind == "exact" for kind, _ in outcomes)
+        tried += 1
+    assert not off, "trained off the per-example loop:\n" + "\n".join(off)
+    assert exact >= tried // 2, (exact, tried)
 
 
 def test_a_sink_freed_during_the_forward_lends_its_id_to_no_reader_of_the_batch():
