@@ -43,6 +43,27 @@ def test_bert_with_trainable_embeddings_and_padding():
                        classification_loss(labels), B)
 
 
+def test_bert_given_each_example_twice_in_one_forward_is_exact():
+    """R-Drop's loss: the batch and a second view of it in one forward (2B rows), each example's loss over both of its
+    outputs. Its layers hold the examples in stacked views on dim 0 (layout.TILED_LAYOUT; refused before 2026-12-07,
+    the position embeddings first). The forward check cannot replace examples in a batch of 2B rows and says so."""
+    model = tiny_bert()
+    ids, mask = padded_text(30)
+    labels = torch.randint(0, 3, (B,))
+    ce = nn.CrossEntropyLoss(reduction="none")
+
+    def losses(rows):
+        n = len(rows)
+        logits = model(input_ids=torch.cat([ids[rows], ids[rows].flip(1)]),
+                       attention_mask=torch.cat([mask[rows], mask[rows].flip(1)])).logits
+        first, second = logits[:n], logits[n:]
+        agreement = (first.softmax(-1) - second.softmax(-1)).pow(2).sum(1)
+        return ce(first, labels[rows]) + ce(second, labels[rows]) + agreement
+
+    with pytest.warns(UserWarning, match="could not check that the model's forward keeps the examples apart"):
+        assert_exact(model, lambda: losses(list(range(B))), lambda i: losses([i]).sum(), B)
+
+
 def test_gpt2_tied_embeddings_with_ignored_labels():
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=25, n_embd=16, n_layer=2, n_head=2, n_positions=16,

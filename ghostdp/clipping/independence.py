@@ -86,7 +86,7 @@ from ..data import distributed_rank_and_size, maxima_across_ranks
 from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import own_generators, random_states, restore_random_states
-from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, proof_scheduled
+from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, TILED_LAYOUT, proof_scheduled
 from .leaves import flatten, output_leaves, unflatten
 from .packed import repacked, unpacked
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
@@ -804,7 +804,7 @@ class ForwardIndependence:
             return False
         if not finding.square or _proven(finding.square, calls):
             return True
-        return finding.dim == 0 and not self.sequence_first and not _laid_out_off_dim_0(calls)
+        return finding.dim == 0 and not self.sequence_first and not _laid_out_off_dim_0(calls, batch_size)
 
     def _warn_inconclusive(self, finding, calls) -> None:
         """Once per controller: a move the check found but does not refuse (``_refusable``: square arguments)."""
@@ -817,7 +817,8 @@ class ForwardIndependence:
             named = [name or "<root>" for name in self.sequence_first[:3]]
             why = f"the model has modules with batch_first=False ({', '.join(named)})"
         else:
-            why = f"the layout proof placed the examples of {', '.join(_laid_out_off_dim_0(calls)[:3])} off dim 0"
+            named = _laid_out_off_dim_0(calls, finding.batch)[:3]
+            why = f"the layout proof placed the examples of {', '.join(named)} off dim 0"
         warnings.warn(INCONCLUSIVE.format(how=finding.said(), output=finding.output,
                                           moved=finding.moved, threshold=finding.threshold, batch=finding.batch,
                                           why=why))
@@ -870,10 +871,15 @@ def _dim_read(checked, batch_size: int, calls):
     return next(iter(dims)) if dims in ({0}, {1}) else None
 
 
-def _laid_out_off_dim_0(calls) -> list:
-    """The names of the calls whose proven layouts have the examples off dim 0 (_EXAMPLES_ON_DIM_0), sorted."""
+def _laid_out_off_dim_0(calls, batch_size: int) -> list:
+    """The names of the calls whose proven layouts have the examples off dim 0 (_EXAMPLES_ON_DIM_0), sorted. Views of
+    the batch stacked on dim 0 (TILED_LAYOUT) count as off dim 0 where there are as many views as examples: a
+    sequence-first batch of length B flattened, (B * B, d); two views of a batch-first one (a model's torch.cat([x, x])
+    for R-Drop) keep them on dim 0."""
     return sorted({call.name for call in calls if call.layouts is not None
-                   and any(layout not in _EXAMPLES_ON_DIM_0 for layout in call.layouts)})
+                   and any(layout not in _EXAMPLES_ON_DIM_0
+                           and not (layout == TILED_LAYOUT and shape[0] != batch_size * batch_size)
+                           for layout, shape in zip(call.layouts, call.shapes))})
 
 
 def _refuse_found(here: str | None, somewhere: bool, what: str, error=RuntimeError) -> None:

@@ -48,7 +48,13 @@ REPROOF_EVERY = 256
 
 BATCH_FIRST = ("dim", 0)
 ROWS_LAYOUT = ("rows",)  # each example's rows together on dim 0: a batch flattened into it, (B * T, ...)
+# Views of the batch stacked on dim 0, row r of example r mod B: a model's torch.cat([x, x_2]) or x.repeat(2, ...) (two
+# dropout masks or two augmentations of each example in one call, as R-Drop takes), or a sequence-first batch
+# flattened, (T * B, ...). Only for a call with a rule: a module without one is split by example on a dim or in rows
+# (norms/fallback.py).
+TILED_LAYOUT = ("tiled",)
 _ONE_BATCH_FIRST = (BATCH_FIRST,)
+_ON_DIM_0 = (BATCH_FIRST, ROWS_LAYOUT, TILED_LAYOUT)
 
 
 def signature(shapes, batch_size: int) -> tuple:
@@ -70,16 +76,19 @@ def candidates(shape, batch_size: int, tokenwise, declared_dim: int, fallback: b
     layers only their declared batch dim. A module without a rule (``fallback``) declared batch-first (tokenwise ROWS)
     may also hold them on any later dim but the last (its features, which the proof projects away): the fallback
     splits each output grad by example on the proven dim (norms/fallback.py), so a sequence-first call, (T, B, d),
-    is exact (until 2026-12-02 refused: peft's DoRA on a Linear of a (T, B, d) input)."""
+    is exact (until 2026-12-02 refused: peft's DoRA on a Linear of a (T, B, d) input). A call with a rule may also
+    hold views of the batch stacked on dim 0 (TILED_LAYOUT: until 2026-12-07 refused, a model's torch.cat([x, x]))."""
+    stacked = flattened_batch(shape, batch_size)
     if tokenwise == ROWS:
         out = [BATCH_FIRST] if shape and shape[0] == batch_size else []
-        out += [ROWS_LAYOUT] if flattened_batch(shape, batch_size) else []
+        out += [ROWS_LAYOUT] + ([] if fallback else [TILED_LAYOUT]) if stacked else []
         return out + ([("dim", d) for d in range(1, len(shape) - 1) if shape[d] == batch_size] if fallback else [])
     if not tokenwise:
         return [("dim", declared_dim)] if len(shape) > declared_dim and shape[declared_dim] == batch_size else []
     out = [("dim", d) for d in range(len(shape) - 1) if shape[d] == batch_size]
-    if flattened_batch(shape, batch_size):
-        out.insert(1 if out[:1] == [BATCH_FIRST] else 0, ROWS_LAYOUT)
+    if stacked:
+        at = 1 if out[:1] == [BATCH_FIRST] else 0
+        out[at:at] = [ROWS_LAYOUT] if fallback else [ROWS_LAYOUT, TILED_LAYOUT]
     return out
 
 
@@ -99,7 +108,14 @@ def per_example(layout, projected: torch.Tensor, batch_size: int) -> torch.Tenso
     """A projected output (shape G.shape[:-1]) as (B, rows of each example), per the layout."""
     if layout[0] == "rows":
         return projected.reshape(batch_size, -1)
+    if layout[0] == "tiled":
+        return _untiled(projected, batch_size).reshape(batch_size, -1)
     return projected.movedim(layout[1], 0).reshape(batch_size, -1)
+
+
+def _untiled(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """A tensor of TILED_LAYOUT, (k * B, ...), as (B, k, ...): example e's rows e, e + B, ... together (a view)."""
+    return tensor.reshape(tensor.shape[0] // batch_size, batch_size, *tensor.shape[1:]).transpose(0, 1)
 
 
 def holds(layout, projected_v: torch.Tensor, projected_1: torch.Tensor, v: torch.Tensor, dtype) -> bool:
@@ -119,9 +135,11 @@ def to_batch_first(layout, tensor: torch.Tensor, output_shape, batch_size: int) 
     """A tensor laid out like the output (an input of a tokenwise layer, or its output grad), made (B, ...)."""
     if layout == BATCH_FIRST:
         return tensor
-    if layout[0] == "rows":
+    if layout[0] in ("rows", "tiled"):
         if tensor.dim() == 0 or tensor.shape[0] != output_shape[0]:
             return tensor
+        if layout[0] == "tiled":
+            return _untiled(tensor, batch_size)
         return tensor.reshape(batch_size, tensor.shape[0] // batch_size, *tensor.shape[1:])
     d = layout[1]
     if tensor.dim() <= d or tuple(tensor.shape[:d + 1]) != tuple(output_shape[:d + 1]):
@@ -257,8 +275,8 @@ class LayoutProver:
             options = candidates(tuple(g.shape), batch_size, call.tokenwise, call.batch_dims[slot],
                                  fallback=call.rule is None)
             broadcast = call.expanded[slot]  # size 1 on dim 0, broadcast to the batch there (recording.py)
-            if broadcast:
-                options = [c for c in options if c == BATCH_FIRST]
+            if broadcast:  # to dim 0 of the model's first tensor argument: the batch, or views of it stacked
+                options = [c for c in options if c in _ON_DIM_0]
             chosen = self.first_holding(options, projected, g)
             if chosen is None:
                 refuse(call, g, batch_size, options, broadcast, call.batch_dims[slot])

@@ -173,6 +173,72 @@ def test_flattened_batch_rows_in_blocks_are_exact():
     _exact(Flattening(), torch.randint(0, 11, (B, T)), batch_dim=0, B=B)
 
 
+class TwoViews(nn.Module):
+    """Each example twice in one call, stacked on dim 0 (2B rows, example e at rows e and e + B): the batch and a
+    second view of it concatenated (R-Drop's two dropout masks, two augmentations), or the batch repeated; the views'
+    outputs summed per example, or (``mixes``) each example's second view given the next example's."""
+
+    def __init__(self, how, mixes=False):
+        super().__init__()
+        self.emb, self.fc, self.norm, self.out = nn.Embedding(11, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 2)
+        self.how, self.mixes = how, mixes
+
+    def forward(self, ids):
+        B = len(ids)
+        if self.how == "cat":
+            h = self.emb(torch.cat([ids, ids.flip(1)]))
+        else:
+            h = self.emb(ids).repeat(2, 1, 1)
+        h = self.out(self.norm(torch.tanh(self.fc(h))))
+        first, second = h[:B], h[B:]
+        return first + (second.roll(1, 0) if self.mixes else second)
+
+
+@pytest.mark.parametrize("how", ["cat", "repeat"])
+def test_views_of_the_batch_stacked_on_dim_0_are_exact(how):
+    """Until 2026-12-07 refused ("mixes several examples in each of its candidate batch dimensions"): the layouts tried
+    were a batch dim and each example's rows together (B * T, ...), not rows e, e + B, ... (layout.TILED_LAYOUT)."""
+    _exact(TwoViews(how), torch.randint(0, 11, (3, 5)), batch_dim=0, B=3)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_stacked_views_whose_rows_are_given_another_examples_are_refused(clipping):
+    model = TwoViews("cat", mixes=True)
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match="mixes several examples in each of its candidate batch dimensions"):
+            controller.loss(model(torch.randint(0, 11, (3, 5))).pow(2).sum((1, 2))).backward()
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        controller.detach()
+
+
+def test_a_sequence_first_batch_flattened_into_rows_is_exact():
+    """(T, B, d) flattened to (T * B, d) interleaves the examples' rows: stacked views of the batch, one per position
+    (refused before 2026-12-07)."""
+
+    class FlattenedSequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):  # (T, B, 3)
+            return self.out(torch.tanh(self.fc(x.reshape(-1, 3)))).reshape(*x.shape[:2], 2)
+
+    _exact(FlattenedSequenceFirst(), torch.randn(5, 3, 3), batch_dim=1, B=3)
+
+
+def test_stacked_views_are_tried_for_calls_with_a_rule_only():
+    """A module without a rule is split by example on a dim or in rows (norms/fallback.py), not in stacked views."""
+    from ghostdp.clipping.layout import BATCH_FIRST, ROWS_LAYOUT, TILED_LAYOUT, candidates
+    from ghostdp.norms.registry import ROWS
+    assert candidates((6, 3, 4), 3, True, 0) == [ROWS_LAYOUT, TILED_LAYOUT, ("dim", 1)]
+    assert candidates((6, 3, 4), 3, True, 0, fallback=True) == [ROWS_LAYOUT, ("dim", 1)]
+    assert candidates((6, 5, 4), 3, ROWS, 0) == [ROWS_LAYOUT, TILED_LAYOUT]
+    assert candidates((6, 3, 4), 3, ROWS, 0, fallback=True) == [ROWS_LAYOUT, ("dim", 1)]
+    assert candidates((3, 5, 4), 3, True, 0) == [BATCH_FIRST]
+
+
 def test_an_output_shared_by_the_whole_batch_is_refused_even_when_its_size_equals_the_batch():
     B = 4
 

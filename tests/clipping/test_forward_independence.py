@@ -519,6 +519,33 @@ def test_a_move_in_a_model_whose_input_a_trained_layer_reads_batch_first_is_refu
         controller.detach()
 
 
+class CentredTwoViews(nn.Module):
+    """A batch-first model at T == B: the batch and a second view of it in one Linear (2B rows, example e at rows e and
+    e + B: layout.TILED_LAYOUT), a detached batch mean taken off the views' sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.views, self.centre = nn.Linear(D, D), DetachedCentring()
+
+    def forward(self, x):  # (B, T, D) with T == B
+        h = self.views(torch.cat([x, x.flip(1)]))
+        return self.centre(h[:len(x)] + h[len(x):])
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_move_in_a_model_of_two_views_of_its_batch_is_refused_also_where_it_is_square(clipping):
+    """Two views stacked on dim 0 keep the examples on dim 0; only as many views as examples (a sequence-first batch of
+    length B flattened) leave the check inconclusive (independence._laid_out_off_dim_0)."""
+    model = CentredTwoViews().train()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
+                                               r"the (first|last) of the 8 examples"):
+            controller.loss(model(100 * torch.randn(B, B, D)).pow(2).sum((1, 2)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 class LookedUpBeforeCentring(CentredBeforeASequenceFirstLayer):
     """The same on token ids (B, T) with T == B, looked up by an Embedding that peft's LoRA adapts (the base frozen,
     as peft leaves it): the adapter's rule (norms/peft_lora.py), tokenwise, proves the ids' examples on dim 0."""

@@ -457,8 +457,10 @@ class MixesExamples(nn.Module):
         k = self.kind
         if k == "first_to_all":
             return x + self.lin(x[:1])
-        if k == "side_by_side":  # (T, B * D): every example's tokens in one row
-            return self.lin(x.transpose(0, 1).reshape(-1, D)).reshape(T, len(x), D).transpose(0, 1)
+        if k == "side_by_side":  # every row half its example's features, half the previous example's
+            # (Until 2026-12-07 x.transpose(0, 1).reshape(-1, D): one example's token per row, interleaved, which
+            # keeps the examples apart and is exact since layout.TILED_LAYOUT; refused before by the layout proof.)
+            return self.lin(torch.cat([x[..., :D // 2], x.roll(1, 0)[..., D // 2:]], -1))
         if k == "raw_parameter_on_the_sum":
             return x * self.s + 0.1 * x.sum(0, keepdim=True) * self.s
         if k == "attention_over_the_batch":
