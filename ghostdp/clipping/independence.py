@@ -28,7 +28,12 @@ examples, the forward also runs in eval() mode on the batch and without its last
 move there either. The reversal puts every example in another row: a forward that gives a middle example something of
 another reaches neither the first one's output nor the last's, and trained until late 2026-12-02; one that treats an
 example by its row (an offset per row) is refused too, since removing an example moves those after it to other rows.
-A forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
+It also runs without its first example, the others in their order (since 2026-12-07): a statistic of the batch that
+removing the last example leaves as it was and removing the first moves (a mask thresholded from the first example's
+data, or from the batch's mean, which the fuzzer's third generation of blocks trained with). A discrete statistic of
+the batch that neither removal moves, and no copy either, still trains on such a step where removing a middle example
+would move it (a capacity of the batch's tokens at T = 4: the fuzzer, 3 of 1,400 models; with many tokens an example
+rarely holds exactly its share of the capacity, so a later checked step refuses it). A forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on the dim the check replaced
 them on: a replaced argument has another dim of the batch's size ((T, B, ...) at T = B), no trained tokenwise layer
 reading it (an Embedding of the ids, a first Linear; a fallback through the proof of its inputs) has its proven
@@ -64,8 +69,9 @@ the batch: an EmbeddingBag given offsets; unsaid before 2026-12-03), and a model
 such as encode, its submodules called one by one, a LightningModule's self.net(x)), which the check does not rerun:
 such a forward mixing its examples without gradient trained without a word before 2026-12-03. The tensors of a batch passed, or an output returned, in a SimpleNamespace
 or a dataclass are found and replaced there (leaves.py). Not covered: mixing after the model's forward (between its output and
-the DP loss), and data that mixes only on steps off the schedule. Cost: five forwards without gradient on those
-steps (six with an attention mask; four and five before 2026-12-02, when the CPU stand-in with B = 4 and a mask,
+the DP loss), data that mixes only on steps off the schedule, and the discrete statistic above. Cost: six forwards
+without gradient on those steps (seven with an attention mask; five and six before 2026-12-07, four and five before
+2026-12-02, when the CPU stand-in with B = 4 and a mask,
 book-keeping, took 49.9 ms a checked step against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the
 first 300 steps add ~3% over them, and one step in 256 ~0.6% after.
 """
@@ -92,9 +98,9 @@ from .packed import repacked, unpacked
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
-from .replacements import (ON_DIM, REMOVED, REPLACED_BY_FIRST, OutputViews, argument_dims, batches_of_calls,
-                           examples_dim_and_batch, examples_of_the_loaders_batch,
-                           replaced_batches, without_last_reversed)
+from .replacements import (ON_DIM, REMOVED, REMOVED_FIRST, REPLACED_BY_FIRST, OutputViews, argument_dims,
+                           batches_of_calls, examples_dim_and_batch, examples_of_the_loaders_batch,
+                           replaced_batches, without_first, without_last_reversed)
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} {output} by "
@@ -287,6 +293,7 @@ class ForwardIndependence:
         self.check_padding = True             # False: no padding reruns (the refusal names this switch)
         self.last_padding_moves = []
         self.last_removal_moves = []          # the Moves of the last checked forward without its last example
+        self.last_first_removal_moves = []    # ... and without its first
         self._pending = None                  # the reruns of a checked forward, for the comparison at its end
         self._attributes = None               # tensor_attributes as a checked forward found them at its start
         self._running = False                 # the reruns are running: the hooks stay out
@@ -532,8 +539,10 @@ class ForwardIndependence:
         self.last_moves = [move for move, _ in moves]
         found, how = max(((move, how) for move, how in moves if move.exceeds), key=lambda pair: pair[0].relative,
                          default=(None, None))  # largest_exceeding, keeping the replacement's how
-        if found is None:
-            found, how = largest_exceeding(self.last_removal_moves), REMOVED
+        removals = ((self.last_removal_moves, REMOVED), (self.last_first_removal_moves, REMOVED_FIRST))
+        for removal, removed_how in removals:
+            if found is None:
+                found, how = largest_exceeding(removal), removed_how
         if found is None:
             return None
         return Mixing(p.batch, "output" + keystr(p.outputs[found.output][0]), found.relative, found.threshold,
@@ -569,17 +578,18 @@ class ForwardIndependence:
     def _check_in_eval_mode(self, module, flat, spec, arguments_dims, outputs, start, signs, views, floors, batch: int,
                             checkable: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
-        the batch; without its last example and the others reversed, where there are three or more (a forward that
-        depends on the batch's size alone, or on another example than the first and the last: replacing them does
-        not show it); and, for a forward with an attention mask, on the batch padded further (padding.py: a move of
-        its real positions is kept as ``padding_finding``). The Moves of examples 0..batch-2, each read back from
-        its reversed row, go to ``last_removal_moves``. With several processes each rerun runs on every process
+        the batch; without its last example and the others reversed, and without its first, where there are three or
+        more (a forward that depends on the batch's size alone, or on another example than the first and the last:
+        replacing them does not show it); and, for a forward with an attention mask, on the batch padded further
+        (padding.py: a move of its real positions is kept as ``padding_finding``). The Moves of examples 0..batch-2,
+        each read back from its reversed row, go to ``last_removal_moves``, those of examples 1..batch-1 without the
+        first to ``last_first_removal_moves``. With several processes each rerun runs on every process
         where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
         path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
         tensor goes to the first); ``arguments_dims`` and ``views``: where the arguments' and the outputs' examples lie
         (example_dims, OutputViews; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
         padding.py)."""
-        self.last_padding_moves, self.last_removal_moves = [], []
+        self.last_padding_moves, self.last_removal_moves, self.last_first_removal_moves = [], [], []
         arguments = unflatten(flat, spec)
         sequence_first = 1 in arguments_dims
         padded = (padded_arguments(module, *arguments, batch, sequence_first=sequence_first)
@@ -598,25 +608,37 @@ class ForwardIndependence:
             (``positions``: the batch's, or the rerun's own where it holds other rows)."""
             return self._fingerprints_of_rerun(module, arguments, start, signs, views, examples, positions)
 
+        def removed(rows):
+            """The fingerprints of a rerun on the batch without one example (``rows``: its flattened tensors), or None
+            where this process removes none or the forward fails on fewer examples."""
+            try:
+                if not removing:
+                    rerun(arguments)  # in step with the processes that remove an example
+                    return None
+                fewer = unflatten(rows, spec)
+                return rerun(fewer, batch - 1, None if padded is None else (first, padded[1],
+                                                                            attention_mask(module, *fewer)))
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
+                return None
+
         with in_eval_mode(module):
             plain = rerun(arguments)
             if removing_anywhere:
-                try:
-                    if removing:
-                        reversed_rows = unflatten(without_last_reversed(flat, arguments_dims, batch), spec)
-                        own = None if padded is None else (first, padded[1], attention_mask(module, *reversed_rows))
-                        fewer = rerun(reversed_rows, batch - 1, own)
-                    else:
-                        fewer = None
-                        rerun(arguments)  # in step with the processes that remove an example
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception:  # noqa: BLE001 - a forward that keeps state of the batch's size: unchecked here
-                    fewer = None
+                fewer = removed(without_last_reversed(flat, arguments_dims, batch) if removing else None)
                 if fewer is not None:  # each example's fingerprint back in its row (every row has the same signs)
                     fewer = [None if f is None else f.flip(0) for f in fewer]
                     self.last_removal_moves = views.per_output(moves_between(plain, plain, fewer, slice(0, batch - 1),
                                                                              floors))
+                # Without the first too: a forward giving the others something of a middle example, or a statistic of
+                # the batch that the first's removal moves and the last's does not (a mask thresholded from the first
+                # example's data, or from the batch's mean: the fuzzer, 2026-12-07)
+                rest = removed(without_first(flat, arguments_dims, batch) if removing else None)
+                if rest is not None:  # example k + 1's fingerprint back in row k + 1 (row 0 is not compared)
+                    rest = [None if f is None else torch.cat([f[:1], f]) for f in rest]
+                    self.last_first_removal_moves = views.per_output(moves_between(plain, plain, rest,
+                                                                                   slice(1, batch), floors))
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():
                 if extra != EXTRA and not maxima_across_ranks([pending], device)[0]:

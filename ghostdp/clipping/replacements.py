@@ -51,6 +51,8 @@ REPLACED_BY_LAST = ("copying the last of the {batch} examples to every other row
                     "one's")
 REMOVED = ("removing the last of the {batch} examples{where} and reversing the others' order (the forward run again in "
            "eval() mode) moved the other examples'")
+REMOVED_FIRST = ("removing the first of the {batch} examples{where} (the forward run again in eval() mode) moved the "
+                 "other examples'")
 # {where} of those: the examples' dim, said where it is not dim 0 (a sequence-first batch)
 ON_DIM = {0: "", 1: " (on dim 1 of its tensors: a sequence-first batch)"}
 
@@ -192,6 +194,12 @@ def without_last_reversed(flat, dims, batch: int) -> list:
     """The batch's tensors without example ``batch - 1`` on their examples' dim (``dims``: example_dims; those
     replaced_batches replaces examples of), the others in reverse order: place k holds example batch - 2 - k."""
     return [t if d is None else t.narrow(d, 0, batch - 1).flip(d) for t, d in zip(flat, dims)]
+
+
+def without_first(flat, dims, batch: int) -> list:
+    """The batch's tensors without example 0 on their examples' dim (``dims``: example_dims), the others in order:
+    place k holds example k + 1."""
+    return [t if d is None else t.narrow(d, 1, batch - 1) for t, d in zip(flat, dims)]
 
 
 def replaced_batches(flat, dims, batch: int):

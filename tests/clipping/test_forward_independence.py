@@ -939,6 +939,39 @@ def test_a_middle_example_given_something_of_another_is_refused(batch, clipping)
                                                        REFUSED + ".*reversing the others' order")
 
 
+class MaskedByTheFirst(nn.Module):
+    """Every example's output masked where the first example's input is not positive, without gradient. Where the
+    others share the first's signs but the second, copying the first or the last to every row, and removing the last,
+    leave the mask as it is; removing the first moves it. Trained before 2026-12-07 (the fuzzer's third generation of
+    blocks, at B = T: a mask from the first example's data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin(x) * (x.detach()[:1] > 0)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_statistic_that_only_removing_the_first_example_moves_is_refused(clipping):
+    torch.manual_seed(0)
+    model = Scored(MaskedByTheFirst()).train()
+    x, v = torch.rand(5, D) + 0.1, 100 * torch.randn(5, D)
+    x[1] = -x[1]  # the second example's signs differ from the first's: the others' share them
+    params = list(model.parameters())
+    moved = (clipped_sum_through_the_batch(model(x, v)[2:], params)
+             - clipped_sum_through_the_batch(model(x[1:], v[1:])[1:], params))
+    assert float(moved.norm()) > 0.5, "degenerate test: removing the first example does not move the others' sum"
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + ": removing the first of the 5 examples"):
+            controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
 class OffsetByRow(nn.Module):
     """A Linear plus a fixed offset for each row the example lies in: no example reads another's data, but removing
     one from a batch moves the examples after it to other rows, and so their gradients."""
@@ -1145,9 +1178,9 @@ def test_training_with_the_checks_is_bitwise_training_without_them(clipping):
 
     with_checks, without = train(True), train(False)
     # forwards 0, 1, 2 and 4 checked: three reruns each (the batch, and the first or the last example copied to
-    # every row), and three in eval() mode (the batch, the batch without its last example, the batch padded further:
-    # clipping/padding.py)
-    assert with_checks[1] == 24 and without[1] == 0
+    # every row), and four in eval() mode (the batch, the batch without its last example, without its first, the batch
+    # padded further: clipping/padding.py)
+    assert with_checks[1] == 28 and without[1] == 0
     assert all(torch.equal(with_checks[0][k], without[0][k]) for k in without[0])
     assert torch.equal(with_checks[2], without[2])  # the global generator's stream too
 
