@@ -321,9 +321,9 @@ def forward_checks():
                           for masked in (False, True)},
         "batch_size": checked_steps(ScaledByBatchSize(), [((torch.randn(4, 5),), torch.randint(0, 3, (4,)))] * 2),
         "counted_padding": token_loss_step(counts_padding=rank == 0),  # process 0's labels count its padding
-        # Process 1's batch of two examples is not checked without its last: process 0's of four is.
-        "batch_size_on_one": checked_steps(ScaledByBatchSize(), [((torch.randn(4 - 2 * rank, 5),),
-                                                                  torch.randint(0, 3, (4 - 2 * rank,)))] * 2),
+        # Process 1's batch of one example is not checked without an example (nor replaced): process 0's of four is.
+        "batch_size_on_one": checked_steps(ScaledByBatchSize(), [((torch.randn(4 - 3 * rank, 5),),
+                                                                  torch.randint(0, 3, (4 - 3 * rank,)))] * 2),
     }
 
 

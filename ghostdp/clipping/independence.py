@@ -22,8 +22,9 @@ it. Outputs are compared through float64 fingerprints, one random +-1 projection
 example of each output with the batch on dim 0, at the forward's end, against what the first rerun differs from the
 forward itself (a kernel chosen differently without gradient, or a nondeterministic one; where they differ, a third
 rerun measures the reruns' own spread). Replacing keeps the batch's size, which a forward may read alone (``x /
-x.shape[0]`` let an added example move the others' clipped sum by 0.8 C besides its own C): with three or more
-examples, the forward also runs in eval() mode on the batch and without its last example, the others in reverse order
+x.shape[0]`` let an added example move the others' clipped sum by 0.8 C besides its own C): with two or more
+examples (three before 2026-12-07: a count over a batch of two, the same in both copies, trained), the forward also
+runs in eval() mode on the batch and without its last example, the others in reverse order
 (eval(): a smaller batch would draw other dropout masks, on a GPU for every example), and the others' outputs must not
 move there either. The reversal puts every example in another row: a forward that gives a middle example something of
 another reaches neither the first one's output nor the last's, and trained until late 2026-12-02; one that treats an
@@ -33,7 +34,8 @@ removing the last example leaves as it was and removing the first moves (a mask 
 data, or from the batch's mean, which the fuzzer's third generation of blocks trained with). A discrete statistic of
 the batch that neither removal moves, and no copy either, still trains on such a step where removing a middle example
 would move it (a capacity of the batch's tokens at T = 4: the fuzzer, 3 of 1,400 models; with many tokens an example
-rarely holds exactly its share of the capacity, so a later checked step refuses it). A forward with an attention mask runs once more, padded further (padding.py). A move is refused at the norm pass that
+rarely holds exactly its share of the capacity, so a later checked step refuses it). A forward with an attention mask
+runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on the dim the check replaced
 them on: a replaced argument has another dim of the batch's size ((T, B, ...) at T = B), no trained tokenwise layer
 reading it (an Embedding of the ids, a first Linear; a fallback through the proof of its inputs) has its proven
@@ -51,7 +53,7 @@ the check replaces examples and compares outputs, replacements.py says.
 
 With several processes
 every process reruns the same forwards (a forward may gather parameters, FSDP2, or broadcast buffers, DDP): a rerun
-that one process needs (its batch can be padded, or has three or more examples) runs everywhere, on the batch itself
+that one process needs (its batch can be padded, or has two or more examples) runs everywhere, on the batch itself
 where a process has nothing to check there; and every process refuses where any one found a move (it would otherwise
 wait for the refusing one in the next collective), the padding check once the lengths differ on any process or
 between processes (each pads its own batch). There a finding is decided at the norm pass after a checked forward
@@ -578,7 +580,7 @@ class ForwardIndependence:
     def _check_in_eval_mode(self, module, flat, spec, arguments_dims, outputs, start, signs, views, floors, batch: int,
                             checkable: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
-        the batch; without its last example and the others reversed, and without its first, where there are three or
+        the batch; without its last example and the others reversed, and without its first, where there are two or
         more (a forward that depends on the batch's size alone, or on another example than the first and the last:
         replacing them does not show it); and, for a forward with an attention mask, on the batch padded further
         (padding.py: a move of its real positions is kept as ``padding_finding``). The Moves of examples 0..batch-2,
@@ -594,7 +596,7 @@ class ForwardIndependence:
         sequence_first = 1 in arguments_dims
         padded = (padded_arguments(module, *arguments, batch, sequence_first=sequence_first)
                   if checkable and self.check_padding else None)
-        removing = checkable and batch > 2
+        removing = checkable and batch > 1
         device = devices[0] if devices else torch.device("cpu")
         removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):

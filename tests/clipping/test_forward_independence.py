@@ -204,6 +204,28 @@ def test_a_batch_statistic_without_gradient_is_refused(body, clipping):
         controller.detach()
 
 
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_forward_that_reads_the_batch_size_is_refused_in_a_batch_of_two(clipping):
+    """Copying either example keeps the batch's size; until 2026-12-07 only batches of three or more ran without an
+    example, and this trained with each example's clipped gradient moved by the other's presence."""
+    torch.manual_seed(0)
+    model = Scored(ScaledByTheBatchSize()).train()
+    x, v = torch.randn(2, D), 100 * torch.randn(2, D)
+    params = list(model.parameters())
+    model.eval()  # without dropout: the first example alone against beside the second
+    moved = clipped_sum_through_the_batch(model(x, v)[:1], params) - clipped_sum_through_the_batch(model(x[:1], v[:1]),
+                                                                                                  params)
+    model.train()
+    assert float(moved.norm()) > 0.5, "degenerate test: the second example does not move the first's clipped sum"
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + ": removing the (first|last) of the 2 examples"):
+            controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
 class Dropped(nn.Module):
     def __init__(self):
         super().__init__()
