@@ -29,12 +29,13 @@ runs in eval() mode on the batch and without its last example, the others in rev
 move there either. The reversal puts every example in another row: a forward that gives a middle example something of
 another reaches neither the first one's output nor the last's, and trained until late 2026-12-02; one that treats an
 example by its row (an offset per row) is refused too, since removing an example moves those after it to other rows.
-It also runs without its first example, the others in their order (since 2026-12-07): a statistic of the batch that
-removing the last example leaves as it was and removing the first moves (a mask thresholded from the first example's
-data, or from the batch's mean, which the fuzzer's third generation of blocks trained with). A discrete statistic of
-the batch that neither removal moves, and no copy either, still trains on such a step where removing a middle example
-would move it (a capacity of the batch's tokens at T = 4: the fuzzer, 3 of 1,400 models; with many tokens an example
-rarely holds exactly its share of the capacity, so a later checked step refuses it). A forward with an attention mask
+It also runs without its first example, and with three or more without the middle one (batch // 2), the others in
+their order (since 2026-12-07): a statistic of the batch that removing the last example leaves as it was and removing
+another moves (a mask thresholded from the first example's data or from the batch's mean, a capacity of the batch's
+tokens, which the fuzzer's third generation of blocks trained with). A discrete statistic of the batch that none of
+these removals moves, and no copy either, still trains on such a step where removing another example would move it
+(a capacity of the batch's tokens where each example removed held exactly its share of it: with many tokens rare, and
+a later checked step refuses it). A forward with an attention mask
 runs once more, padded further (padding.py). A move is refused at the norm pass that
 follows, for the batch of its per-example losses, unless the examples might not lie on the dim the check replaced
 them on: a replaced argument has another dim of the batch's size ((T, B, ...) at T = B), no trained tokenwise layer
@@ -71,8 +72,8 @@ the batch: an EmbeddingBag given offsets; unsaid before 2026-12-03), and a model
 such as encode, its submodules called one by one, a LightningModule's self.net(x)), which the check does not rerun:
 such a forward mixing its examples without gradient trained without a word before 2026-12-03. The tensors of a batch passed, or an output returned, in a SimpleNamespace
 or a dataclass are found and replaced there (leaves.py). Not covered: mixing after the model's forward (between its output and
-the DP loss), data that mixes only on steps off the schedule, and the discrete statistic above. Cost: six forwards
-without gradient on those steps (seven with an attention mask; five and six before 2026-12-07, four and five before
+the DP loss), data that mixes only on steps off the schedule, and the discrete statistic above. Cost: seven forwards
+without gradient on those steps (eight with an attention mask; five and six before 2026-12-07, four and five before
 2026-12-02, when the CPU stand-in with B = 4 and a mask,
 book-keeping, took 49.9 ms a checked step against 21.3 ms unchecked, 43.9 ms without the padding rerun), so 10 of the
 first 300 steps add ~3% over them, and one step in 256 ~0.6% after.
@@ -100,9 +101,9 @@ from .packed import repacked, unpacked
 from .padding import (COUNTS_PADDING, DEPENDS_ON_PADDING, EXTRA, at_real_positions, attention_mask, counted_padding,
                       in_eval_mode, padded_arguments)
 from .recording import leading_dim
-from .replacements import (ON_DIM, REMOVED, REMOVED_FIRST, REPLACED_BY_FIRST, OutputViews, argument_dims,
-                           batches_of_calls, examples_dim_and_batch, examples_of_the_loaders_batch,
-                           replaced_batches, without_first, without_last_reversed)
+from .replacements import (ON_DIM, REMOVED, REMOVED_FIRST, REMOVED_MIDDLE, REPLACED_BY_FIRST, OutputViews,
+                           argument_dims, batches_of_calls, examples_dim_and_batch, examples_of_the_loaders_batch,
+                           replaced_batches, without_example, without_last_reversed)
 
 MIXING_OUTSIDE_GRADIENTS = (
     "the model's forward mixes examples where no gradient flows: {how} {output} by "
@@ -205,7 +206,7 @@ class Mixing(NamedTuple):
 
     def said(self) -> str:
         """How it was found, for a message."""
-        return self.how.format(batch=self.batch, where=ON_DIM[self.dim])
+        return self.how.format(batch=self.batch, where=ON_DIM[self.dim], middle=self.batch // 2)
 
 
 class Checked(NamedTuple):
@@ -295,7 +296,8 @@ class ForwardIndependence:
         self.check_padding = True             # False: no padding reruns (the refusal names this switch)
         self.last_padding_moves = []
         self.last_removal_moves = []          # the Moves of the last checked forward without its last example
-        self.last_first_removal_moves = []    # ... and without its first
+        self.last_first_removal_moves = []    # ... without its first
+        self.last_middle_removal_moves = []   # ... and without its middle one (batch // 2)
         self._pending = None                  # the reruns of a checked forward, for the comparison at its end
         self._attributes = None               # tensor_attributes as a checked forward found them at its start
         self._running = False                 # the reruns are running: the hooks stay out
@@ -541,7 +543,8 @@ class ForwardIndependence:
         self.last_moves = [move for move, _ in moves]
         found, how = max(((move, how) for move, how in moves if move.exceeds), key=lambda pair: pair[0].relative,
                          default=(None, None))  # largest_exceeding, keeping the replacement's how
-        removals = ((self.last_removal_moves, REMOVED), (self.last_first_removal_moves, REMOVED_FIRST))
+        removals = ((self.last_removal_moves, REMOVED), (self.last_first_removal_moves, REMOVED_FIRST),
+                    (self.last_middle_removal_moves, REMOVED_MIDDLE))
         for removal, removed_how in removals:
             if found is None:
                 found, how = largest_exceeding(removal), removed_how
@@ -581,24 +584,27 @@ class ForwardIndependence:
                             checkable: bool, devices):
         """The reruns in eval() mode, where no dropout draws (a batch of another shape would draw other masks): on
         the batch; without its last example and the others reversed, and without its first, where there are two or
-        more (a forward that depends on the batch's size alone, or on another example than the first and the last:
-        replacing them does not show it); and, for a forward with an attention mask, on the batch padded further
-        (padding.py: a move of its real positions is kept as ``padding_finding``). The Moves of examples 0..batch-2,
-        each read back from its reversed row, go to ``last_removal_moves``, those of examples 1..batch-1 without the
-        first to ``last_first_removal_moves``. With several processes each rerun runs on every process
-        where any needs it (module doc); one that has nothing to check there runs its batch again. ``outputs``: (key
-        path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a collective's
-        tensor goes to the first); ``arguments_dims`` and ``views``: where the arguments' and the outputs' examples lie
-        (example_dims, OutputViews; a batch with its examples on dim 1 is padded on dim 0 of its (T, B, ...) tensors:
-        padding.py)."""
-        self.last_padding_moves, self.last_removal_moves, self.last_first_removal_moves = [], [], []
+        more, and without its middle one where there are three or more (a forward that depends on the batch's size
+        alone, or on another example than the first and the last: replacing them does not show it); and, for a
+        forward with an attention mask, on the batch padded further (padding.py: a move of its real positions is kept
+        as ``padding_finding``). The Moves of examples 0..batch-2, each read back from its reversed row, go to
+        ``last_removal_moves``, those of the others without the first and without the middle one to
+        ``last_first_removal_moves`` and ``last_middle_removal_moves``. With several processes each rerun runs on every
+        process where any needs it (module doc); one that has nothing to check there runs its batch again.
+        ``outputs``: (key path, shape) of the forward's output leaves; ``devices``: the accelerators of the forward (a
+        collective's tensor goes to the first); ``arguments_dims`` and ``views``: where the arguments' and the
+        outputs' examples lie (example_dims, OutputViews; a batch with its examples on dim 1 is padded on dim 0 of its
+        (T, B, ...) tensors: padding.py)."""
+        self.last_padding_moves, self.last_removal_moves = [], []
+        self.last_first_removal_moves, self.last_middle_removal_moves = [], []
         arguments = unflatten(flat, spec)
         sequence_first = 1 in arguments_dims
         padded = (padded_arguments(module, *arguments, batch, sequence_first=sequence_first)
                   if checkable and self.check_padding else None)
         removing = checkable and batch > 1
         device = devices[0] if devices else torch.device("cpu")
-        removing_anywhere, padding_anywhere = map(bool, maxima_across_ranks([removing, padded is not None], device))
+        removing_anywhere, middle_anywhere, padding_anywhere = map(bool, maxima_across_ranks(
+            [removing, removing and batch > 2, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
             return
         # The outputs' shapes with their examples first (dims), as the reruns' outputs are compared (at_real_positions)
@@ -612,10 +618,11 @@ class ForwardIndependence:
 
         def removed(rows):
             """The fingerprints of a rerun on the batch without one example (``rows``: its flattened tensors), or None
-            where this process removes none or the forward fails on fewer examples."""
+            where this process removes none (``rows`` None: it reruns its batch, in step with the processes that do)
+            or the forward fails on fewer examples."""
             try:
-                if not removing:
-                    rerun(arguments)  # in step with the processes that remove an example
+                if rows is None:
+                    rerun(arguments)
                     return None
                 fewer = unflatten(rows, spec)
                 return rerun(fewer, batch - 1, None if padded is None else (first, padded[1],
@@ -633,14 +640,15 @@ class ForwardIndependence:
                     fewer = [None if f is None else f.flip(0) for f in fewer]
                     self.last_removal_moves = views.per_output(moves_between(plain, plain, fewer, slice(0, batch - 1),
                                                                              floors))
-                # Without the first too: a forward giving the others something of a middle example, or a statistic of
-                # the batch that the first's removal moves and the last's does not (a mask thresholded from the first
-                # example's data, or from the batch's mean: the fuzzer, 2026-12-07)
-                rest = removed(without_first(flat, arguments_dims, batch) if removing else None)
-                if rest is not None:  # example k + 1's fingerprint back in row k + 1 (row 0 is not compared)
-                    rest = [None if f is None else torch.cat([f[:1], f]) for f in rest]
-                    self.last_first_removal_moves = views.per_output(moves_between(plain, plain, rest,
-                                                                                   slice(1, batch), floors))
+                # Without the first, and without a middle one: a statistic of the batch that the last's removal leaves
+                # as it was and another's moves (a mask thresholded from the first example's data or from the batch's
+                # mean, a capacity of the batch's tokens: the fuzzer, 2026-12-07)
+                rest = removed(without_example(flat, arguments_dims, 0) if removing else None)
+                self.last_first_removal_moves = self._moves_without(0, rest, plain, floors, views, batch)
+            if middle_anywhere:
+                middle = batch // 2
+                rest = removed(without_example(flat, arguments_dims, middle) if removing and batch > 2 else None)
+                self.last_middle_removal_moves = self._moves_without(middle, rest, plain, floors, views, batch)
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():
                 if extra != EXTRA and not maxima_across_ranks([pending], device)[0]:
@@ -662,6 +670,16 @@ class ForwardIndependence:
                     self.padding_finding = PaddingDependence(
                         batch, padded[1], extra, "output" + keystr(outputs[found.output][0]), found.relative,
                         found.threshold)
+
+    @staticmethod
+    def _moves_without(k: int, rest, plain, floors, views, batch: int) -> list:
+        """The Moves of the examples other than ``k`` between the batch's eval() rerun (``plain``) and the rerun
+        without example ``k`` (``rest``: its fingerprints, row j holding example j + (j >= k); None: none ran)."""
+        if rest is None:
+            return []
+        others = torch.tensor([j for j in range(batch) if j != k])
+        rest = [None if f is None else torch.cat([f[:k], f[:1], f[k:]]) for f in rest]  # (row k is not compared)
+        return views.per_output(moves_between(plain, plain, rest, others, floors))
 
     def refuse_counted_padding(self, criterion, target) -> None:
         """A DP criterion called without a mask, after a checked forward: refuse targets that count positions the

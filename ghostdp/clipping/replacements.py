@@ -53,6 +53,8 @@ REMOVED = ("removing the last of the {batch} examples{where} and reversing the o
            "eval() mode) moved the other examples'")
 REMOVED_FIRST = ("removing the first of the {batch} examples{where} (the forward run again in eval() mode) moved the "
                  "other examples'")
+REMOVED_MIDDLE = ("removing example {middle} (from 0) of the {batch} examples{where} (the forward run again in eval() "
+                  "mode) moved the other examples'")
 # {where} of those: the examples' dim, said where it is not dim 0 (a sequence-first batch)
 ON_DIM = {0: "", 1: " (on dim 1 of its tensors: a sequence-first batch)"}
 
@@ -196,10 +198,11 @@ def without_last_reversed(flat, dims, batch: int) -> list:
     return [t if d is None else t.narrow(d, 0, batch - 1).flip(d) for t, d in zip(flat, dims)]
 
 
-def without_first(flat, dims, batch: int) -> list:
-    """The batch's tensors without example 0 on their examples' dim (``dims``: example_dims), the others in order:
-    place k holds example k + 1."""
-    return [t if d is None else t.narrow(d, 1, batch - 1) for t, d in zip(flat, dims)]
+def without_example(flat, dims, k: int) -> list:
+    """The batch's tensors without example ``k`` on their examples' dim (``dims``: example_dims), the others in
+    order: place j holds example j + (j >= k)."""
+    return [t if d is None else torch.cat([t.narrow(d, 0, k), t.narrow(d, k + 1, t.shape[d] - k - 1)], d)
+            for t, d in zip(flat, dims)]
 
 
 def replaced_batches(flat, dims, batch: int):

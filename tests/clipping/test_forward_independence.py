@@ -994,6 +994,47 @@ def test_a_statistic_that_only_removing_the_first_example_moves_is_refused(clipp
         controller.detach()
 
 
+class CapacityOfTheBatch(nn.Module):
+    """Expert-choice routing's capacity: of all the batch's (B, 2) tokens, the B with the highest score (feature 0)
+    pass through a Linear and the others are zeroed; the choice carries no gradient, and which tokens are kept depends
+    on every example's scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):  # (B, 2, D)
+        flat = self.lin(x).reshape(-1, D)
+        kept = x.detach().reshape(-1, D)[:, 0].topk(len(x)).indices
+        return torch.zeros_like(flat).index_copy(0, kept, flat[kept]).reshape(x.shape).sum(1)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_capacity_that_only_removing_the_middle_example_moves_is_refused(clipping):
+    """Five examples of two tokens, the capacity five: the first, the second and the last hold one kept token each,
+    the middle one two, the fourth none. Copying the first or the last to every row keeps each copy one token; removing
+    the first, the last or (reversed) any of them frees a slot its own token held; removing the middle one frees two,
+    and the last example's second token is kept: only that removal moves another example."""
+    torch.manual_seed(0)
+    model = Scored(CapacityOfTheBatch()).train()
+    x, v = torch.randn(5, 2, D), 100 * torch.randn(5, D)
+    scores = [(9, 1), (8, 2), (7, 6), (0.5, 0.4), (5, 3)]  # kept: 9, 8, 7, 6, 5
+    x[..., 0] = torch.tensor(scores, dtype=x.dtype)
+    x[4, 1, 1:] = 100 * x[4, 1, 1:].sign()  # the last example's second token, kept without the middle example
+    params = list(model.parameters())
+    others = without = [0, 1, 3, 4]  # (the batch without the middle example: its rows are the others')
+    moved = (clipped_sum_through_the_batch(model(x, v)[others], params)
+             - clipped_sum_through_the_batch(model(x[without], v[without]), params))
+    assert float(moved.norm()) > 0.5, "degenerate test: removing the middle example does not move the others' sum"
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=REFUSED + r": removing example 2 \(from 0\) of the 5 examples"):
+            controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
 class OffsetByRow(nn.Module):
     """A Linear plus a fixed offset for each row the example lies in: no example reads another's data, but removing
     one from a batch moves the examples after it to other rows, and so their gradients."""
@@ -1200,9 +1241,9 @@ def test_training_with_the_checks_is_bitwise_training_without_them(clipping):
 
     with_checks, without = train(True), train(False)
     # forwards 0, 1, 2 and 4 checked: three reruns each (the batch, and the first or the last example copied to
-    # every row), and four in eval() mode (the batch, the batch without its last example, without its first, the batch
-    # padded further: clipping/padding.py)
-    assert with_checks[1] == 28 and without[1] == 0
+    # every row), and five in eval() mode (the batch, the batch without its last example, without its first, without
+    # its middle one, the batch padded further: clipping/padding.py)
+    assert with_checks[1] == 32 and without[1] == 0
     assert all(torch.equal(with_checks[0][k], without[0][k]) for k in without[0])
     assert torch.equal(with_checks[2], without[2])  # the global generator's stream too
 
