@@ -89,11 +89,12 @@ def checked_forward(build, text: bool, dtype, device, batch: int = BATCH):
             model(torch.randn(batch, 64, device=device, dtype=dtype))
         check = controller.independence
         padding = (*_largest(check.last_padding_moves), check.padding_finding is not None)
-        # The finding is the replaced example's, else the removed one's (independence.REMOVED).
-        replaced_found = check.finding is not None and check.finding.how != independence.REMOVED
-        removed_found = check.finding is not None and check.finding.how == independence.REMOVED
-        return (*_largest(check.last_moves), replaced_found, *padding, *_largest(check.last_removal_moves),
-                removed_found)
+        # The finding is the replaced example's, else a removed one's (the last, the first or the middle one)
+        removals = (independence.REMOVED, independence.REMOVED_FIRST, independence.REMOVED_MIDDLE)
+        replaced_found = check.finding is not None and check.finding.how not in removals
+        removed_found = check.finding is not None and check.finding.how in removals
+        removal_moves = check.last_removal_moves + check.last_first_removal_moves + check.last_middle_removal_moves
+        return (*_largest(check.last_moves), replaced_found, *padding, *_largest(removal_moves), removed_found)
     finally:
         controller.detach()
 
@@ -118,7 +119,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"forward check on {device}: largest relative move / threshold of the first's or the last example's output "
           "with it copied to every row; of the outputs at the real positions of the batch padded further; of the "
-          "other examples' outputs without the last one, the others reversed")
+          "other examples' outputs without the last one (the others reversed), the first or the middle one")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for name in names:
