@@ -602,9 +602,10 @@ class ForwardIndependence:
         padded = (padded_arguments(module, *arguments, batch, sequence_first=sequence_first)
                   if checkable and self.check_padding else None)
         removing = checkable and batch > 1
+        removing_middle = removing and batch > 2  # a middle example other than the first and the last
         device = devices[0] if devices else torch.device("cpu")
         removing_anywhere, middle_anywhere, padding_anywhere = map(bool, maxima_across_ranks(
-            [removing, removing and batch > 2, padded is not None], device))
+            [removing, removing_middle, padded is not None], device))
         if not (removing_anywhere or padding_anywhere):
             return
         # The outputs' shapes with their examples first (dims), as the reruns' outputs are compared (at_real_positions)
@@ -647,7 +648,7 @@ class ForwardIndependence:
                 self.last_first_removal_moves = self._moves_without(0, rest, plain, floors, views, batch)
             if middle_anywhere:
                 middle = batch // 2
-                rest = removed(without_example(flat, arguments_dims, middle) if removing and batch > 2 else None)
+                rest = removed(without_example(flat, arguments_dims, middle) if removing_middle else None)
                 self.last_middle_removal_moves = self._moves_without(middle, rest, plain, floors, views, batch)
             pending = padded is not None  # this process's batch is still to be padded
             for extra in (EXTRA, 1) if padding_anywhere else ():

@@ -170,6 +170,17 @@ class Scored(nn.Module):
         return (self.body(x) * v).sum(1)
 
 
+def _assert_step_refused(model, x, v, clipping: str, match: str):
+    """A step of Scored ``model`` on (``x``, ``v``) is refused (``match``) without writing gradients."""
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            controller.loss(model(x, v), reduction="sum").backward()
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        controller.detach()
+
+
 def _neighbouring_batches():
     """D: 8 examples with large loss weights (each clipped); D + j: an example with a zero loss weight (its own
     gradient is 0) and a far-off x, which moves the batch's statistic."""
@@ -217,13 +228,7 @@ def test_a_forward_that_reads_the_batch_size_is_refused_in_a_batch_of_two(clippi
                                                                                                   params)
     model.train()
     assert float(moved.norm()) > 0.5, "degenerate test: the second example does not move the first's clipped sum"
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=REFUSED + ": removing the (first|last) of the 2 examples"):
-            controller.loss(model(x, v), reduction="sum").backward()
-        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
-    finally:
-        controller.detach()
+    _assert_step_refused(model, x, v, clipping, REFUSED + ": removing the (first|last) of the 2 examples")
 
 
 class Dropped(nn.Module):
@@ -930,13 +935,7 @@ def _assert_refused_where_one_example_moves_the_others(make_body, batch: int, mo
     moved = (clipped_sum_through_the_batch(model(x, v)[kept], list(model.parameters()))
              - clipped_sum_through_the_batch(model(far, v)[kept], list(model.parameters())))
     assert float(moved.norm()) > least, f"degenerate test: example {mover} does not move the others' clipped sum"
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=match):
-            controller.loss(model(x, v), reduction="sum").backward()
-        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
-    finally:
-        controller.detach()
+    _assert_step_refused(model, x, v, clipping, match)
 
 
 class TheSecondGetsTheThirds(nn.Module):
@@ -985,13 +984,7 @@ def test_a_statistic_that_only_removing_the_first_example_moves_is_refused(clipp
     moved = (clipped_sum_through_the_batch(model(x, v)[2:], params)
              - clipped_sum_through_the_batch(model(x[1:], v[1:])[1:], params))
     assert float(moved.norm()) > 0.5, "degenerate test: removing the first example does not move the others' sum"
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=REFUSED + ": removing the first of the 5 examples"):
-            controller.loss(model(x, v), reduction="sum").backward()
-        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
-    finally:
-        controller.detach()
+    _assert_step_refused(model, x, v, clipping, REFUSED + ": removing the first of the 5 examples")
 
 
 class CapacityOfTheBatch(nn.Module):
@@ -1026,13 +1019,7 @@ def test_a_capacity_that_only_removing_the_middle_example_moves_is_refused(clipp
     moved = (clipped_sum_through_the_batch(model(x, v)[others], params)
              - clipped_sum_through_the_batch(model(x[without], v[without]), params))
     assert float(moved.norm()) > 0.5, "degenerate test: removing the middle example does not move the others' sum"
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=REFUSED + r": removing example 2 \(from 0\) of the 5 examples"):
-            controller.loss(model(x, v), reduction="sum").backward()
-        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
-    finally:
-        controller.detach()
+    _assert_step_refused(model, x, v, clipping, REFUSED + r": removing example 2 \(from 0\) of the 5 examples")
 
 
 class OffsetByRow(nn.Module):
