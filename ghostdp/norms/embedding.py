@@ -113,12 +113,13 @@ def shape_positions(module, args, kwargs, output=None) -> tuple:
     return (position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids,)
 
 
-# LED's learned positions, and Blenderbot's and BlenderbotSmall's (which take ids too): an arange over the input's
-# shape, looked up with no batch dim, an output (positions, d) that their encoders and decoders add to the
-# (B, positions, d) embeddings. Until 2026-11-28 the layout proof refused a trained table (no dim of the output
-# holds the examples). Pegasus', Marian's, RoFormer's and the time-series models' sinusoidal tables have the second
-# body too, but RoFormer reads its output as 2-D: only the classes whose callers add it to the embeddings take the
-# rule (``adds_positions_to_embeddings``); the others keep the fallback (their tables are frozen by default).
+# LED's learned positions, and Blenderbot's, BlenderbotSmall's and BigBird-Pegasus' (which take ids too: the
+# decoder's arange): an arange over the input's shape, looked up with no batch dim, an output (positions, d) that
+# their encoders and decoders add to the (B, positions, d) embeddings. Until 2026-11-28 the layout proof refused a
+# trained table (no dim of the output holds the examples); BigBird-Pegasus' until 2026-12-08 (not in the list).
+# Pegasus', Marian's, RoFormer's and the time-series models' sinusoidal tables have the second body too, but
+# RoFormer reads its output as 2-D: only the classes whose callers add it to the embeddings take the rule
+# (``adds_positions_to_embeddings``); the others keep the fallback (their tables are frozen by default).
 UNBATCHED_POSITIONS_BODY = (
     "bsz, seq_len = input_ids_shape[:2] ; positions = torch.arange(cache_length, cache_length + seq_len, "
     "dtype=torch.long, device=self.weight.device) ; return super().forward(positions)")
@@ -128,7 +129,8 @@ GIVEN_OR_UNBATCHED_POSITIONS_BODY = (
 POSITIONS_ADDED_TO_EMBEDDINGS = frozenset(f"transformers.models.{name}" for name in (
     "led.modeling_led.LEDLearnedPositionalEmbedding",
     "blenderbot.modeling_blenderbot.BlenderbotLearnedPositionalEmbedding",
-    "blenderbot_small.modeling_blenderbot_small.BlenderbotSmallLearnedPositionalEmbedding"))
+    "blenderbot_small.modeling_blenderbot_small.BlenderbotSmallLearnedPositionalEmbedding",
+    "bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusLearnedPositionalEmbedding"))
 
 
 def adds_positions_to_embeddings(module, args, kwargs) -> bool:

@@ -88,14 +88,18 @@ def _seq2seq(name, **config):
 
 @pytest.mark.parametrize("name,body", [("Blenderbot", GIVEN_OR_UNBATCHED_POSITIONS_BODY),
                                        ("BlenderbotSmall", GIVEN_OR_UNBATCHED_POSITIONS_BODY),
+                                       ("BigBirdPegasus", GIVEN_OR_UNBATCHED_POSITIONS_BODY),
                                        ("LED", UNBATCHED_POSITIONS_BODY)])
 @pytest.mark.parametrize("length", [T, B], ids=["T=6", "T=B"])
 def test_positions_looked_up_without_a_batch_dim_are_exact(name, body, length):
-    """LED's and Blenderbot's learned positions: (T, d) with no batch dim, added by the encoder and the decoder to the
-    (B, T, d) embeddings (RuleEntry.unbatched_output). Before 2026-11-28 the layout proof refused them trained (no
-    dim of their output held the examples; with T == B, one that mixed them)."""
+    """LED's, Blenderbot's and BigBird-Pegasus' learned positions: (T, d) with no batch dim, added by the encoder and
+    the decoder to the (B, T, d) embeddings (RuleEntry.unbatched_output). Before 2026-11-28 the layout proof refused
+    them trained (no dim of their output held the examples; with T == B, one that mixed them); BigBird-Pegasus' until
+    2026-12-08 (a scratch sweep of transformers' sequence classifiers found it refused)."""
     config = {"attention_window": 4, "max_encoder_position_embeddings": 16, "max_decoder_position_embeddings": 16} \
         if name == "LED" else {"max_position_embeddings": 16}
+    if name == "BigBirdPegasus":  # full attention: the block-sparse one needs sequences of many blocks
+        config["attention_type"] = "original_full"
     model = _seq2seq(name, **config)
     stacks = model.led if name == "LED" else model.model
     for embed in (stacks.encoder.embed_positions, stacks.decoder.embed_positions):
