@@ -61,9 +61,13 @@ def find_problems(model: torch.nn.Module) -> list[str]:
                 f"module {label} is peft's LoRA on a parameter (LoraConfig(target_parameters=...)), which registers a "
                 "parametrization on the wrapped parameter at every forward and removes it afterwards: the forward "
                 "moves that parameter (which ghostdp refuses, as any change of a parameter inside a forward), and "
-                "its adapters reach the model only through that weight, which no norm rule reads. Fix: put the "
-                "adapters on modules (target_modules=..., such as the attention's projections, which the Linear "
-                "rule covers); a mixture of experts' experts can also train whole (their rule: ghostdp.norms.experts).")
+                "its adapters reach the model only through that weight, which no norm rule reads. On a mixture of "
+                "experts peft sets such targets itself: with transformers 5 it turns target_modules='all-linear', "
+                "or names of the experts' projections or of the router ('gate'), into target_parameters on the "
+                "fused experts' and the router's weights. Fix: put the adapters on modules by name "
+                "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'], the attention's projections, which the "
+                "Linear rule covers); a mixture of experts' experts can also train whole (their rule: "
+                "ghostdp.norms.experts).")
         elif is_instance_of(m, PEFT_DORA_EMBEDDING) and any(p.requires_grad for p in m.parameters()):
             problems.append(
                 f"module {label} is peft's DoRA magnitude of an embedding (LoraConfig(use_dora=True) on an "

@@ -74,6 +74,29 @@ def test_peft_lora_on_parameters_is_refused_when_attaching():
     ghostdp.GhostClipping(lora_on_modules, 1.0).detach()  # the same adapters on modules only: accepted
 
 
+def test_peft_all_linear_on_a_mixture_of_experts_is_refused_naming_the_modules_to_target():
+    """peft (0.22, with transformers 5) turns target_modules='all-linear' on a mixture of experts into LoRA on the
+    fused experts' and the router's parameters (found by a scratch sweep, 2026-12-08): refused at attach, the message
+    saying that 'all-linear' did it and naming the attention's projections, which train exactly."""
+    import peft
+    import transformers
+    config = transformers.MixtralConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, vocab_size=30,
+        max_position_embeddings=32, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
+    torch.manual_seed(0)
+    all_linear = peft.get_peft_model(transformers.MixtralForCausalLM(config), peft.LoraConfig(
+        r=2, target_modules="all-linear"))
+    assert all_linear.peft_config["default"].target_parameters  # what peft made of 'all-linear'
+    with pytest.raises(ModelNotPrivatizable, match=r"mlp\.gate' \(ParamWrapper\).*target_modules='all-linear'.*"
+                                                   r"\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
+        ghostdp.GhostClipping(all_linear, 1.0)
+    projections = peft.get_peft_model(transformers.MixtralForCausalLM(config).float(), peft.LoraConfig(
+        r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 30, (3, 5))
+    assert_exact_model(projections, ids, lambda out, sl: per_example_loss(nn.CrossEntropyLoss(), out.logits[:, :-1],
+                                                                          ids[sl][:, 1:]), 3, rtol=1e-4)
+
+
 class Tokens(nn.Module):
     def __init__(self):
         super().__init__()
