@@ -42,7 +42,22 @@ CHANGED_PARAMETER = (
     "by a step that depends on the batch and that no clipping bounds and no noise covers (e.g. "
     "F.embedding(..., max_norm=...) renormalising the rows the batch looks up). Fix: change parameters only "
     "outside the forward, as a function of the parameters alone (e.g. renormalise the whole table after each "
-    "optimizer step), or freeze the parameter and compute the changed values out of place.")
+    "optimizer step), or freeze the parameter and compute the changed values out of place. A model that changes "
+    "its own weights when it switches between eval() and train() (RWKV with config.rescale_every > 0 rescales its "
+    "output weights for inference, and back in the first training forward after an evaluation) is refused here "
+    "too: set config.rescale_every = 0 to train it.")
+
+CHANGED_BY_A_RERUN = (
+    "the model changed parameter(s) {names} in place (or replaced them) while ghostdp's forward check reran its "
+    "forward without gradient (in eval() mode, where dropout draws nothing, and in train() mode), and did not put "
+    "them back: the weights the training forward now reads were moved by the reruns, a step that no clipping bounds "
+    "and no noise covers where it depends on their batches. A model that changes its own weights in its forward does"
+    " this: on every forward (F.embedding(..., max_norm=...) renormalising the rows a batch looks up, a clamp), in "
+    "eval() mode only, or depending on its mode, as RWKV with config.rescale_every > 0 after an evaluation (it "
+    "rescales its output weights for inference, and back in its next train() forward). Fix: change parameters only "
+    "outside the forward (RWKV: set config.rescale_every = 0 to train it); then build the model again, as its "
+    "weights moved. (A change that a later rerun puts back trains: RWKV's rescaling on a step with no evaluation "
+    "before it.)")
 
 
 REMOVED_PARAMETER = (

@@ -92,7 +92,8 @@ from torch.utils._pytree import keystr
 
 from .. import collector
 from ..data import distributed_rank_and_size, maxima_across_ranks
-from .buffers import CHANGED_ATTRIBUTE, changed_attributes, tensor_attributes
+from ..sharding import is_sharded
+from .buffers import CHANGED_ATTRIBUTE, CHANGED_BY_A_RERUN, changed_attributes, tensor_attributes
 from .fingerprints import fingerprints_of, largest_exceeding, moves_between, per_example_output, relative_floor
 from .generators import own_generators, random_states, restore_random_states
 from .layout import BATCH_FIRST, REPROOF_EVERY, ROWS_LAYOUT, TILED_LAYOUT, proof_scheduled
@@ -123,6 +124,11 @@ MIXING_OUTSIDE_GRADIENTS = (
 FOUND_ON_ANOTHER_PROCESS = (
     "another process found that {what} (its error says where, by how much, and the fix). "
     "Every process stops here, so that none waits for the others in a collective.")
+class ParameterChangedByARerun(RuntimeError):
+    """A rerun of the forward check changed a parameter in place (CHANGED_BY_A_RERUN): refused, never warned of and
+    trained unchecked as another failing rerun is (the weights may have moved)."""
+
+
 FORWARD_MIXES = "the model's forward mixes examples where no gradient flows"
 FORWARD_DEPENDS_ON_PADDING = "the model's forward depends on how far the batch is padded"
 LOSS_COUNTS_PADDING = "the loss counts positions the attention mask excludes"
@@ -374,7 +380,7 @@ class ForwardIndependence:
         try:
             with collector.paused():
                 yield
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, ParameterChangedByARerun):
             raise
         except Exception as error:  # noqa: BLE001 - the training forward can run, or ran: warn, do not break it
             if not self._warned:
@@ -410,7 +416,13 @@ class ForwardIndependence:
         parametrized weight a rerun computed without gradient under parametrize.cached() is dropped from the
         cache, where the forward would have taken it and sent no gradient to the parametrization: its clipped
         gradients were wrong by 14%, tests/norms/test_parametrizations.py). ``generators``: the model's own
-        (own_generators), where the caller has found them."""
+        (own_generators), where the caller has found them. A parameter that the reruns changed in place and did not
+        put back is refused (CHANGED_BY_A_RERUN: nothing put it back before 2026-12-08); one a later rerun put back
+        (RWKV rescales its output weights in eval() mode and back in train() mode, by powers of two) trains. Sharded
+        parameters are not compared (FSDP2 gathers and frees them in place)."""
+        parameters = _compared_parameters(module)
+        versions = [p._version for _, p in parameters]
+        fingerprints = _fingerprints([p for _, p in parameters])
         states = random_states(*devices, generators=own_generators(module) if generators is None else generators)
         buffers = _buffers(module, values=False)
         checkpointed = self.recorder.forward_checkpointed
@@ -429,6 +441,19 @@ class ForwardIndependence:
             _put_back_attributes(attributes)
             parametrize._cache.clear()
             parametrize._cache.update(cached)
+        changed = [k for k, ((_, p), version) in enumerate(zip(parameters, versions)) if p._version != version]
+        moved = []
+        if changed:
+            now = _fingerprints([parameters[k][1] for k in changed])
+            moved = [parameters[k][0] for n, k in enumerate(changed)
+                     if not all(bool(now[j][n] == fingerprints[j][k]) for j in range(2))]
+        if parameters:  # replaced by another Parameter (setattr), which the reruns do not put back either
+            registered = dict(module.named_parameters())
+            moved += [name for name, p in parameters if registered.get(name) is not p and name not in moved]
+        if moved:
+            more = f" and {len(moved) - 4} more" if len(moved) > 4 else ""
+            raise ParameterChangedByARerun(CHANGED_BY_A_RERUN.format(
+                names=", ".join(f"'{name}'" for name in moved[:4]) + more))
 
     def _rerun_before(self, module, args, kwargs):
         """The reruns of the module doc, before the training forward (so that their largest temporaries do not
@@ -962,6 +987,23 @@ def _with_copies(buffers) -> None:
 def _put_back(buffers) -> None:
     for held, key, tensor, _ in buffers:
         held[key] = tensor
+
+
+def _compared_parameters(module) -> list:
+    """(name, parameter) of the module's floating-point parameters, trained or frozen (a frozen weight a rerun moves
+    is released with the model); none where any is sharded (FSDP2 writes its gathered parameters in place)."""
+    parameters = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()]
+    return [] if any(is_sharded(p) for _, p in parameters) else parameters
+
+
+def _fingerprints(parameters: list) -> tuple:
+    """Each parameter's 2-norm and 1-norm (two foreach reductions): a rerun that changed a parameter in place and
+    put it back leaves both; a change that keeps both exactly is not one a forward makes."""
+    if not parameters:
+        return [], []
+    with torch.no_grad():
+        tensors = [p.detach() for p in parameters]
+        return torch._foreach_norm(tensors, 2), torch._foreach_norm(tensors, 1)
 
 
 def _put_back_attributes(attributes) -> None:

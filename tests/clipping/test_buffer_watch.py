@@ -102,24 +102,37 @@ class ReplacedInForward(nn.Linear):
         return super().forward(x)
 
 
+# Where the forward check runs (a checked step), its reruns change the parameter first and are refused for it
+# (independence.py, CHANGED_BY_A_RERUN); on other steps the training forward is.
+CHANGED_IN_PLACE = {True: r"changed parameter\(s\) '{name}' in place \(or replaced them\) while ghostdp's forward "
+                          r"check reran",
+                    False: r"parameter '{name}' was changed in place during a training forward"}
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked step", "unchecked step"])
 @pytest.mark.parametrize("layer", [RenormalisedLookup, ClampedInForward, ReplacedInForward])
-def test_a_parameter_changed_during_a_training_forward_is_refused(layer):
+def test_a_parameter_changed_during_a_training_forward_is_refused(layer, checked):
     if layer is RenormalisedLookup:
         model, batch = RenormalisedLookup(), torch.tensor([[1, 2], [3, 3]])
     else:
         model, batch = nn.Sequential(layer(4, 4), nn.Linear(4, 2)), torch.randn(8, 4)
     model.train()
-    ghostdp.GhostClipping(model, 1.0)
-    with pytest.raises(RuntimeError, match=r"parameter '(table|0\.weight)' was changed in place during a training forward"):
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.independence.every = 1 if checked else 0
+    name = "table" if layer is RenormalisedLookup else r"0\.weight"
+    expected = CHANGED_IN_PLACE[checked].format(name=name)
+    with pytest.raises(RuntimeError, match=expected):
         model(batch)
     model.eval()
     model(batch)  # not a training forward: nothing is released from it
 
 
-def test_frozen_parameters_are_watched_too():
+@pytest.mark.parametrize("checked", [True, False], ids=["checked step", "unchecked step"])
+def test_frozen_parameters_are_watched_too(checked):
     model = nn.Sequential(ClampedInForward(4, 4).requires_grad_(False), nn.Linear(4, 2)).train()
-    ghostdp.GhostClipping(model, 1.0)
-    with pytest.raises(RuntimeError, match="'0.weight' was changed in place"):
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.independence.every = 1 if checked else 0
+    with pytest.raises(RuntimeError, match=CHANGED_IN_PLACE[checked].format(name=r"0\.weight")):
         model(torch.randn(8, 4))
 
 

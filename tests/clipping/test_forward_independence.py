@@ -1402,3 +1402,80 @@ def test_a_forward_that_takes_an_iterator_is_warned_of_and_not_rerun():
     with pytest.warns(UserWarning, match=r"could not check.*an argument of the model's forward is an iterator"):
         controller.loss(model(torch.randn(B, D), iter([2.0, 3.0, 5.0, 7.0, 11.0])).pow(2).sum(1)).backward()
     assert model.used == [2.0]
+
+
+class MovesItsWeightInEval(nn.Module):
+    """A forward that, in eval() mode only, moves its weight by its batch's mean (a step no clipping bounds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 2)
+
+    def forward(self, x):
+        if not self.training:
+            with torch.no_grad():
+                self.lin.weight.add_(x.mean())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("clipping", CLIPPING_MODES)
+def test_a_weight_the_reruns_move_and_leave_moved_is_refused(clipping):
+    """The check's reruns in eval() mode ran such a forward, and the training forward then read the weight they had
+    moved by their batches (examples removed): trained before 2026-12-08, a model moved outside DP."""
+    torch.manual_seed(0)
+    model = MovesItsWeightInEval()
+    weight = model.lin.weight.detach().clone()
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        x = torch.randn(4, D)
+        with pytest.raises(RuntimeError, match=r"changed parameter\(s\) 'lin.weight' in place \(or replaced them\) "
+                                               r"while ghostdp's forward check reran its forward.*did not put them back"):
+            controller.loss(model(x).pow(2).sum(1), reduction="sum").backward()
+        assert model.lin.weight.grad is None
+        assert not torch.equal(model.lin.weight, weight)  # moved, as the message says: build the model again
+    finally:
+        controller.detach()
+
+
+def _rwkv(rescale_every):
+    torch.manual_seed(0)
+    return transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=3, attention_hidden_size=16, intermediate_size=24,
+        context_length=16, rescale_every=rescale_every))
+
+
+def _rwkv_losses(model, ids):
+    def losses(sl):
+        logits = model(input_ids=ids[sl]).logits
+        return ghostdp.per_example_loss(nn.CrossEntropyLoss(), logits[:, :-1], ids[sl][:, 1:])
+    return losses
+
+
+def test_rwkv_rescaling_its_weights_for_inference_trains_exactly():
+    """RWKV with rescale_every = 1 divides block k's output weights by 2^k in eval() mode and multiplies them back
+    in train() mode: the check's eval() reruns move them, its train() reruns put them back, and the step is
+    exact (a weight changed by the reruns is compared by its norms, not its version)."""
+    model, ids = _rwkv(1), torch.randint(0, 30, (3, 5))
+    losses = _rwkv_losses(model, ids)
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert_exact(model, lambda: losses(slice(None)), lambda i: losses(slice(i, i + 1)).sum(), 3, rtol=1e-6)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked step", "unchecked step"])
+def test_rwkv_after_an_evaluation_is_refused_naming_rescale_every(checked):
+    """An evaluation between steps leaves RWKV's weights rescaled. On a checked step the check's train() rerun
+    rescales them back in place, on another the training forward does: refused either way (a parameter moved by the
+    reruns, or inside a training forward), the message naming the fix."""
+    model, ids = _rwkv(1), torch.randint(0, 30, (3, 5))
+    controller = ghostdp.GhostClipping(model, 1.0)
+    controller.independence.every = 1 if checked else 0
+    try:
+        with torch.no_grad():
+            model.eval()(input_ids=ids)
+        model.train()
+        changed = "reran its forward" if checked else "changed in place during a training forward"
+        with pytest.raises(RuntimeError, match=changed + r".*RWKV.*config.rescale_every = 0"):
+            controller.loss(_rwkv_losses(model, ids)(slice(None))).backward()
+    finally:
+        controller.detach()
