@@ -122,9 +122,14 @@ def _model_and_losses(kind: str, head: str, lora: bool, dtype):
     return model, losses
 
 
+PACKAGE = pathlib.Path(ghostdp.__file__).resolve().parent
+
+
 def _raised_by_ghostdp(error: BaseException) -> bool:
+    """Whether the error was raised in the package's own code (not by a library below a folder named ghostdp, as a
+    clone's .venv is)."""
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and "ghostdp" in pathlib.Path(frames[-1].filename).parts
+    return bool(frames) and PACKAGE in pathlib.Path(frames[-1].filename).resolve().parents
 
 
 def _timed_out(*_):
