@@ -124,6 +124,8 @@ MIXING_OUTSIDE_GRADIENTS = (
 FOUND_ON_ANOTHER_PROCESS = (
     "another process found that {what} (its error says where, by how much, and the fix). "
     "Every process stops here, so that none waits for the others in a collective.")
+
+
 class ParameterChangedByARerun(RuntimeError):
     """A rerun of the forward check changed a parameter in place (CHANGED_BY_A_RERUN): refused, never warned of and
     trained unchecked as another failing rerun is (the weights may have moved)."""
@@ -420,9 +422,7 @@ class ForwardIndependence:
         put back is refused (CHANGED_BY_A_RERUN: nothing put it back before 2026-12-08); one a later rerun put back
         (RWKV rescales its output weights in eval() mode and back in train() mode, by powers of two) trains. Sharded
         parameters are not compared (FSDP2 gathers and frees them in place)."""
-        parameters = _compared_parameters(module)
-        versions = [p._version for _, p in parameters]
-        fingerprints = _fingerprints([p for _, p in parameters])
+        parameters = _ParametersAsFound(module)
         states = random_states(*devices, generators=own_generators(module) if generators is None else generators)
         buffers = _buffers(module, values=False)
         checkpointed = self.recorder.forward_checkpointed
@@ -441,15 +441,7 @@ class ForwardIndependence:
             _put_back_attributes(attributes)
             parametrize._cache.clear()
             parametrize._cache.update(cached)
-        changed = [k for k, ((_, p), version) in enumerate(zip(parameters, versions)) if p._version != version]
-        moved = []
-        if changed:
-            now = _fingerprints([parameters[k][1] for k in changed])
-            moved = [parameters[k][0] for n, k in enumerate(changed)
-                     if not all(bool(now[j][n] == fingerprints[j][k]) for j in range(2))]
-        if parameters:  # replaced by another Parameter (setattr), which the reruns do not put back either
-            registered = dict(module.named_parameters())
-            moved += [name for name, p in parameters if registered.get(name) is not p and name not in moved]
+        moved = parameters.moved(module)
         if moved:
             more = f" and {len(moved) - 4} more" if len(moved) > 4 else ""
             raise ParameterChangedByARerun(CHANGED_BY_A_RERUN.format(
@@ -989,16 +981,31 @@ def _put_back(buffers) -> None:
         held[key] = tensor
 
 
-def _compared_parameters(module) -> list:
-    """(name, parameter) of the module's floating-point parameters, trained or frozen (a frozen weight a rerun moves
-    is released with the model); none where any is sharded (FSDP2 writes its gathered parameters in place)."""
-    parameters = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()]
-    return [] if any(is_sharded(p) for _, p in parameters) else parameters
+class _ParametersAsFound:
+    """The module's floating-point parameters, trained or frozen (a frozen weight a rerun moves is released with the
+    model), as the reruns found them: each one's version, 2-norm and 1-norm. None where any is sharded (FSDP2 writes
+    its gathered parameters in place)."""
+
+    def __init__(self, module):
+        named = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()]
+        self.named = [] if any(is_sharded(p) for _, p in named) else named
+        self.versions = [p._version for _, p in self.named]
+        self.norms = _norms([p for _, p in self.named])
+
+    def moved(self, module) -> list[str]:
+        """The names of those that are not as found: replaced by another Parameter, or changed in place with other
+        norms (a change in place put back, by RWKV's train() rerun, leaves both norms; a change that keeps both
+        exactly is not one a forward makes)."""
+        changed = [k for k, ((_, p), version) in enumerate(zip(self.named, self.versions)) if p._version != version]
+        now = _norms([self.named[k][1] for k in changed])
+        moved = [self.named[k][0] for n, k in enumerate(changed)
+                 if not all(bool(now[j][n] == self.norms[j][k]) for j in range(2))]
+        registered = dict(module.named_parameters()) if self.named else {}
+        return moved + [name for name, p in self.named if registered.get(name) is not p and name not in moved]
 
 
-def _fingerprints(parameters: list) -> tuple:
-    """Each parameter's 2-norm and 1-norm (two foreach reductions): a rerun that changed a parameter in place and
-    put it back leaves both; a change that keeps both exactly is not one a forward makes."""
+def _norms(parameters: list) -> tuple:
+    """Each parameter's 2-norm and 1-norm, in two foreach reductions."""
     if not parameters:
         return [], []
     with torch.no_grad():
