@@ -531,19 +531,25 @@ class ReadBeforeCentring(CentredBeforeASequenceFirstLayer):
         return super().forward(self.read(x))
 
 
+def _assert_square_step_refused(model, x, clipping: str):
+    """A step on ``x``, a batch of B examples of B positions (a DP loss of each example's sum of squares), is refused
+    as mixing found by a copy of the first or the last example."""
+    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
+    try:
+        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
+                                               r"the (first|last) of the 8 examples"):
+            controller.loss(model(x).pow(2).sum((1, 2)), reduction="sum").backward()
+    finally:
+        controller.detach()
+
+
 @pytest.mark.parametrize("clipping", CLIPPING_MODES)
 @pytest.mark.parametrize("reader", ["linear", "without a rule"])
 def test_a_move_in_a_model_whose_input_a_trained_layer_reads_batch_first_is_refused_also_where_it_is_square(
         clipping, reader):
     """Warned of only (trained, one example moving the others) until late 2026-12-02."""
     model = ReadBeforeCentring(reader).train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
-                                               r"the (first|last) of the 8 examples"):
-            controller.loss(model(100 * torch.randn(B, B, D)).pow(2).sum((1, 2)), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_square_step_refused(model, 100 * torch.randn(B, B, D), clipping)
 
 
 class CentredTwoViews(nn.Module):
@@ -564,13 +570,7 @@ def test_a_move_in_a_model_of_two_views_of_its_batch_is_refused_also_where_it_is
     """Two views stacked on dim 0 keep the examples on dim 0; only as many views as examples (a sequence-first batch of
     length B flattened) leave the check inconclusive (independence._laid_out_off_dim_0)."""
     model = CentredTwoViews().train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
-                                               r"the (first|last) of the 8 examples"):
-            controller.loss(model(100 * torch.randn(B, B, D)).pow(2).sum((1, 2)), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_square_step_refused(model, 100 * torch.randn(B, B, D), clipping)
 
 
 class LookedUpBeforeCentring(CentredBeforeASequenceFirstLayer):
@@ -592,13 +592,7 @@ def test_a_move_in_a_model_whose_ids_an_adapted_embedding_reads_is_refused_also_
     import peft
     model = peft.get_peft_model(LookedUpBeforeCentring(), peft.LoraConfig(
         r=2, target_modules=["embed"], init_lora_weights=False)).double().train()
-    controller = ghostdp.GhostClipping(model, 1.0, clipping=clipping)
-    try:
-        with pytest.raises(RuntimeError, match=r"the model's forward mixes examples where no gradient flows: copying "
-                                               r"the (first|last) of the 8 examples"):
-            controller.loss(model(torch.randint(0, 11, (B, B))).pow(2).sum((1, 2)), reduction="sum").backward()
-    finally:
-        controller.detach()
+    _assert_square_step_refused(model, torch.randint(0, 11, (B, B)), clipping)
 
 
 class MixesFromTheThirdForward(DetachedCentring):
